@@ -1,0 +1,1 @@
+"""pipespec: drafter_node."""

@@ -1,0 +1,30 @@
+"""``assistant`` drafter: a small model that shares the target's tokenizer (classic speculative decoding)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from drafter_node.base import Capabilities, Drafter, DraftSession
+from drafter_node.lm_drafter import LMDraftSession
+from shared.models import load_causal_lm, load_tokenizer, resolve_model, tokenizer_id
+from shared.sampling import GenerationParams
+
+
+class AssistantDrafter(Drafter):
+    type_name = "assistant"
+
+    def __init__(self, dcfg: dict[str, Any]):
+        path = resolve_model(dcfg["model"])
+        self.tokenizer = load_tokenizer(path)
+        self.tokenizer_id = tokenizer_id(self.tokenizer)
+        self.model = load_causal_lm(path, dcfg["device"], dcfg["dtype"], dcfg.get("max_memory"))
+        self.q_top_m = int(dcfg.get("q_top_k", 0))
+        self.capabilities = Capabilities(sends_q=True)
+        self.target_vocab_size = self.model.config.vocab_size  # replaced by the verifier's at connect time
+
+    def open_session(
+        self, token_ids: list[int], prompt_len: int, params: GenerationParams, extras: dict[str, torch.Tensor]
+    ) -> DraftSession:
+        return LMDraftSession(self.model, token_ids, prompt_len, params, self.q_top_m, self.target_vocab_size)

@@ -1,0 +1,105 @@
+"""The one interface every drafter type implements, and the shared bookkeeping behind it.
+
+A drafter type is a factory (:class:`Drafter`) that opens one :class:`DraftSession` per request. A session keeps
+the committed tokens (only ever taken from the verifier's commits) and a speculative *chain* of drafted tokens
+beyond them. The node calls three things:
+
+* ``propose(n)`` — extend the chain by up to ``n`` tokens (one cheap step at a time, so the node stays responsive);
+* ``observe_commit(tokens, extras)`` — the verifier committed ``tokens``; keep the chain's matching part, drop the
+  rest (calling ``rollback``);
+* ``rollback(keep)`` — cut the chain to its first ``keep`` tokens and undo any state built on the dropped ones.
+
+Types differ only in how ``propose`` chooses tokens and what ``_truncate`` must undo (a KV cache, nothing, …).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import asdict, dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+from shared.sampling import GenerationParams
+
+
+@dataclass
+class Capabilities:
+    """What a drafter announces at connect time; the verifier adapts to it and knows nothing else about the type."""
+
+    sends_q: bool  # sends the distribution each draft was drawn from (sampling); else drafts are one-hot
+    needs_hidden_states: bool = False  # wants the target's last hidden states for committed positions
+    needs_kv_layers: list[int] = field(default_factory=list)  # wants new K/V rows of these target layers
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class DraftToken:
+    token: int
+    q_idx: torch.Tensor | None = None  # support of the distribution it was drawn from (sampling only)
+    q_prob: torch.Tensor | None = None
+
+
+class DraftSession(ABC):
+    """One request's drafting state."""
+
+    def __init__(self, token_ids: list[int], prompt_len: int, params: GenerationParams):
+        self.committed: list[int] = list(token_ids)
+        self.prompt_len = prompt_len
+        self.params = params
+        self.chain: list[DraftToken] = []
+
+    @property
+    def chain_tokens(self) -> list[int]:
+        return [d.token for d in self.chain]
+
+    @property
+    def ended(self) -> bool:
+        """The chain reached an end token: drafting past it is wasted work."""
+        return bool(self.chain) and self.chain[-1].token in self.params.end_token_ids
+
+    @abstractmethod
+    def propose(self, n: int) -> int:
+        """Extend the chain by up to ``n`` tokens; return how many were added (0: nothing to propose now)."""
+
+    def observe_commit(self, tokens: list[int], extras: dict[str, torch.Tensor] | None = None) -> int:
+        """Apply a commit. Returns how many chain tokens it confirmed (all of ``tokens`` matched = a hit)."""
+        chain = self.chain_tokens
+        matched = 0
+        while matched < min(len(chain), len(tokens)) and chain[matched] == tokens[matched]:
+            matched += 1
+        if matched < len(tokens):
+            self.rollback(matched)
+            self.chain = []
+        else:
+            self.chain = self.chain[len(tokens):]
+        self.committed.extend(tokens)
+        return matched
+
+    def rollback(self, keep: int) -> None:
+        """Keep the first ``keep`` chain tokens; undo state built on the rest."""
+        self.chain = self.chain[:keep]
+        self._truncate(len(self.committed) + keep)
+
+    def _truncate(self, length: int) -> None:  # noqa: B027 - stateless types have nothing to undo
+        """Forget any state beyond the first ``length`` tokens of committed + chain."""
+
+    def close(self) -> None:  # noqa: B027
+        """Release per-session resources."""
+
+
+class Drafter(ABC):
+    """A drafter type: loads what it needs once, then opens one session per request."""
+
+    type_name: ClassVar[str]
+    capabilities: Capabilities
+    tokenizer_id: str
+    target_vocab_size: int  # set by the node from the verifier's welcome
+
+    @abstractmethod
+    def open_session(
+        self, token_ids: list[int], prompt_len: int, params: GenerationParams, extras: dict[str, torch.Tensor]
+    ) -> DraftSession:
+        """Start drafting for a request whose committed prefix is ``token_ids``."""

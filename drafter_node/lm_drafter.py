@@ -1,0 +1,58 @@
+"""Drafting with a causal LM and its own KV cache: the mechanism behind model-based drafter types.
+
+``propose`` runs the model one token at a time on top of committed + chain, choosing each token with the shared
+logits processing: argmax when the request is greedy, otherwise a sample from the (optionally top-m truncated)
+distribution q, which is kept with the token and sent to the verifier. Truncating q is still exact: the verifier
+uses the very distribution the token was drawn from.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from drafter_node.base import DraftSession, DraftToken
+from shared.kv import CachedLM
+from shared.sampling import GenerationParams, make_generator, process_logits
+
+
+def choose(scores: torch.Tensor, params: GenerationParams, position: int, q_top_m: int) -> DraftToken:
+    """Pick the draft token for ``position`` from processed scores (shared by every model-based type)."""
+    if not params.do_sample:
+        return DraftToken(int(scores.argmax()))
+    probs = scores.softmax(-1)
+    m = probs.numel() if q_top_m <= 0 else min(q_top_m, probs.numel())
+    q_prob, q_idx = torch.topk(probs, m)
+    q_prob = q_prob / q_prob.sum()
+    pick = int(torch.multinomial(q_prob, 1, generator=make_generator(params.seed or 0, position, stream=1)))
+    return DraftToken(int(q_idx[pick]), q_idx.to(torch.int32), q_prob.float())
+
+
+class LMDraftSession(DraftSession):
+    """A draft session over a causal LM whose vocabulary is the target's."""
+
+    def __init__(
+        self, model, token_ids: list[int], prompt_len: int, params: GenerationParams, q_top_m: int, vocab_size: int
+    ):
+        super().__init__(token_ids, prompt_len, params)
+        self.lm = CachedLM(model)
+        self.q_top_m = q_top_m
+        self.vocab_size = vocab_size  # the target's: a drafter head may be padded wider
+
+    def next_logits(self, ids: list[int]) -> torch.Tensor:
+        """Logits for the token after ``ids``, feeding whatever the cache does not hold yet."""
+        if self.lm.length >= len(ids):
+            self.lm.crop(len(ids) - 1)  # need at least the last token's forward to get its logits
+        logits, _ = self.lm.feed(ids[self.lm.length :])
+        return logits[-1, : self.vocab_size]
+
+    def propose(self, n: int) -> int:
+        added = 0
+        while added < n and not self.ended:
+            ids = self.committed + self.chain_tokens
+            scores = process_logits(self.next_logits(ids), torch.tensor(ids), self.params, len(ids) - self.prompt_len)
+            self.chain.append(choose(scores, self.params, len(ids), self.q_top_m))
+            added += 1
+        return added
+
+    def _truncate(self, length: int) -> None:
+        self.lm.crop(length)

@@ -1,0 +1,14 @@
+"""The registry of drafter types: config name → implementing class (imported only when used)."""
+
+from __future__ import annotations
+
+import importlib
+
+DRAFTER_TYPES: dict[str, str] = {
+    "assistant": "drafter_node.assistant:AssistantDrafter",
+}
+
+
+def drafter_class(name: str):
+    module, _, cls = DRAFTER_TYPES[name].partition(":")
+    return getattr(importlib.import_module(module), cls)

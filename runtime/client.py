@@ -1,0 +1,185 @@
+"""Async client library: ``async with AsyncClient(address) as c: r = await c.generate(prompt=...)``.
+
+One DEALER socket per client; a reader task routes replies to their request by ``request_id``, so any number of
+concurrent ``generate``/``stream`` calls share it. Every wait is bounded by ``timeout_s`` (no reply from the
+verifier for that long raises :class:`TimeoutError`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from shared.protocol import DEFAULT_MAX_MESSAGE_BYTES, Message, ProtocolError, decode, encode
+from shared.transport import connect_dealer
+
+
+class PipespecError(RuntimeError):
+    """The verifier refused or failed a request; ``code`` says why (``bad_request``, ``busy``, …)."""
+
+    def __init__(self, message: str, code: str = "error"):
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class Chunk:
+    """Tokens committed in one verification round, and the text they complete."""
+
+    token_ids: list[int]
+    text: str
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]  # new tokens only
+    metrics: dict[str, Any] = field(default_factory=dict)
+    finish_reason: str = ""
+
+
+_PARAM_NAMES = (
+    "max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "repetition_penalty", "min_new_tokens",
+    "eos_token_ids", "stop_token_ids", "seed",
+)
+
+
+class AsyncClient:
+    def __init__(self, address: str, timeout_s: float = 600.0):
+        self.address = address
+        self.timeout_s = timeout_s
+        self._ids = itertools.count(1)
+        self._queues: dict[int, asyncio.Queue] = {}
+        self._pongs: asyncio.Queue = asyncio.Queue()
+        self._reader: asyncio.Task | None = None
+        self._ctx: zmq.asyncio.Context | None = None
+        self._sock = None
+
+    async def __aenter__(self) -> AsyncClient:
+        self._ctx = zmq.asyncio.Context()
+        self._sock = connect_dealer(self._ctx, self.address)
+        self._reader = asyncio.create_task(self._read())
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._reader:
+            self._reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._reader
+            self._reader = None
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+
+    async def _read(self) -> None:
+        while True:
+            frames = await self._sock.recv_multipart(copy=False)
+            try:
+                msg = decode(frames, DEFAULT_MAX_MESSAGE_BYTES)
+            except ProtocolError:
+                continue
+            if msg.type == "pong":
+                self._pongs.put_nowait(msg)
+                continue
+            rid = msg.get("request_id")
+            queue = self._queues.get(rid) if isinstance(rid, int) else None
+            if queue is not None:
+                queue.put_nowait(msg)
+
+    async def ping(self, timeout_s: float = 5.0) -> dict[str, Any]:
+        """Ask the verifier for its state (``drafter_connected``, ``target``, ``sessions``)."""
+        while not self._pongs.empty():
+            self._pongs.get_nowait()
+        await self._sock.send_multipart(encode("ping"))
+        try:
+            msg = await asyncio.wait_for(self._pongs.get(), timeout_s)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"no answer from the verifier at {self.address} within {timeout_s} s") from None
+        return dict(msg.fields)
+
+    async def stream(
+        self,
+        prompt: str | None = None,
+        *,
+        token_ids: list[int] | None = None,
+        messages: list[dict[str, str]] | None = None,
+        include_result: bool = False,
+        **params: Any,
+    ) -> AsyncIterator[Chunk | GenerationResult]:
+        """Yield committed tokens as the verifier commits them. Same arguments as :meth:`generate`;
+        with ``include_result=True`` the final :class:`GenerationResult` (with metrics) comes last."""
+        async for item in self._run(prompt, token_ids, messages, params):
+            if include_result or isinstance(item, Chunk):
+                yield item
+
+    async def generate(
+        self,
+        prompt: str | None = None,
+        *,
+        token_ids: list[int] | None = None,
+        messages: list[dict[str, str]] | None = None,
+        **params: Any,
+    ) -> GenerationResult:
+        """Generate from exactly one of ``prompt``, ``token_ids`` or ``messages`` (chat, templated by the target).
+
+        Parameters: ``max_new_tokens``, ``do_sample``, ``temperature``, ``top_k``, ``top_p``,
+        ``repetition_penalty``, ``min_new_tokens``, ``eos_token_ids``, ``stop_token_ids``, ``seed``.
+        """
+        result = None
+        async for item in self._run(prompt, token_ids, messages, params):
+            if isinstance(item, GenerationResult):
+                result = item
+        assert result is not None
+        return result
+
+    async def _run(self, prompt, token_ids, messages, params: dict[str, Any]):
+        unknown = sorted(set(params) - set(_PARAM_NAMES))
+        if unknown:
+            raise TypeError(f"unknown generation parameter(s): {', '.join(unknown)}")
+        if self._sock is None:
+            raise RuntimeError("use the client inside 'async with AsyncClient(address) as client:'")
+        rid = next(self._ids)
+        queue: asyncio.Queue[Message] = asyncio.Queue()
+        self._queues[rid] = queue
+        request = {k: v for k, v in (("prompt", prompt), ("token_ids", token_ids), ("messages", messages))
+                   if v is not None}
+        finished = False
+        try:
+            await self._sock.send_multipart(encode(
+                "generate", request_id=rid, params={k: v for k, v in params.items() if v is not None}, **request
+            ))
+            while True:
+                try:
+                    msg = await asyncio.wait_for(queue.get(), self.timeout_s)
+                except asyncio.TimeoutError:
+                    raise TimeoutError(
+                        f"no reply from the verifier at {self.address} for {self.timeout_s} s (request {rid})"
+                    ) from None
+                if msg.type == "chunk":
+                    yield Chunk(list(msg["token_ids"]), msg["text"])
+                elif msg.type == "done":
+                    finished = True
+                    yield GenerationResult(msg["text"], list(msg["token_ids"]), dict(msg["metrics"]),
+                                           msg["finish_reason"])
+                    return
+                elif msg.type == "error":
+                    finished = True
+                    raise PipespecError(msg["message"], msg.get("code", "error"))
+        finally:
+            self._queues.pop(rid, None)
+            if not finished and self._sock is not None:
+                # The caller stopped early (break, cancel, timeout): free the verifier's session.
+                await self._sock.send_multipart(encode("cancel", request_id=rid))

@@ -1,0 +1,234 @@
+"""Config loading and validation.
+
+A config is YAML with four sections (``verifier``, ``drafter``, ``verification``, ``client``) plus an optional
+``launch`` section. Every key has a default below; an unknown key, a bad value, an unknown drafter type, a missing
+model or a device this machine lacks fails here — before any process starts — with a :class:`ConfigError` that
+names the key. ``{run_dir}`` in an endpoint is replaced by the launcher's private run folder.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from drafter_node.schedule import SCHEDULES
+from drafter_node.types import DRAFTER_TYPES
+from shared.models import DTYPES
+from shared.transport import EndpointError, check_endpoint
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+DEFAULT_CONFIG = "cpu.yaml"
+
+DEFAULTS: dict[str, dict[str, Any]] = {
+    "verifier": {
+        "model": None,
+        "device": "cpu",
+        "dtype": "bfloat16",
+        "threads": 1,
+        "endpoint": "ipc://{run_dir}/verifier.ipc",
+        "max_memory": None,
+        "draft_timeout_ms": 1500,
+        "max_sessions": 64,
+        "max_message_bytes": 64 * 1024 * 1024,
+        "allow_remote": False,
+    },
+    "drafter": {
+        "type": "assistant",
+        "model": None,
+        "device": "cpu",
+        "dtype": "bfloat16",
+        "threads": 1,
+        "num_draft_tokens": 5,
+        "draft_schedule": "adaptive",
+        "max_draft_tokens": 16,
+        "overlap": True,
+        "q_top_k": 64,
+        "verifier_endpoint": None,
+        "max_memory": None,
+    },
+    "verification": {"ensemble_weight": None},
+    "client": {"endpoint": "ipc://{run_dir}/client.ipc", "timeout_s": 600},
+    "launch": {"ready_timeout_s": 900, "start_drafter": True},
+}
+
+MODEL_TYPES_NEEDING_MODEL = {"assistant"}
+
+
+class ConfigError(ValueError):
+    """A config problem, with the offending key in the message."""
+
+
+def find_config(name: str | os.PathLike) -> Path:
+    """A path as given, or a bare file name looked up in ``configs/``."""
+    path = Path(name).expanduser()
+    if path.exists():
+        return path
+    candidate = CONFIG_DIR / path.name
+    if path.parent == Path(".") and candidate.exists():
+        return candidate
+    known = ", ".join(sorted(p.name for p in CONFIG_DIR.glob("*.yaml")))
+    raise ConfigError(f"config file {str(name)!r} not found (bundled configs: {known})")
+
+
+def load_config(
+    source: str | os.PathLike | dict | None = None, overrides: dict[str, Any] | list[str] | None = None
+) -> dict[str, Any]:
+    """Read a config (file name, path or dict), apply overrides, fill defaults and validate."""
+    if source is None:
+        source = DEFAULT_CONFIG
+    if isinstance(source, dict):
+        raw = copy.deepcopy(source)
+    else:
+        path = find_config(source)
+        try:
+            raw = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError("a config must be a mapping of sections")
+    config = merge_defaults(raw)
+    for key, value in parse_overrides(overrides).items():
+        set_key(config, key, value)
+    validate(config)
+    return config
+
+
+def merge_defaults(raw: dict[str, Any]) -> dict[str, Any]:
+    config = copy.deepcopy(DEFAULTS)
+    for section, values in raw.items():
+        if section not in DEFAULTS:
+            raise ConfigError(f"{section}: unknown config section (known: {', '.join(DEFAULTS)})")
+        if values is None:
+            continue
+        if not isinstance(values, dict):
+            raise ConfigError(f"{section}: must be a mapping of keys")
+        for key, value in values.items():
+            set_key(config, f"{section}.{key}", value)
+    return config
+
+
+def parse_overrides(overrides: dict[str, Any] | list[str] | None) -> dict[str, Any]:
+    """``["drafter.overlap=false", ...]`` (values parsed as YAML) or a ``{"drafter.overlap": False}`` dict."""
+    if not overrides:
+        return {}
+    if isinstance(overrides, dict):
+        return dict(overrides)
+    parsed = {}
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--set {item!r}: use section.key=value")
+        parsed[key.strip()] = yaml.safe_load(value) if value.strip() else None
+    return parsed
+
+
+def set_key(config: dict[str, Any], dotted: str, value: Any) -> None:
+    section, _, key = dotted.partition(".")
+    if section not in DEFAULTS:
+        raise ConfigError(f"{dotted}: unknown config section {section!r} (known: {', '.join(DEFAULTS)})")
+    if key not in DEFAULTS[section]:
+        raise ConfigError(f"{dotted}: unknown key (known in {section}: {', '.join(DEFAULTS[section])})")
+    config[section][key] = value
+
+
+def _positive_int(config: dict, dotted: str, minimum: int = 1) -> None:
+    section, key = dotted.split(".")
+    value = config[section][key]
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"{dotted}: must be an integer ≥ {minimum}, got {value!r}")
+
+
+def _check_model(dotted: str, value: Any) -> None:
+    from shared.registry import NAMED_MODELS
+
+    if not value or not isinstance(value, str):
+        raise ConfigError(f"{dotted}: missing model (a named model, a local folder or a hub id)")
+    if value in NAMED_MODELS:
+        return
+    path = Path(value).expanduser()
+    if path.exists():
+        if not (path / "config.json").exists():
+            raise ConfigError(f"{dotted}: folder {value!r} has no config.json (not a saved transformers model)")
+        return
+    if value.startswith((".", "/", "~")):
+        raise ConfigError(f"{dotted}: folder {value!r} does not exist")
+    if not re.fullmatch(r"[\w.-]+/[\w.-]+", value):
+        raise ConfigError(
+            f"{dotted}: {value!r} is not a named model ({', '.join(NAMED_MODELS)}), an existing folder, "
+            "or a hub id of the form org/name"
+        )
+
+
+def _check_device(dotted: str, value: Any, config_hint: str) -> None:
+    if not isinstance(value, str) or not re.fullmatch(r"cpu|auto|mps|cuda(:\d+)?", value):
+        raise ConfigError(f"{dotted}: device must be cpu, cuda, cuda:N, mps or auto, got {value!r}")
+    if value.startswith("cuda") or value == "auto":
+        import torch
+
+        have = torch.cuda.device_count()
+        index = int(value.split(":")[1]) if ":" in value else 0
+        if index >= have:
+            raise ConfigError(
+                f"{dotted}: {value} requested but this machine has {have} CUDA device(s); "
+                f"{config_hint}"
+            )
+
+
+def validate(config: dict[str, Any]) -> None:
+    v, d = config["verifier"], config["drafter"]
+    hint = "on a machine without GPUs use configs/cpu.yaml (--config cpu.yaml)"
+    _check_model("verifier.model", v["model"])
+    _check_device("verifier.device", v["device"], hint)
+    if d["type"] not in DRAFTER_TYPES:
+        raise ConfigError(f"drafter.type: unknown drafter type {d['type']!r} (known: {', '.join(DRAFTER_TYPES)})")
+    if d["type"] in MODEL_TYPES_NEEDING_MODEL:
+        _check_model("drafter.model", d["model"])
+    _check_device("drafter.device", d["device"], hint)
+    for dotted in ("verifier.dtype", "drafter.dtype"):
+        section, key = dotted.split(".")
+        if config[section][key] not in DTYPES:
+            raise ConfigError(f"{dotted}: must be one of {', '.join(DTYPES)}, got {config[section][key]!r}")
+    for dotted in ("verifier.threads", "drafter.threads", "drafter.num_draft_tokens", "drafter.max_draft_tokens",
+                   "verifier.max_sessions", "verifier.max_message_bytes", "verifier.draft_timeout_ms"):
+        _positive_int(config, dotted)
+    _positive_int(config, "drafter.q_top_k", minimum=0)
+    if d["num_draft_tokens"] > 64:
+        raise ConfigError("drafter.num_draft_tokens: at most 64")
+    if d["draft_schedule"] not in SCHEDULES:
+        raise ConfigError(f"drafter.draft_schedule: one of {', '.join(SCHEDULES)}, got {d['draft_schedule']!r}")
+    for dotted in ("drafter.overlap", "verifier.allow_remote", "launch.start_drafter"):
+        section, key = dotted.split(".")
+        if not isinstance(config[section][key], bool):
+            raise ConfigError(f"{dotted}: must be true or false, got {config[section][key]!r}")
+    w = config["verification"]["ensemble_weight"]
+    if w is not None:
+        raise ConfigError(
+            "verification.ensemble_weight: static ensemble verification is not implemented yet; leave it unset"
+        )
+    for dotted in ("verifier.endpoint", "client.endpoint", "drafter.verifier_endpoint"):
+        section, key = dotted.split(".")
+        value = config[section][key]
+        if value is None and dotted == "drafter.verifier_endpoint":
+            continue
+        try:
+            check_endpoint(str(value).replace("{run_dir}", "/tmp/x"), allow_remote=True)
+        except EndpointError as exc:
+            raise ConfigError(f"{dotted}: {exc}") from None
+    if v["endpoint"] == config["client"]["endpoint"]:
+        raise ConfigError("client.endpoint: must differ from verifier.endpoint (drafters and clients are separate)")
+    if config["launch"]["ready_timeout_s"] is None or config["launch"]["ready_timeout_s"] <= 0:
+        raise ConfigError("launch.ready_timeout_s: must be > 0")
+
+
+def fill_run_dir(config: dict[str, Any], run_dir: str) -> dict[str, Any]:
+    """Replace ``{run_dir}`` in endpoints by a concrete folder."""
+    config = copy.deepcopy(config)
+    for section, key in (("verifier", "endpoint"), ("client", "endpoint"), ("drafter", "verifier_endpoint")):
+        if isinstance(config[section][key], str):
+            config[section][key] = config[section][key].replace("{run_dir}", run_dir)
+    return config

@@ -1,0 +1,307 @@
+"""Launcher: ``python -m runtime.launch --config cpu.yaml`` starts the verifier and the drafter as processes, waits
+until both are ready, and serves (or runs one generation with ``--prompt``); ``--role`` starts one node alone.
+
+From Python: ``async with runtime.launch.cluster("cpu.yaml", overrides={...}) as client:`` does the same with real
+subprocesses and yields an :class:`~runtime.client.AsyncClient` (with ``.processes`` and ``.config``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from runtime.client import AsyncClient, Chunk, PipespecError
+from runtime.config import ConfigError, fill_run_dir, load_config
+from shared.models import ModelLoadError
+from shared.registry import RegistryError
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+class LaunchError(RuntimeError):
+    """A node failed to start; the message carries the end of its log."""
+
+
+def _progress(message: str) -> None:
+    print(f"[pipespec] {message}", file=sys.stderr, flush=True)
+
+
+def prepare_models(config: dict[str, Any]) -> None:
+    """Install and convert named offline models once, in the foreground, with progress (nodes then load fast)."""
+    from shared import registry
+
+    for section in ("verifier", "drafter"):
+        name = config[section].get("model")
+        if section == "drafter" and not config["launch"]["start_drafter"]:
+            continue
+        if isinstance(name, str) and registry.is_named_model(name):
+            registry.ensure_model(name, progress=_progress)
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: get SIGTERM when the launcher dies, so no node outlives it (Linux)."""
+    import ctypes
+
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+class Cluster:
+    """The node processes of one config, started and supervised by this process."""
+
+    def __init__(self, config: dict[str, Any], run_dir: str | None = None, env: dict[str, str] | None = None):
+        self.own_run_dir = run_dir is None  # a folder we made is removed on a clean stop
+        self.run_dir = run_dir or tempfile.mkdtemp(prefix="pipespec-")
+        os.makedirs(self.run_dir, exist_ok=True)
+        self.config = fill_run_dir(config, self.run_dir)
+        self.env = env
+        self.processes: dict[str, subprocess.Popen] = {}
+        self.config_path = Path(self.run_dir) / "config.json"
+        self.config_path.write_text(json.dumps(self.config, indent=1))
+
+    @property
+    def client_address(self) -> str:
+        return self.config["client"]["endpoint"]
+
+    def log_path(self, role: str) -> Path:
+        return Path(self.run_dir) / f"{role}.log"
+
+    def start_node(self, role: str) -> subprocess.Popen:
+        env = {**os.environ, **(self.env or {})}
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+        log = open(self.log_path(role), "ab")  # noqa: SIM115 - the child keeps it
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "runtime.launch", "--config", str(self.config_path), "--role", role],
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, cwd=REPO_ROOT,
+            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+        )
+        log.close()
+        self.processes[role] = proc
+        return proc
+
+    def start(self) -> None:
+        self.start_node("verifier")
+        if self.config["launch"]["start_drafter"]:
+            self.start_node("drafter")
+
+    def log_tail(self, role: str, lines: int = 25) -> str:
+        try:
+            text = self.log_path(role).read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "\n".join(text[-lines:])
+
+    def check_alive(self, roles: list[str] | None = None) -> None:
+        for role, proc in self.processes.items():
+            if roles and role not in roles:
+                continue
+            code = proc.poll()
+            if code is not None:
+                raise LaunchError(
+                    f"the {role} node exited with code {code} during start-up. End of {self.log_path(role)}:\n"
+                    + self.log_tail(role)
+                )
+
+    async def wait_ready(self, client: AsyncClient) -> dict[str, Any]:
+        """Wait (bounded by ``launch.ready_timeout_s``) until the verifier answers and the drafter is connected."""
+        deadline = time.monotonic() + self.config["launch"]["ready_timeout_s"]
+        need_drafter = self.config["launch"]["start_drafter"]
+        while True:
+            self.check_alive()
+            try:
+                pong = await client.ping(timeout_s=1.0)
+                if pong["drafter_connected"] or not need_drafter:
+                    return pong
+            except TimeoutError:
+                pass
+            if time.monotonic() > deadline:
+                raise LaunchError(
+                    f"nodes not ready after {self.config['launch']['ready_timeout_s']} s; logs in {self.run_dir}"
+                )
+            await asyncio.sleep(0.2)
+
+    def stop(self, timeout_s: float = 10.0, keep_logs: bool = False) -> None:
+        for proc in self.processes.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for proc in self.processes.values():
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+        if self.own_run_dir and not keep_logs:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+
+
+@contextlib.asynccontextmanager
+async def cluster(
+    config: str | os.PathLike | dict | None = None,
+    overrides: dict[str, Any] | list[str] | None = None,
+    *,
+    env: dict[str, str] | None = None,
+    timeout_s: float | None = None,
+) -> AsyncIterator[AsyncClient]:
+    """Start the nodes of ``config`` as subprocesses and yield a connected client; stop them on exit."""
+    cfg = load_config(config, overrides)
+    await asyncio.to_thread(prepare_models, cfg)
+    nodes = Cluster(cfg, env=env)
+    nodes.start()
+    failed = True
+    try:
+        client = AsyncClient(nodes.client_address, timeout_s=timeout_s or cfg["client"]["timeout_s"])
+        async with client:
+            await nodes.wait_ready(client)
+            client.processes = nodes.processes  # type: ignore[attr-defined]
+            client.config = nodes.config  # type: ignore[attr-defined]
+            client.cluster = nodes  # type: ignore[attr-defined]
+            yield client
+        failed = False
+    finally:
+        nodes.stop(keep_logs=failed)
+
+
+# ---------------------------------------------------------------------------------------------------- CLI
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m runtime.launch", description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", default="cpu.yaml", help="config file, or a bare name looked up in configs/")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config key")
+    p.add_argument("--role", choices=["verifier", "drafter"], help="start one node alone (for multi-host setups)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--prompt", help="run one generation on this text and exit")
+    src.add_argument("--messages", help="run one generation on chat messages from this JSON file and exit")
+    p.add_argument("--json", action="store_true", help="print {text, token_ids, metrics} as JSON")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--do-sample", action="store_true")
+    p.add_argument("--temperature", type=float)
+    p.add_argument("--top-k", type=int)
+    p.add_argument("--top-p", type=float)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--run-dir", help="folder for ipc sockets and logs (default: a new temporary folder)")
+    return p
+
+
+def _run_role(config: dict[str, Any], role: str, run_dir: str | None) -> int:
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role} %(levelname)s %(message)s")
+    if "{run_dir}" in json.dumps(config):
+        run_dir = run_dir or os.path.join(tempfile.gettempdir(), f"pipespec-{os.getuid()}")
+        os.makedirs(run_dir, exist_ok=True)
+        config = fill_run_dir(config, run_dir)
+    prepare_models({**config, "launch": {**config["launch"], "start_drafter": role == "drafter"}})
+    if role == "verifier":
+        from verifier_node.server import run
+
+        print(f"verifier: drafters connect to {config['verifier']['endpoint']}; clients to "
+              f"{config['client']['endpoint']}", flush=True)
+        run(config)
+        return 0
+    from drafter_node.node import run
+
+    return run(config)
+
+
+def _load_messages(path: str) -> list[dict[str, str]]:
+    try:
+        messages = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"--messages {path}: cannot read a JSON list of messages: {exc}") from None
+    if not isinstance(messages, list):
+        raise ConfigError(f"--messages {path}: expected a JSON list of {{role, content}} objects")
+    return messages
+
+
+async def _one_shot(args: argparse.Namespace, config: dict[str, Any]) -> int:
+    params = {"max_new_tokens": args.max_new_tokens, "do_sample": args.do_sample, "temperature": args.temperature,
+              "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed}
+    messages = _load_messages(args.messages) if args.messages else None
+    async with cluster(config) as client:
+        if args.json:
+            r = await client.generate(args.prompt, messages=messages, **params)
+            print(json.dumps({"text": r.text, "token_ids": r.token_ids, "metrics": r.metrics}))
+            return 0
+        async for item in client.stream(args.prompt, messages=messages, include_result=True, **params):
+            if isinstance(item, Chunk):
+                print(item.text, end="", flush=True)
+            else:
+                print()
+                print(format_metrics(item.metrics), file=sys.stderr)
+    return 0
+
+
+def format_metrics(m: dict[str, Any]) -> str:
+    """One readable block of the metrics DESIGN.md names."""
+    return (
+        f"[pipespec] {m['new_tokens']} tokens in {m['elapsed_s']:.2f} s ({m['tokens_per_second']:.2f} tok/s), "
+        f"{m['rounds']} rounds, acceptance {m['acceptance_rate']:.2f} ({m['accepted_tokens']}/{m['draft_tokens']}), "
+        f"τ {m['mean_accepted_length']:.2f}, busy verifier {m['verifier_busy_fraction']:.2f} / drafter "
+        f"{m['drafter_busy_fraction']:.2f}, pre-draft hits {m['predraft_hits']}, fallback rounds "
+        f"{m['fallback_rounds']}, message overhead {m['message_overhead_ms_per_round']:.2f} ms/round"
+    )
+
+
+async def _serve(config: dict[str, Any], run_dir: str | None) -> int:
+    cfg_ready = config
+    await asyncio.to_thread(prepare_models, cfg_ready)
+    nodes = Cluster(cfg_ready, run_dir=run_dir)
+    nodes.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        async with AsyncClient(nodes.client_address) as client:
+            pong = await nodes.wait_ready(client)
+        print(f"pipespec ready: target {pong.get('target')}, drafter {pong.get('drafter_type')}", flush=True)
+        print(f"client address: {nodes.client_address}", flush=True)
+        print(f"logs: {nodes.run_dir}  (Ctrl-C to stop)", flush=True)
+        while not stop.is_set():
+            try:
+                await asyncio.wait_for(stop.wait(), 1.0)
+            except asyncio.TimeoutError:
+                nodes.check_alive(["verifier"])
+    finally:
+        nodes.stop()
+        print("pipespec stopped", file=sys.stderr)
+    return 0
+
+
+def _run_async(coro) -> int:
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        config = load_config(args.config, args.set)
+        if args.role:
+            return _run_role(config, args.role, args.run_dir)
+        coro = _one_shot(args, config) if args.prompt is not None or args.messages else _serve(config, args.run_dir)
+        return _run_async(coro)
+    except (ConfigError, LaunchError, PipespecError, TimeoutError, ModelLoadError, RegistryError) as exc:
+        print(f"pipespec: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Code shared by the pipespec runtime and nodes."""

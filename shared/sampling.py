@@ -1,0 +1,144 @@
+"""Generation parameters and logits processing, one implementation for both sides.
+
+The verifier and every drafter turn raw logits into the distribution they sample from with the same code, so the
+draft distribution q and the target distribution p are comparable and the acceptance rule stays exact. Order and
+semantics follow transformers' ``generate``: processors (repetition penalty, min new tokens) apply in greedy and
+sampling; warpers (temperature, top-k, top-p) only when sampling.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+import torch
+
+
+class ParamError(ValueError):
+    """A request parameter that is out of range or of the wrong type (reported to the client, nothing crashes)."""
+
+
+@dataclass
+class GenerationParams:
+    """Per-request generation parameters (the same names as transformers' ``generate``)."""
+
+    max_new_tokens: int = 128
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    repetition_penalty: float = 1.0
+    min_new_tokens: int = 0
+    eos_token_ids: list[int] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    seed: int | None = None
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], vocab_size: int | None = None) -> GenerationParams:
+        """Build and validate from a client's dict; unknown names and bad values raise :class:`ParamError`."""
+        if not isinstance(data, dict):
+            raise ParamError("params must be a mapping")
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ParamError(f"unknown generation parameter(s): {', '.join(unknown)}")
+        params = cls(**{k: v for k, v in data.items() if v is not None or k == "seed"})
+        params.validate(vocab_size)
+        return params
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        def is_int(v: Any) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        def is_num(v: Any) -> bool:
+            return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+        if not is_int(self.max_new_tokens) or not 1 <= self.max_new_tokens <= 1_000_000:
+            raise ParamError(f"max_new_tokens must be an integer ≥ 1, got {self.max_new_tokens!r}")
+        if not isinstance(self.do_sample, bool):
+            raise ParamError(f"do_sample must be true or false, got {self.do_sample!r}")
+        if not is_num(self.temperature) or self.temperature <= 0:
+            raise ParamError(f"temperature must be a number > 0, got {self.temperature!r}")
+        if not is_int(self.top_k) or self.top_k < 0:
+            raise ParamError(f"top_k must be an integer ≥ 0 (0 = off), got {self.top_k!r}")
+        if not is_num(self.top_p) or not 0 < self.top_p <= 1:
+            raise ParamError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not is_num(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise ParamError(f"repetition_penalty must be a number > 0, got {self.repetition_penalty!r}")
+        if not is_int(self.min_new_tokens) or self.min_new_tokens < 0:
+            raise ParamError(f"min_new_tokens must be an integer ≥ 0, got {self.min_new_tokens!r}")
+        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < 2**63):
+            raise ParamError(f"seed must be an integer in [0, 2^63), got {self.seed!r}")
+        for name in ("eos_token_ids", "stop_token_ids"):
+            ids = getattr(self, name)
+            if not isinstance(ids, list) or not all(is_int(i) and i >= 0 for i in ids):
+                raise ParamError(f"{name} must be a list of token ids")
+            if vocab_size is not None and any(i >= vocab_size for i in ids):
+                raise ParamError(f"{name} has an id outside the vocabulary (size {vocab_size})")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @property
+    def end_token_ids(self) -> set[int]:
+        return set(self.eos_token_ids) | set(self.stop_token_ids)
+
+
+def process_logits(
+    logits: torch.Tensor, context: torch.Tensor, params: GenerationParams, num_generated: int
+) -> torch.Tensor:
+    """Turn one row of raw logits into processed float32 scores (``-inf`` for excluded tokens).
+
+    ``context`` holds every token before the predicted position (prompt and generated), as transformers'
+    ``input_ids`` would; ``num_generated`` is how many new tokens precede the predicted one.
+    """
+    scores = logits.float().clone()
+    if params.repetition_penalty != 1.0 and context.numel():
+        ids = context.to(scores.device)
+        picked = scores.gather(0, ids)
+        picked = torch.where(picked < 0, picked * params.repetition_penalty, picked / params.repetition_penalty)
+        scores.scatter_(0, ids, picked)
+    if num_generated < params.min_new_tokens and params.eos_token_ids:
+        scores[torch.tensor(params.eos_token_ids, device=scores.device)] = -math.inf
+    if not params.do_sample:
+        return scores
+    if params.temperature != 1.0:
+        scores = scores / params.temperature
+    if params.top_k > 0 and params.top_k < scores.numel():
+        kth = torch.topk(scores, params.top_k).values[-1]
+        scores = scores.masked_fill(scores < kth, -math.inf)
+    if params.top_p < 1.0:
+        sorted_scores, sorted_idx = torch.sort(scores, descending=False)
+        cumulative = sorted_scores.softmax(-1).cumsum(-1)
+        remove_sorted = cumulative <= (1 - params.top_p)
+        remove_sorted[-1] = False  # always keep the most likely token
+        remove = remove_sorted.scatter(0, sorted_idx, remove_sorted)
+        scores = scores.masked_fill(remove, -math.inf)
+    return scores
+
+
+def process_block(
+    logits: torch.Tensor, prefix: torch.Tensor, block: torch.Tensor, params: GenerationParams, num_generated: int
+) -> torch.Tensor:
+    """Process ``logits[i]`` (rows predicting the token after ``prefix + block[:i]``) for every row i."""
+    rows = []
+    for i in range(logits.shape[0]):
+        context = torch.cat([prefix, block[:i]]) if i else prefix
+        rows.append(process_logits(logits[i], context, params, num_generated + i))
+    return torch.stack(rows)
+
+
+def make_generator(seed: int, position: int, stream: int) -> torch.Generator:
+    """A generator for one decision point, so a seeded request reproduces whatever order rounds run in.
+
+    ``position`` is the committed length the decision is made at; ``stream`` separates users of the same position
+    (0: verifier acceptance, 1: drafter sampling), so the draft and the acceptance draw independent numbers.
+    """
+    mixed = (seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9 + stream * 0x94D049BB133111EB) % (2**63 - 1)
+    return torch.Generator().manual_seed(mixed)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """Draw one token id from a probability row."""
+    return int(torch.multinomial(probs.float().cpu(), 1, generator=generator).item())

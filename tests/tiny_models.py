@@ -1,0 +1,93 @@
+"""Tiny random models and a tokenizer trained on the spot, saved to folders and loaded with ``from_pretrained`` —
+the same path real models take, at a size that runs in milliseconds on one thread.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import (
+    AutoModelForCausalLM,
+    GPT2Config,
+    LlamaConfig,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+)
+
+CORPUS = [
+    "def add(a, b):\n    return a + b\n",
+    "for i in range(10):\n    print(i)\n",
+    "the quick brown fox jumps over the lazy dog",
+    "class Node:\n    def __init__(self, value):\n        self.value = value\n",
+    "import numpy as np\nx = np.zeros((3, 4))\n",
+    "while True:\n    break\n",
+    "Speculative decoding drafts tokens with a small model and verifies them with a large one.",
+] * 20
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def build_tokenizer(folder: Path, vocab_size: int = 160, corpus: list[str] | None = None) -> PreTrainedTokenizerFast:
+    """Train a byte-level BPE tokenizer and save it (with an EOS token and a chat template) to ``folder``."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<eos>", "<pad>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(corpus or CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(folder)
+    return fast
+
+
+def model_config(arch: str, vocab_size: int, layers: int = 2, eos_token_id: int = 0):
+    common = dict(vocab_size=vocab_size, eos_token_id=eos_token_id, pad_token_id=1, bos_token_id=None)
+    if arch == "llama":
+        return LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+                           num_key_value_heads=2, max_position_embeddings=512, **common)
+    if arch == "qwen2":
+        return Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+                           num_key_value_heads=2, max_position_embeddings=512, **common)
+    if arch == "gpt2":
+        return GPT2Config(n_embd=64, n_layer=layers, n_head=4, n_positions=512, **common)
+    raise ValueError(arch)
+
+
+def build_model(folder: Path, arch: str, tokenizer_folder: Path, seed: int, layers: int = 2,
+                sharpen: float = 1.0, vocab_size: int | None = None) -> Path:
+    """Save a random model of ``arch`` with the tokenizer of ``tokenizer_folder`` into ``folder``.
+
+    ``sharpen`` scales the LM head so the next-token distribution is peaked (useful for sampling tests)."""
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(tokenizer_folder)
+    torch.manual_seed(seed)
+    config = model_config(arch, vocab_size or len(tokenizer), layers)
+    model = AutoModelForCausalLM.from_config(config)
+    if sharpen != 1.0:
+        with torch.no_grad():
+            head = model.get_output_embeddings()
+            if getattr(config, "tie_word_embeddings", False):
+                model.config.tie_word_embeddings = False
+                head.weight = torch.nn.Parameter(head.weight.detach().clone())
+            head.weight.mul_(sharpen)
+    model.generation_config.eos_token_id = config.eos_token_id
+    model.generation_config.pad_token_id = 1
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def reference_greedy(folder: Path, prompt: list[int], max_new_tokens: int, eos: list[int] | None = None) -> list[int]:
+    """transformers' own greedy ``generate`` on the target alone: the ground truth."""
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens,
+                         eos_token_id=eos if eos else None, pad_token_id=1,
+                         min_new_tokens=0)
+    return out[0, len(prompt):].tolist()

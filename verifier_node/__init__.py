@@ -1,0 +1,1 @@
+"""pipespec: verifier_node."""

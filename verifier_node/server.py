@@ -1,0 +1,365 @@
+"""The verifier node: owns the target, the sessions and the committed sequences; serves clients and one drafter.
+
+One thread, one loop: drain both ROUTER sockets (drafters and clients), then run one round for one session that
+is ready, round-robin. A session is ready when a draft built on its committed length is waiting, when no live
+drafter is connected, or when it has waited ``draft_timeout_ms`` — the verifier never idles on a slow or dead
+drafter longer than that bound; it takes a plain autoregressive step instead (same output, only slower).
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import signal
+import time
+from collections import deque
+from typing import Any
+
+import torch
+import zmq
+
+from shared.models import (
+    default_eos_ids,
+    load_causal_lm,
+    load_tokenizer,
+    logits_vocab_size,
+    resolve_model,
+    set_threads,
+    tokenizer_id,
+)
+from shared.protocol import Message, ProtocolError, decode, encode, error_frames
+from shared.sampling import GenerationParams, ParamError
+from shared.transport import bind_router
+from verifier_node.session import RoundResult, Session
+
+log = logging.getLogger("pipespec.verifier")
+
+MAX_DRAFT_TOKENS = 64
+HEARTBEAT_TIMEOUT_S = 3.0
+
+
+class Drafter:
+    """The connected drafter as the verifier sees it: routing id and announced capabilities."""
+
+    def __init__(self, routing_id: bytes, drafter_type: str, capabilities: dict):
+        self.routing_id = routing_id
+        self.type = drafter_type
+        self.sends_q = bool(capabilities.get("sends_q", False))
+        self.needs_hidden = bool(capabilities.get("needs_hidden_states", False))
+        self.last_seen = time.monotonic()
+
+    def alive(self) -> bool:
+        return time.monotonic() - self.last_seen < HEARTBEAT_TIMEOUT_S
+
+
+class VerifierServer:
+    def __init__(self, config: dict[str, Any], model=None, tokenizer=None):
+        vcfg = config["verifier"]
+        self.config = config
+        self.draft_timeout = vcfg.get("draft_timeout_ms", 1500) / 1000
+        self.max_sessions = vcfg.get("max_sessions", 64)
+        self.max_bytes = vcfg.get("max_message_bytes", 64 * 1024 * 1024)
+        set_threads(vcfg["threads"])
+        path = resolve_model(vcfg["model"])
+        self.tokenizer = tokenizer or load_tokenizer(path)
+        self.model = model or load_causal_lm(path, vcfg["device"], vcfg["dtype"], vcfg.get("max_memory"))
+        self.vocab_size = logits_vocab_size(self.model)
+        self.tokenizer_id = tokenizer_id(self.tokenizer)
+        self.default_eos = default_eos_ids(self.model, self.tokenizer)
+        self.max_positions = getattr(self.model.config, "max_position_embeddings", None)
+        self.model_name = vcfg["model"]
+        self.ctx = zmq.Context.instance()
+        allow_remote = bool(vcfg.get("allow_remote", False))
+        self.drafter_sock = bind_router(self.ctx, vcfg["endpoint"], allow_remote)
+        self.client_sock = bind_router(self.ctx, config["client"]["endpoint"], allow_remote)
+        self.poller = zmq.Poller()
+        self.poller.register(self.drafter_sock, zmq.POLLIN)
+        self.poller.register(self.client_sock, zmq.POLLIN)
+        self.sessions: dict[int, Session] = {}
+        self.by_request: dict[tuple[bytes, int], int] = {}
+        self.order: deque[int] = deque()
+        self.next_sid = 1
+        self.drafter: Drafter | None = None
+        self.running = True
+
+    # ------------------------------------------------------------------ loop
+    def serve(self) -> None:
+        signal.signal(signal.SIGTERM, lambda *_: self.stop())
+        signal.signal(signal.SIGINT, lambda *_: self.stop())
+        log.info("verifier ready: drafters at %s, clients at %s", self.config["verifier"]["endpoint"],
+                 self.config["client"]["endpoint"])
+        try:
+            while self.running:
+                session = self._next_runnable()
+                timeout_ms = 0 if session else self._idle_timeout_ms()
+                events = dict(self.poller.poll(timeout_ms))
+                if self.drafter_sock in events:
+                    self._drain(self.drafter_sock, self._on_drafter_message)
+                if self.client_sock in events:
+                    self._drain(self.client_sock, self._on_client_message)
+                session = self._next_runnable()
+                if session is not None:
+                    self._run_round(session)
+        finally:
+            self.close()
+
+    def stop(self) -> None:
+        self.running = False
+
+    def close(self) -> None:
+        for sock in (self.drafter_sock, self.client_sock):
+            sock.close(linger=0)
+
+    def _idle_timeout_ms(self) -> int:
+        waits = [s.ready_since + self.draft_timeout - time.monotonic() for s in self.sessions.values()]
+        if not waits:
+            return 200
+        return max(1, min(200, int(1000 * min(waits)) + 1))
+
+    def _drain(self, sock: zmq.Socket, handler) -> None:
+        for _ in range(1000):  # bounded, so a flood cannot starve the rounds
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            peer, body = frames[0].bytes, frames[1:]
+            t0 = time.monotonic()
+            try:
+                msg = decode(body, self.max_bytes)
+            except ProtocolError as exc:
+                log.warning("bad message from %s: %s", peer.hex(), exc)
+                sock.send_multipart([peer, *error_frames(str(exc), exc.code, request_id=exc.request_id)])
+                continue
+            msg.fields["_bytes"] = sum(len(f.buffer) for f in body)
+            msg.fields["_decode_s"] = time.monotonic() - t0
+            try:
+                handler(peer, msg)
+            except ProtocolError as exc:
+                sock.send_multipart([peer, *error_frames(str(exc), exc.code, request_id=exc.request_id)])
+
+    def _next_runnable(self) -> Session | None:
+        now = time.monotonic()
+        live = self.drafter is not None and self.drafter.alive()
+        for _ in range(len(self.order)):
+            sid = self.order[0]
+            self.order.rotate(-1)
+            s = self.sessions[sid]
+            if not s.prefilled or s.draft is not None or not live or not s.announced:
+                return s
+            if now - s.ready_since >= self.draft_timeout:
+                return s
+        return None
+
+    # -------------------------------------------------------------- drafter side
+    def _on_drafter_message(self, peer: bytes, msg: Message) -> None:
+        if msg.type == "hello":
+            self._on_hello(peer, msg)
+            return
+        if self.drafter is None or peer != self.drafter.routing_id:
+            raise ProtocolError("say hello first: this drafter is not connected", code="not_connected")
+        self.drafter.last_seen = time.monotonic()
+        if msg.type == "heartbeat":
+            return
+        if msg.type == "draft":
+            self._on_draft(msg)
+            return
+        raise ProtocolError(f"a drafter may not send {msg.type!r}", code="unexpected")
+
+    def _on_hello(self, peer: bytes, msg: Message) -> None:
+        if msg["tokenizer_id"] != self.tokenizer_id:
+            log.error("refused drafter %r: tokenizer %s != target's %s", msg["drafter_type"], msg["tokenizer_id"],
+                      self.tokenizer_id)
+            raise ProtocolError(
+                f"tokenizer mismatch: the drafter's tokenizer ({msg['tokenizer_id']}) is not the target's "
+                f"({self.tokenizer_id}); drafter type {msg['drafter_type']!r} needs the target's tokenizer",
+                code="tokenizer_mismatch",
+            )
+        self.drafter = Drafter(peer, msg["drafter_type"], msg["capabilities"])
+        log.info("drafter connected: type=%s caps=%s", self.drafter.type, msg["capabilities"])
+        self._send_drafter(encode("welcome", target=self.model_name, vocab_size=self.vocab_size))
+        for s in self.sessions.values():  # a (re)connected drafter learns every live session
+            s.announced = False
+            s.draft = None
+            if s.prefilled:
+                self._announce(s)
+
+    def _announce(self, s: Session, hidden: torch.Tensor | None = None) -> None:
+        if self.drafter is None:
+            return
+        tensors = {"hidden": hidden} if hidden is not None else None
+        self._send_drafter(encode("session_start", tensors, session=s.sid, token_ids=s.tokens,
+                                  prompt_len=s.prompt_len, params=s.params.to_dict()))
+        s.announced = True
+        s.ready_since = time.monotonic()
+
+    def _on_draft(self, msg: Message) -> None:
+        s = self.sessions.get(msg["session"])
+        if s is None or not s.prefilled or msg["base_len"] != len(s.tokens):
+            if s is not None:
+                s.metrics.stale_drafts += 1
+            return  # stale or duplicate: harmless by design
+        tokens = msg["tokens"]
+        if len(tokens) > MAX_DRAFT_TOKENS or not all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab_size for t in tokens
+        ):
+            raise ProtocolError(f"draft tokens must be at most {MAX_DRAFT_TOKENS} ids in [0, {self.vocab_size})")
+        q = self._dense_q(msg, len(tokens)) if s.params.do_sample else None
+        s.draft = {"tokens": tokens, "q": q}
+        s.metrics.bytes_in += msg["_bytes"]
+        s.metrics.message_s += msg["_decode_s"]
+        sent_at = msg.get("sent_at")
+        if isinstance(sent_at, float):
+            s.metrics.transit_s += max(0.0, time.time() - sent_at)
+        stats = msg.get("stats")
+        if isinstance(stats, dict):
+            s.metrics.drafter_stats = stats
+
+    def _dense_q(self, msg: Message, k: int) -> torch.Tensor | None:
+        """Rebuild the draft distribution rows from a sparse (q_idx, q_prob) or dense (q) encoding."""
+        t = msg.tensors
+        if "q" in t:
+            q = t["q"].float()
+            if q.shape != (k, self.vocab_size):
+                raise ProtocolError(f"dense q must have shape [{k}, {self.vocab_size}], got {list(q.shape)}")
+        elif "q_idx" in t and "q_prob" in t:
+            idx, prob = t["q_idx"].long(), t["q_prob"].float()
+            if idx.shape != prob.shape or idx.dim() != 2 or idx.shape[0] != k:
+                raise ProtocolError("sparse q: q_idx and q_prob must both have shape [k, m]")
+            if idx.numel() and (idx.min() < 0 or idx.max() >= self.vocab_size):
+                raise ProtocolError("sparse q: index outside the vocabulary")
+            q = torch.zeros(k, self.vocab_size).scatter_add_(1, idx, prob)
+        else:
+            return None  # drafts chosen deterministically: one-hot q
+        if not torch.isfinite(q).all() or (q < 0).any():
+            raise ProtocolError("q must hold finite, non-negative probabilities")
+        return q
+
+    def _send_drafter(self, frames: list) -> None:
+        if self.drafter is not None:
+            self.drafter_sock.send_multipart([self.drafter.routing_id, *frames], copy=False)
+
+    # --------------------------------------------------------------- client side
+    def _on_client_message(self, peer: bytes, msg: Message) -> None:
+        if msg.type == "generate":
+            try:
+                self._on_generate(peer, msg)
+            except (ParamError, ValueError) as exc:
+                raise ProtocolError(str(exc), code="bad_request", request_id=msg["request_id"]) from None
+        elif msg.type == "cancel":
+            sid = self.by_request.get((peer, msg["request_id"]))
+            if sid is not None:
+                self._finish(self.sessions[sid], "cancelled")
+        elif msg.type == "ping":
+            d = self.drafter
+            self.client_sock.send_multipart([peer, *encode(
+                "pong", drafter_connected=bool(d and d.alive()), drafter_type=d.type if d else None,
+                target=self.model_name, sessions=len(self.sessions),
+            )])
+        else:
+            raise ProtocolError(f"a client may not send {msg.type!r}", code="unexpected")
+
+    def _on_generate(self, peer: bytes, msg: Message) -> None:
+        rid = msg["request_id"]
+        if (peer, rid) in self.by_request:
+            raise ParamError(f"request_id {rid} is already running for this client")
+        if len(self.sessions) >= self.max_sessions:
+            raise ProtocolError(f"verifier is at its limit of {self.max_sessions} sessions", "busy", rid)
+        params_in = dict(msg["params"])
+        params_in.setdefault("eos_token_ids", self.default_eos)
+        params = GenerationParams.from_dict(params_in, self.vocab_size)
+        if params.seed is None:
+            params.seed = secrets.randbits(62)
+        prompt = self._prompt_ids(msg)
+        if self.max_positions and len(prompt) + params.max_new_tokens > self.max_positions:
+            raise ParamError(
+                f"prompt ({len(prompt)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds the target's "
+                f"context of {self.max_positions}"
+            )
+        sid = self.next_sid
+        self.next_sid += 1
+        s = Session(sid, self.model, prompt, params, peer, rid)
+        self.sessions[sid] = s
+        self.by_request[(peer, rid)] = sid
+        self.order.append(sid)
+
+    def _prompt_ids(self, msg: Message) -> list[int]:
+        given = [k for k in ("token_ids", "prompt", "messages") if msg.get(k) is not None]
+        if len(given) != 1:
+            raise ParamError("give exactly one of token_ids, prompt or messages")
+        kind = given[0]
+        value = msg[kind]
+        if kind == "token_ids":
+            if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+                raise ParamError("token_ids must be a list of integers")
+            ids = value
+        elif kind == "prompt":
+            if not isinstance(value, str):
+                raise ParamError("prompt must be a string")
+            ids = self.tokenizer(value, add_special_tokens=True)["input_ids"]
+        else:
+            ok = isinstance(value, list) and all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in value
+            )
+            if not ok:
+                raise ParamError("messages must be a list of {role, content} strings")
+            if not getattr(self.tokenizer, "chat_template", None):
+                raise ParamError("the target's tokenizer has no chat template; send prompt or token_ids")
+            ids = self.tokenizer.apply_chat_template(value, add_generation_prompt=True, tokenize=True,
+                                                     return_dict=True)["input_ids"]
+        if not ids:
+            raise ParamError("the prompt is empty")
+        if any(t < 0 or t >= self.vocab_size for t in ids):
+            raise ParamError(f"token ids must be in [0, {self.vocab_size})")
+        return list(ids)
+
+    # ------------------------------------------------------------------ rounds
+    def _run_round(self, s: Session) -> None:
+        want_hidden = bool(self.drafter and self.drafter.needs_hidden)
+        if not s.prefilled:
+            if not want_hidden:
+                self._announce(s)
+            hidden = s.prefill(want_hidden)
+            if want_hidden:
+                self._announce(s, hidden)
+            s.ready_since = time.monotonic()
+            return
+        draft = s.draft or {"tokens": [], "q": None}
+        s.draft = None
+        result = s.verify(draft["tokens"], draft["q"], want_hidden)
+        self._publish(s, result)
+        if s.finished:
+            self._finish(s, s.finished)
+
+    def _publish(self, s: Session, r: RoundResult) -> None:
+        t0 = time.monotonic()
+        if s.announced and self.drafter is not None:
+            tensors = {"hidden": r.hidden} if r.hidden is not None else None
+            frames = encode("commit", tensors, session=s.sid, base_len=r.base_len, tokens=r.tokens,
+                            new_len=len(s.tokens), accepted=r.accepted)
+            s.metrics.bytes_out += sum(len(f) if isinstance(f, bytes) else f.nbytes for f in frames)
+            self._send_drafter(frames)
+        text = self.tokenizer.decode(s.generated, skip_special_tokens=True)
+        delta = ""
+        if not text.endswith("\ufffd") and text.startswith(s.text_sent):  # hold back half a multi-byte character
+            delta, s.text_sent = text[len(s.text_sent):], text
+        self.client_sock.send_multipart([s.client, *encode("chunk", request_id=s.request_id, token_ids=r.tokens,
+                                                           text=delta)])
+        s.metrics.message_s += time.monotonic() - t0
+
+    def _finish(self, s: Session, reason: str) -> None:
+        text = self.tokenizer.decode(s.generated, skip_special_tokens=True)
+        self.client_sock.send_multipart([s.client, *encode(
+            "done", request_id=s.request_id, token_ids=s.generated, text=text, metrics=s.summary(),
+            finish_reason=reason,
+        )])
+        if s.announced:
+            self._send_drafter(encode("session_end", session=s.sid))
+        del self.sessions[s.sid]
+        del self.by_request[(s.client, s.request_id)]
+        self.order.remove(s.sid)
+
+
+def run(config: dict[str, Any]) -> None:
+    """Entry point of the verifier process."""
+    VerifierServer(config).serve()

@@ -1,0 +1,179 @@
+"""One generation request on the verifier: the committed sequence, its KV cache, and one verification round.
+
+The committed sequence is the single source of truth. The cache always holds every committed token but the last
+(the *pending* token), so a round feeds ``[pending, d1 … dk]`` in one forward and crops back afterwards.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from shared.kv import CachedLM
+from shared.sampling import GenerationParams, make_generator, process_block
+from verifier_node.acceptance import accept_everything, accept_greedy, accept_sampling
+
+# Test-only negative control: a verifier that accepts every draft must fail the distribution test.
+_ACCEPT_ALL = os.environ.get("PIPESPEC_UNSAFE_ACCEPT_ALL") == "1"
+
+
+@dataclass
+class RoundResult:
+    base_len: int
+    tokens: list[int]  # committed this round: accepted drafts + the target's own token (cut at EOS / budget)
+    accepted: int
+    drafted: int
+    hidden: torch.Tensor | None  # last hidden states of the newly cached positions, when a drafter needs them
+
+
+@dataclass
+class SessionMetrics:
+    """Counters in vLLM's terms plus the pipeline's own (see DESIGN.md)."""
+
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    rounds: int = 0
+    fallback_rounds: int = 0  # rounds verified without a draft (none came in time, or none was proposed)
+    stale_drafts: int = 0
+    per_position_accepted: list[int] = field(default_factory=list)
+    per_position_drafted: list[int] = field(default_factory=list)
+    verify_s: float = 0.0
+    message_s: float = 0.0  # verifier time spent decoding drafts and encoding/sending commits and chunks
+    transit_s: float = 0.0  # draft send → receive, summed (same-host clocks)
+    bytes_in: int = 0
+    bytes_out: int = 0
+    drafter_stats: dict = field(default_factory=dict)
+
+    def record(self, drafted: int, accepted: int) -> None:
+        self.rounds += 1
+        if drafted == 0:
+            self.fallback_rounds += 1
+            return
+        self.drafts += 1
+        self.draft_tokens += drafted
+        self.accepted_tokens += accepted
+        while len(self.per_position_drafted) < drafted:
+            self.per_position_drafted.append(0)
+            self.per_position_accepted.append(0)
+        for i in range(drafted):
+            self.per_position_drafted[i] += 1
+            self.per_position_accepted[i] += int(i < accepted)
+
+
+class Session:
+    """State of one request on the verifier."""
+
+    def __init__(self, sid: int, model, prompt: list[int], params: GenerationParams, client: bytes, request_id: int):
+        self.sid = sid
+        self.params = params
+        self.tokens = list(prompt)
+        self.prompt_len = len(prompt)
+        self.client = client
+        self.request_id = request_id
+        self.lm = CachedLM(model)
+        self.prefilled = False
+        self.ready_since = time.monotonic()
+        self.draft: dict | None = None  # the draft waiting for this round, if any
+        self.started = time.monotonic()
+        self.first_token_at: float | None = None
+        self.finished: str | None = None  # finish reason once done
+        self.text_sent = ""
+        self.metrics = SessionMetrics()
+        self.announced = False  # the current drafter knows this session
+
+    @property
+    def generated(self) -> list[int]:
+        return self.tokens[self.prompt_len :]
+
+    def prefill(self, want_hidden: bool = False) -> torch.Tensor | None:
+        """Cache every prompt token but the last."""
+        hidden = None
+        if self.prompt_len > 1:
+            t0 = time.monotonic()
+            _, hidden = self.lm.feed(self.tokens[:-1], want_hidden=want_hidden)
+            self.metrics.verify_s += time.monotonic() - t0
+        self.prefilled = True
+        self.ready_since = time.monotonic()
+        return hidden
+
+    def verify(self, draft: list[int], q: torch.Tensor | None, want_hidden: bool = False) -> RoundResult:
+        """Run one round on top of the committed prefix and commit its outcome."""
+        t0 = time.monotonic()
+        base_len = len(self.tokens)
+        remaining = self.params.max_new_tokens - (base_len - self.prompt_len)
+        draft = draft[: max(0, remaining - 1)]  # the round commits at most len(draft) + 1 tokens
+        if q is not None:
+            q = q[: len(draft)]
+        logits, hidden = self.lm.feed([self.tokens[-1], *draft], want_hidden=want_hidden)
+        prefix = torch.tensor(self.tokens, dtype=torch.long)
+        scores = process_block(
+            logits, prefix, torch.tensor(draft, dtype=torch.long), self.params, base_len - self.prompt_len
+        )
+        if _ACCEPT_ALL:
+            out = accept_everything(scores, draft, q, self._generator(base_len))
+        elif self.params.do_sample:
+            out = accept_sampling(scores, draft, q, self._generator(base_len))
+        else:
+            out = accept_greedy(scores, draft)
+        accepted = len(out) - 1
+        out = self._cut_at_end(out, remaining)
+        self.tokens.extend(out)
+        self.lm.crop(len(self.tokens) - 1)
+        self.metrics.record(len(draft), accepted)
+        self.metrics.verify_s += time.monotonic() - t0
+        if self.first_token_at is None:
+            self.first_token_at = time.monotonic()
+        self.ready_since = time.monotonic()
+        if hidden is not None:
+            hidden = hidden[: len(out)]
+        return RoundResult(base_len, out, accepted, len(draft), hidden)
+
+    def _generator(self, base_len: int) -> torch.Generator:
+        return make_generator(self.params.seed or 0, base_len, stream=0)
+
+    def _cut_at_end(self, out: list[int], remaining: int) -> list[int]:
+        out = out[:remaining]
+        ends = self.params.end_token_ids
+        for i, token in enumerate(out):
+            if token in ends:
+                self.finished = "stop"
+                return out[: i + 1]
+        if len(out) >= remaining:
+            self.finished = "length"
+        return out
+
+    def summary(self) -> dict:
+        """Per-request metrics returned to the client."""
+        m = self.metrics
+        elapsed = max(time.monotonic() - self.started, 1e-9)
+        new = len(self.generated)
+        rounds = max(m.rounds, 1)
+        return {
+            "new_tokens": new,
+            "prompt_tokens": self.prompt_len,
+            "rounds": m.rounds,
+            "drafts": m.drafts,
+            "draft_tokens": m.draft_tokens,
+            "accepted_tokens": m.accepted_tokens,
+            "acceptance_rate": m.accepted_tokens / m.draft_tokens if m.draft_tokens else 0.0,
+            "mean_accepted_length": 1 + m.accepted_tokens / m.drafts if m.drafts else 1.0,
+            "per_position_acceptance": [a / d for a, d in zip(m.per_position_accepted, m.per_position_drafted)],
+            "fallback_rounds": m.fallback_rounds,
+            "stale_drafts": m.stale_drafts,
+            "tokens_per_second": new / elapsed,
+            "elapsed_s": elapsed,
+            "time_to_first_token_s": (self.first_token_at - self.started) if self.first_token_at else None,
+            "verifier_busy_fraction": m.verify_s / elapsed,
+            "drafter_busy_fraction": m.drafter_stats.get("busy_s", 0.0) / elapsed,
+            "predraft_hits": m.drafter_stats.get("predraft_hits", 0),
+            "predraft_hit_rate": m.drafter_stats.get("predraft_hits", 0) / max(m.drafter_stats.get("blocks", 0), 1),
+            "rolled_back_draft_tokens": m.drafter_stats.get("rolled_back", 0),
+            "bytes_per_round": (m.bytes_in + m.bytes_out) / rounds,
+            "message_overhead_ms_per_round": 1000 * m.message_s / rounds,
+            "draft_transit_ms": 1000 * m.transit_s / m.drafts if m.drafts else 0.0,
+            "seed": self.params.seed,
+        }
