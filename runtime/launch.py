@@ -185,6 +185,7 @@ def _parser() -> argparse.ArgumentParser:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", help="run one generation on this text and exit")
     src.add_argument("--messages", help="run one generation on chat messages from this JSON file and exit")
+    p.add_argument("--chat", action="store_true", help="send --prompt as one user message (chat template)")
     p.add_argument("--json", action="store_true", help="print {text, token_ids, metrics} as JSON")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--do-sample", action="store_true")
@@ -229,12 +230,15 @@ async def _one_shot(args: argparse.Namespace, config: dict[str, Any]) -> int:
     params = {"max_new_tokens": args.max_new_tokens, "do_sample": args.do_sample, "temperature": args.temperature,
               "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed}
     messages = _load_messages(args.messages) if args.messages else None
+    prompt = args.prompt
+    if args.chat and prompt is not None:
+        prompt, messages = None, [{"role": "user", "content": args.prompt}]
     async with cluster(config) as client:
         if args.json:
-            r = await client.generate(args.prompt, messages=messages, **params)
+            r = await client.generate(prompt, messages=messages, **params)
             print(json.dumps({"text": r.text, "token_ids": r.token_ids, "metrics": r.metrics}))
             return 0
-        async for item in client.stream(args.prompt, messages=messages, include_result=True, **params):
+        async for item in client.stream(prompt, messages=messages, include_result=True, **params):
             if isinstance(item, Chunk):
                 print(item.text, end="", flush=True)
             else:

@@ -4,6 +4,8 @@ the same path real models take, at a size that runs in milliseconds on one threa
 
 from __future__ import annotations
 
+import copy
+import functools
 from pathlib import Path
 
 import torch
@@ -69,13 +71,12 @@ def build_model(folder: Path, arch: str, tokenizer_folder: Path, seed: int, laye
     torch.manual_seed(seed)
     config = model_config(arch, vocab_size or len(tokenizer), layers)
     model = AutoModelForCausalLM.from_config(config)
-    if sharpen != 1.0:
-        with torch.no_grad():
-            head = model.get_output_embeddings()
-            if getattr(config, "tie_word_embeddings", False):
-                model.config.tie_word_embeddings = False
-                head.weight = torch.nn.Parameter(head.weight.detach().clone())
-            head.weight.mul_(sharpen)
+    with torch.no_grad():
+        # A fresh, untied head: tied tiny models (GPT-2) otherwise just repeat their input token, and a target and
+        # a "random" drafter would then agree on everything.
+        model.config.tie_word_embeddings = False
+        head = model.get_output_embeddings()
+        head.weight = torch.nn.Parameter(torch.randn_like(head.weight) * 0.2 * sharpen)
     model.generation_config.eos_token_id = config.eos_token_id
     model.generation_config.pad_token_id = 1
     model.save_pretrained(folder)
@@ -85,9 +86,16 @@ def build_model(folder: Path, arch: str, tokenizer_folder: Path, seed: int, laye
 
 def reference_greedy(folder: Path, prompt: list[int], max_new_tokens: int, eos: list[int] | None = None) -> list[int]:
     """transformers' own greedy ``generate`` on the target alone: the ground truth."""
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    model = _reference_model(str(folder))
+    config = copy.deepcopy(model.generation_config)
+    config.eos_token_id = list(eos) if eos else None
+    config.pad_token_id = 1
     ids = torch.tensor([prompt])
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens,
-                         eos_token_id=eos if eos else None, pad_token_id=1,
-                         min_new_tokens=0)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config, do_sample=False,
+                         max_new_tokens=max_new_tokens)
     return out[0, len(prompt):].tolist()
+
+
+@functools.lru_cache(maxsize=8)
+def _reference_model(folder: str):
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()

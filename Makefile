@@ -1,0 +1,31 @@
+# The two commands for a fresh machine (see README): `make run` and `make test`.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PROMPT ?= Write a Python function is_prime(n) that returns True when n is a prime number.
+
+.PHONY: setup run test lint bench test-slow
+
+setup: $(VENV)/.installed
+
+# torch is pinned explicitly: an unpinned torch would pull a multi-GB CUDA build.
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test,bench]'
+	touch $@
+
+run: setup
+	$(PY) -m runtime.launch --config cpu.yaml --max-new-tokens 64 --chat --prompt "$(PROMPT)"
+
+test: setup
+	$(PY) -m pytest -q
+
+test-slow: setup
+	$(PY) -m pytest -q -m slow
+
+lint: setup
+	$(VENV)/bin/ruff check .
+
+bench: setup
+	$(PY) scripts/bench.py

@@ -1,0 +1,65 @@
+"""Shared fixtures: tiny models saved once per test session, and a helper to run a cluster from a test."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from tiny_models import build_model, build_tokenizer  # noqa: E402
+
+torch.set_num_threads(1)
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+ARCHS = ("llama", "qwen2", "gpt2")
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("models")
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(model_dir) -> Path:
+    folder = model_dir / "tokenizer"
+    build_tokenizer(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny(model_dir, tokenizer_dir):
+    """``tiny(arch, role)`` → folder of a saved tiny model; role ``target`` or ``random`` (a different drafter)."""
+    cache: dict[tuple[str, str], Path] = {}
+
+    def get(arch: str, role: str = "target") -> Path:
+        key = (arch, role)
+        if key not in cache:
+            seed = {"target": 1, "random": 2}[role]
+            layers = 2 if role == "target" else 1
+            cache[key] = build_model(model_dir / f"{arch}-{role}", arch, tokenizer_dir, seed=seed, layers=layers)
+        return cache[key]
+
+    return get
+
+
+def tiny_config(target: Path, drafter: Path | None, **drafter_keys) -> dict:
+    """A config dict for tiny models: float32, one thread per node, generous but bounded waits."""
+    config = {
+        "verifier": {"model": str(target), "dtype": "float32", "threads": 1, "draft_timeout_ms": 3000},
+        "drafter": {"model": str(drafter or target), "dtype": "float32", "threads": 1,
+                    "draft_schedule": "constant", **drafter_keys},
+        "client": {"timeout_s": 120},
+        "launch": {"ready_timeout_s": 120},
+    }
+    return config
+
+
+def run_async(coro):
+    return asyncio.run(coro)

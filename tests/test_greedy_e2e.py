@@ -1,0 +1,68 @@
+"""Greedy output of the running cluster is token-identical to transformers' ``generate`` on the target alone.
+
+Real node processes, real ZeroMQ sockets, tiny models loaded with ``from_pretrained``. The matrix covers Llama,
+Qwen2 and GPT-2 style models, draft lengths 1..8, an identical drafter (everything accepted) and a random one
+(mostly rejected), overlap on and off, EOS inside a block and max_new_tokens cutting a block.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from conftest import tiny_config
+from tiny_models import reference_greedy
+
+from runtime.launch import cluster
+
+PROMPTS = [[5, 17, 33, 2, 60], [100, 101, 7], [42] * 12 + [9, 8]]
+
+# (arch, drafter, overlap, k): every drafter × overlap combination for each architecture, k = 1..8 on Llama.
+CASES = [
+    ("llama", "target", True, 1), ("llama", "random", False, 2), ("llama", "random", True, 3),
+    ("llama", "target", False, 4), ("llama", "target", True, 5), ("llama", "random", False, 6),
+    ("llama", "random", True, 7), ("llama", "target", False, 8),
+    ("qwen2", "target", True, 3), ("qwen2", "random", False, 5), ("qwen2", "random", True, 8),
+    ("qwen2", "target", False, 2),
+    ("gpt2", "target", False, 3), ("gpt2", "random", True, 5), ("gpt2", "random", False, 8),
+    ("gpt2", "target", True, 4),
+]
+
+
+def expectations(target) -> list[tuple[list[int], dict, list[int]]]:
+    """(prompt, request params, expected tokens): a plain run, EOS inside a block, and a short max_new_tokens."""
+    plain = reference_greedy(target, PROMPTS[0], 40)
+    eos = plain[9]  # a token the target really produces: generation must stop there, mid-block
+    with_eos = reference_greedy(target, PROMPTS[0], 40, eos=[eos])
+    assert len(with_eos) < 40 and with_eos[-1] == eos
+    return [
+        (PROMPTS[0], {"max_new_tokens": 40, "eos_token_ids": []}, plain),
+        (PROMPTS[0], {"max_new_tokens": 40, "eos_token_ids": [eos]}, with_eos),
+        (PROMPTS[1], {"max_new_tokens": 11, "eos_token_ids": []}, reference_greedy(target, PROMPTS[1], 11)),
+        (PROMPTS[2], {"max_new_tokens": 23, "eos_token_ids": []}, reference_greedy(target, PROMPTS[2], 23)),
+    ]
+
+
+@pytest.mark.parametrize(("arch", "drafter", "overlap", "k"), CASES)
+def test_greedy_matches_transformers(tiny, arch, drafter, overlap, k):
+    target = tiny(arch, "target")
+    draft_model = tiny(arch, drafter)
+    cases = expectations(target)
+    config = tiny_config(target, draft_model, num_draft_tokens=k, overlap=overlap)
+
+    async def main():
+        async with cluster(config) as client:
+            results = await asyncio.gather(
+                *(client.generate(token_ids=prompt, **params) for prompt, params, _ in cases)
+            )
+        return results
+
+    results = asyncio.run(main())
+    for (prompt, params, expected), result in zip(cases, results):
+        assert result.token_ids == expected, f"prompt {prompt} params {params}"
+    plain = results[0].metrics
+    assert plain["drafts"] > 0, "the drafter never contributed a block"
+    if drafter == "target":
+        assert plain["acceptance_rate"] == 1.0
+    else:
+        assert plain["acceptance_rate"] < 0.9
