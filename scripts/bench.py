@@ -177,6 +177,7 @@ def hf_worker(job_path: Path) -> int:
     from shared.models import load_causal_lm, set_threads
 
     transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
     set_threads(threads)
     t0 = time.perf_counter()
     target = load_causal_lm(job["target_path"], "cpu", job["dtype"])
@@ -337,7 +338,8 @@ def summarize(key: str, raw: dict[str, Any], ref: dict[str, Any] | None, c: floa
             row["tau"] = 1 + spec["accepted_tokens"] / spec["drafts"]
             row["k"] = spec["draft_tokens"] / spec["drafts"]
     if ref is not None:
-        row["speedup"] = row["tokens_per_s"] / ref["tokens_per_s"]
+        ref_tps = sum(p["new_tokens"] for p in ref["per_prompt"]) / sum(p["time_s"] for p in ref["per_prompt"])
+        row["speedup"] = row["tokens_per_s"] / ref_tps
         diverge = []
         for i, (p, r) in enumerate(zip(pp, ref["per_prompt"])):
             if p["token_ids"] != r["token_ids"]:

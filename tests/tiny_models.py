@@ -99,3 +99,13 @@ def reference_greedy(folder: Path, prompt: list[int], max_new_tokens: int, eos: 
 @functools.lru_cache(maxsize=8)
 def _reference_model(folder: str):
     return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def build_small_vocab_tokenizer(folder: Path, words: int = 10) -> PreTrainedTokenizerFast:
+    """A word-level tokenizer with ``words`` + 2 tokens, for sampling tests on a small, sharpened vocabulary."""
+    vocab = {"<eos>": 0, "<pad>": 1, **{f"w{i}": i + 2 for i in range(words)}}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>")
+    fast.save_pretrained(folder)
+    return fast
