@@ -32,7 +32,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "threads": 1,
         "endpoint": "ipc://{run_dir}/verifier.ipc",
         "max_memory": None,
-        "draft_timeout_ms": 1500,
+        "draft_timeout_ms": 3000,
         "max_sessions": 64,
         "max_message_bytes": 64 * 1024 * 1024,
         "allow_remote": False,

@@ -346,8 +346,9 @@ def summarize(key: str, raw: dict[str, Any], ref: dict[str, Any] | None, c: floa
                 first = next((j for j, (a, b) in enumerate(zip(p["token_ids"], r["token_ids"])) if a != b),
                              min(len(p["token_ids"]), len(r["token_ids"])))
                 diverge.append({"prompt": i, "first_diff": first})
-        row["mismatches"] = len(diverge)
-        row["mismatch_detail"] = diverge
+        if key != REFERENCE:
+            row["mismatches"] = len(diverge)
+            row["mismatch_detail"] = diverge
     if c is not None and "alpha" in row:
         model = speed_model(row["alpha"], row["k"], c)
         row["E"] = model["E"]
@@ -355,7 +356,7 @@ def summarize(key: str, raw: dict[str, Any], ref: dict[str, Any] | None, c: floa
             row["ideal"] = model["ideal_overlap"]
             if "speedup" in row:
                 row["efficiency"] = row["speedup"] / row["ideal"]
-        if kind == "sync" or (kind == "assisted" and threads == 1):
+        if kind == "sync":
             row["sync_bound"] = model["sync_bound"]
     return row
 
@@ -421,7 +422,7 @@ def write_markdown(path: Path, report: dict[str, Any]) -> None:
             lines.append(f"| {r['label']} | error (see below) |" + " |" * 13)
             errors.append(r)
             continue
-        mism = "—" if "mismatches" not in r else f"{r['mismatches']}/{r['prompts']}"
+        mism = "ref" if r["key"] == REFERENCE else "—" if "mismatches" not in r else f"{r['mismatches']}/{r['prompts']}"
         lines.append(
             f"| {r['label']} | {r['new_tokens']} | {r['time_s']:.1f} | {r['tokens_per_s']:.2f} | "
             f"{_fmt(r.get('speedup'), '.2f', '×')} | {mism} | {_fmt(r.get('alpha'))} | {_fmt(r.get('tau'))} | "
@@ -463,6 +464,7 @@ def write_plot(path: Path, rows: list[dict[str, Any]]) -> None:
     shown = [r for r in rows if "speedup" in r]
     if not shown:
         log("no speedups to plot (the reference row did not run)")
+        path.unlink(missing_ok=True)  # never leave an earlier run's plot next to this run's table
         return
     fig, ax = plt.subplots(figsize=(9, 4.5))
     colors = {"target": "#9e9e9e", "assisted": "#f4a261", "sync": "#2a9d8f", "overlap": "#264653"}
@@ -471,11 +473,16 @@ def write_plot(path: Path, rows: list[dict[str, Any]]) -> None:
     for bar, r in zip(bars, shown):
         ax.annotate(f"{r['speedup']:.2f}×", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
                     ha="center", va="bottom", fontsize=9)
-    ideal = [(i, r["ideal"]) for i, r in enumerate(shown) if "ideal" in r]
-    if ideal:
-        ax.scatter([i for i, _ in ideal], [v for _, v in ideal], marker="_", s=900, color="crimson", zorder=3,
-                   label="ideal overlapped bound E/max(1, k·c)")
+    top = max(r["speedup"] for r in shown)
+    for name, style, text in (("ideal", {"color": "crimson"}, "ideal overlapped bound E/max(1, k·c)"),
+                              ("sync_bound", {"color": "dimgray"}, "synchronous bound E/(1 + k·c)")):
+        marks = [(i, r[name]) for i, r in enumerate(shown) if name in r]
+        if marks:
+            ax.scatter([i for i, _ in marks], [v for _, v in marks], marker="_", s=900, zorder=3, label=text, **style)
+            top = max(top, *(v for _, v in marks))
+    if ax.get_legend_handles_labels()[0]:
         ax.legend(loc="upper left", fontsize=8)
+    ax.set_ylim(0, top * 1.3)
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xticks(list(xs), [r["label"] for r in shown], rotation=20, ha="right", fontsize=8)
     ax.set_ylabel(f"tokens/s ÷ {ROWS[REFERENCE][0]}")
@@ -509,6 +516,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", type=int, default=10, help="number of prompts (from the start of the prompts file)")
     p.add_argument("--prompts-file", type=Path, default=DEFAULT_PROMPTS,
                    help="JSON list of {id, messages} (default: scripts/prompts/code_prompts.json)")
+    p.add_argument("--replot", action="store_true",
+                   help="only rebuild bench.md and bench.png from the bench.json already in --out")
     p.add_argument("--_hf-worker", dest="hf_worker", type=Path, help=argparse.SUPPRESS)
     return p
 
@@ -518,6 +527,8 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(REPO_ROOT))
     if args.hf_worker:
         return hf_worker(args.hf_worker)
+    if args.replot:
+        return replot(args.out)
     keys = select_rows(args.rows)
     from runtime.config import load_config
     from shared.models import load_tokenizer, resolve_model
@@ -588,12 +599,29 @@ def main(argv: list[str] | None = None) -> int:
             log(f"{ROWS[key][0]} failed after {time.perf_counter() - t0:.1f} s: {errors[key]}")
         save()
 
-    report = save()
-    write_markdown(args.out / "bench.md", report)
-    write_plot(args.out / "bench.png", report["rows"])
-    log(f"wrote {args.out / 'bench.md'}, {args.out / 'bench.png'}, {args.out / 'bench.json'}")
-    print((args.out / "bench.md").read_text())
+    write_reports(args.out, save())
     return 1 if errors else 0
+
+
+def write_reports(out: Path, report: dict[str, Any]) -> None:
+    write_markdown(out / "bench.md", report)
+    write_plot(out / "bench.png", report["rows"])
+    log(f"wrote {out / 'bench.md'}, {out / 'bench.png'}, {out / 'bench.json'}")
+    print((out / "bench.md").read_text())
+
+
+def replot(out: Path) -> int:
+    """Recompute the rows from the raw numbers of an earlier run and rewrite the markdown and the plot."""
+    report = json.loads((out / "bench.json").read_text())
+    raw, meta = report["raw"], report["meta"]
+    c = report["calibration"]["c"] if report.get("calibration") else None
+    errors = {r["key"]: r["error"] for r in report["rows"] if "error" in r}
+    report["rows"] = [summarize(k, raw[k], raw.get(REFERENCE), c) if k in raw
+                      else {"key": k, "label": ROWS[k][0], "error": errors[k]}
+                      for k in meta["rows"] if k in raw or k in errors]
+    (out / "bench.json").write_text(json.dumps(report, indent=1))
+    write_reports(out, report)
+    return 0
 
 
 if __name__ == "__main__":

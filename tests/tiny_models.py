@@ -88,11 +88,13 @@ def reference_greedy(folder: Path, prompt: list[int], max_new_tokens: int, eos: 
     """transformers' own greedy ``generate`` on the target alone: the ground truth."""
     model = _reference_model(str(folder))
     config = copy.deepcopy(model.generation_config)
-    config.eos_token_id = list(eos) if eos else None
+    # An empty list, not None: None would fall back to the checkpoint's own EOS.
+    config.eos_token_id = list(eos) if eos else []
     config.pad_token_id = 1
+    config.do_sample = False
+    config.max_new_tokens = max_new_tokens
     ids = torch.tensor([prompt])
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config, do_sample=False,
-                         max_new_tokens=max_new_tokens)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
     return out[0, len(prompt):].tolist()
 
 

@@ -56,7 +56,7 @@ class VerifierServer:
     def __init__(self, config: dict[str, Any], model=None, tokenizer=None):
         vcfg = config["verifier"]
         self.config = config
-        self.draft_timeout = vcfg.get("draft_timeout_ms", 1500) / 1000
+        self.draft_timeout = vcfg["draft_timeout_ms"] / 1000
         self.max_sessions = vcfg.get("max_sessions", 64)
         self.max_bytes = vcfg.get("max_message_bytes", 64 * 1024 * 1024)
         set_threads(vcfg["threads"])

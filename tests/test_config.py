@@ -1,0 +1,362 @@
+"""Fast tests of runtime.config and the launcher's error path. No models are loaded or downloaded.
+
+Tests whose names start with ``test_bug_`` pin behaviour the module promises ("a bad value fails here, before any
+process starts, with a ConfigError that names the key") but does not deliver yet; they fail until the code is fixed.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from runtime.config import (
+    CONFIG_DIR,
+    DEFAULTS,
+    ConfigError,
+    fill_run_dir,
+    find_config,
+    load_config,
+    parse_overrides,
+)
+from shared import registry
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+BUNDLED = sorted(p.name for p in CONFIG_DIR.glob("*.yaml"))
+
+
+def _config_error(source: Any = "cpu.yaml", overrides: Any = None) -> str:
+    """The message of the ConfigError load_config raises; fails the test (as a bug) on any other outcome."""
+    try:
+        config = load_config(source, overrides)
+    except ConfigError as exc:
+        return str(exc)
+    except Exception as exc:
+        pytest.fail(f"BUG: load_config raised {type(exc).__name__}: {exc} instead of ConfigError")
+    pytest.fail(f"load_config accepted a bad config: {config!r:.300}")
+
+
+@pytest.fixture(autouse=True)
+def _no_downloads(monkeypatch):
+    """Validation must never install, download or convert a model."""
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("load_config tried to fetch a model")
+
+    monkeypatch.setattr(registry, "ensure_model", forbidden)
+    monkeypatch.setattr(registry, "download_wheels", forbidden)
+
+
+# ------------------------------------------------------------------------------------------ bundled configs
+
+
+def test_bundled_configs_exist():
+    assert {"cpu.yaml", "multi_node.yaml", "two_gpu.yaml"} <= set(BUNDLED)
+
+
+@pytest.mark.parametrize("name", [n for n in BUNDLED if n != "two_gpu.yaml"])
+def test_bundled_config_loads(name):
+    config = load_config(name)
+    assert set(config) == set(DEFAULTS)
+    for section, keys in DEFAULTS.items():
+        assert set(config[section]) == set(keys), section
+    assert config["verifier"]["model"] in registry.NAMED_MODELS
+    assert config["drafter"]["model"] in registry.NAMED_MODELS
+    assert config["verifier"]["device"] == "cpu"
+    assert config["verifier"]["endpoint"] != config["client"]["endpoint"]
+
+
+def test_default_config_is_cpu_yaml():
+    assert load_config(None) == load_config("cpu.yaml") == load_config(CONFIG_DIR / "cpu.yaml")
+
+
+def test_two_gpu_config_needs_two_gpus():
+    gpus = torch.cuda.device_count()
+    if gpus >= 2:
+        assert load_config("two_gpu.yaml")["drafter"]["device"] == "cuda:1"
+        return
+    message = _config_error("two_gpu.yaml")
+    assert ("verifier.device" if gpus == 0 else "drafter.device") in message
+    assert "cpu.yaml" in message
+
+
+# ------------------------------------------------------------------------------------------ finding files
+
+
+def test_bare_name_is_looked_up_in_configs_dir(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert find_config("cpu.yaml") == CONFIG_DIR / "cpu.yaml"
+    assert load_config("multi_node.yaml")["verifier"]["endpoint"] == "tcp://127.0.0.1:5555"
+
+
+def test_explicit_path_is_used_as_given(tmp_path):
+    path = tmp_path / "mine.yaml"
+    path.write_text((CONFIG_DIR / "cpu.yaml").read_text().replace("num_draft_tokens: 5", "num_draft_tokens: 9"))
+    assert find_config(str(path)) == path
+    assert load_config(path)["drafter"]["num_draft_tokens"] == 9
+
+
+@pytest.mark.parametrize("name", ["nope.yaml", "configs/nope.yaml", "/nonexistent/cpu.yaml"])
+def test_missing_file_lists_bundled_configs(name):
+    with pytest.raises(ConfigError) as info:
+        find_config(name)
+    message = str(info.value)
+    assert name in message
+    for bundled in BUNDLED:
+        assert bundled in message
+    assert name in _config_error(name)
+
+
+def test_invalid_yaml_file(tmp_path):
+    path = tmp_path / "broken.yaml"
+    path.write_text("verifier:\n  model: [unclosed\n  device: cpu\n")
+    message = _config_error(path)
+    assert "not valid YAML" in message and "broken.yaml" in message
+
+
+@pytest.mark.parametrize("text", ["- verifier\n- drafter\n", "just a string\n", "42\n"])
+def test_yaml_that_is_not_a_mapping(tmp_path, text):
+    path = tmp_path / "list.yaml"
+    path.write_text(text)
+    assert "mapping" in _config_error(path)
+
+
+def test_empty_yaml_file_means_all_defaults_then_names_the_missing_model(tmp_path):
+    path = tmp_path / "empty.yaml"
+    path.write_text("# nothing\n")
+    assert "verifier.model" in _config_error(path)
+
+
+def test_bug_config_path_that_is_a_directory(tmp_path):
+    """config.py:89 reads the file without catching OSError: `--config /some/dir` ends in a traceback."""
+    _config_error(tmp_path)
+
+
+def test_bug_config_file_that_is_not_utf8(tmp_path):
+    """config.py:89: a non-UTF-8 file raises UnicodeDecodeError instead of ConfigError."""
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes("verifier:\n  model: caf\xe9\n".encode("latin-1"))
+    _config_error(path)
+
+
+# ------------------------------------------------------------------------------------------ errors name the key
+
+BAD: list[tuple[str, Any, Any, str]] = [
+    # (id, source, overrides, key the error must name)
+    ("unknown section", {"verifyer": {"model": "x"}}, None, "verifyer"),
+    ("unknown section via --set", "cpu.yaml", ["verifyer.model=x"], "verifyer"),
+    ("section not a mapping", {"drafter": 5}, None, "drafter"),
+    ("unknown key", {"drafter": {"colour": "red"}}, None, "drafter.colour"),
+    ("unknown key via --set", "cpu.yaml", ["drafter.colour=red"], "drafter.colour"),
+    ("unknown key via dict override", "cpu.yaml", {"drafter.colour": "red"}, "drafter.colour"),
+    ("unknown drafter type", "cpu.yaml", {"drafter.type": "eagle9"}, "drafter.type"),
+    ("missing verifier model", "cpu.yaml", {"verifier.model": None}, "verifier.model"),
+    ("empty verifier model", "cpu.yaml", {"verifier.model": ""}, "verifier.model"),
+    ("verifier model not a string", "cpu.yaml", {"verifier.model": 5}, "verifier.model"),
+    ("missing drafter model", "cpu.yaml", {"drafter.model": None}, "drafter.model"),
+    ("drafter model folder missing", "cpu.yaml", {"drafter.model": "./nope"}, "drafter.model"),
+    ("absolute model folder missing", "cpu.yaml", {"verifier.model": "/nonexistent/model"}, "verifier.model"),
+    ("not a model name", "cpu.yaml", {"verifier.model": "not a model!"}, "verifier.model"),
+    ("bad device", "cpu.yaml", {"verifier.device": "gpu"}, "verifier.device"),
+    ("bad drafter device", "cpu.yaml", {"drafter.device": "cuda:x"}, "drafter.device"),
+    ("device not a string", "cpu.yaml", {"verifier.device": 0}, "verifier.device"),
+    ("cuda device beyond count", "cpu.yaml", {"verifier.device": "cuda:64"}, "verifier.device"),
+    ("bad verifier dtype", "cpu.yaml", {"verifier.dtype": "int8"}, "verifier.dtype"),
+    ("bad drafter dtype", "cpu.yaml", {"drafter.dtype": "float64"}, "drafter.dtype"),
+    ("threads 0", "cpu.yaml", {"verifier.threads": 0}, "verifier.threads"),
+    ("threads string", "cpu.yaml", {"verifier.threads": "two"}, "verifier.threads"),
+    ("threads bool", "cpu.yaml", {"drafter.threads": True}, "drafter.threads"),
+    ("threads float", "cpu.yaml", {"drafter.threads": 1.5}, "drafter.threads"),
+    ("num_draft_tokens 0", "cpu.yaml", {"drafter.num_draft_tokens": 0}, "drafter.num_draft_tokens"),
+    ("num_draft_tokens 65", "cpu.yaml", {"drafter.num_draft_tokens": 65}, "drafter.num_draft_tokens"),
+    ("num_draft_tokens -3", "cpu.yaml", ["drafter.num_draft_tokens=-3"], "drafter.num_draft_tokens"),
+    ("max_draft_tokens 0", "cpu.yaml", {"drafter.max_draft_tokens": 0}, "drafter.max_draft_tokens"),
+    ("q_top_k negative", "cpu.yaml", {"drafter.q_top_k": -1}, "drafter.q_top_k"),
+    ("max_sessions 0", "cpu.yaml", {"verifier.max_sessions": 0}, "verifier.max_sessions"),
+    ("max_message_bytes 0", "cpu.yaml", {"verifier.max_message_bytes": 0}, "verifier.max_message_bytes"),
+    ("draft_timeout_ms string", "cpu.yaml", {"verifier.draft_timeout_ms": "1s"}, "verifier.draft_timeout_ms"),
+    ("bad draft_schedule", "cpu.yaml", {"drafter.draft_schedule": "fastest"}, "drafter.draft_schedule"),
+    ("overlap string", "cpu.yaml", {"drafter.overlap": "yes"}, "drafter.overlap"),
+    ("overlap int", "cpu.yaml", {"drafter.overlap": 1}, "drafter.overlap"),
+    ("allow_remote string", "cpu.yaml", {"verifier.allow_remote": "no"}, "verifier.allow_remote"),
+    ("start_drafter None", "cpu.yaml", {"launch.start_drafter": None}, "launch.start_drafter"),
+    ("ensemble_weight set", "cpu.yaml", {"verification.ensemble_weight": 0.5}, "verification.ensemble_weight"),
+    ("ensemble_weight zero", "cpu.yaml", ["verification.ensemble_weight=0"], "verification.ensemble_weight"),
+    ("malformed verifier endpoint", "cpu.yaml", {"verifier.endpoint": "localhost:5555"}, "verifier.endpoint"),
+    ("verifier endpoint None", "cpu.yaml", {"verifier.endpoint": None}, "verifier.endpoint"),
+    ("client endpoint without port", "cpu.yaml", {"client.endpoint": "tcp://127.0.0.1"}, "client.endpoint"),
+    ("drafter endpoint http", "cpu.yaml", {"drafter.verifier_endpoint": "http://x:1"}, "drafter.verifier_endpoint"),
+    ("client endpoint equals verifier endpoint", "cpu.yaml",
+     {"client.endpoint": "ipc://{run_dir}/verifier.ipc"}, "client.endpoint"),
+    ("ready_timeout_s 0", "cpu.yaml", {"launch.ready_timeout_s": 0}, "launch.ready_timeout_s"),
+    ("ready_timeout_s None", "cpu.yaml", {"launch.ready_timeout_s": None}, "launch.ready_timeout_s"),
+]
+
+
+@pytest.mark.parametrize(("source", "overrides", "key"), [b[1:] for b in BAD], ids=[b[0] for b in BAD])
+def test_error_names_the_key(source, overrides, key):
+    assert key in _config_error(source, overrides)
+
+
+def test_two_gpu_device_error_points_at_cpu_yaml():
+    message = _config_error("cpu.yaml", {"drafter.device": "cuda:64"})
+    assert "drafter.device" in message and "cpu.yaml" in message
+
+
+def test_model_folder_without_config_json(tmp_path):
+    message = _config_error("cpu.yaml", {"drafter.model": str(tmp_path)})
+    assert "drafter.model" in message and "config.json" in message
+
+
+def test_model_folder_with_config_json_and_hub_ids_are_accepted(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    config = load_config("cpu.yaml", {"drafter.model": str(tmp_path), "verifier.model": "SomeOrg/some-model_1.5B"})
+    assert config["drafter"]["model"] == str(tmp_path)
+
+
+@pytest.mark.parametrize("value", [1, 64])
+def test_num_draft_tokens_bounds_are_inclusive(value):
+    assert load_config("cpu.yaml", {"drafter.num_draft_tokens": value})["drafter"]["num_draft_tokens"] == value
+
+
+def test_dict_source_is_not_mutated():
+    source = {"verifier": {"model": "qwen2.5-coder-1.5b-instruct"}, "drafter": {"model": "qwen2.5-coder-0.5b-instruct"}}
+    snapshot = repr(source)
+    config = load_config(source, {"drafter.num_draft_tokens": 3})
+    assert repr(source) == snapshot
+    assert config["drafter"]["num_draft_tokens"] == 3
+    assert config["verifier"]["threads"] == DEFAULTS["verifier"]["threads"]
+    config["verifier"]["threads"] = 99
+    assert DEFAULTS["verifier"]["threads"] == 1  # defaults are copied, not shared
+
+
+# ---------------------------------------------------------------------------------- bugs: non-ConfigError escapes
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [{"verifier.dtype": ["bfloat16"]}, {"drafter.dtype": {}}, {"drafter.type": ["assistant"]}],
+    ids=["verifier.dtype-list", "drafter.dtype-map", "drafter.type-list"],
+)
+def test_bug_unhashable_values_give_config_error(overrides):
+    """config.py:187 (`d["type"] not in DRAFTER_TYPES`) and :194 (`not in DTYPES`) raise TypeError on a list/map."""
+    (key,) = overrides
+    assert key in _config_error("cpu.yaml", overrides)
+
+
+def test_bug_ready_timeout_string_gives_config_error():
+    """config.py:224 compares with `<= 0` unchecked: `--set launch.ready_timeout_s=soon` raises TypeError."""
+    assert "launch.ready_timeout_s" in _config_error("cpu.yaml", ["launch.ready_timeout_s=soon"])
+
+
+@pytest.mark.parametrize("value", [-5, 0, "soon", True], ids=repr)
+def test_bug_client_timeout_is_validated(value):
+    """validate() never checks client.timeout_s; a bad one only fails later, inside the client."""
+    assert "client.timeout_s" in _config_error("cpu.yaml", {"client.timeout_s": value})
+
+
+# ------------------------------------------------------------------------------------------------ --set overrides
+
+
+def test_set_list_form_parses_yaml_values():
+    config = load_config("cpu.yaml", ["drafter.overlap=false", "drafter.num_draft_tokens=7"])
+    assert config["drafter"]["overlap"] is False
+    assert config["drafter"]["num_draft_tokens"] == 7 and isinstance(config["drafter"]["num_draft_tokens"], int)
+
+
+def test_parse_overrides_values():
+    assert parse_overrides(
+        [
+            "drafter.overlap=true",
+            "verifier.threads= 3 ",
+            "verifier.model=org/name",
+            "drafter.max_memory=",
+            "client.endpoint=ipc:///tmp/a=b.ipc",
+            " drafter.type =assistant",
+        ]
+    ) == {
+        "drafter.overlap": True,
+        "verifier.threads": 3,
+        "verifier.model": "org/name",
+        "drafter.max_memory": None,
+        "client.endpoint": "ipc:///tmp/a=b.ipc",
+        "drafter.type": "assistant",
+    }
+    assert parse_overrides(None) == {} == parse_overrides([]) == parse_overrides({})
+
+
+@pytest.mark.parametrize("item", ["novalue", "=5", ""])
+def test_set_without_key_value_is_an_error(item):
+    message = _config_error("cpu.yaml", [item])
+    assert "--set" in message and repr(item) in message
+
+
+def test_set_dict_form():
+    config = load_config("cpu.yaml", {"drafter.overlap": False, "drafter.num_draft_tokens": 7, "verifier.threads": 2})
+    assert (config["drafter"]["overlap"], config["drafter"]["num_draft_tokens"], config["verifier"]["threads"]) == (
+        False,
+        7,
+        2,
+    )
+
+
+def test_overrides_win_over_the_file_and_are_validated():
+    assert load_config("cpu.yaml")["drafter"]["num_draft_tokens"] == 5
+    assert load_config("cpu.yaml", ["drafter.num_draft_tokens=9"])["drafter"]["num_draft_tokens"] == 9
+    assert "drafter.num_draft_tokens" in _config_error("cpu.yaml", ["drafter.num_draft_tokens=100"])
+
+
+# ------------------------------------------------------------------------------------------------ fill_run_dir
+
+
+def test_fill_run_dir_replaces_placeholder_in_every_endpoint():
+    config = load_config("cpu.yaml", {"drafter.verifier_endpoint": "ipc://{run_dir}/verifier.ipc"})
+    filled = fill_run_dir(config, "/tmp/run-1")
+    assert filled["verifier"]["endpoint"] == "ipc:///tmp/run-1/verifier.ipc"
+    assert filled["client"]["endpoint"] == "ipc:///tmp/run-1/client.ipc"
+    assert filled["drafter"]["verifier_endpoint"] == "ipc:///tmp/run-1/verifier.ipc"
+    assert config["verifier"]["endpoint"] == "ipc://{run_dir}/verifier.ipc"  # the input is not changed
+    assert "{run_dir}" not in repr(filled)
+
+
+def test_fill_run_dir_leaves_tcp_and_unset_endpoints_alone():
+    config = load_config("multi_node.yaml")
+    filled = fill_run_dir(config, "/tmp/run-2")
+    assert filled == config
+    assert fill_run_dir(load_config("cpu.yaml"), "/x")["drafter"]["verifier_endpoint"] is None
+
+
+# ---------------------------------------------------------------------------------------------------------- CLI
+
+
+def test_cli_main_returns_2_on_config_error(capsys):
+    from runtime.launch import main
+
+    assert main(["--config", "cpu.yaml", "--set", "drafter.type=nope", "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("pipespec: error: ") and "drafter.type" in err
+
+
+def test_cli_subprocess_config_error_is_one_line_and_exit_2():
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "runtime.launch", "--config", "cpu.yaml", "--set", "drafter.type=nope", "--prompt", "hi"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        stdin=subprocess.DEVNULL,
+    )
+    elapsed = time.monotonic() - start
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("pipespec: error: ") and "drafter.type" in lines[0]
+    assert proc.stdout == ""
+    assert elapsed < 60, f"a config error took {elapsed:.1f} s to report"
