@@ -86,9 +86,11 @@ def load_config(
     else:
         path = find_config(source)
         try:
-            raw = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as exc:
+            raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        except (yaml.YAMLError, UnicodeDecodeError) as exc:
             raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+        except OSError as exc:
+            raise ConfigError(f"{path}: cannot read the config: {exc}") from None
     if not isinstance(raw, dict):
         raise ConfigError("a config must be a mapping of sections")
     config = merge_defaults(raw)
@@ -184,14 +186,14 @@ def validate(config: dict[str, Any]) -> None:
     hint = "on a machine without GPUs use configs/cpu.yaml (--config cpu.yaml)"
     _check_model("verifier.model", v["model"])
     _check_device("verifier.device", v["device"], hint)
-    if d["type"] not in DRAFTER_TYPES:
+    if not isinstance(d["type"], str) or d["type"] not in DRAFTER_TYPES:
         raise ConfigError(f"drafter.type: unknown drafter type {d['type']!r} (known: {', '.join(DRAFTER_TYPES)})")
     if d["type"] in MODEL_TYPES_NEEDING_MODEL:
         _check_model("drafter.model", d["model"])
     _check_device("drafter.device", d["device"], hint)
     for dotted in ("verifier.dtype", "drafter.dtype"):
         section, key = dotted.split(".")
-        if config[section][key] not in DTYPES:
+        if not isinstance(config[section][key], str) or config[section][key] not in DTYPES:
             raise ConfigError(f"{dotted}: must be one of {', '.join(DTYPES)}, got {config[section][key]!r}")
     for dotted in ("verifier.threads", "drafter.threads", "drafter.num_draft_tokens", "drafter.max_draft_tokens",
                    "verifier.max_sessions", "verifier.max_message_bytes", "verifier.draft_timeout_ms"):
@@ -199,7 +201,7 @@ def validate(config: dict[str, Any]) -> None:
     _positive_int(config, "drafter.q_top_k", minimum=0)
     if d["num_draft_tokens"] > 64:
         raise ConfigError("drafter.num_draft_tokens: at most 64")
-    if d["draft_schedule"] not in SCHEDULES:
+    if not isinstance(d["draft_schedule"], str) or d["draft_schedule"] not in SCHEDULES:
         raise ConfigError(f"drafter.draft_schedule: one of {', '.join(SCHEDULES)}, got {d['draft_schedule']!r}")
     for dotted in ("drafter.overlap", "verifier.allow_remote", "launch.start_drafter"):
         section, key = dotted.split(".")
@@ -221,8 +223,11 @@ def validate(config: dict[str, Any]) -> None:
             raise ConfigError(f"{dotted}: {exc}") from None
     if v["endpoint"] == config["client"]["endpoint"]:
         raise ConfigError("client.endpoint: must differ from verifier.endpoint (drafters and clients are separate)")
-    if config["launch"]["ready_timeout_s"] is None or config["launch"]["ready_timeout_s"] <= 0:
-        raise ConfigError("launch.ready_timeout_s: must be > 0")
+    for dotted in ("launch.ready_timeout_s", "client.timeout_s"):
+        section, key = dotted.split(".")
+        value = config[section][key]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            raise ConfigError(f"{dotted}: must be a number of seconds > 0, got {value!r}")
 
 
 def fill_run_dir(config: dict[str, Any], run_dir: str) -> dict[str, Any]:

@@ -42,6 +42,8 @@ SCHEMA_VERSION = 1
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 #: Cap on the header frame alone; headers are small, a huge one is an attack or a bug.
 MAX_HEADER_BYTES = 1024 * 1024
+#: Largest size of one tensor dimension (keeps shape arithmetic far from overflow).
+MAX_DIM = 2**31
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -102,6 +104,8 @@ def encode(msg_type: str, tensors: dict[str, torch.Tensor] | None = None, **fiel
     """Encode a message into frames: a msgpack header then one raw buffer per tensor (no copy for CPU tensors)."""
     if msg_type not in SCHEMA:
         raise ValueError(f"unknown message type {msg_type!r}")
+    if {"v", "type", "tensors"} & fields.keys():
+        raise ValueError("v, type and tensors are reserved header keys")
     specs = []
     buffers: list[Any] = []
     for name, tensor in (tensors or {}).items():
@@ -113,7 +117,7 @@ def encode(msg_type: str, tensors: dict[str, torch.Tensor] | None = None, **fiel
             raise ValueError(f"tensor {name!r}: dtype {t.dtype} cannot be sent")
         specs.append({"name": name, "dtype": _DTYPE_NAMES[t.dtype], "shape": list(t.shape)})
         # A uint8 view shares memory with t; numpy exposes it to ZeroMQ as a buffer without copying.
-        buffers.append(t.view(torch.uint8).reshape(-1).numpy() if t.numel() else b"")
+        buffers.append(t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b"")
     header = {"v": SCHEMA_VERSION, "type": msg_type, "tensors": specs, **fields}
     return [msgpack.packb(header, use_bin_type=True), *buffers]
 
@@ -142,7 +146,8 @@ def decode(frames: list[Any], max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Mes
         raise ProtocolError(f"header is not valid msgpack: {exc}") from None
     if not isinstance(header, dict):
         raise ProtocolError("header must be a map")
-    request_id = header.get("request_id") if isinstance(header.get("request_id"), int) else None
+    rid = header.get("request_id")
+    request_id = rid if isinstance(rid, int) and not isinstance(rid, bool) else None
     version = header.pop("v", None)
     if version != SCHEMA_VERSION:
         raise ProtocolError(
@@ -151,7 +156,7 @@ def decode(frames: list[Any], max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Mes
             request_id=request_id,
         )
     msg_type = header.pop("type", None)
-    if msg_type not in SCHEMA:
+    if not isinstance(msg_type, str) or msg_type not in SCHEMA:
         raise ProtocolError(f"unknown message type {msg_type!r}", code="unknown_type", request_id=request_id)
     specs = header.pop("tensors", [])
     try:
@@ -163,6 +168,8 @@ def decode(frames: list[Any], max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Mes
     except ProtocolError as exc:
         exc.request_id = request_id
         raise
+    except (TypeError, ValueError, RuntimeError, OverflowError) as exc:  # last line of defence: never crash a node
+        raise ProtocolError(f"malformed {msg_type} message: {exc}", request_id=request_id) from None
     return Message(msg_type, header, tensors)
 
 
@@ -174,9 +181,13 @@ def _decode_tensors(specs: Any, buffers: list[memoryview]) -> dict[str, torch.Te
         if not isinstance(spec, dict):
             raise ProtocolError("tensor descriptor must be a map")
         name, dtype_name, shape = spec.get("name"), spec.get("dtype"), spec.get("shape")
-        if not isinstance(name, str) or dtype_name not in _DTYPES:
+        if not isinstance(name, str) or not isinstance(dtype_name, str) or dtype_name not in _DTYPES:
             raise ProtocolError(f"bad tensor descriptor {spec!r}")
-        if not isinstance(shape, list) or not all(isinstance(s, int) and s >= 0 for s in shape) or len(shape) > 8:
+        if (
+            not isinstance(shape, list)
+            or len(shape) > 8
+            or not all(isinstance(s, int) and not isinstance(s, bool) and 0 <= s < MAX_DIM for s in shape)
+        ):
             raise ProtocolError(f"tensor {name!r}: bad shape {shape!r}")
         dtype = _DTYPES[dtype_name]
         numel = 1

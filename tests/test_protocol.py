@@ -1,8 +1,6 @@
 """Fast tests of shared.protocol: round trips, schema validation, error codes, fuzzing. No models, no nodes.
 
-Tests whose names start with ``test_bug_`` pin behaviour the module promises but does not deliver yet (decode must
-raise only :class:`ProtocolError` on malformed input, because the verifier only catches that); they fail until the
-code is fixed.
+Malformed input of any shape must raise only :class:`ProtocolError` (what the nodes catch and answer).
 """
 
 from __future__ import annotations
@@ -240,7 +238,7 @@ def test_tensor_header_describes_name_dtype_and_shape():
     assert memoryview(frames[1]).nbytes == 2 * 3 * 2
 
 
-def test_bug_zero_dim_tensor_round_trip():
+def test_zero_dim_tensor_round_trip():
     """The wire format allows shape [] (decode accepts it), but encode cannot produce it for multi-byte dtypes."""
     try:
         frames = encode("ping", tensors={"s": torch.tensor(1.5), "i": torch.tensor(7, dtype=torch.int64)})
@@ -297,11 +295,13 @@ MALFORMED: list[tuple[str, list[Any], str]] = [
     ("tensors is a map", [_header(tensors={"name": "x"}), b"\x00"], "bad_message"),
     ("tensors is nil", [_header(tensors=None)], "bad_message"),
     ("descriptor not a map", [_header(tensors=["x"]), b"\x00"], "bad_message"),
-    ("descriptor name not str", [_header(tensors=[{"name": 5, "dtype": "uint8", "shape": [1]}]), b"\x00"], "bad_message"),
+    ("descriptor name not str", [_header(tensors=[{"name": 5, "dtype": "uint8", "shape": [1]}]), b"\x00"],
+     "bad_message"),
     ("descriptor without name", [_header(tensors=[{"dtype": "uint8", "shape": [1]}]), b"\x00"], "bad_message"),
     ("dtype float64", [_header(tensors=[{"name": "x", "dtype": "float64", "shape": [1]}]), b"\x00" * 8], "bad_message"),
     ("dtype bool", [_header(tensors=[{"name": "x", "dtype": "bool", "shape": [1]}]), b"\x00"], "bad_message"),
-    ("dtype torch name", [_header(tensors=[{"name": "x", "dtype": "torch.uint8", "shape": [1]}]), b"\x00"], "bad_message"),
+    ("dtype torch name", [_header(tensors=[{"name": "x", "dtype": "torch.uint8", "shape": [1]}]), b"\x00"],
+     "bad_message"),
     ("dtype nil", [_header(tensors=[{"name": "x", "dtype": None, "shape": [1]}]), b"\x00"], "bad_message"),
     ("dtype int", [_header(tensors=[{"name": "x", "dtype": 3, "shape": [1]}]), b"\x00"], "bad_message"),
     ("negative dim", [_header(tensors=[{"name": "x", "dtype": "uint8", "shape": [-1]}]), b""], "bad_message"),
@@ -421,7 +421,7 @@ def test_request_id_absent_or_not_an_int_is_none(request_id):
     assert _error([_pack(header)]).request_id is None
 
 
-def test_bug_bool_request_id_is_not_carried():
+def test_bool_request_id_is_not_carried():
     """The schema rejects bools where ints are required, but decode() carries request_id=True onto the error."""
     exc = _error([_pack({"v": 99, "type": "cancel", "request_id": True})])
     assert exc.request_id is None, f"BUG: ProtocolError.request_id is {exc.request_id!r} for request_id=True"
@@ -439,24 +439,24 @@ def test_errors_before_the_header_is_read_have_no_request_id():
 
 
 @pytest.mark.parametrize("msg_type", [[], [1], {}, {"a": 1}], ids=["empty-list", "list", "empty-map", "map"])
-def test_bug_unhashable_type_field_is_unknown_type(msg_type):
+def test_unhashable_type_field_is_unknown_type(msg_type):
     exc = _error([_pack({"v": 1, "type": msg_type, "request_id": 3})])
     assert exc.code == "unknown_type"
 
 
 @pytest.mark.parametrize("dtype", [[], ["uint8"], {}], ids=["empty-list", "list", "map"])
-def test_bug_unhashable_dtype_is_protocol_error(dtype):
+def test_unhashable_dtype_is_protocol_error(dtype):
     _error([_header(tensors=[{"name": "x", "dtype": dtype, "shape": [1]}]), b"\x00"])
 
 
 @pytest.mark.parametrize("shape", [[0, 2**63], [0, 2**64 - 1], [0, 2**62, 2**62]],
                          ids=["2^63", "2^64-1", "2^62x2^62"])
-def test_bug_empty_tensor_with_huge_dims_is_protocol_error(shape):
+def test_empty_tensor_with_huge_dims_is_protocol_error(shape):
     _error([_header(tensors=[{"name": "x", "dtype": "uint8", "shape": shape}]), b""])
 
 
 @pytest.mark.parametrize("shape", [[True, 2], [2, False], [True]], ids=["true-2", "2-false", "true"])
-def test_bug_bool_dims_are_protocol_error(shape):
+def test_bool_dims_are_protocol_error(shape):
     numel = 1
     for s in shape:
         numel *= int(s)

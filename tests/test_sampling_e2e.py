@@ -38,7 +38,7 @@ def exact_joint(folder) -> torch.Tensor:
     with torch.no_grad():
         p1 = model(torch.tensor([PROMPT])).logits[0, -1].softmax(-1)
         v = p1.numel()
-        batch = torch.tensor([PROMPT + [x] for x in range(v)])
+        batch = torch.tensor([[*PROMPT, x] for x in range(v)])
         p2 = model(batch).logits[:, -1].softmax(-1)
     return p1[:, None] * p2
 
