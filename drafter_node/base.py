@@ -38,6 +38,7 @@ class Capabilities:
 @dataclass
 class DraftToken:
     token: int
+    alt: int | None = None  # the drafter's next-best token here (greedy): its guess for a correction
     q_idx: torch.Tensor | None = None  # support of the distribution it was drawn from (sampling only)
     q_prob: torch.Tensor | None = None
 
@@ -88,6 +89,20 @@ class DraftSession(ABC):
 
     def close(self) -> None:  # noqa: B027
         """Release per-session resources."""
+
+    # Optional multi-outcome pre-drafting (see drafter_node/branches.py). Types without it keep the default:
+    # the node then extends the chain on the single assumption that the whole block is accepted.
+    def begin_speculation(self, block_len: int) -> bool:
+        """A block of ``block_len`` chain tokens was sent: start pre-drafting its outcomes; False if unsupported."""
+        return False
+
+    @property
+    def speculation_depth(self) -> int | None:
+        """Tokens pre-drafted past each outcome, or None when not speculating."""
+        return None
+
+    def speculate_step(self) -> None:
+        raise NotImplementedError
 
 
 class Drafter(ABC):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from drafter_node.base import DraftSession, DraftToken
+from drafter_node.branches import Branches
 from shared.kv import CachedLM
 from shared.sampling import GenerationParams, make_generator, process_logits
 
@@ -18,13 +19,14 @@ from shared.sampling import GenerationParams, make_generator, process_logits
 def choose(scores: torch.Tensor, params: GenerationParams, position: int, q_top_m: int) -> DraftToken:
     """Pick the draft token for ``position`` from processed scores (shared by every model-based type)."""
     if not params.do_sample:
-        return DraftToken(int(scores.argmax()))
+        top2 = torch.topk(scores, min(2, scores.numel())).indices.tolist()
+        return DraftToken(top2[0], alt=top2[-1] if len(top2) > 1 else None)
     probs = scores.softmax(-1)
     m = probs.numel() if q_top_m <= 0 else min(q_top_m, probs.numel())
     q_prob, q_idx = torch.topk(probs, m)
     q_prob = q_prob / q_prob.sum()
     pick = int(torch.multinomial(q_prob, 1, generator=make_generator(params.seed or 0, position, stream=1)))
-    return DraftToken(int(q_idx[pick]), q_idx.to(torch.int32), q_prob.float())
+    return DraftToken(int(q_idx[pick]), q_idx=q_idx.to(torch.int32), q_prob=q_prob.float())
 
 
 class LMDraftSession(DraftSession):
@@ -37,6 +39,7 @@ class LMDraftSession(DraftSession):
         self.lm = CachedLM(model)
         self.q_top_m = q_top_m
         self.vocab_size = vocab_size  # the target's: a drafter head may be padded wider
+        self.branches: Branches | None = None
 
     def next_logits(self, ids: list[int]) -> torch.Tensor:
         """Logits for the token after ``ids``, feeding whatever the cache does not hold yet."""
@@ -56,3 +59,50 @@ class LMDraftSession(DraftSession):
 
     def _truncate(self, length: int) -> None:
         self.lm.crop(length)
+
+    # --------------------------------------------------------------- multi-outcome pre-drafting (greedy)
+    def begin_speculation(self, block_len: int) -> bool:
+        self.branches = None
+        if self.params.do_sample or self.ended:
+            return False
+        if len(self.chain) < block_len + 1:
+            self.propose(block_len + 1 - len(self.chain))  # the bonus guess
+        if len(self.chain) < block_len + 1 or any(d.alt is None for d in self.chain[:block_len]):
+            return False
+        cached = len(self.committed) + block_len
+        ids = self.committed + self.chain_tokens
+        if self.lm.length > cached:
+            self.lm.crop(cached)
+        elif self.lm.length < cached:
+            self.lm.feed(ids[self.lm.length : cached])
+        guesses = [d.alt for d in self.chain[:block_len]] + [self.chain[block_len].token]
+        self.branches = Branches(self.lm, len(self.committed), self.chain_tokens[:block_len], guesses)
+        return True
+
+    @property
+    def speculation_depth(self) -> int | None:
+        return None if self.branches is None else self.branches.depth
+
+    def speculate_step(self) -> None:
+        assert self.branches is not None
+        prefix = self.committed
+
+        def choose_rows(logits: torch.Tensor, contexts: list[list[int]]) -> list[DraftToken]:
+            picks = []
+            for row, ctx in zip(logits, contexts):
+                ids = prefix + ctx
+                scores = process_logits(row[: self.vocab_size], torch.tensor(ids), self.params,
+                                        len(ids) - self.prompt_len)
+                picks.append(choose(scores, self.params, len(ids), self.q_top_m))
+            return picks
+
+        self.branches.step(choose_rows)
+
+    def observe_commit(self, tokens: list[int], extras: dict[str, torch.Tensor] | None = None) -> int:
+        branches, self.branches = self.branches, None
+        row = branches.match(tokens) if branches is not None else None
+        if row is None:
+            return super().observe_commit(tokens, extras)
+        self.chain = branches.adopt(row, self.lm)
+        self.committed.extend(tokens)
+        return len(tokens)

@@ -75,17 +75,29 @@ class NodeSession:
         return self.block_pending() and (len(d.chain) >= self.schedule.k or d.ended or self.exhausted)
 
     def wants_step(self) -> bool:
-        if self.exhausted or self.draft.ended:
+        if self.exhausted:
             return False
         if not self.block_pending() and not self.overlap:
             return False
-        return len(self.draft.chain) < self.speculation_targets()
+        depth = self.draft.speculation_depth
+        if depth is not None:
+            return depth < self.schedule.k_if_accepted()
+        return not self.draft.ended and len(self.draft.chain) < self.speculation_targets()
 
     def step(self) -> None:
         t0 = time.monotonic()
-        if self.draft.propose(1) == 0:
+        if self.draft.speculation_depth is not None:
+            self.draft.speculate_step()
+        elif self.draft.propose(1) == 0:
             self.exhausted = True
         self.stats["busy_s"] += time.monotonic() - t0
+
+    def after_send(self) -> None:
+        """Start pre-drafting the outcomes of the block just sent (overlap only)."""
+        if self.overlap:
+            t0 = time.monotonic()
+            self.draft.begin_speculation(self.sent_len)
+            self.stats["busy_s"] += time.monotonic() - t0
 
     def block(self) -> tuple[list[int], dict[str, torch.Tensor]]:
         chain = self.draft.chain[: self.schedule.k]
@@ -105,8 +117,8 @@ class NodeSession:
             self.stats["rolled_back"] += chain_before - matched
         self.schedule.update(self.sent_len, accepted)
         self.exhausted = False
-        if self.overlap and len(self.draft.chain) >= self.schedule.k:
-            self.stats["predraft_hits"] += 1
+        if self.overlap and matched == len(tokens) and self.draft.chain:
+            self.stats["predraft_hits"] += 1  # the next block's start was drafted before the commit came
         self.stats["busy_s"] += time.monotonic() - t0
 
 
@@ -191,6 +203,7 @@ class DrafterNode:
         tokens, tensors = s.block()
         self._send(encode("draft", tensors, session=s.sid, base_len=s.sent_base, epoch=s.stats["blocks"],
                           tokens=tokens, sent_at=time.time(), stats=dict(s.stats)))
+        s.after_send()
 
     def _on_message(self, frames: list) -> int | None:
         try:
