@@ -51,6 +51,7 @@ class NodeSession:
         self.overlap = overlap
         self.sent_base: int | None = None  # committed length of the last block sent
         self.sent_len = 0
+        self.sent_at = 0.0
         self.exhausted = False  # propose() had nothing more to give on this base
         self.stats = {"busy_s": 0.0, "blocks": 0, "predraft_hits": 0, "rolled_back": 0}
 
@@ -90,7 +91,9 @@ class NodeSession:
             self.draft.speculate_step()
         elif self.draft.propose(1) == 0:
             self.exhausted = True
-        self.stats["busy_s"] += time.monotonic() - t0
+        spent = time.monotonic() - t0
+        self.schedule.observe_step(spent)
+        self.stats["busy_s"] += spent
 
     def after_send(self) -> None:
         """Start pre-drafting the outcomes of the block just sent (overlap only)."""
@@ -106,16 +109,21 @@ class NodeSession:
         if chain and chain[0].q_idx is not None:
             tensors = {"q_idx": torch.stack([d.q_idx for d in chain]), "q_prob": torch.stack([d.q_prob for d in chain])}
         self.sent_base, self.sent_len = self.base_len, len(tokens)
+        self.sent_at = time.monotonic()
         self.stats["blocks"] += 1
         return tokens, tensors
 
-    def on_commit(self, tokens: list[int], accepted: int, extras: dict[str, torch.Tensor]) -> None:
+    def on_commit(self, tokens: list[int], drafted: int, accepted: int, extras: dict[str, torch.Tensor]) -> None:
+        """Apply a commit; ``drafted`` is how many of our block's tokens the verifier checked (0: not used)."""
         t0 = time.monotonic()
+        verified_ours = drafted > 0 and self.sent_base == self.base_len
         chain_before = len(self.draft.chain)
         matched = self.draft.observe_commit(tokens, extras)
         if matched < len(tokens):
             self.stats["rolled_back"] += chain_before - matched
-        self.schedule.update(self.sent_len, accepted)
+        if verified_ours:
+            self.schedule.observe_roundtrip(time.monotonic() - self.sent_at)
+        self.schedule.update(drafted, accepted)
         self.exhausted = False
         if self.overlap and matched == len(tokens) and self.draft.chain:
             self.stats["predraft_hits"] += 1  # the next block's start was drafted before the commit came
@@ -246,7 +254,7 @@ class DrafterNode:
         s = self.sessions.get(msg["session"])
         if s is None or msg["base_len"] != s.base_len:
             return  # a duplicate or a commit for a session we no longer hold
-        s.on_commit(msg["tokens"], int(msg.get("accepted", 0)), msg.tensors)
+        s.on_commit(msg["tokens"], int(msg.get("drafted", 0)), int(msg.get("accepted", 0)), msg.tensors)
 
     def _on_session_end(self, msg: Message) -> None:
         s = self.sessions.pop(msg["session"], None)

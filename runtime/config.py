@@ -44,7 +44,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "dtype": "bfloat16",
         "threads": 1,
         "num_draft_tokens": 5,
-        "draft_schedule": "adaptive",
+        "draft_schedule": "pipeline",
         "max_draft_tokens": 16,
         "overlap": True,
         "q_top_k": 64,

@@ -16,7 +16,7 @@ hello              drafter → verif  drafter_type, tokenizer_id, capabilities{s
 welcome            verif → drafter  target (model name), vocab_size, accepted capabilities
 session_start      verif → drafter  session, token_ids (whole committed prefix), params (GenerationParams dict)
 draft              drafter → verif  session, base_len, epoch, tokens[k]; tensors q_idx/q_prob (sparse q) or q (dense)
-commit             verif → drafter  session, base_len, tokens[n+1], new_len, accepted; tensors: extras by name
+commit             verif → drafter  session, base_len, tokens[n+1], new_len, drafted, accepted; tensors: extras
 session_end        verif → drafter  session
 heartbeat          drafter → verif  (liveness while idle)
 generate           client → verif   request_id, token_ids | prompt | messages, params

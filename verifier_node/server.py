@@ -336,7 +336,7 @@ class VerifierServer:
         if s.announced and self.drafter is not None:
             tensors = {"hidden": r.hidden} if r.hidden is not None else None
             frames = encode("commit", tensors, session=s.sid, base_len=r.base_len, tokens=r.tokens,
-                            new_len=len(s.tokens), accepted=r.accepted)
+                            new_len=len(s.tokens), drafted=r.drafted, accepted=r.accepted)
             s.metrics.bytes_out += sum(len(f) if isinstance(f, bytes) else f.nbytes for f in frames)
             self._send_drafter(frames)
         text = self.tokenizer.decode(s.generated, skip_special_tokens=True)
