@@ -19,10 +19,15 @@ class AssistantDrafter(Drafter):
         path = resolve_model(dcfg["model"])
         self.tokenizer = load_tokenizer(path)
         self.tokenizer_id = tokenizer_id(self.tokenizer)
-        self.model = load_causal_lm(path, dcfg["device"], dcfg["dtype"], dcfg.get("max_memory"))
+        self.model = load_causal_lm(path, dcfg["device"], dcfg["dtype"], dcfg.get("max_memory"),
+                                    config=self.model_config(path, dcfg))
         self.q_top_m = int(dcfg.get("q_top_k", 0))
         self.capabilities = Capabilities(sends_q=True)
         self.target_vocab_size = self.model.config.vocab_size  # replaced by the verifier's at connect time
+
+    def model_config(self, path: str, dcfg: dict[str, Any]):
+        """The architecture to build (None: the checkpoint's own). Subtypes shape the drafter here."""
+        return None
 
     def open_session(
         self, token_ids: list[int], prompt_len: int, params: GenerationParams, extras: dict[str, torch.Tensor]

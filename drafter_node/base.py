@@ -52,6 +52,9 @@ class DraftSession(ABC):
         self.params = params
         self.chain: list[DraftToken] = []
 
+    #: True when ``propose`` costs next to nothing (no model forward): the node then asks for whole blocks at once.
+    cheap_steps = False
+
     @property
     def chain_tokens(self) -> list[int]:
         return [d.token for d in self.chain]
@@ -112,6 +115,8 @@ class Drafter(ABC):
     capabilities: Capabilities
     tokenizer_id: str
     target_vocab_size: int  # set by the node from the verifier's welcome
+    #: A fixed block length (constant schedule) for types whose blocks are not worth tuning; None: the config's.
+    block_len: int | None = None
 
     @abstractmethod
     def open_session(

@@ -4,13 +4,12 @@ verification.
 Loop: drain messages (session starts, commits, ends), then do one unit of work for one session, round-robin. A unit
 is either sending a ready block or one drafter step (one token), so a commit is noticed within one step.
 
-Overlap (``overlap: true``): after sending block b built on committed length L, the session keeps extending its
-chain on the assumption that b is fully accepted and the verifier's bonus token is the drafter's own next token.
-When the commit confirms that assumption (the chain already holds the committed tokens), the next block is sent at
-once — a *pre-draft hit*; otherwise ``observe_commit`` rolls the chain back and drafting restarts from the commit.
-Only a full hit pays (probability ≈ α^(k+1)). :meth:`NodeSession.speculation_targets` is the one place to grow
-this into pre-drafting several likely outcomes (accepted length j × likely bonus token) as one batched forward,
-keyed by ``(base_len, token)``, which is where DESIGN.md says the real gain is.
+Overlap (``overlap: true``): after sending a block, the session pre-drafts what comes after it while it is
+verified. Types that support it (``DraftSession.begin_speculation``; model-based drafters on greedy requests)
+extend every outcome of the block at once (see :mod:`drafter_node.branches`); others extend the single chain on the
+assumption that the block is fully accepted and the bonus is the drafter's own next token. When a commit confirms a
+pre-drafted outcome, the next block goes out at once — a *pre-draft hit*; otherwise ``observe_commit`` rolls back
+and drafting restarts from the commit.
 
 Synchronous mode (``overlap: false``) drafts exactly one block and waits for its commit: the baseline to compare.
 """
@@ -63,7 +62,7 @@ class NodeSession:
         return self.sent_base != self.base_len
 
     def speculation_targets(self) -> int:
-        """How long the chain should grow before the drafter idles.
+        """How long the single chain should grow before the drafter idles (when outcomes are not pre-drafted).
 
         Synchronous: one block. Overlapped: the block, a guess for the bonus token, and the next block.
         """
@@ -89,11 +88,16 @@ class NodeSession:
         t0 = time.monotonic()
         if self.draft.speculation_depth is not None:
             self.draft.speculate_step()
-        elif self.draft.propose(1) == 0:
+        elif self.draft.propose(self._step_size()) == 0:
             self.exhausted = True
         spent = time.monotonic() - t0
         self.schedule.observe_step(spent)
         self.stats["busy_s"] += spent
+
+    def _step_size(self) -> int:
+        if not self.draft.cheap_steps:
+            return 1  # one forward per step keeps the node responsive to commits
+        return max(1, self.speculation_targets() - len(self.draft.chain))
 
     def after_send(self) -> None:
         """Start pre-drafting the outcomes of the block just sent (overlap only)."""
@@ -246,7 +250,10 @@ class DrafterNode:
         params = GenerationParams.from_dict(msg["params"])
         prompt_len = int(msg.get("prompt_len", len(msg["token_ids"])))
         draft = self.drafter.open_session(msg["token_ids"], prompt_len, params, msg.tensors)
-        schedule = DraftLengthSchedule.from_config(self.dcfg)
+        if self.drafter.block_len is not None:
+            schedule = DraftLengthSchedule(self.drafter.block_len, "constant")
+        else:
+            schedule = DraftLengthSchedule.from_config(self.dcfg)
         self.sessions[sid] = NodeSession(sid, draft, schedule, bool(self.dcfg.get("overlap", True)))
         self.order.append(sid)
 

@@ -50,13 +50,18 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "q_top_k": 64,
         "verifier_endpoint": None,
         "max_memory": None,
+        "assistant_early_exit": None,
+        "prompt_lookup_num_tokens": 10,
+        "max_matching_ngram_size": 2,
     },
     "verification": {"ensemble_weight": None},
     "client": {"endpoint": "ipc://{run_dir}/client.ipc", "timeout_s": 600},
     "launch": {"ready_timeout_s": 900, "start_drafter": True},
 }
 
-MODEL_TYPES_NEEDING_MODEL = {"assistant"}
+MODEL_TYPES_NEEDING_MODEL = {"assistant", "early_exit"}
+#: Types that draft with the target checkpoint itself: ``drafter.model`` defaults to ``verifier.model``.
+SELF_DRAFTING_TYPES = {"early_exit"}
 
 
 class ConfigError(ValueError):
@@ -188,8 +193,13 @@ def validate(config: dict[str, Any]) -> None:
     _check_device("verifier.device", v["device"], hint)
     if not isinstance(d["type"], str) or d["type"] not in DRAFTER_TYPES:
         raise ConfigError(f"drafter.type: unknown drafter type {d['type']!r} (known: {', '.join(DRAFTER_TYPES)})")
+    if d["type"] in SELF_DRAFTING_TYPES and d["model"] is None:
+        d["model"] = v["model"]
     if d["type"] in MODEL_TYPES_NEEDING_MODEL:
         _check_model("drafter.model", d["model"])
+    if d["type"] == "early_exit":
+        _positive_int(config, "drafter.assistant_early_exit")
+        check_model_dependent(config)
     _check_device("drafter.device", d["device"], hint)
     for dotted in ("verifier.dtype", "drafter.dtype"):
         section, key = dotted.split(".")
@@ -199,6 +209,8 @@ def validate(config: dict[str, Any]) -> None:
                    "verifier.max_sessions", "verifier.max_message_bytes", "verifier.draft_timeout_ms"):
         _positive_int(config, dotted)
     _positive_int(config, "drafter.q_top_k", minimum=0)
+    _positive_int(config, "drafter.prompt_lookup_num_tokens")
+    _positive_int(config, "drafter.max_matching_ngram_size")
     if d["num_draft_tokens"] > 64:
         raise ConfigError("drafter.num_draft_tokens: at most 64")
     if not isinstance(d["draft_schedule"], str) or d["draft_schedule"] not in SCHEDULES:
@@ -228,6 +240,26 @@ def validate(config: dict[str, Any]) -> None:
         value = config[section][key]
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
             raise ConfigError(f"{dotted}: must be a number of seconds > 0, got {value!r}")
+
+
+def check_model_dependent(config: dict[str, Any]) -> None:
+    """Checks that need the model's own config.json; skipped while a named model is not converted yet (the launcher
+    calls this again after converting)."""
+    from shared import registry
+
+    d = config["drafter"]
+    if d["type"] != "early_exit":
+        return
+    name = d["model"]
+    folder = registry.model_dir(name) if registry.is_named_model(name) else Path(name).expanduser()
+    if not (Path(folder) / "config.json").exists():
+        return
+    from drafter_node.early_exit import EarlyExitError, check_exit_layer
+
+    try:
+        check_exit_layer(str(folder), d["assistant_early_exit"])
+    except EarlyExitError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def fill_run_dir(config: dict[str, Any], run_dir: str) -> dict[str, Any]:

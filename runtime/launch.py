@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from runtime.client import AsyncClient, Chunk, PipespecError
-from runtime.config import ConfigError, fill_run_dir, load_config
+from runtime.config import ConfigError, check_model_dependent, fill_run_dir, load_config
 from shared.models import ModelLoadError
 from shared.registry import RegistryError
 
@@ -49,6 +49,7 @@ def prepare_models(config: dict[str, Any]) -> None:
             continue
         if isinstance(name, str) and registry.is_named_model(name):
             registry.ensure_model(name, progress=_progress)
+    check_model_dependent(config)
 
 
 def _die_with_parent() -> None:

@@ -48,11 +48,16 @@ def load_tokenizer(path: str):
         raise ModelLoadError(f"cannot load the tokenizer of {path!r}: {exc}") from exc
 
 
-def load_causal_lm(path: str, device: str = "cpu", dtype: str = "float32", max_memory: dict | None = None):
-    """Load a causal LM for inference. ``device: auto`` spreads it over the GPUs with accelerate."""
+def load_causal_lm(
+    path: str, device: str = "cpu", dtype: str = "float32", max_memory: dict | None = None, config: Any = None
+):
+    """Load a causal LM for inference. ``device: auto`` spreads it over the GPUs with accelerate; ``config``
+    replaces the checkpoint's (e.g. fewer layers: only their weights are read)."""
     from transformers import AutoModelForCausalLM
 
     kwargs: dict[str, Any] = {"dtype": DTYPES[dtype]}
+    if config is not None:
+        kwargs["config"] = config
     if device == "auto":
         kwargs["device_map"] = "auto"
         if max_memory:

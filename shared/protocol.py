@@ -42,6 +42,8 @@ SCHEMA_VERSION = 1
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 #: Cap on the header frame alone; headers are small, a huge one is an attack or a bug.
 MAX_HEADER_BYTES = 1024 * 1024
+#: ``tokenizer_id`` of a drafter that only copies token ids (prompt lookup): it fits any target tokenizer.
+ANY_TOKENIZER = "any"
 #: Largest size of one tensor dimension (keeps shape arithmetic far from overflow).
 MAX_DIM = 2**31
 

@@ -13,7 +13,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tiny_models import build_model, build_tokenizer
+from tiny_models import build_model, build_small_vocab_tokenizer, build_tokenizer
 
 torch.set_num_threads(1)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -63,3 +63,15 @@ def tiny_config(target: Path, drafter: Path | None, **drafter_keys) -> dict:
 
 def run_async(coro):
     return asyncio.run(coro)
+
+
+@pytest.fixture(scope="session")
+def sharp_pair(tmp_path_factory):
+    """A target and a clearly different drafter, sharpened, over a 12-token vocabulary (for sampling tests)."""
+    root = tmp_path_factory.mktemp("sharp")
+    build_small_vocab_tokenizer(root / "tok")
+    target = build_model(root / "target", "llama", root / "tok", seed=11, sharpen=1.2)
+    drafter = build_model(root / "drafter", "llama", root / "tok", seed=12, layers=1, sharpen=1.2)
+    return target, drafter
+
+

@@ -9,59 +9,10 @@ from __future__ import annotations
 
 import asyncio
 
-import pytest
-import torch
 from conftest import tiny_config
-from tiny_models import build_model, build_small_vocab_tokenizer
-from transformers import AutoModelForCausalLM
+from sampling_check import PROMPT, TV_BOUND, exact_joint, sample_pairs, tv
 
 from runtime.launch import cluster
-
-PROMPT = [2, 5, 7]
-N = 800
-# An exact sampler with N = 800 draws over this joint (12 outcomes above 1 %) lands near TV 0.06 (measured
-# 0.066; seeds are fixed, so the run is deterministic); accepting everything gives about 0.85.
-TV_BOUND = 0.11
-
-
-@pytest.fixture(scope="module")
-def sharp_pair(tmp_path_factory):
-    root = tmp_path_factory.mktemp("sharp")
-    build_small_vocab_tokenizer(root / "tok")
-    target = build_model(root / "target", "llama", root / "tok", seed=11, sharpen=1.2)
-    drafter = build_model(root / "drafter", "llama", root / "tok", seed=12, layers=1, sharpen=1.2)
-    return target, drafter
-
-
-def exact_joint(folder) -> torch.Tensor:
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    with torch.no_grad():
-        p1 = model(torch.tensor([PROMPT])).logits[0, -1].softmax(-1)
-        v = p1.numel()
-        batch = torch.tensor([[*PROMPT, x] for x in range(v)])
-        p2 = model(batch).logits[:, -1].softmax(-1)
-    return p1[:, None] * p2
-
-
-async def sample_pairs(config, env=None) -> torch.Tensor:
-    async with cluster(config, env=env) as client:
-        counts = None
-        for start in range(0, N, 50):
-            results = await asyncio.gather(*(
-                client.generate(token_ids=PROMPT, max_new_tokens=2, do_sample=True, seed=seed, eos_token_ids=[])
-                for seed in range(start, start + 50)
-            ))
-            for r in results:
-                v = 12
-                counts = torch.zeros(v, v) if counts is None else counts
-                counts[r.token_ids[0], r.token_ids[1]] += 1
-        drafts = results[0].metrics["drafts"]
-    assert drafts > 0
-    return counts / N
-
-
-def tv(a: torch.Tensor, b: torch.Tensor) -> float:
-    return 0.5 * float((a - b).abs().sum())
 
 
 def test_sampling_distribution_and_negative_control(sharp_pair):

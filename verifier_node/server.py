@@ -27,7 +27,7 @@ from shared.models import (
     set_threads,
     tokenizer_id,
 )
-from shared.protocol import Message, ProtocolError, decode, encode, error_frames
+from shared.protocol import ANY_TOKENIZER, Message, ProtocolError, decode, encode, error_frames
 from shared.sampling import GenerationParams, ParamError
 from shared.transport import bind_router
 from verifier_node.session import RoundResult, Session
@@ -166,7 +166,7 @@ class VerifierServer:
         raise ProtocolError(f"a drafter may not send {msg.type!r}", code="unexpected")
 
     def _on_hello(self, peer: bytes, msg: Message) -> None:
-        if msg["tokenizer_id"] != self.tokenizer_id:
+        if msg["tokenizer_id"] not in (self.tokenizer_id, ANY_TOKENIZER):
             log.error("refused drafter %r: tokenizer %s != target's %s", msg["drafter_type"], msg["tokenizer_id"],
                       self.tokenizer_id)
             raise ProtocolError(
