@@ -149,3 +149,34 @@ def test_roles_started_separately_over_tcp(tiny, tmp_path):
     assert result.token_ids == reference_greedy(target, PROMPTS[0], 15)
     assert result.metrics["drafts"] > 0
     assert codes == [0, 0], "both roles must exit cleanly on SIGTERM"
+
+
+def test_serve_mode_prints_the_address_serves_and_stops_cleanly(tiny, tmp_path):
+    """``python -m runtime.launch --config X`` without --prompt: ready line, client address, Ctrl-C shuts down."""
+    import signal
+
+    target = tiny("llama")
+    cfg = _write_config(tmp_path / "serve.yaml", tiny_config(target, tiny("llama", "random")))
+    proc = subprocess.Popen([sys.executable, "-m", "runtime.launch", "--config", str(cfg)], cwd=REPO_ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        address = None
+        for _ in range(20):  # the launcher prints three lines once both nodes are ready
+            line = proc.stdout.readline()
+            if line.startswith("client address:"):
+                address = line.split(":", 1)[1].strip()
+                break
+        assert address, "no client address printed"
+
+        async def main():
+            async with AsyncClient(address, timeout_s=60) as client:
+                return await client.generate(token_ids=PROMPTS[1], max_new_tokens=9, eos_token_ids=[])
+
+        result = asyncio.run(main())
+        assert result.token_ids == reference_greedy(target, PROMPTS[1], 9)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 0
+        assert "pipespec stopped" in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
