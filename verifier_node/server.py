@@ -277,7 +277,7 @@ class VerifierServer:
             )
         sid = self.next_sid
         self.next_sid += 1
-        s = Session(sid, self.model, prompt, params, peer, rid)
+        s = Session(sid, self.model, self.tokenizer, prompt, params, peer, rid)
         self.sessions[sid] = s
         self.by_request[(peer, rid)] = sid
         self.order.append(sid)
@@ -339,10 +339,7 @@ class VerifierServer:
                             new_len=len(s.tokens), drafted=r.drafted, accepted=r.accepted)
             s.metrics.bytes_out += sum(len(f) if isinstance(f, bytes) else f.nbytes for f in frames)
             self._send_drafter(frames)
-        text = self.tokenizer.decode(s.generated, skip_special_tokens=True)
-        delta = ""
-        if not text.endswith("\ufffd") and text.startswith(s.text_sent):  # hold back half a multi-byte character
-            delta, s.text_sent = text[len(s.text_sent):], text
+        delta = s.text.push(r.tokens)
         self.client_sock.send_multipart([s.client, *encode("chunk", request_id=s.request_id, token_ids=r.tokens,
                                                            text=delta)])
         s.metrics.message_s += time.monotonic() - t0

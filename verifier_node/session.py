@@ -15,6 +15,7 @@ import torch
 from shared.kv import CachedLM
 from shared.sampling import GenerationParams, make_generator, process_block
 from verifier_node.acceptance import accept_everything, accept_greedy, accept_sampling
+from verifier_node.detokenize import IncrementalText
 
 # Test-only negative control: a verifier that accepts every draft must fail the distribution test.
 _ACCEPT_ALL = os.environ.get("PIPESPEC_UNSAFE_ACCEPT_ALL") == "1"
@@ -67,7 +68,9 @@ class SessionMetrics:
 class Session:
     """State of one request on the verifier."""
 
-    def __init__(self, sid: int, model, prompt: list[int], params: GenerationParams, client: bytes, request_id: int):
+    def __init__(
+        self, sid: int, model, tokenizer, prompt: list[int], params: GenerationParams, client: bytes, request_id: int
+    ):
         self.sid = sid
         self.params = params
         self.tokens = list(prompt)
@@ -81,7 +84,7 @@ class Session:
         self.started = time.monotonic()
         self.first_token_at: float | None = None
         self.finished: str | None = None  # finish reason once done
-        self.text_sent = ""
+        self.text = IncrementalText(tokenizer)
         self.metrics = SessionMetrics()
         self.announced = False  # the current drafter knows this session
 
