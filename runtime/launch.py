@@ -260,9 +260,8 @@ def format_metrics(m: dict[str, Any]) -> str:
 
 
 async def _serve(config: dict[str, Any], run_dir: str | None) -> int:
-    cfg_ready = config
-    await asyncio.to_thread(prepare_models, cfg_ready)
-    nodes = Cluster(cfg_ready, run_dir=run_dir)
+    await asyncio.to_thread(prepare_models, config)
+    nodes = Cluster(config, run_dir=run_dir)
     nodes.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
 import sys
 from pathlib import Path
@@ -18,7 +17,6 @@ from tiny_models import build_model, build_small_vocab_tokenizer, build_tokenize
 torch.set_num_threads(1)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-ARCHS = ("llama", "qwen2", "gpt2")
 
 
 @pytest.fixture(scope="session")
@@ -59,10 +57,6 @@ def tiny_config(target: Path, drafter: Path | None, **drafter_keys) -> dict:
         "launch": {"ready_timeout_s": 120},
     }
     return config
-
-
-def run_async(coro):
-    return asyncio.run(coro)
 
 
 @pytest.fixture(scope="session")

@@ -322,7 +322,6 @@ class VerifierServer:
             hidden = s.prefill(want_hidden)
             if want_hidden:
                 self._announce(s, hidden)
-            s.ready_since = time.monotonic()
             return
         draft = s.draft or {"tokens": [], "q": None}
         s.draft = None
