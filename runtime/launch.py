@@ -239,11 +239,14 @@ async def _one_shot(args: argparse.Namespace, config: dict[str, Any]) -> int:
             r = await client.generate(prompt, messages=messages, **params)
             print(json.dumps({"text": r.text, "token_ids": r.token_ids, "metrics": r.metrics}))
             return 0
+        shown = ""
         async for item in client.stream(prompt, messages=messages, include_result=True, **params):
             if isinstance(item, Chunk):
+                shown += item.text
                 print(item.text, end="", flush=True)
             else:
-                print()
+                # the stream holds back a trailing half character; the final text has all of it
+                print(item.text[len(shown):] if item.text.startswith(shown) else "")
                 print(format_metrics(item.metrics), file=sys.stderr)
     return 0
 

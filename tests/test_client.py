@@ -108,6 +108,21 @@ def test_cli_one_shot_json(tiny, tmp_path):
     assert set(result) == {"text", "token_ids", "metrics"}
     assert result["metrics"]["new_tokens"] == len(result["token_ids"])
 
+    messages = [{"role": "user", "content": "print hello"}]
+    (tmp_path / "chat.json").write_text(json.dumps(messages))
+    out = subprocess.run(
+        [sys.executable, "-m", "runtime.launch", "--config", str(cfg), "--messages", str(tmp_path / "chat.json"),
+         "--max-new-tokens", "6"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=180,
+    )
+    assert out.returncode == 0, out.stderr
+    tokenizer = load_tokenizer(str(target))
+    chat_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                             return_dict=True)["input_ids"]
+    expected = tokenizer.decode(reference_greedy(target, chat_ids, 6, eos=[0]), skip_special_tokens=True)
+    assert out.stdout == expected + "\n"  # streamed text, then a newline; metrics go to stderr
+    assert "acceptance" in out.stderr
+
 
 def _free_port() -> int:
     with socket.socket() as s:
