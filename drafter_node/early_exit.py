@@ -27,9 +27,8 @@ def depth_key(config) -> str:
     raise EarlyExitError(f"{type(config).__name__} names no layer count (num_hidden_layers / n_layer)")
 
 
-def check_exit_layer(path: str, exit_layer: Any) -> int:
-    """The target's layer count; raises :class:`EarlyExitError` unless 1 ≤ exit_layer ≤ layers − 1."""
-    config = AutoConfig.from_pretrained(path)
+def check_exit_layer(config, exit_layer: Any) -> int:
+    """The target's layer count (from its config); raises :class:`EarlyExitError` unless 1 ≤ exit_layer ≤ layers − 1."""
     layers = getattr(config, depth_key(config))
     if isinstance(exit_layer, bool) or not isinstance(exit_layer, int) or not 1 <= exit_layer <= layers - 1:
         raise EarlyExitError(
@@ -44,8 +43,8 @@ class EarlyExitDrafter(AssistantDrafter):
 
     def model_config(self, path: str, dcfg: dict[str, Any]):
         exit_layer = dcfg["assistant_early_exit"]
-        check_exit_layer(path, exit_layer)
         config = AutoConfig.from_pretrained(path)
+        check_exit_layer(config, exit_layer)
         setattr(config, depth_key(config), exit_layer)
         if isinstance(getattr(config, "layer_types", None), list):
             config.layer_types = config.layer_types[:exit_layer]

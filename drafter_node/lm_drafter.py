@@ -46,14 +46,18 @@ class LMDraftSession(DraftSession):
         if self.lm.length >= len(ids):
             self.lm.crop(len(ids) - 1)  # need at least the last token's forward to get its logits
         logits, _ = self.lm.feed(ids[self.lm.length :])
-        return logits[-1, : self.vocab_size]
+        return logits[-1]
+
+    def pick(self, logits: torch.Tensor, ids: list[int]) -> DraftToken:
+        """The draft token after ``ids`` (the whole sequence) from the drafter's raw logits at that position."""
+        scores = process_logits(logits[: self.vocab_size], torch.tensor(ids), self.params, len(ids) - self.prompt_len)
+        return choose(scores, self.params, len(ids), self.q_top_m)
 
     def propose(self, n: int) -> int:
         added = 0
         while added < n and not self.ended:
             ids = self.committed + self.chain_tokens
-            scores = process_logits(self.next_logits(ids), torch.tensor(ids), self.params, len(ids) - self.prompt_len)
-            self.chain.append(choose(scores, self.params, len(ids), self.q_top_m))
+            self.chain.append(self.pick(self.next_logits(ids), ids))
             added += 1
         return added
 
@@ -86,17 +90,9 @@ class LMDraftSession(DraftSession):
     def speculate_step(self) -> None:
         assert self.branches is not None
         prefix = self.committed
-
-        def choose_rows(logits: torch.Tensor, contexts: list[list[int]]) -> list[DraftToken]:
-            picks = []
-            for row, ctx in zip(logits, contexts):
-                ids = prefix + ctx
-                scores = process_logits(row[: self.vocab_size], torch.tensor(ids), self.params,
-                                        len(ids) - self.prompt_len)
-                picks.append(choose(scores, self.params, len(ids), self.q_top_m))
-            return picks
-
-        self.branches.step(choose_rows)
+        self.branches.step(lambda logits, contexts: [
+            self.pick(row, prefix + ctx) for row, ctx in zip(logits, contexts)
+        ])
 
     def observe_commit(self, tokens: list[int], extras: dict[str, torch.Tensor] | None = None) -> int:
         branches, self.branches = self.branches, None

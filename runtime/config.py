@@ -254,10 +254,12 @@ def check_model_dependent(config: dict[str, Any]) -> None:
     folder = registry.model_dir(name) if registry.is_named_model(name) else Path(name).expanduser()
     if not (Path(folder) / "config.json").exists():
         return
+    from transformers import AutoConfig
+
     from drafter_node.early_exit import EarlyExitError, check_exit_layer
 
     try:
-        check_exit_layer(str(folder), d["assistant_early_exit"])
+        check_exit_layer(AutoConfig.from_pretrained(str(folder)), d["assistant_early_exit"])
     except EarlyExitError as exc:
         raise ConfigError(str(exc)) from None
 
