@@ -89,46 +89,61 @@ def speed_model(alpha: float, k: float, c: float) -> dict[str, float]:
 
 
 class DraftCounter:
-    """Counts drafts and acceptances inside transformers' assisted generation by wrapping its candidate generator."""
+    """Counts drafts and acceptances inside transformers' assisted generation (any strategy: assistant model,
+    prompt lookup, early exit, different tokenizers) by wrapping the candidate generator ``generate`` builds."""
 
     def __init__(self) -> None:
         self.rounds = self.drafts = self.draft_tokens = self.accepted_tokens = 0
-        self.draft_s = 0.0  # time inside the assistant (get_candidates)
+        self.draft_s = 0.0  # time inside the candidate generator (get_candidates)
         self.settings: dict[str, Any] = {}  # the assistant settings transformers used (its defaults unless set)
+        self.generator = ""  # the candidate generator class transformers chose
 
-    @contextlib.contextmanager
-    def patched(self) -> Iterator[None]:
-        from transformers.generation.candidate_generator import AssistedCandidateGenerator as Gen
-
-        get, update = Gen.get_candidates, Gen.update_candidate_strategy
+    def _wrap(self, gen: Any) -> Any:
+        get, update = gen.get_candidates, gen.update_candidate_strategy
         counter = self
+        self.generator = type(gen).__name__
+        cfg = getattr(gen, "assistant_generation_config", None) or getattr(gen, "generation_config", None)
+        if cfg is not None and not self.settings:
+            self.settings = {name: getattr(cfg, name, None) for name in (
+                "num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold",
+                "prompt_lookup_num_tokens", "max_matching_ngram_size", "assistant_early_exit")
+                if getattr(cfg, name, None) is not None}
 
-        def get_candidates(gen: Any, input_ids: Any, **kwargs: Any) -> Any:
-            if not counter.settings:
-                cfg = gen.assistant_generation_config
-                counter.settings = {name: getattr(cfg, name, None) for name in (
-                    "num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")}
+        def get_candidates(input_ids: Any, **kwargs: Any) -> Any:
             t0 = time.perf_counter()
             try:
-                return get(gen, input_ids, **kwargs)
+                return get(input_ids, **kwargs)
             finally:
                 counter.draft_s += time.perf_counter() - t0
 
-        def update_candidate_strategy(gen: Any, input_ids: Any, scores: Any, num_matches: Any) -> Any:
+        def update_candidate_strategy(input_ids: Any, scores: Any, num_matches: Any) -> Any:
             drafted = int(scores.shape[1]) - 1  # scores cover the candidates + the bonus position
             counter.rounds += 1
             if drafted > 0:
                 counter.drafts += 1
                 counter.draft_tokens += drafted
                 counter.accepted_tokens += int(num_matches)
-            return update(gen, input_ids, scores, num_matches)
+            return update(input_ids, scores, num_matches)
 
-        Gen.get_candidates = get_candidates
-        Gen.update_candidate_strategy = update_candidate_strategy
+        gen.get_candidates = get_candidates
+        gen.update_candidate_strategy = update_candidate_strategy
+        return gen
+
+    @contextlib.contextmanager
+    def patched(self) -> Iterator[None]:
+        from transformers.generation.utils import GenerationMixin
+
+        build = GenerationMixin._get_candidate_generator
+        counter = self
+
+        def _get_candidate_generator(model: Any, *args: Any, **kwargs: Any) -> Any:
+            return counter._wrap(build(model, *args, **kwargs))
+
+        GenerationMixin._get_candidate_generator = _get_candidate_generator
         try:
             yield
         finally:
-            Gen.get_candidates, Gen.update_candidate_strategy = get, update
+            GenerationMixin._get_candidate_generator = build
 
 
 def _calibrate(target: Any, draft: Any, prompt_ids: list[int], block: int) -> dict[str, Any]:
