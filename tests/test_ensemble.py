@@ -162,6 +162,7 @@ def test_greedy_w_to_1_matches_transformers_and_sends_q(tiny):
         for r in results:
             # drafts without q would be refused under ensemble and every round would be a plain target step
             assert r.metrics["drafts"] > 0 and r.metrics["fallback_rounds"] < r.metrics["rounds"]
+            assert r.metrics["ensemble_weight"] == W_TO_1
 
 
 def test_greedy_ensemble_raises_acceptance_on_a_disagreeing_pair(tiny):
@@ -177,6 +178,7 @@ def test_greedy_ensemble_raises_acceptance_on_a_disagreeing_pair(tiny):
     lossless = asyncio.run(run(None))
     ensemble = asyncio.run(run(0.5))
     assert lossless.token_ids == reference_greedy(target, prompt, 40)
+    assert lossless.metrics["ensemble_weight"] is None and ensemble.metrics["ensemble_weight"] == 0.5
     assert ensemble.metrics["acceptance_rate"] > lossless.metrics["acceptance_rate"] + 0.1
     assert ensemble.token_ids != lossless.token_ids  # lossy by design
 

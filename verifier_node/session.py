@@ -181,4 +181,5 @@ class Session:
             "message_overhead_ms_per_round": 1000 * m.message_s / rounds,
             "draft_transit_ms": 1000 * m.transit_s / m.drafts if m.drafts else 0.0,
             "seed": self.params.seed,
+            "ensemble_weight": self.ensemble_weight,  # not None: lossy by design (output distribution w·p + (1−w)·q)
         }
