@@ -22,7 +22,7 @@ class AssistantDrafter(Drafter):
         self.model = load_causal_lm(path, dcfg["device"], dcfg["dtype"], dcfg.get("max_memory"),
                                     config=self.model_config(path, dcfg))
         self.q_top_m = int(dcfg.get("q_top_k", 0))
-        self.capabilities = Capabilities(sends_q=True)
+        self.capabilities = Capabilities(sends_q=True, greedy_q=True)
         self.target_vocab_size = self.model.config.vocab_size  # replaced by the verifier's at connect time
 
     def model_config(self, path: str, dcfg: dict[str, Any]):

@@ -28,6 +28,7 @@ class Capabilities:
     """What a drafter announces at connect time; the verifier adapts to it and knows nothing else about the type."""
 
     sends_q: bool  # sends the distribution each draft was drawn from (sampling); else drafts are one-hot
+    greedy_q: bool = False  # can send its q under greedy too, when the verifier asks (ensemble verification)
     needs_hidden_states: bool = False  # wants the target's last hidden states for committed positions
     needs_kv_layers: list[int] = field(default_factory=list)  # wants new K/V rows of these target layers
 
@@ -39,8 +40,8 @@ class Capabilities:
 class DraftToken:
     token: int
     alt: int | None = None  # the drafter's next-best token here (greedy): its guess for a correction
-    q_idx: torch.Tensor | None = None  # support of the distribution it was drawn from (sampling only)
-    q_prob: torch.Tensor | None = None
+    q_idx: torch.Tensor | None = None  # support of q: the distribution it was drawn from (sampling), or the
+    q_prob: torch.Tensor | None = None  # drafter's top-m softmax, not renormalised (greedy, when ``want_q``)
 
 
 class DraftSession(ABC):
@@ -51,6 +52,8 @@ class DraftSession(ABC):
         self.prompt_len = prompt_len
         self.params = params
         self.chain: list[DraftToken] = []
+        #: Send q with greedy drafts too (set by the node when the verifier's welcome says ``want_q``).
+        self.want_q = False
 
     #: True when ``propose`` costs next to nothing (no model forward): the node then asks for whole blocks at once.
     cheap_steps = False

@@ -4,6 +4,10 @@
 logits processing: argmax when the request is greedy, otherwise a sample from the (optionally top-m truncated)
 distribution q, which is kept with the token and sent to the verifier. Truncating q is still exact: the verifier
 uses the very distribution the token was drawn from.
+
+Under greedy decoding a session with ``want_q`` (ensemble verification) also keeps q with each token: the
+drafter's softmax over its processed scores, truncated to its top-m tokens and *not* renormalised, so every value
+sent is exactly the drafter's probability and a token left out counts as q = 0 (m = 0 sends the full row).
 """
 
 from __future__ import annotations
@@ -16,13 +20,22 @@ from shared.kv import CachedLM
 from shared.sampling import GenerationParams, make_generator, process_logits
 
 
-def choose(scores: torch.Tensor, params: GenerationParams, position: int, q_top_m: int) -> DraftToken:
-    """Pick the draft token for ``position`` from processed scores (shared by every model-based type)."""
+def choose(
+    scores: torch.Tensor, params: GenerationParams, position: int, q_top_m: int, greedy_q: bool = False
+) -> DraftToken:
+    """Pick the draft token for ``position`` from processed scores (shared by every model-based type).
+
+    ``greedy_q``: under greedy, keep the drafter's top-m softmax probabilities with the token (ensemble
+    verification); they are not renormalised, so they are the drafter's own values."""
+    m = scores.numel() if q_top_m <= 0 else min(q_top_m, scores.numel())
     if not params.do_sample:
         top2 = torch.topk(scores, min(2, scores.numel())).indices.tolist()
-        return DraftToken(top2[0], alt=top2[-1] if len(top2) > 1 else None)
+        token = DraftToken(top2[0], alt=top2[-1] if len(top2) > 1 else None)
+        if greedy_q:
+            q_prob, q_idx = torch.topk(scores.softmax(-1), m)
+            token.q_idx, token.q_prob = q_idx.to(torch.int32), q_prob.float()
+        return token
     probs = scores.softmax(-1)
-    m = probs.numel() if q_top_m <= 0 else min(q_top_m, probs.numel())
     q_prob, q_idx = torch.topk(probs, m)
     q_prob = q_prob / q_prob.sum()
     pick = int(torch.multinomial(q_prob, 1, generator=make_generator(params.seed or 0, position, stream=1)))
@@ -51,7 +64,7 @@ class LMDraftSession(DraftSession):
     def pick(self, logits: torch.Tensor, ids: list[int]) -> DraftToken:
         """The draft token after ``ids`` (the whole sequence) from the drafter's raw logits at that position."""
         scores = process_logits(logits[: self.vocab_size], torch.tensor(ids), self.params, len(ids) - self.prompt_len)
-        return choose(scores, self.params, len(ids), self.q_top_m)
+        return choose(scores, self.params, len(ids), self.q_top_m, greedy_q=self.want_q)
 
     def propose(self, n: int) -> int:
         added = 0

@@ -148,6 +148,7 @@ class DrafterNode:
         self.order: deque[int] = deque()
         self.running = True
         self.welcomed = False
+        self.want_q = False  # the verifier wants q with greedy drafts too (ensemble verification)
         self.last_sent = 0.0
 
     def serve(self) -> int:
@@ -232,11 +233,12 @@ class DrafterNode:
     def _on_welcome(self, msg: Message) -> None:
         self.welcomed = True
         self.drafter.target_vocab_size = msg["vocab_size"]
+        self.want_q = bool(msg.get("want_q", False)) and self.drafter.capabilities.greedy_q
         log.info("connected to verifier (target %s)", msg["target"])
 
     def _on_error(self, msg: Message) -> int | None:
         log.error("verifier: %s", msg["message"])
-        if msg.get("code") in ("tokenizer_mismatch", "bad_version"):
+        if msg.get("code") in ("tokenizer_mismatch", "bad_version", "ensemble_needs_q"):
             print(f"pipespec drafter: refused by the verifier: {msg['message']}", file=sys.stderr)
             return 2
         return None
@@ -250,6 +252,7 @@ class DrafterNode:
         params = GenerationParams.from_dict(msg["params"])
         prompt_len = int(msg.get("prompt_len", len(msg["token_ids"])))
         draft = self.drafter.open_session(msg["token_ids"], prompt_len, params, msg.tensors)
+        draft.want_q = self.want_q
         if self.drafter.block_len is not None:
             schedule = DraftLengthSchedule(self.drafter.block_len, "constant")
         else:

@@ -9,6 +9,7 @@ names the key. ``{run_dir}`` in an endpoint is replaced by the launcher's privat
 from __future__ import annotations
 
 import copy
+import math
 import os
 import re
 from pathlib import Path
@@ -62,6 +63,8 @@ DEFAULTS: dict[str, dict[str, Any]] = {
 MODEL_TYPES_NEEDING_MODEL = {"assistant", "early_exit"}
 #: Types that draft with the target checkpoint itself: ``drafter.model`` defaults to ``verifier.model``.
 SELF_DRAFTING_TYPES = {"early_exit"}
+#: Types with no draft distribution q at all: static ensemble verification is refused with them.
+TYPES_WITHOUT_Q = {"prompt_lookup"}
 
 
 class ConfigError(ValueError):
@@ -219,11 +222,7 @@ def validate(config: dict[str, Any]) -> None:
         section, key = dotted.split(".")
         if not isinstance(config[section][key], bool):
             raise ConfigError(f"{dotted}: must be true or false, got {config[section][key]!r}")
-    w = config["verification"]["ensemble_weight"]
-    if w is not None:
-        raise ConfigError(
-            "verification.ensemble_weight: static ensemble verification is not implemented yet; leave it unset"
-        )
+    _check_ensemble(config)
     for dotted in ("verifier.endpoint", "client.endpoint", "drafter.verifier_endpoint"):
         section, key = dotted.split(".")
         value = config[section][key]
@@ -240,6 +239,23 @@ def validate(config: dict[str, Any]) -> None:
         value = config[section][key]
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
             raise ConfigError(f"{dotted}: must be a number of seconds > 0, got {value!r}")
+
+
+def _check_ensemble(config: dict[str, Any]) -> None:
+    w = config["verification"]["ensemble_weight"]
+    if w is None:
+        return
+    if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or not 0 < w < 1:
+        raise ConfigError(
+            f"verification.ensemble_weight: must be a number in the open interval (0, 1), got {w!r}; "
+            "leave it unset (null) for standard, lossless verification"
+        )
+    kind = config["drafter"]["type"]
+    if kind in TYPES_WITHOUT_Q:
+        raise ConfigError(
+            "verification.ensemble_weight: static ensemble verification requires the draft distribution q from a "
+            f"drafter model. It is not supported with prompt lookup decoding (drafter.type: {kind})."
+        )
 
 
 def check_model_dependent(config: dict[str, Any]) -> None:

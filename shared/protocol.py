@@ -11,9 +11,10 @@ Message types (``type`` field) and who sends them:
 =================  ===============  ============================================================================
 type               direction        fields
 =================  ===============  ============================================================================
-hello              drafter → verif  drafter_type, tokenizer_id, capabilities{sends_q, needs_hidden_states,
-                                    needs_kv_layers}
-welcome            verif → drafter  target (model name), vocab_size, accepted capabilities
+hello              drafter → verif  drafter_type, tokenizer_id, capabilities{sends_q, greedy_q,
+                                    needs_hidden_states, needs_kv_layers}
+welcome            verif → drafter  target (model name), vocab_size, want_q (send q with every draft, greedy
+                                    requests included: the verifier runs ensemble verification)
 session_start      verif → drafter  session, token_ids (whole committed prefix), params (GenerationParams dict)
 draft              drafter → verif  session, base_len, epoch, tokens[k]; tensors q_idx/q_prob (sparse q) or q (dense)
 commit             verif → drafter  session, base_len, tokens[n+1], new_len, drafted, accepted; tensors: extras
@@ -26,6 +27,12 @@ cancel             client → verif   request_id
 ping / pong        client ↔ verif   pong: drafter_connected, drafter_type, target, sessions
 error              any              request_id or session (when known), message, code
 =================  ===============  ============================================================================
+
+Capabilities: ``sends_q`` — sampled drafts come with the distribution they were drawn from; ``greedy_q`` — when
+the welcome says ``want_q``, greedy drafts come with q too: the drafter's softmax over its processed scores,
+truncated to its top-m tokens and not renormalised (``q_idx``/``q_prob``; tokens left out count as q = 0), or the
+full row when m = 0. A verifier with ensemble verification refuses a drafter without ``sends_q`` (error code
+``ensemble_needs_q``) and greedy requests while its drafter lacks ``greedy_q`` (``bad_request``).
 """
 
 from __future__ import annotations
@@ -62,7 +69,7 @@ _DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
 _LIST = list
 SCHEMA: dict[str, dict[str, type | tuple[type, ...]]] = {
     "hello": {"drafter_type": str, "tokenizer_id": str, "capabilities": dict},
-    "welcome": {"target": str, "vocab_size": int},
+    "welcome": {"target": str, "vocab_size": int, "want_q": bool},
     "session_start": {"session": int, "token_ids": _LIST, "params": dict},
     "draft": {"session": int, "base_len": int, "epoch": int, "tokens": _LIST},
     "commit": {"session": int, "base_len": int, "tokens": _LIST, "new_len": int},

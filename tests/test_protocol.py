@@ -46,7 +46,7 @@ VALID_FIELDS: dict[str, dict[str, Any]] = {
         "tokenizer_id": "qwen2.5",
         "capabilities": {"sends_q": True, "needs_hidden_states": False, "needs_kv_layers": []},
     },
-    "welcome": {"target": "tiny", "vocab_size": 151936, "capabilities": {"sends_q": True}},
+    "welcome": {"target": "tiny", "vocab_size": 151936, "want_q": False, "capabilities": {"sends_q": True}},
     "session_start": {"session": 3, "token_ids": [1, 2, 3], "params": {"max_new_tokens": 8, "do_sample": False}},
     "draft": {"session": 3, "base_len": 10, "epoch": 0, "tokens": [4, 5, 6]},
     "commit": {"session": 3, "base_len": 10, "tokens": [4, 5], "new_len": 12, "accepted": 1},

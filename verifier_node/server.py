@@ -30,6 +30,7 @@ from shared.models import (
 from shared.protocol import ANY_TOKENIZER, Message, ProtocolError, decode, encode, error_frames
 from shared.sampling import GenerationParams, ParamError
 from shared.transport import bind_router
+from verifier_node.acceptance import check_ensemble_weight
 from verifier_node.session import RoundResult, Session
 
 log = logging.getLogger("pipespec.verifier")
@@ -45,6 +46,7 @@ class Drafter:
         self.routing_id = routing_id
         self.type = drafter_type
         self.sends_q = bool(capabilities.get("sends_q", False))
+        self.greedy_q = self.sends_q and bool(capabilities.get("greedy_q", False))
         self.needs_hidden = bool(capabilities.get("needs_hidden_states", False))
         self.last_seen = time.monotonic()
 
@@ -68,6 +70,9 @@ class VerifierServer:
         self.default_eos = default_eos_ids(self.model, self.tokenizer)
         self.max_positions = getattr(self.model.config, "max_position_embeddings", None)
         self.model_name = vcfg["model"]
+        # Static ensemble verification (lossy by design): verify against w·p + (1 − w)·q; needs q from the drafter.
+        self.ensemble_weight = (config.get("verification") or {}).get("ensemble_weight")
+        check_ensemble_weight(self.ensemble_weight)
         self.ctx = zmq.Context.instance()
         allow_remote = bool(vcfg.get("allow_remote", False))
         self.drafter_sock = bind_router(self.ctx, vcfg["endpoint"], allow_remote)
@@ -174,18 +179,33 @@ class VerifierServer:
                 f"({self.tokenizer_id}); drafter type {msg['drafter_type']!r} needs the target's tokenizer",
                 code="tokenizer_mismatch",
             )
-        self.drafter = Drafter(peer, msg["drafter_type"], msg["capabilities"])
+        drafter = Drafter(peer, msg["drafter_type"], msg["capabilities"])
+        if self.ensemble_weight is not None and not drafter.sends_q:
+            log.error("refused drafter %r: ensemble verification needs q, it sends none", drafter.type)
+            raise ProtocolError(
+                f"static ensemble verification (verification.ensemble_weight = {self.ensemble_weight}) needs the "
+                f"draft distribution q; drafter type {drafter.type!r} sends none (it is not supported with drafters "
+                "that have no q, such as prompt lookup): unset verification.ensemble_weight or use a model drafter",
+                code="ensemble_needs_q",
+            )
+        self.drafter = drafter
         log.info("drafter connected: type=%s caps=%s", self.drafter.type, msg["capabilities"])
-        self._send_drafter(encode("welcome", target=self.model_name, vocab_size=self.vocab_size))
+        self._send_drafter(encode("welcome", target=self.model_name, vocab_size=self.vocab_size,
+                                  want_q=self.ensemble_weight is not None))
         for s in self.sessions.values():  # a (re)connected drafter learns every live session
             s.announced = False
             s.draft = None
             if s.prefilled:
                 self._announce(s)
 
+    def _lacks_q(self, params: GenerationParams, drafter: Drafter | None) -> bool:
+        """Ensemble verification of a request whose drafts would come without q (greedy, drafter without greedy_q)."""
+        return (self.ensemble_weight is not None and drafter is not None and not params.do_sample
+                and not drafter.greedy_q)
+
     def _announce(self, s: Session, hidden: torch.Tensor | None = None) -> None:
-        if self.drafter is None:
-            return
+        if self.drafter is None or self._lacks_q(s.params, self.drafter):
+            return  # not announced: the session takes plain steps from the target
         tensors = {"hidden": hidden} if hidden is not None else None
         self._send_drafter(encode("session_start", tensors, session=s.sid, token_ids=s.tokens,
                                   prompt_len=s.prompt_len, params=s.params.to_dict()))
@@ -203,7 +223,10 @@ class VerifierServer:
             isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab_size for t in tokens
         ):
             raise ProtocolError(f"draft tokens must be at most {MAX_DRAFT_TOKENS} ids in [0, {self.vocab_size})")
-        q = self._dense_q(msg, len(tokens)) if s.params.do_sample else None
+        ensemble = self.ensemble_weight is not None
+        q = self._dense_q(msg, len(tokens)) if s.params.do_sample or ensemble else None
+        if ensemble and tokens and q is None:
+            raise ProtocolError("ensemble verification needs q (q_idx/q_prob or q) with every draft")
         s.draft = {"tokens": tokens, "q": q}
         s.metrics.bytes_in += msg["_bytes"]
         s.metrics.message_s += msg["_decode_s"]
@@ -269,6 +292,12 @@ class VerifierServer:
         params = GenerationParams.from_dict(params_in, self.vocab_size)
         if params.seed is None:
             params.seed = secrets.randbits(62)
+        d = self.drafter
+        if d is not None and d.alive() and self._lacks_q(params, d):
+            raise ParamError(
+                f"ensemble verification needs the draft distribution q; drafter type {d.type!r} sends none under "
+                "greedy decoding (use do_sample=true, or a drafter that sends q when greedy)"
+            )
         prompt = self._prompt_ids(msg)
         if self.max_positions and len(prompt) + params.max_new_tokens > self.max_positions:
             raise ParamError(
@@ -277,7 +306,7 @@ class VerifierServer:
             )
         sid = self.next_sid
         self.next_sid += 1
-        s = Session(sid, self.model, self.tokenizer, prompt, params, peer, rid)
+        s = Session(sid, self.model, self.tokenizer, prompt, params, peer, rid, self.ensemble_weight)
         self.sessions[sid] = s
         self.by_request[(peer, rid)] = sid
         self.order.append(sid)

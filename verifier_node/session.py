@@ -69,10 +69,12 @@ class Session:
     """State of one request on the verifier."""
 
     def __init__(
-        self, sid: int, model, tokenizer, prompt: list[int], params: GenerationParams, client: bytes, request_id: int
+        self, sid: int, model, tokenizer, prompt: list[int], params: GenerationParams, client: bytes, request_id: int,
+        ensemble_weight: float | None = None,
     ):
         self.sid = sid
         self.params = params
+        self.ensemble_weight = ensemble_weight  # static ensemble verification against w·p + (1 − w)·q (lossy)
         self.tokens = list(prompt)
         self.prompt_len = len(prompt)
         self.client = client
@@ -119,9 +121,9 @@ class Session:
         if _ACCEPT_ALL:
             out = accept_everything(scores, draft, q, self._generator(base_len))
         elif self.params.do_sample:
-            out = accept_sampling(scores, draft, q, self._generator(base_len))
+            out = accept_sampling(scores, draft, q, self._generator(base_len), self.ensemble_weight)
         else:
-            out = accept_greedy(scores, draft)
+            out = accept_greedy(scores, draft, q, self.ensemble_weight)
         accepted = len(out) - 1
         out = self._cut_at_end(out, remaining)
         self.tokens.extend(out)
@@ -179,4 +181,5 @@ class Session:
             "message_overhead_ms_per_round": 1000 * m.message_s / rounds,
             "draft_transit_ms": 1000 * m.transit_s / m.drafts if m.drafts else 0.0,
             "seed": self.params.seed,
+            "ensemble_weight": self.ensemble_weight,  # not None: lossy by design (output distribution w·p + (1−w)·q)
         }
