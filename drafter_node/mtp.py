@@ -51,20 +51,34 @@ def mtp_layer_count(config) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) else 0
 
 
-def checkpoint_files(folder: str) -> dict[str, str]:
-    """Tensor name → safetensors file of a saved checkpoint (single file or sharded with an index)."""
-    index = os.path.join(folder, "model.safetensors.index.json")
-    if os.path.exists(index):
-        with open(index, encoding="utf-8") as f:
-            weight_map = json.load(f)["weight_map"]
-        return {key: os.path.join(folder, name) for key, name in weight_map.items()}
-    single = os.path.join(folder, "model.safetensors")
-    if os.path.exists(single):
-        from safetensors import safe_open
+def checkpoint_file(path: str, name: str) -> str | None:
+    """A local copy of file ``name`` of the checkpoint at ``path`` (a folder, or a hub id: only that file is
+    fetched), or None when the checkpoint has no such file."""
+    if os.path.isdir(path):
+        local = os.path.join(path, name)
+        return local if os.path.exists(local) else None
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError
 
-        with safe_open(single, "pt") as f:
-            return dict.fromkeys(f.keys(), single)
-    raise MTPError(f"drafter.type mtp: {folder!r} has no safetensors weights (model.safetensors or an index)")
+    try:
+        return hf_hub_download(path, name)
+    except EntryNotFoundError:
+        return None
+
+
+def checkpoint_files(path: str) -> dict[str, str]:
+    """Tensor name → the safetensors file (name inside the checkpoint) holding it: single file or sharded."""
+    index = checkpoint_file(path, "model.safetensors.index.json")
+    if index is not None:
+        with open(index, encoding="utf-8") as f:
+            return dict(json.load(f)["weight_map"])
+    single = checkpoint_file(path, "model.safetensors")
+    if single is None:
+        raise MTPError(f"drafter.type mtp: {path!r} has no safetensors weights (model.safetensors or an index)")
+    from safetensors import safe_open
+
+    with safe_open(single, "pt") as f:
+        return dict.fromkeys(f.keys(), "model.safetensors")
 
 
 def check_mtp_checkpoint(folder: str, config=None) -> int:
@@ -164,7 +178,7 @@ def load_mtp(path: str, dtype: torch.dtype, device: str):
             by_file.setdefault(files[key], []).append(key)
         out = {}
         for name, names in by_file.items():
-            with safe_open(name, "pt") as f:
+            with safe_open(checkpoint_file(path, name), "pt") as f:
                 for key in names:
                     out[key] = f.get_tensor(key)
         return out
