@@ -261,7 +261,9 @@ class MTPDrafter(Drafter):
         self.tokenizer = load_tokenizer(path)
         self.tokenizer_id = tokenizer_id(self.tokenizer)
         self.dtype = DTYPES[dcfg["dtype"]]
-        self.device = "cpu" if dcfg["device"] == "auto" else dcfg["device"]
+        self.device = dcfg["device"]
+        if self.device == "auto":  # a few layers: one device is enough
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
         self.config, self.modules, self.embed, self.head, self.rotary = load_mtp(path, self.dtype, self.device)
         self.block_len = len(self.modules)
         self.q_top_m = int(dcfg.get("q_top_k", 0))

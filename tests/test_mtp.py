@@ -158,6 +158,24 @@ def test_incremental_drafts_equal_a_recompute_after_partial_acceptance(mtp_targe
     assert s.lengths[1] >= len(committed) - 3
 
 
+def test_a_session_without_hidden_states_waits_for_them(mtp_target):
+    """A session announced without hidden rows (the drafter connected after the prefill) drafts nothing until a
+    commit brings rows, then drafts from there on; a commit without rows restarts that way."""
+    target = mtp_target("deepseek_v3", 2)
+    drafter = load_drafter(target)
+    drafter.target_vocab_size = drafter.config.vocab_size
+    ids = [5, 17, 33, 2, 60, 7, 8, 9]
+    hidden = target_hidden(target, ids)
+    s = drafter.open_session(ids[:5], 5, GenerationParams(), {})
+    assert s.propose(2) == 0
+    s.observe_commit([7], {"hidden": hidden[4:5]})  # the pending token's row
+    assert s.propose(3) == 2 and s.start == 4
+    s.observe_commit([s.chain_tokens[0], 9], {})  # no rows: nothing to draft from until the next commit
+    assert s.propose(2) == 0
+    s.observe_commit([1], {"hidden": hidden[0:1]})
+    assert s.propose(2) == 2
+
+
 @pytest.fixture(scope="module")
 def distilled_target(tmp_path_factory):
     """``distilled_target(arch, k)`` → a tiny target (12-token vocabulary) whose MTP layers were trained on its own
