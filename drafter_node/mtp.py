@@ -192,12 +192,12 @@ def load_mtp(path: str, dtype: torch.dtype, device: str):
     modules = []
     for j in range(k):
         prefix = f"model.layers.{layers + j}."
-        raw = read([key for key in files if key.startswith(prefix)])
+        # DeepSeek-V3 also stores per-layer copies of the embeddings and LM head: the shared ones are read once.
+        copies = (prefix + "embed_tokens.", prefix + "shared_head.head.")
+        raw = read([key for key in files if key.startswith(prefix) and not key.startswith(copies)])
         state = {}
         for key, value in raw.items():
             name = key[len(prefix):]
-            if name.startswith(("embed_tokens.", "shared_head.head.")):
-                continue  # per-layer copies of the embeddings / LM head (DeepSeek-V3): the shared ones are used
             if name.startswith("shared_head.norm."):
                 name = "shared_head_norm." + name[len("shared_head.norm."):]
             elif not name.startswith(("enorm.", "hnorm.", "eh_proj.")):
@@ -213,6 +213,9 @@ def load_mtp(path: str, dtype: torch.dtype, device: str):
         except RuntimeError as exc:
             raise MTPError(f"drafter.type mtp: MTP layer {layers + j} of {path!r} does not fit "
                            f"{layer_cls.__name__}: {exc}") from None
+        unset = [n for n, t in [*module.named_parameters(), *module.named_buffers()] if t.is_meta]
+        if unset:
+            raise MTPError(f"drafter.type mtp: MTP layer {layers + j} of {path!r} leaves {', '.join(unset)} unset")
         modules.append(module.to(device).eval())
     embed_key = first("model.embed_tokens.weight", f"model.layers.{layers}.embed_tokens.weight")
     head_keys = ["lm_head.weight", f"model.layers.{layers}.shared_head.head.weight"]
