@@ -60,9 +60,9 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "launch": {"ready_timeout_s": 900, "start_drafter": True},
 }
 
-MODEL_TYPES_NEEDING_MODEL = {"assistant", "early_exit"}
+MODEL_TYPES_NEEDING_MODEL = {"assistant", "early_exit", "mtp"}
 #: Types that draft with the target checkpoint itself: ``drafter.model`` defaults to ``verifier.model``.
-SELF_DRAFTING_TYPES = {"early_exit"}
+SELF_DRAFTING_TYPES = {"early_exit", "mtp"}
 #: Types with no draft distribution q at all: static ensemble verification is refused with them.
 TYPES_WITHOUT_Q = {"prompt_lookup"}
 
@@ -202,6 +202,7 @@ def validate(config: dict[str, Any]) -> None:
         _check_model("drafter.model", d["model"])
     if d["type"] == "early_exit":
         _positive_int(config, "drafter.assistant_early_exit")
+    if d["type"] in ("early_exit", "mtp"):
         check_model_dependent(config)
     _check_device("drafter.device", d["device"], hint)
     for dotted in ("verifier.dtype", "drafter.dtype"):
@@ -264,13 +265,22 @@ def check_model_dependent(config: dict[str, Any]) -> None:
     from shared import registry
 
     d = config["drafter"]
-    if d["type"] != "early_exit":
+    if d["type"] not in ("early_exit", "mtp"):
         return
     name = d["model"]
     folder = registry.model_dir(name) if registry.is_named_model(name) else Path(name).expanduser()
     if not (Path(folder) / "config.json").exists():
         return
     from transformers import AutoConfig
+
+    if d["type"] == "mtp":
+        from drafter_node.mtp import MTPError, check_mtp_checkpoint
+
+        try:
+            check_mtp_checkpoint(str(folder))
+        except MTPError as exc:
+            raise ConfigError(str(exc)) from None
+        return
 
     from drafter_node.early_exit import EarlyExitError, check_exit_layer
 

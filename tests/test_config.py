@@ -58,7 +58,10 @@ def test_bundled_configs_exist():
     assert {"cpu.yaml", "multi_node.yaml", "two_gpu.yaml"} <= set(BUNDLED)
 
 
-@pytest.mark.parametrize("name", [n for n in BUNDLED if n != "two_gpu.yaml"])
+GPU_CONFIGS = {"two_gpu.yaml", "mtp.yaml"}  # refused on a machine without GPUs (tested below)
+
+
+@pytest.mark.parametrize("name", [n for n in BUNDLED if n not in GPU_CONFIGS])
 def test_bundled_config_loads(name):
     config = load_config(name)
     assert set(config) == set(DEFAULTS)
@@ -83,6 +86,15 @@ def test_two_gpu_config_needs_two_gpus():
     message = _config_error("two_gpu.yaml")
     assert ("verifier.device" if gpus == 0 else "drafter.device") in message
     assert "cpu.yaml" in message
+
+
+def test_mtp_config_reads_the_targets_own_checkpoint():
+    if torch.cuda.device_count() == 0:
+        assert "verifier.device" in _config_error("mtp.yaml")
+        return
+    config = load_config("mtp.yaml")
+    assert config["drafter"]["type"] == "mtp"
+    assert config["drafter"]["model"] == config["verifier"]["model"]
 
 
 # ------------------------------------------------------------------------------------------ finding files
