@@ -29,6 +29,15 @@ def choose(scores: torch.Tensor, params: GenerationParams, position: int, q_top_
     return DraftToken(int(q_idx[pick]), q_idx=q_idx.to(torch.int32), q_prob=q_prob.float())
 
 
+def pick_token(
+    logits: torch.Tensor, ids: list[int], params: GenerationParams, prompt_len: int, vocab_size: int, q_top_m: int
+) -> DraftToken:
+    """The draft token after ``ids`` (the whole sequence) from a drafter's raw logits at that position: the shared
+    logits processing (cut to the target's vocabulary), then :func:`choose`."""
+    scores = process_logits(logits[:vocab_size], torch.tensor(ids), params, len(ids) - prompt_len)
+    return choose(scores, params, len(ids), q_top_m)
+
+
 class LMDraftSession(DraftSession):
     """A draft session over a causal LM whose vocabulary is the target's."""
 
@@ -50,8 +59,7 @@ class LMDraftSession(DraftSession):
 
     def pick(self, logits: torch.Tensor, ids: list[int]) -> DraftToken:
         """The draft token after ``ids`` (the whole sequence) from the drafter's raw logits at that position."""
-        scores = process_logits(logits[: self.vocab_size], torch.tensor(ids), self.params, len(ids) - self.prompt_len)
-        return choose(scores, self.params, len(ids), self.q_top_m)
+        return pick_token(logits, ids, self.params, self.prompt_len, self.vocab_size, self.q_top_m)
 
     def propose(self, n: int) -> int:
         added = 0

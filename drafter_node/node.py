@@ -236,7 +236,7 @@ class DrafterNode:
 
     def _on_error(self, msg: Message) -> int | None:
         log.error("verifier: %s", msg["message"])
-        if msg.get("code") in ("tokenizer_mismatch", "bad_version"):
+        if msg.get("code") in ("tokenizer_mismatch", "bad_version", "unsupported"):
             print(f"pipespec drafter: refused by the verifier: {msg['message']}", file=sys.stderr)
             return 2
         return None

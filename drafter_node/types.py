@@ -8,6 +8,7 @@ DRAFTER_TYPES: dict[str, str] = {
     "assistant": "drafter_node.assistant:AssistantDrafter",
     "prompt_lookup": "drafter_node.prompt_lookup:PromptLookupDrafter",
     "early_exit": "drafter_node.early_exit:EarlyExitDrafter",
+    "mtp_drafter": "drafter_node.mtp_drafter:MTPDrafter",
 }
 
 

@@ -1,0 +1,174 @@
+"""``mtp_drafter`` (Gemma 4 ``-assistant``): the drafter reads only the target's input embeddings; greedy identity
+with transformers on a tiny Gemma 4 target (sliding + full layers, KV sharing, a window the generations outgrow),
+overlap on and off; sampling distribution test with its negative control; the K/V rows the drafter holds equal the
+target cache's after partial acceptances (no stale rows); clear errors for a target that is not Gemma-4-like."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import safetensors
+import torch
+from conftest import tiny_config
+from sampling_check import TV_BOUND, exact_joint, sample_pairs, tv
+from tiny_models import build_gemma4_pair, build_small_vocab_tokenizer, reference_greedy
+from transformers import AutoModelForCausalLM
+
+from drafter_node.mtp_drafter import MTPDrafter, MTPDrafterError
+from runtime.config import ConfigError, load_config
+from runtime.launch import cluster
+from shared.kv import CachedLM, KVRowsError
+from shared.sampling import GenerationParams
+from verifier_node.session import Session
+
+# One prompt of a single token (nothing to prefill: the drafter waits for the first commit's state), one longer than
+# the sliding window of 8; all generations outgrow it.
+PROMPTS = [[5, 17, 33, 2, 60], [100, 101, 7], [9], [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]]
+
+
+@pytest.fixture(scope="module")
+def gemma4(model_dir, tokenizer_dir):
+    return build_gemma4_pair(model_dir, tokenizer_dir)
+
+
+def mtp_config(target, assistant, **keys):
+    config = tiny_config(target, assistant, **keys)
+    config["drafter"]["type"] = "mtp_drafter"
+    return config
+
+
+def drafter_for(target, assistant, **keys) -> MTPDrafter:
+    dcfg = load_config(mtp_config(target, assistant, **keys))["drafter"]
+    return MTPDrafter(dcfg)
+
+
+def test_drafter_reads_only_the_targets_input_embeddings(gemma4, monkeypatch):
+    target_path, assistant_path = gemma4
+    read: list[str] = []
+    real_open = safetensors.safe_open
+
+    class Recording:
+        def __init__(self, *args, **kwargs):
+            self.inner = real_open(*args, **kwargs)
+
+        def __enter__(self):
+            self.inner.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.inner.__exit__(*exc)
+
+        def keys(self):
+            return self.inner.keys()
+
+        def get_tensor(self, name):
+            read.append(name)
+            return self.inner.get_tensor(name)
+
+    monkeypatch.setattr(safetensors, "safe_open", Recording)
+    drafter = drafter_for(target_path, assistant_path)
+    monkeypatch.undo()
+    assert read == ["model.embed_tokens.weight"], read
+    target = AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.float32)
+    assistant = AutoModelForCausalLM.from_pretrained(assistant_path, dtype=torch.float32)
+    assert torch.equal(drafter.embed.weight, target.get_input_embeddings().weight)
+    ids = torch.tensor([[3, 4, 5]])
+    assert torch.equal(drafter.embed(ids), target.get_input_embeddings()(ids))  # scaled like the target's
+    held = sum(p.numel() for p in drafter.model.parameters()) + sum(p.numel() for p in drafter.embed.parameters())
+    assert held == sum(p.numel() for p in assistant.parameters()) + target.get_input_embeddings().weight.numel()
+    assert drafter.capabilities.needs_hidden_states and drafter.capabilities.sends_q
+    assert drafter.capabilities.needs_kv_layers == [0, 1]  # the layers that store K/V (2 and 3 reuse them)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_mtp_drafter_greedy_matches_transformers(gemma4, overlap):
+    target, assistant = gemma4
+    expected = [reference_greedy(target, p, 30) for p in PROMPTS]
+
+    async def main():
+        async with cluster(mtp_config(target, assistant, overlap=overlap, num_draft_tokens=3)) as client:
+            return await asyncio.gather(*(client.generate(token_ids=p, max_new_tokens=30, eos_token_ids=[])
+                                          for p in PROMPTS))
+
+    results = asyncio.run(main())
+    assert [r.token_ids for r in results] == expected
+    assert all(r.metrics["drafts"] > 0 for r in results)
+
+
+def _held(cache_layer) -> torch.Tensor:
+    return torch.stack([cache_layer.keys[0], cache_layer.values[0]])
+
+
+def test_drafter_rows_equal_the_target_cache_after_partial_acceptance(gemma4):
+    """Drive a verifier session and a drafter session by hand: drafts of which only a prefix is right, round after
+    round past the sliding window; the drafter's rows must be exactly the target cache's committed rows."""
+    target_path, assistant_path = gemma4
+    drafter = drafter_for(target_path, assistant_path)
+    model = AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.float32).eval()
+    prompt = [5, 17, 33, 2, 60, 8]
+    params = GenerationParams.from_dict({"max_new_tokens": 40, "eos_token_ids": []})
+    session = Session(1, model, drafter.tokenizer, prompt, params, b"c", 1)
+    layers = drafter.capabilities.needs_kv_layers
+    hidden, kv = session.prefill(True, layers)
+    draft = drafter.open_session(list(session.tokens), len(prompt), params, {"hidden": hidden, **kv})
+    reference = reference_greedy(target_path, prompt, 40)
+    window = drafter.sliding_window
+    rounds = 0
+    while len(session.generated) < 30:
+        done = len(session.generated)
+        right = 1 + rounds % 3  # a prefix of right tokens, then a wrong one
+        block = [*reference[done : done + right], (reference[done + right] + 1) % 150]
+        result = session.verify(block, None, True, layers)
+        assert result.accepted == right and len(result.tokens) == right + 1
+        draft.observe_commit(result.tokens, {"hidden": result.hidden, **result.kv})
+        cache = session.lm.cache
+        assert draft.kv_end == len(session.tokens) - 1 == session.lm.length
+        full = draft.kv["full_attention"]
+        assert full.shape[2] == len(session.tokens) - 1  # every committed position but the pending one, no more
+        assert torch.equal(full, _held(cache.layers[1]))
+        sliding = _held(cache.layers[0])
+        assert sliding.shape[2] == min(window - 1, session.lm.length)
+        assert torch.equal(draft.kv["sliding_attention"][:, :, -sliding.shape[2]:], sliding)
+        assert torch.equal(draft.hidden, result.hidden[-1])
+        assert draft.propose(2) == 2  # drafting works from the fresh state
+        rounds += 1
+    assert session.generated == reference[: len(session.generated)]
+
+
+@pytest.fixture(scope="module")
+def sharp_gemma4(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sharp-gemma4")
+    build_small_vocab_tokenizer(root / "tok")
+    return build_gemma4_pair(root, root / "tok", seed=11, sharpen=1.5)
+
+
+def test_mtp_drafter_sampling_is_lossless(sharp_gemma4):
+    target, assistant = sharp_gemma4
+    config = mtp_config(target, assistant, num_draft_tokens=2, q_top_k=0)
+    exact = exact_joint(target)
+    lossless = asyncio.run(sample_pairs(config))
+    control = asyncio.run(sample_pairs(config, env={"PIPESPEC_UNSAFE_ACCEPT_ALL": "1"}))
+    assert tv(lossless, exact) < TV_BOUND
+    assert tv(control, exact) > 2 * TV_BOUND
+
+
+def test_a_target_that_is_not_gemma4_is_a_clear_error(gemma4, tiny):
+    _, assistant = gemma4
+    llama = tiny("llama")
+    with pytest.raises(ConfigError, match=r"verifier\.model: the target \(llama\) provides no shared K/V states"):
+        load_config(mtp_config(llama, assistant))
+    with pytest.raises(MTPDrafterError, match="provides no shared K/V states"):
+        MTPDrafter({"model": str(assistant), "target_model": str(llama), "device": "cpu", "dtype": "float32"})
+    with pytest.raises(ConfigError, match=r"drafter\.model: a 'llama' checkpoint is not a Gemma 4 assistant"):
+        load_config(mtp_config(gemma4[0], llama))
+
+
+def test_verifier_refuses_kv_layers_the_target_cannot_provide(gemma4, tiny):
+    model = AutoModelForCausalLM.from_pretrained(gemma4[0], dtype=torch.float32)
+    CachedLM(model).check_kv_layers([0, 1])
+    with pytest.raises(KVRowsError, match="reuses another layer"):
+        CachedLM(model).check_kv_layers([3])
+    llama = AutoModelForCausalLM.from_pretrained(tiny("llama"), dtype=torch.float32)
+    with pytest.raises(KVRowsError, match="does not exist"):
+        CachedLM(llama).check_kv_layers([5])
