@@ -183,50 +183,55 @@ class MTPDraftSession(DraftSession):
                  extras: dict[str, torch.Tensor]):
         super().__init__(token_ids, prompt_len, params)
         self.d = drafter
-        # Per layer type: K/V rows [2, kv_heads, n, head_dim] of positions [start, end) with end = committed − 1.
+        # Per layer type: K/V rows [2, kv_heads, n, head_dim] of positions [kv_start, kv_end); complete when kv_end is
+        # the committed length − 1 (the verifier's cache holds the same positions: all but the pending token).
         self.kv: dict[str, torch.Tensor | None] = dict.fromkeys(drafter.kv_layers)
         self.kv_start: dict[str, int] = dict.fromkeys(drafter.kv_layers, 0)
-        self.kv_end = 0
-        self.hidden: torch.Tensor | None = None  # the target's last hidden state at position kv_end − 1
+        self.kv_end: dict[str, int] = dict.fromkeys(drafter.kv_layers, 0)
+        self.hidden: torch.Tensor | None = None  # the target's last hidden state at position hidden_at
+        self.hidden_at = -1
         self.cursors: list[tuple[int, torch.Tensor, int]] = []  # per chain token: (token, hidden after it, position)
-        self._absorb(extras)
+        self._absorb(extras, len(token_ids) - 1)
 
     # ------------------------------------------------------------------ target state
-    def _absorb(self, extras: dict[str, torch.Tensor] | None) -> None:
-        """Append the rows a session_start or commit carried; they end at the committed length − 1."""
+    def _absorb(self, extras: dict[str, torch.Tensor] | None, end: int) -> None:
+        """Take state rows that end at position ``end`` (exclusive): append each layer's rows to its copy."""
         extras = extras or {}
-        end = len(self.committed) - 1
         hidden = extras.get("hidden")
-        self.hidden = hidden[-1].to(self.d.device, self.d.dtype) if hidden is not None and len(hidden) else None
+        if hidden is not None and len(hidden):
+            self.hidden, self.hidden_at = hidden[-1].to(self.d.device, self.d.dtype), end - 1
         for layer_type, index in self.d.kv_layers.items():
             new = extras.get(f"kv.{index}")
-            old = self.kv[layer_type]
-            if new is None:
-                if old is None:
-                    self.kv_start[layer_type] = end
-                    continue
-                new = old[:, :, :0]
+            if new is None or not new.shape[2]:
+                continue
             new = new.to(self.d.device, self.d.dtype)
-            if old is None or self.kv_end != end - new.shape[2]:  # not contiguous: start again from these rows
-                rows, start = new, end - new.shape[2]
+            old = self.kv[layer_type]
+            if old is None or self.kv_end[layer_type] != end - new.shape[2]:  # not contiguous: restart from these
+                rows, first = new, end - new.shape[2]
             else:
-                rows, start = torch.cat([old, new], dim=2), self.kv_start[layer_type]
+                rows, first = torch.cat([old, new], dim=2), self.kv_start[layer_type]
             keep = self.d.keep_rows(layer_type)
             if keep is not None and rows.shape[2] > keep:
-                start += rows.shape[2] - keep
+                first += rows.shape[2] - keep
                 rows = rows[:, :, -keep:]
-            self.kv[layer_type], self.kv_start[layer_type] = (rows if rows.numel() else None), start
-        self.kv_end = end
+            self.kv[layer_type], self.kv_start[layer_type], self.kv_end[layer_type] = rows, first, end
 
-    def rows_complete(self) -> bool:
-        """The copy covers what the assistant reads: every committed position but the pending one for full
-        attention, the window for sliding layers (a drafter that joined mid-request may lack rows: it then waits)."""
+    def observe_state(self, extras: dict[str, torch.Tensor], end: int) -> None:
+        self._absorb(extras, end)
+
+    def ready(self) -> bool:
+        """The copy covers what the assistant reads at the committed prefix: the hidden state before the pending
+        token, every committed position but the pending one for full attention, the window for sliding layers (a
+        drafter that joined mid-request, or state dropped for size, leaves it incomplete: the session then waits)."""
+        end = len(self.committed) - 1
+        if self.hidden is None or self.hidden_at != end - 1:
+            return False
         for layer_type, rows in self.kv.items():
-            if rows is None:
+            if rows is None or self.kv_end[layer_type] != end:
                 return False
-            keep = self.d.keep_rows(layer_type)
-            held = rows.shape[2]
-            if self.kv_start[layer_type] != 0 and (keep is None or held < self.d.sliding_window - 1):
+            if self.kv_start[layer_type] != 0 and (
+                self.d.keep_rows(layer_type) is None or rows.shape[2] < self.d.sliding_window - 1
+            ):
                 return False
         return True
 
@@ -236,7 +241,7 @@ class MTPDraftSession(DraftSession):
         while added < n and not self.ended:
             if self.cursors:
                 token, hidden, position = self.cursors[-1]
-            elif self.hidden is not None and self.rows_complete():
+            elif self.ready():
                 # A fresh anchor: the last committed token, the target's hidden state before it, its position.
                 token, hidden, position = self.committed[-1], self.hidden, len(self.committed) - 1
             else:
@@ -255,7 +260,7 @@ class MTPDraftSession(DraftSession):
         # A hit keeps the chain drafted past the commit (and the assistant states it continues from); a miss re-anchors
         # the next block on the target's fresh hidden state.
         self.cursors = self.cursors[len(tokens):] if matched == len(tokens) else []
-        self._absorb(extras)
+        self._absorb(extras, len(self.committed) - 1)
         return matched
 
     def rollback(self, keep: int) -> None:

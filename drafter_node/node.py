@@ -263,6 +263,12 @@ class DrafterNode:
             return  # a duplicate or a commit for a session we no longer hold
         s.on_commit(msg["tokens"], int(msg.get("drafted", 0)), int(msg.get("accepted", 0)), msg.tensors)
 
+    def _on_state(self, msg: Message) -> None:
+        s = self.sessions.get(msg["session"])
+        if s is None or msg["base_len"] != s.base_len:
+            return
+        s.draft.observe_state(msg.tensors, int(msg["end"]))
+
     def _on_session_end(self, msg: Message) -> None:
         s = self.sessions.pop(msg["session"], None)
         if s is not None:

@@ -19,6 +19,7 @@ from drafter_node.mtp_drafter import MTPDrafter, MTPDrafterError
 from runtime.config import ConfigError, load_config
 from runtime.launch import cluster
 from shared.kv import CachedLM, KVRowsError
+from shared.protocol import split_state
 from shared.sampling import GenerationParams
 from verifier_node.session import Session
 
@@ -96,6 +97,36 @@ def test_mtp_drafter_greedy_matches_transformers(gemma4, overlap):
     assert all(r.metrics["drafts"] > 0 for r in results)
 
 
+@pytest.mark.parametrize("prompt_len", [5, 20])  # inside and beyond twice the sliding window
+def test_drafts_equal_transformers_gemma4_assistant_drafts(gemma4, prompt_len):
+    """The same target state gives the same greedy drafts as transformers' own Gemma 4 assistant loop
+    (``SinglePositionMultiTokenCandidateGenerator``, right after the target's prefill)."""
+    from transformers import DynamicCache, GenerationConfig
+    from transformers.generation.candidate_generator import SinglePositionMultiTokenCandidateGenerator
+
+    target_path, assistant_path = gemma4
+    target = AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.float32).eval()
+    assistant = AutoModelForCausalLM.from_pretrained(assistant_path, dtype=torch.float32).eval()
+    prompt = list(range(3, 3 + prompt_len))
+    with torch.no_grad():
+        out = target(input_ids=torch.tensor([prompt]), cache=DynamicCache(config=target.config), use_cache=True,
+                     output_hidden_states=True, return_shared_kv_states=True)
+    committed = [*prompt, int(out.logits[0, -1].argmax())]
+    generator = SinglePositionMultiTokenCandidateGenerator(assistant, target.get_input_embeddings(),
+                                                           GenerationConfig(max_length=100))
+    generator.num_assistant_tokens = 4
+    candidates, _ = generator.get_candidates(input_ids=torch.tensor([committed]), model_kwargs={}, model_outputs=out,
+                                             is_first_iteration=False, n_last_matches=0)
+    drafter = drafter_for(target_path, assistant_path)
+    lm = CachedLM(target)
+    _, hidden = lm.feed(prompt, want_hidden=True)
+    kv = lm.new_rows(drafter.capabilities.needs_kv_layers, len(prompt), len(prompt))
+    params = GenerationParams.from_dict({"max_new_tokens": 10, "eos_token_ids": []})
+    session = drafter.open_session(committed, len(prompt), params, {"hidden": hidden, **kv})
+    assert session.propose(4) == 4
+    assert session.chain_tokens == candidates[0, len(committed):].tolist()
+
+
 def _held(cache_layer) -> torch.Tensor:
     return torch.stack([cache_layer.keys[0], cache_layer.values[0]])
 
@@ -123,7 +154,8 @@ def test_drafter_rows_equal_the_target_cache_after_partial_acceptance(gemma4):
         assert result.accepted == right and len(result.tokens) == right + 1
         draft.observe_commit(result.tokens, {"hidden": result.hidden, **result.kv})
         cache = session.lm.cache
-        assert draft.kv_end == len(session.tokens) - 1 == session.lm.length
+        assert draft.kv_end == dict.fromkeys(draft.kv, len(session.tokens) - 1)
+        assert session.lm.length == len(session.tokens) - 1
         full = draft.kv["full_attention"]
         assert full.shape[2] == len(session.tokens) - 1  # every committed position but the pending one, no more
         assert torch.equal(full, _held(cache.layers[1]))
@@ -172,3 +204,32 @@ def test_verifier_refuses_kv_layers_the_target_cannot_provide(gemma4, tiny):
     llama = AutoModelForCausalLM.from_pretrained(tiny("llama"), dtype=torch.float32)
     with pytest.raises(KVRowsError, match="does not exist"):
         CachedLM(llama).check_kv_layers([5])
+
+
+def test_split_state_cuts_rows_by_position_and_reassembles():
+    end = 30
+    tensors = {"hidden": torch.randn(29, 8), "kv.0": torch.randn(2, 2, 9, 4), "kv.1": torch.randn(2, 2, 29, 4)}
+    pieces = split_state(tensors, end, budget=5 * (8 + 2 * 2 * 4 * 2) * 4)
+    assert [e for e, _ in pieces] == [6, 11, 16, 21, 26, 30]
+    for name, t in tensors.items():
+        axis = 2 if name.startswith("kv.") else 0
+        assert torch.equal(torch.cat([p[name] for _, p in pieces if name in p], dim=axis), t)
+    assert "kv.0" not in pieces[0][1] and pieces[-1][1]["kv.0"].shape[2] == 4  # rows end at `end` for every tensor
+
+
+def test_long_prompt_state_arrives_in_pieces(gemma4):
+    """A prompt whose state exceeds the message cap: session_start goes without it and ``state`` pieces follow; the
+    drafter still drafts and the output is transformers' own."""
+    target, assistant = gemma4
+    prompt = [(7 * i) % 200 + 2 for i in range(40)]  # 39 positions × 768 bytes of state > 3/4 of the 16 KiB cap
+    expected = reference_greedy(target, prompt, 12)
+    config = mtp_config(target, assistant, num_draft_tokens=3)
+    config["verifier"]["max_message_bytes"] = 16384
+
+    async def main():
+        async with cluster(config) as client:
+            return await client.generate(token_ids=prompt, max_new_tokens=12, eos_token_ids=[])
+
+    result = asyncio.run(main())
+    assert result.token_ids == expected
+    assert result.metrics["drafts"] > 0

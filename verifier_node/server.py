@@ -28,7 +28,7 @@ from shared.models import (
     set_threads,
     tokenizer_id,
 )
-from shared.protocol import ANY_TOKENIZER, MAX_HEADER_BYTES, Message, ProtocolError, decode, encode, error_frames
+from shared.protocol import ANY_TOKENIZER, Message, ProtocolError, decode, encode, error_frames, split_state
 from shared.sampling import GenerationParams, ParamError
 from shared.transport import bind_router
 from verifier_node.session import RoundResult, Session
@@ -205,21 +205,31 @@ class VerifierServer:
     ) -> None:
         if self.drafter is None:
             return
-        tensors = self._extras(s, hidden, kv)
-        self._send_drafter(encode("session_start", tensors, session=s.sid, token_ids=s.tokens,
-                                  prompt_len=s.prompt_len, params=s.params.to_dict()))
+        tensors = {"hidden": hidden} if hidden is not None else {}
+        tensors.update(kv or {})
+        size = sum(t.numel() * t.element_size() for t in tensors.values())
+        pieces = [] if size <= self._state_budget() else split_state(tensors, len(s.tokens) - 1, self._state_budget())
+        self._send_drafter(encode("session_start", None if pieces else tensors or None, session=s.sid,
+                                  token_ids=s.tokens, prompt_len=s.prompt_len, params=s.params.to_dict()))
+        for end, part in pieces:  # a long prompt's state, in pieces that each fit the message cap
+            self._send_drafter(encode("state", part, session=s.sid, base_len=len(s.tokens), end=end))
         s.announced = True
         s.ready_since = time.monotonic()
+
+    def _state_budget(self) -> int:
+        """Bytes of state tensors one message may carry (the rest of the cap is left to the header)."""
+        return self.max_bytes * 3 // 4
 
     def _extras(
         self, s: Session, hidden: torch.Tensor | None, kv: dict[str, torch.Tensor] | None
     ) -> dict[str, torch.Tensor] | None:
-        """The state tensors a drafter asked for (hidden states, K/V rows), dropped with an error in the log when they
-        would exceed the message cap (the drafter then drafts nothing for the session; output is unaffected)."""
+        """A commit's state tensors (hidden states, K/V rows of one round's positions), dropped with an error in the
+        log if they would exceed the message cap (the drafter then drafts nothing more for the session; the output
+        is unaffected)."""
         tensors = {"hidden": hidden} if hidden is not None else {}
         tensors.update(kv or {})
         size = sum(t.numel() * t.element_size() for t in tensors.values())
-        if size > self.max_bytes - MAX_HEADER_BYTES:
+        if size > self._state_budget():
             log.error("session %d: drafter state of %d bytes exceeds max_message_bytes (%d); not sent", s.sid, size,
                       self.max_bytes)
             return None
