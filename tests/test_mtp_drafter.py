@@ -181,6 +181,7 @@ def test_mtp_drafter_sampling_is_lossless(sharp_gemma4):
     exact = exact_joint(target)
     lossless = asyncio.run(sample_pairs(config))
     control = asyncio.run(sample_pairs(config, env={"PIPESPEC_UNSAFE_ACCEPT_ALL": "1"}))
+    print(f"TV lossless {tv(lossless, exact):.3f}, accept-all control {tv(control, exact):.3f}")
     assert tv(lossless, exact) < TV_BOUND
     assert tv(control, exact) > 2 * TV_BOUND
 
@@ -233,3 +234,25 @@ def test_long_prompt_state_arrives_in_pieces(gemma4):
     result = asyncio.run(main())
     assert result.token_ids == expected
     assert result.metrics["drafts"] > 0
+
+
+def test_a_drafter_joining_mid_request_waits_for_the_state_then_drafts(gemma4):
+    """A (re)connected drafter learns a live session from the rows the verifier's cache holds (no hidden state):
+    it proposes nothing until the next commit completes its state, then its rows match the cache."""
+    target_path, assistant_path = gemma4
+    drafter = drafter_for(target_path, assistant_path)
+    model = AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.float32).eval()
+    prompt = list(range(3, 23))
+    params = GenerationParams.from_dict({"max_new_tokens": 10, "eos_token_ids": []})
+    session = Session(1, model, drafter.tokenizer, prompt, params, b"c", 1)
+    layers = drafter.capabilities.needs_kv_layers
+    session.prefill(True, layers)
+    session.verify([], None, True, layers)
+    draft = drafter.open_session(list(session.tokens), len(prompt), params, session.lm.held_rows(layers))
+    assert draft.propose(3) == 0
+    result = session.verify([], None, True, layers)
+    draft.observe_commit(result.tokens, {"hidden": result.hidden, **result.kv})
+    assert draft.propose(3) == 3
+    assert torch.equal(draft.kv["full_attention"], _held(session.lm.cache.layers[1]))
+    sliding = _held(session.lm.cache.layers[0])
+    assert torch.equal(draft.kv["sliding_attention"][:, :, -sliding.shape[2]:], sliding)
