@@ -206,7 +206,13 @@ class MTPDraftSession(DraftSession):
                 continue
             new = new.to(self.d.device, self.d.dtype)
             old = self.kv[layer_type]
-            if old is None or self.kv_end[layer_type] != end - new.shape[2]:  # not contiguous: restart from these
+            first_new = end - new.shape[2]
+            if old is not None and self.kv_start[layer_type] <= first_new < self.kv_end[layer_type]:
+                # Rows past the new rows' start are never used (cannot happen with the verifier's ordered stream,
+                # which sends committed rows only: kept for safety).
+                old = old[:, :, : first_new - self.kv_start[layer_type]]
+                self.kv_end[layer_type] = first_new
+            if old is None or self.kv_end[layer_type] != first_new:  # not contiguous: restart from these
                 rows, first = new, end - new.shape[2]
             else:
                 rows, first = torch.cat([old, new], dim=2), self.kv_start[layer_type]

@@ -256,3 +256,39 @@ def test_a_drafter_joining_mid_request_waits_for_the_state_then_drafts(gemma4):
     assert torch.equal(draft.kv["full_attention"], _held(session.lm.cache.layers[1]))
     sliding = _held(session.lm.cache.layers[0])
     assert torch.equal(draft.kv["sliding_attention"][:, :, -sliding.shape[2]:], sliding)
+
+
+def test_a_commit_that_confirms_the_chain_keeps_its_continuation(gemma4, monkeypatch):
+    """Overlap's pre-draft hit: a commit equal to the chain's start keeps the rest of the chain and continues it
+    from the assistant's own state; a commit that differs re-anchors on the target's fresh hidden state."""
+    target_path, assistant_path = gemma4
+    drafter = drafter_for(target_path, assistant_path)
+    model = AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.float32).eval()
+    layers = drafter.capabilities.needs_kv_layers
+    prompt = [5, 17, 33, 2, 60, 8]
+    lm = CachedLM(model)
+    _, hidden = lm.feed(prompt[:-1], want_hidden=True)
+    kv = lm.new_rows(layers, len(prompt) - 1, len(prompt) - 1)
+    lm.crop(len(prompt) - 1)
+    params = GenerationParams.from_dict({"max_new_tokens": 20, "eos_token_ids": []})
+    draft = drafter.open_session(prompt, len(prompt), params, {"hidden": hidden, **kv})
+    positions = []
+    step = drafter.step
+    monkeypatch.setattr(drafter, "step", lambda *a: positions.append(a[2]) or step(*a))
+    assert draft.propose(3) == 3
+    chain = draft.chain_tokens
+    # The state a verifier would send had the target committed the chain's first two tokens.
+    _, hidden = lm.feed([prompt[-1], chain[0]], want_hidden=True)
+    kv = lm.new_rows(layers, 2, 2)
+    assert draft.observe_commit(chain[:2], {"hidden": hidden, **kv}) == 2
+    assert draft.chain_tokens == chain[2:] and len(draft.cursors) == 1 and draft.ready()
+    assert draft.propose(1) == 1
+    assert positions == [len(prompt) - 1] * 4  # continued at the anchor's position
+    # A commit that the chain did not predict: re-anchor at the new committed length.
+    _, hidden = lm.feed([chain[1]], want_hidden=True)
+    kv = lm.new_rows(layers, 1, 1)
+    wrong = (draft.chain_tokens[0] + 1) % 150
+    assert draft.observe_commit([wrong], {"hidden": hidden, **kv}) == 0
+    assert draft.chain == [] and draft.cursors == [] and draft.ready()
+    assert draft.propose(1) == 1
+    assert positions[-1] == len(draft.committed) - 1
