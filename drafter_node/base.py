@@ -85,6 +85,10 @@ class DraftSession(ABC):
         self.committed.extend(tokens)
         return matched
 
+    def observe_state(self, extras: dict[str, torch.Tensor], end: int) -> None:  # noqa: B027
+        """More target state for the committed prefix (rows of positions before ``end``): a long prompt's state
+        arrives in pieces after ``session_start``. Types that need no state ignore it."""
+
     def rollback(self, keep: int) -> None:
         """Keep the first ``keep`` chain tokens; undo state built on the rest."""
         self.chain = self.chain[:keep]

@@ -238,7 +238,7 @@ class DrafterNode:
 
     def _on_error(self, msg: Message) -> int | None:
         log.error("verifier: %s", msg["message"])
-        if msg.get("code") in ("tokenizer_mismatch", "bad_version", "ensemble_needs_q"):
+        if msg.get("code") in ("tokenizer_mismatch", "bad_version", "ensemble_needs_q", "unsupported"):
             print(f"pipespec drafter: refused by the verifier: {msg['message']}", file=sys.stderr)
             return 2
         return None
@@ -265,6 +265,12 @@ class DrafterNode:
         if s is None or msg["base_len"] != s.base_len:
             return  # a duplicate or a commit for a session we no longer hold
         s.on_commit(msg["tokens"], int(msg.get("drafted", 0)), int(msg.get("accepted", 0)), msg.tensors)
+
+    def _on_state(self, msg: Message) -> None:
+        s = self.sessions.get(msg["session"])
+        if s is None or msg["base_len"] != s.base_len:
+            return
+        s.draft.observe_state(msg.tensors, int(msg["end"]))
 
     def _on_session_end(self, msg: Message) -> None:
         s = self.sessions.pop(msg["session"], None)

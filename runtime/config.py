@@ -52,6 +52,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "verifier_endpoint": None,
         "max_memory": None,
         "assistant_early_exit": None,
+        "target_model": None,
         "prompt_lookup_num_tokens": 10,
         "max_matching_ngram_size": 2,
     },
@@ -60,7 +61,10 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "launch": {"ready_timeout_s": 900, "start_drafter": True},
 }
 
-MODEL_TYPES_NEEDING_MODEL = {"assistant", "early_exit", "mtp"}
+MODEL_TYPES_NEEDING_MODEL = {"assistant", "early_exit", "mtp", "mtp_drafter"}
+#: Types that read part of the target checkpoint besides their own: ``drafter.target_model`` defaults to
+#: ``verifier.model`` (a drafter on another host may name its own copy).
+TARGET_READING_TYPES = {"mtp_drafter"}
 #: Types that draft with the target checkpoint itself: ``drafter.model`` defaults to ``verifier.model``.
 SELF_DRAFTING_TYPES = {"early_exit", "mtp"}
 #: Types with no draft distribution q at all: static ensemble verification is refused with them.
@@ -200,10 +204,13 @@ def validate(config: dict[str, Any]) -> None:
         d["model"] = v["model"]
     if d["type"] in MODEL_TYPES_NEEDING_MODEL:
         _check_model("drafter.model", d["model"])
+    if d["type"] in TARGET_READING_TYPES:
+        if d["target_model"] is None:
+            d["target_model"] = v["model"]
+        _check_model("drafter.target_model", d["target_model"])
     if d["type"] == "early_exit":
         _positive_int(config, "drafter.assistant_early_exit")
-    if d["type"] in ("early_exit", "mtp"):
-        check_model_dependent(config)
+    check_model_dependent(config)
     _check_device("drafter.device", d["device"], hint)
     for dotted in ("verifier.dtype", "drafter.dtype"):
         section, key = dotted.split(".")
@@ -261,18 +268,33 @@ def _check_ensemble(config: dict[str, Any]) -> None:
 
 def check_model_dependent(config: dict[str, Any]) -> None:
     """Checks that need the model's own config.json; skipped while a named model is not converted yet (the launcher
-    calls this again after converting)."""
+    calls this again after converting) and for hub ids (the drafter then checks when it starts)."""
     from shared import registry
 
     d = config["drafter"]
-    if d["type"] not in ("early_exit", "mtp"):
+    if d["type"] not in ("early_exit", "mtp", "mtp_drafter"):
         return
-    name = d["model"]
-    folder = registry.model_dir(name) if registry.is_named_model(name) else Path(name).expanduser()
-    if not (Path(folder) / "config.json").exists():
-        return
+
+    def local(name: str) -> Path | None:
+        folder = Path(registry.model_dir(name) if registry.is_named_model(name) else Path(name).expanduser())
+        return folder if (folder / "config.json").exists() else None
+
     from transformers import AutoConfig
 
+    if d["type"] == "mtp_drafter":
+        from drafter_node.mtp_drafter import MTPDrafterError, kv_layers_for
+
+        target, assistant = local(d["target_model"]), local(d["model"])
+        if target is None or assistant is None:
+            return
+        try:
+            kv_layers_for(AutoConfig.from_pretrained(str(target)), AutoConfig.from_pretrained(str(assistant)))
+        except (MTPDrafterError, ValueError) as exc:
+            raise ConfigError(str(exc)) from None
+        return
+    folder = local(d["model"])
+    if folder is None:
+        return
     if d["type"] == "mtp":
         from drafter_node.mtp import MTPError, check_mtp_checkpoint
 

@@ -18,6 +18,8 @@ welcome            verif → drafter  target (model name), vocab_size, want_q (s
 session_start      verif → drafter  session, token_ids (whole committed prefix), params (GenerationParams dict)
 draft              drafter → verif  session, base_len, epoch, tokens[k]; tensors q_idx/q_prob (sparse q) or q (dense)
 commit             verif → drafter  session, base_len, tokens[n+1], new_len, drafted, accepted; tensors: extras
+state              verif → drafter  session, base_len, end; tensors: extras for positions before ``end`` (a part of a
+                                    session_start's state too large for one message, in position order)
 session_end        verif → drafter  session
 heartbeat          drafter → verif  (liveness while idle)
 generate           client → verif   request_id, token_ids | prompt | messages, params
@@ -73,6 +75,7 @@ SCHEMA: dict[str, dict[str, type | tuple[type, ...]]] = {
     "session_start": {"session": int, "token_ids": _LIST, "params": dict},
     "draft": {"session": int, "base_len": int, "epoch": int, "tokens": _LIST},
     "commit": {"session": int, "base_len": int, "tokens": _LIST, "new_len": int},
+    "state": {"session": int, "base_len": int, "end": int},
     "session_end": {"session": int},
     "heartbeat": {},
     "generate": {"request_id": int, "params": dict},
@@ -83,6 +86,34 @@ SCHEMA: dict[str, dict[str, type | tuple[type, ...]]] = {
     "pong": {"drafter_connected": bool},
     "error": {"message": str},
 }
+
+
+def state_row_axis(name: str) -> int:
+    """The position axis of a state tensor (``extras``): ``hidden`` [rows, hidden], ``kv.{layer}`` [2, heads, rows,
+    head_dim]. Every state tensor's rows are the last positions before the message's ``end``."""
+    return 2 if name.startswith("kv.") else 0
+
+
+def split_state(
+    tensors: dict[str, torch.Tensor], end: int, budget: int
+) -> list[tuple[int, dict[str, torch.Tensor]]]:
+    """Cut state tensors whose rows end at position ``end`` into ``(end_i, part)`` pieces of at most about
+    ``budget`` bytes each (at least one position per piece), in position order."""
+    first = min((end - t.shape[state_row_axis(n)] for n, t in tensors.items()), default=end)
+    per_position = sum(t[(slice(None),) * state_row_axis(n) + (slice(0, 1),)].numel() * t.element_size()
+                       for n, t in tensors.items())
+    step = max(1, budget // max(per_position, 1))
+    pieces = []
+    for lo in range(first, end, step):
+        hi = min(end, lo + step)
+        part = {}
+        for name, t in tensors.items():
+            axis, start = state_row_axis(name), end - t.shape[state_row_axis(name)]
+            a, b = max(lo, start) - start, hi - start
+            if b > a:
+                part[name] = t.narrow(axis, a, b - a)
+        pieces.append((hi, part))
+    return pieces
 
 
 class ProtocolError(ValueError):

@@ -50,6 +50,7 @@ VALID_FIELDS: dict[str, dict[str, Any]] = {
     "session_start": {"session": 3, "token_ids": [1, 2, 3], "params": {"max_new_tokens": 8, "do_sample": False}},
     "draft": {"session": 3, "base_len": 10, "epoch": 0, "tokens": [4, 5, 6]},
     "commit": {"session": 3, "base_len": 10, "tokens": [4, 5], "new_len": 12, "accepted": 1},
+    "state": {"session": 3, "base_len": 10, "end": 9},
     "session_end": {"session": 3},
     "heartbeat": {},
     "generate": {"request_id": 7, "params": {"temperature": 0.7, "seed": None}, "prompt": "héllo"},

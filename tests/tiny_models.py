@@ -111,3 +111,43 @@ def build_small_vocab_tokenizer(folder: Path, words: int = 10) -> PreTrainedToke
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>")
     fast.save_pretrained(folder)
     return fast
+
+
+def gemma4_text_config(vocab_size: int, hidden: int, layers: list[str], sliding_window: int = 8, **extra):
+    """A tiny Gemma 4 text config (one head size for both attention types, so an assistant can read either)."""
+    from transformers import Gemma4TextConfig
+
+    return Gemma4TextConfig(
+        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=len(layers),
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=16, layer_types=list(layers),
+        sliding_window=sliding_window, max_position_embeddings=512, eos_token_id=0, pad_token_id=1,
+        bos_token_id=None, tie_word_embeddings=False, **extra,
+    )
+
+
+def build_gemma4_pair(root: Path, tokenizer_folder: Path, seed: int = 1, sharpen: float = 1.0) -> tuple[Path, Path]:
+    """A tiny Gemma 4 target (sliding + full layers, the last two sharing K/V, per-layer inputs as in E2B) and a tiny
+    ``Gemma4AssistantForCausalLM`` for it, saved to ``root/gemma4-target`` and ``root/gemma4-assistant``."""
+    from transformers import Gemma4AssistantConfig, Gemma4AssistantForCausalLM
+
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(tokenizer_folder)
+    vocab = len(tokenizer)
+    torch.manual_seed(seed)
+    config = gemma4_text_config(vocab, 64, ["sliding_attention", "full_attention"] * 2, num_kv_shared_layers=2,
+                                hidden_size_per_layer_input=8, vocab_size_per_layer_input=vocab)
+    target = AutoModelForCausalLM.from_config(config)
+    assistant_text = gemma4_text_config(vocab, 32, ["sliding_attention", "full_attention"],
+                                        hidden_size_per_layer_input=0, vocab_size_per_layer_input=0)
+    assistant = Gemma4AssistantForCausalLM(
+        Gemma4AssistantConfig(text_config=assistant_text, backbone_hidden_size=64, tie_word_embeddings=False)
+    )
+    folders = root / "gemma4-target", root / "gemma4-assistant"
+    for model, folder in zip((target, assistant), folders):
+        with torch.no_grad():
+            head = model.get_output_embeddings()
+            head.weight = torch.nn.Parameter(torch.randn_like(head.weight) * 0.2 * sharpen)
+        model.generation_config.eos_token_id = 0
+        model.generation_config.pad_token_id = 1
+        model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+    return folders

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import zmq
 
+from shared.kv import CachedLM, KVRowsError
 from shared.models import (
     default_eos_ids,
     load_causal_lm,
@@ -27,7 +28,7 @@ from shared.models import (
     set_threads,
     tokenizer_id,
 )
-from shared.protocol import ANY_TOKENIZER, Message, ProtocolError, decode, encode, error_frames
+from shared.protocol import ANY_TOKENIZER, Message, ProtocolError, decode, encode, error_frames, split_state
 from shared.sampling import GenerationParams, ParamError
 from shared.transport import bind_router
 from verifier_node.acceptance import check_ensemble_weight
@@ -48,6 +49,10 @@ class Drafter:
         self.sends_q = bool(capabilities.get("sends_q", False))
         self.greedy_q = self.sends_q and bool(capabilities.get("greedy_q", False))
         self.needs_hidden = bool(capabilities.get("needs_hidden_states", False))
+        layers = capabilities.get("needs_kv_layers") or []
+        if not isinstance(layers, list):
+            raise ProtocolError("capabilities.needs_kv_layers must be a list of layer indices", code="unsupported")
+        self.kv_layers: list[int] = layers
         self.last_seen = time.monotonic()
 
     def alive(self) -> bool:
@@ -188,6 +193,16 @@ class VerifierServer:
                 "that have no q, such as prompt lookup): unset verification.ensemble_weight or use a model drafter",
                 code="ensemble_needs_q",
             )
+        if drafter.kv_layers:
+            try:
+                CachedLM(self.model).check_kv_layers(drafter.kv_layers)
+            except KVRowsError as exc:
+                log.error("refused drafter %r: %s", msg["drafter_type"], exc)
+                raise ProtocolError(
+                    f"drafter type {msg['drafter_type']!r} needs K/V rows of target layers {drafter.kv_layers}, "
+                    f"which this target ({self.model_name}, {type(self.model).__name__}) cannot provide: {exc}",
+                    code="unsupported",
+                ) from None
         self.drafter = drafter
         log.info("drafter connected: type=%s caps=%s", self.drafter.type, msg["capabilities"])
         self._send_drafter(encode("welcome", target=self.model_name, vocab_size=self.vocab_size,
@@ -196,21 +211,48 @@ class VerifierServer:
             s.announced = False
             s.draft = None
             if s.prefilled:
-                self._announce(s)
+                kv = s.lm.held_rows(self.drafter.kv_layers) if self.drafter.kv_layers else None
+                self._announce(s, kv=kv)
 
     def _lacks_q(self, params: GenerationParams, drafter: Drafter | None) -> bool:
         """Ensemble verification of a request whose drafts would come without q (greedy, drafter without greedy_q)."""
         return (self.ensemble_weight is not None and drafter is not None and not params.do_sample
                 and not drafter.greedy_q)
 
-    def _announce(self, s: Session, hidden: torch.Tensor | None = None) -> None:
+    def _announce(
+        self, s: Session, hidden: torch.Tensor | None = None, kv: dict[str, torch.Tensor] | None = None
+    ) -> None:
         if self.drafter is None or self._lacks_q(s.params, self.drafter):
             return  # not announced: the session takes plain steps from the target
-        tensors = {"hidden": hidden} if hidden is not None else None
-        self._send_drafter(encode("session_start", tensors, session=s.sid, token_ids=s.tokens,
-                                  prompt_len=s.prompt_len, params=s.params.to_dict()))
+        tensors = {"hidden": hidden} if hidden is not None else {}
+        tensors.update(kv or {})
+        size = sum(t.numel() * t.element_size() for t in tensors.values())
+        pieces = [] if size <= self._state_budget() else split_state(tensors, len(s.tokens) - 1, self._state_budget())
+        self._send_drafter(encode("session_start", None if pieces else tensors or None, session=s.sid,
+                                  token_ids=s.tokens, prompt_len=s.prompt_len, params=s.params.to_dict()))
+        for end, part in pieces:  # a long prompt's state, in pieces that each fit the message cap
+            self._send_drafter(encode("state", part, session=s.sid, base_len=len(s.tokens), end=end))
         s.announced = True
         s.ready_since = time.monotonic()
+
+    def _state_budget(self) -> int:
+        """Bytes of state tensors one message may carry (the rest of the cap is left to the header)."""
+        return self.max_bytes * 3 // 4
+
+    def _extras(
+        self, s: Session, hidden: torch.Tensor | None, kv: dict[str, torch.Tensor] | None
+    ) -> dict[str, torch.Tensor] | None:
+        """A commit's state tensors (hidden states, K/V rows of one round's positions), dropped with an error in the
+        log if they would exceed the message cap (the drafter then drafts nothing more for the session; the output
+        is unaffected)."""
+        tensors = {"hidden": hidden} if hidden is not None else {}
+        tensors.update(kv or {})
+        size = sum(t.numel() * t.element_size() for t in tensors.values())
+        if size > self._state_budget():
+            log.error("session %d: drafter state of %d bytes exceeds max_message_bytes (%d); not sent", s.sid, size,
+                      self.max_bytes)
+            return None
+        return tensors or None
 
     def _on_draft(self, msg: Message) -> None:
         s = self.sessions.get(msg["session"])
@@ -345,16 +387,17 @@ class VerifierServer:
     # ------------------------------------------------------------------ rounds
     def _run_round(self, s: Session) -> None:
         want_hidden = bool(self.drafter and self.drafter.needs_hidden)
+        kv_layers = self.drafter.kv_layers if self.drafter else []
         if not s.prefilled:
-            if not want_hidden:
+            if not (want_hidden or kv_layers):
                 self._announce(s)
-            hidden = s.prefill(want_hidden)
-            if want_hidden:
-                self._announce(s, hidden)
+            hidden, kv = s.prefill(want_hidden, kv_layers)
+            if want_hidden or kv_layers:
+                self._announce(s, hidden, kv)
             return
         draft = s.draft or {"tokens": [], "q": None}
         s.draft = None
-        result = s.verify(draft["tokens"], draft["q"], want_hidden)
+        result = s.verify(draft["tokens"], draft["q"], want_hidden, kv_layers)
         self._publish(s, result)
         if s.finished:
             self._finish(s, s.finished)
@@ -362,9 +405,8 @@ class VerifierServer:
     def _publish(self, s: Session, r: RoundResult) -> None:
         t0 = time.monotonic()
         if s.announced and self.drafter is not None:
-            tensors = {"hidden": r.hidden} if r.hidden is not None else None
-            frames = encode("commit", tensors, session=s.sid, base_len=r.base_len, tokens=r.tokens,
-                            new_len=len(s.tokens), drafted=r.drafted, accepted=r.accepted)
+            frames = encode("commit", self._extras(s, r.hidden, r.kv), session=s.sid, base_len=r.base_len,
+                            tokens=r.tokens, new_len=len(s.tokens), drafted=r.drafted, accepted=r.accepted)
             s.metrics.bytes_out += sum(len(f) if isinstance(f, bytes) else f.nbytes for f in frames)
             self._send_drafter(frames)
         delta = s.text.push(r.tokens)

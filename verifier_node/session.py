@@ -28,6 +28,7 @@ class RoundResult:
     accepted: int
     drafted: int
     hidden: torch.Tensor | None  # last hidden states of the newly cached positions, when a drafter needs them
+    kv: dict[str, torch.Tensor] | None = None  # K/V rows of the newly cached positions (``kv.{layer}``), when asked
 
 
 @dataclass
@@ -94,19 +95,29 @@ class Session:
     def generated(self) -> list[int]:
         return self.tokens[self.prompt_len :]
 
-    def prefill(self, want_hidden: bool = False) -> torch.Tensor | None:
-        """Cache every prompt token but the last."""
-        hidden = None
+    def prefill(
+        self, want_hidden: bool = False, kv_layers: list[int] = ()
+    ) -> tuple[torch.Tensor | None, dict[str, torch.Tensor] | None]:
+        """Cache every prompt token but the last; return the hidden states and K/V rows of the cached positions when
+        asked (``kv_layers``: target layer indices)."""
+        hidden = kv = None
         if self.prompt_len > 1:
             t0 = time.monotonic()
+            fed = self.prompt_len - 1
             _, hidden = self.lm.feed(self.tokens[:-1], want_hidden=want_hidden)
+            if kv_layers:
+                kv = self.lm.new_rows(list(kv_layers), fed, fed)
+            self.lm.crop(fed)
             self.metrics.verify_s += time.monotonic() - t0
         self.prefilled = True
         self.ready_since = time.monotonic()
-        return hidden
+        return hidden, kv
 
-    def verify(self, draft: list[int], q: torch.Tensor | None, want_hidden: bool = False) -> RoundResult:
-        """Run one round on top of the committed prefix and commit its outcome."""
+    def verify(
+        self, draft: list[int], q: torch.Tensor | None, want_hidden: bool = False, kv_layers: list[int] = ()
+    ) -> RoundResult:
+        """Run one round on top of the committed prefix and commit its outcome. With ``want_hidden`` / ``kv_layers``
+        the result carries the hidden states / K/V rows of exactly the newly cached (committed) positions."""
         t0 = time.monotonic()
         base_len = len(self.tokens)
         remaining = self.params.max_new_tokens - (base_len - self.prompt_len)
@@ -127,6 +138,8 @@ class Session:
         accepted = len(out) - 1
         out = self._cut_at_end(out, remaining)
         self.tokens.extend(out)
+        # The cache gains len(out) positions: the pending token and the accepted drafts (the rest are cropped).
+        kv = self.lm.new_rows(list(kv_layers), len(draft) + 1, len(out)) if kv_layers else None
         self.lm.crop(len(self.tokens) - 1)
         self.metrics.record(len(draft), accepted)
         self.metrics.verify_s += time.monotonic() - t0
@@ -135,7 +148,7 @@ class Session:
         self.ready_since = time.monotonic()
         if hidden is not None:
             hidden = hidden[: len(out)]
-        return RoundResult(base_len, out, accepted, len(draft), hidden)
+        return RoundResult(base_len, out, accepted, len(draft), hidden, kv)
 
     def _generator(self, base_len: int) -> torch.Generator:
         return make_generator(self.params.seed or 0, base_len, stream=0)
