@@ -131,7 +131,7 @@ def load_target_embeddings(path: str, target_config, device: str, dtype: str) ->
     return embed.to(device=device, dtype=DTYPES[dtype]).eval()
 
 
-class MTPDrafter(Drafter):
+class AssistantMTPDrafter(Drafter):
     type_name = "mtp_drafter"
 
     def __init__(self, dcfg: dict[str, Any]):
@@ -149,7 +149,7 @@ class MTPDrafter(Drafter):
         self.dtype = self.embed.weight.dtype
         self.sliding_window = _text_config(self.model.config).sliding_window
         self.q_top_m = int(dcfg.get("q_top_k", 0))
-        self.capabilities = Capabilities(sends_q=True, needs_hidden_states=True,
+        self.capabilities = Capabilities(sends_q=True, greedy_q=True, needs_hidden_states=True,
                                          needs_kv_layers=sorted(self.kv_layers.values()))
         self.target_vocab_size = _text_config(target_config).vocab_size
 
@@ -179,7 +179,7 @@ class MTPDrafter(Drafter):
 class MTPDraftSession(DraftSession):
     """One request: the target's K/V rows of the needed layers and its last hidden state, plus the chain."""
 
-    def __init__(self, drafter: MTPDrafter, token_ids: list[int], prompt_len: int, params: GenerationParams,
+    def __init__(self, drafter: AssistantMTPDrafter, token_ids: list[int], prompt_len: int, params: GenerationParams,
                  extras: dict[str, torch.Tensor]):
         super().__init__(token_ids, prompt_len, params)
         self.d = drafter
@@ -255,7 +255,7 @@ class MTPDraftSession(DraftSession):
             logits, new_hidden = self.d.step(token, hidden, position, self.kv)
             ids = self.committed + self.chain_tokens
             draft: DraftToken = pick_token(logits, ids, self.params, self.prompt_len, self.d.target_vocab_size,
-                                           self.d.q_top_m)
+                                           self.d.q_top_m, self.want_q)
             self.chain.append(draft)
             self.cursors.append((draft.token, new_hidden, position))
             added += 1

@@ -9,7 +9,7 @@ DRAFTER_TYPES: dict[str, str] = {
     "prompt_lookup": "drafter_node.prompt_lookup:PromptLookupDrafter",
     "early_exit": "drafter_node.early_exit:EarlyExitDrafter",
     "mtp": "drafter_node.mtp:MTPDrafter",
-    "mtp_drafter": "drafter_node.mtp_drafter:MTPDrafter",
+    "mtp_drafter": "drafter_node.mtp_drafter:AssistantMTPDrafter",
 }
 
 

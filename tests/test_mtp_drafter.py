@@ -15,7 +15,7 @@ from sampling_check import TV_BOUND, exact_joint, sample_pairs, tv
 from tiny_models import build_gemma4_pair, build_small_vocab_tokenizer, reference_greedy
 from transformers import AutoModelForCausalLM
 
-from drafter_node.mtp_drafter import MTPDrafter, MTPDrafterError
+from drafter_node.mtp_drafter import AssistantMTPDrafter, MTPDrafterError
 from runtime.config import ConfigError, load_config
 from runtime.launch import cluster
 from shared.kv import CachedLM, KVRowsError
@@ -39,9 +39,9 @@ def mtp_config(target, assistant, **keys):
     return config
 
 
-def drafter_for(target, assistant, **keys) -> MTPDrafter:
+def drafter_for(target, assistant, **keys) -> AssistantMTPDrafter:
     dcfg = load_config(mtp_config(target, assistant, **keys))["drafter"]
-    return MTPDrafter(dcfg)
+    return AssistantMTPDrafter(dcfg)
 
 
 def test_drafter_reads_only_the_targets_input_embeddings(gemma4, monkeypatch):
@@ -194,7 +194,7 @@ def test_a_target_that_is_not_gemma4_is_a_clear_error(gemma4, tiny):
     with pytest.raises(ConfigError, match=r"verifier\.model: the target \(llama\) provides no shared K/V states"):
         load_config(mtp_config(llama, assistant))
     with pytest.raises(MTPDrafterError, match="provides no shared K/V states"):
-        MTPDrafter({"model": str(assistant), "target_model": str(llama), "device": "cpu", "dtype": "float32"})
+        AssistantMTPDrafter({"model": str(assistant), "target_model": str(llama), "device": "cpu", "dtype": "float32"})
     with pytest.raises(ConfigError, match=r"drafter\.model: a 'llama' checkpoint is not a Gemma 4 assistant"):
         load_config(mtp_config(gemma4[0], llama))
 
