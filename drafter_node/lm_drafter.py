@@ -63,13 +63,6 @@ class LMDraftSession(DraftSession):
         self.vocab_size = vocab_size  # the target's: a drafter head may be padded wider
         self.branches: Branches | None = None
 
-    def next_logits(self, ids: list[int]) -> torch.Tensor:
-        """Logits for the token after ``ids``, feeding whatever the cache does not hold yet."""
-        if self.lm.length >= len(ids):
-            self.lm.crop(len(ids) - 1)  # need at least the last token's forward to get its logits
-        logits, _ = self.lm.feed(ids[self.lm.length :])
-        return logits[-1]
-
     def pick(self, logits: torch.Tensor, ids: list[int]) -> DraftToken:
         """The draft token after ``ids`` (the whole sequence) from the drafter's raw logits at that position."""
         return pick_token(logits, ids, self.params, self.prompt_len, self.vocab_size, self.q_top_m, self.want_q)
@@ -78,7 +71,7 @@ class LMDraftSession(DraftSession):
         added = 0
         while added < n and not self.ended:
             ids = self.committed + self.chain_tokens
-            self.chain.append(self.pick(self.next_logits(ids), ids))
+            self.chain.append(self.pick(self.lm.next_logits(ids), ids))
             added += 1
         return added
 

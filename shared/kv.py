@@ -36,6 +36,14 @@ class CachedLM:
         hidden = out.hidden_states[-1][0] if want_hidden else None
         return out.logits[0].float(), hidden
 
+    def next_logits(self, ids: list[int]) -> torch.Tensor:
+        """Logits for the token after the sequence ``ids`` (whose first ``length`` tokens are cached), feeding
+        whatever the cache does not hold yet."""
+        if self.length >= len(ids):
+            self.crop(len(ids) - 1)  # need at least the last token's forward to get its logits
+        logits, _ = self.feed(ids[self.length :])
+        return logits[-1]
+
     def crop(self, keep: int) -> None:
         """Drop cached positions beyond ``keep`` (rollback after a rejection); trim sliding layers to their window."""
         if keep < self.length or self._sliding:
