@@ -10,6 +10,7 @@ DRAFTER_TYPES: dict[str, str] = {
     "early_exit": "drafter_node.early_exit:EarlyExitDrafter",
     "mtp": "drafter_node.mtp:MTPDrafter",
     "mtp_drafter": "drafter_node.mtp_drafter:AssistantMTPDrafter",
+    "universal": "drafter_node.universal:UniversalDrafter",
 }
 
 

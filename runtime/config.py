@@ -61,10 +61,10 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "launch": {"ready_timeout_s": 900, "start_drafter": True},
 }
 
-MODEL_TYPES_NEEDING_MODEL = {"assistant", "early_exit", "mtp", "mtp_drafter"}
+MODEL_TYPES_NEEDING_MODEL = {"assistant", "early_exit", "mtp", "mtp_drafter", "universal"}
 #: Types that read part of the target checkpoint besides their own: ``drafter.target_model`` defaults to
 #: ``verifier.model`` (a drafter on another host may name its own copy).
-TARGET_READING_TYPES = {"mtp_drafter"}
+TARGET_READING_TYPES = {"mtp_drafter", "universal"}
 #: Types that draft with the target checkpoint itself: ``drafter.model`` defaults to ``verifier.model``.
 SELF_DRAFTING_TYPES = {"early_exit", "mtp"}
 #: Types with no draft distribution q at all: static ensemble verification is refused with them.
