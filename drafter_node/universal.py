@@ -9,8 +9,8 @@ to the longest common prefix of the old and new drafter ids, so only the changed
 * **Greedy**: the drafter drafts its own tokens (argmax), decodes them to text, and re-encodes that text with the
   target tokenizer together with a look-behind window of the last few target tokens, so merges at the boundary come
   out as the target would make them. Only target ids that cleanly extend the sequence are kept (the window must
-  re-encode to itself), and the last one is held back until more text confirms it (it may still merge with what
-  follows). Greedy drafts carry no q (one-hot): verification is by argmax, exact whatever is drafted.
+  re-encode to itself), and the text's last word is held back until whitespace after it settles how it splits.
+  Greedy drafts carry no q (one-hot): verification is by argmax, exact whatever is drafted.
 * **Sampling**: a 1:1 vocabulary map pairs draft and target tokens with identical byte strings. The drafter's logits
   are moved onto the target vocabulary (tokens without a counterpart get -inf, so q = 0), processed with the shared
   logits processing in target space, and one token is drawn with the shared ``choose``; the sparse q sent is exactly
@@ -42,7 +42,7 @@ TARGET_LOOK_BEHIND = 4
 #: Drafter tokens of look-behind when decoding a new drafter token (SentencePiece-style leading spaces).
 DRAFT_LOOK_BEHIND = 4
 #: Drafter forwards one ``propose`` call may run without producing a target token (a long word in progress).
-MAX_FORWARDS_PER_CALL = 8
+MAX_FORWARDS_PER_CALL = 16
 
 
 # ------------------------------------------------------------------------------------------ vocabulary map
@@ -129,6 +129,23 @@ class VocabMap:
 
 
 # ------------------------------------------------------------------------------------------------- session
+
+
+def stable_end(text: str) -> int:
+    """Where the part of drafted ``text`` whose tokenisation more text cannot change ends.
+
+    Pre-tokenisers split at whitespace, and merges never cross their splits, so the text up to the last whitespace
+    before the final word is settled; the final word (with the whitespace char that starts it) may still grow, and
+    a trailing whitespace run may still split differently (byte-level BPE keeps its last space for the next word).
+    """
+    i = len(text)
+    if text[-1:].isspace():
+        while i and text[i - 1].isspace():
+            i -= 1
+        return i
+    while i and not text[i - 1].isspace():
+        i -= 1
+    return max(i - 1, 0)
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -243,31 +260,26 @@ class UniversalSession(DraftSession):
 
         The text is re-encoded after a look-behind window of the last target tokens; the window must come out as
         itself (else the new text would change tokens already there: no clean extension). Unless ``final``, the
-        last new token is held back: more text may still merge into it."""
-        if not self.pending:
+        text's unstable end is held back (see :func:`stable_end`): more text may still change how it splits."""
+        text = self.pending if final else self.pending[: stable_end(self.pending)]
+        if not text:
             return 0
         ids = self.committed + self.chain_tokens
         for w in range(min(TARGET_LOOK_BEHIND, len(ids)), 0, -1):
             window = ids[-w:]
             window_text = self._target_text(window)
-            encoded = self.u.encode_target(window_text + self.pending)
+            encoded = self.u.encode_target(window_text + text)
             if encoded[:w] == window:
                 break
         else:
             self.stuck = True
             return 0
         new = encoded[w:]
-        if not final:
-            new = new[:-1]
-        if not new:
-            return 0
-        text = self._target_text(window + new)
-        if not text.startswith(window_text) or not self.pending.startswith(text[len(window_text) :]) or any(
-            t >= self.u.target_vocab_size for t in new
-        ):
+        if (not new or self._target_text(window + new) != window_text + text
+                or any(t >= self.u.target_vocab_size for t in new)):
             self.stuck = True  # the ids do not decode back to the drafted text: send nothing doubtful
             return 0
-        self.pending = self.pending[len(text) - len(window_text) :]
+        self.pending = self.pending[len(text) :]
         self.chain.extend(DraftToken(t) for t in new)
         return len(new)
 

@@ -1,0 +1,250 @@
+"""``universal`` drafter (different tokenizers): greedy identity with transformers through a running cluster (overlap
+on and off, and both directions of one vocabulary being a subset of the other), the text re-tokenisation with an
+oracle drafter (drafted text comes out as the target's own tokens, rollback re-synchronises), the vocabulary map
+(unmapped target tokens get q = 0), the sampling distribution test with its negative control, and config errors.
+
+Tokenizers are byte-level BPEs trained on the spot with different corpora, sizes and special-token orders, so ids
+differ between them even for the same text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import tiny_config
+from sampling_check import TV_BOUND, exact_joint, sample_pairs, tv
+from tiny_models import CHAT_TEMPLATE, CORPUS, build_model, reference_greedy
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+from drafter_node.universal import UniversalDrafter, VocabMap
+from runtime.config import ConfigError, load_config
+from runtime.launch import cluster
+from shared.models import tokenizer_id
+from shared.sampling import GenerationParams
+
+OTHER_CORPUS = [
+    "def mul(x, y):\n    return x * y\n",
+    "numbers = [n * n for n in range(20) if n % 2]\n",
+    "a lazy dog sleeps while the quick fox runs around the house",
+    "class Tree:\n    def __init__(self, left, right):\n        self.left = left\n",
+    "Small models draft, large models verify: speculative decoding in a nutshell.",
+] * 20
+
+PROMPTS = ["def add(a, b):\n    return", "for i in range(10):\n", "the quick brown fox"]
+
+
+def build_bpe(folder: Path, vocab_size: int, corpus: list[str], specials: list[str]) -> PreTrainedTokenizerFast:
+    """A byte-level BPE trained on ``corpus``; ``specials`` first (their order shifts every other id)."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(corpus, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>",
+                                   pad_token="<pad>" if "<pad>" in specials else None)
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(folder)
+    return fast
+
+
+def word_tokenizer(folder: Path, words: list[str]) -> PreTrainedTokenizerFast:
+    vocab = {w: i for i, w in enumerate(words)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>")
+    fast.save_pretrained(folder)
+    return fast
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory):
+    """Tokenizer folders and tiny models: a target, a drafter with a different tokenizer, and the two subset cases."""
+    root = tmp_path_factory.mktemp("universal")
+    build_bpe(root / "tok_target", 330, CORPUS, ["<eos>", "<pad>"])
+    build_bpe(root / "tok_other", 420, OTHER_CORPUS, ["<pad>", "<s>", "<eos>"])  # different merges and ids
+    build_bpe(root / "tok_super", 460, CORPUS, ["<pad>", "<eos>"])  # ⊃ the target's vocabulary
+    build_bpe(root / "tok_sub", 280, CORPUS, ["<eos>"])  # ⊂ the target's vocabulary, ids shifted by one
+    out = {"root": root, "target": build_model(root / "target", "llama", root / "tok_target", seed=1)}
+    for name, arch in (("other", "qwen2"), ("super", "llama"), ("sub", "gpt2")):
+        out[name] = build_model(root / name, arch, root / f"tok_{name}", seed=3, layers=1)
+    return out
+
+
+def universal_config(target: Path, drafter: Path, **keys) -> dict:
+    config = tiny_config(target, drafter, **keys)
+    config["drafter"]["type"] = "universal"
+    return config
+
+
+def run_greedy(config: dict, prompts: list[list[int]], new_tokens: int):
+    async def main():
+        async with cluster(config) as client:
+            return await asyncio.gather(*(client.generate(token_ids=p, max_new_tokens=new_tokens, eos_token_ids=[])
+                                          for p in prompts))
+
+    return asyncio.run(main())
+
+
+def encode(folder: Path, text: str) -> list[int]:
+    return PreTrainedTokenizerFast.from_pretrained(folder)(text, add_special_tokens=False)["input_ids"]
+
+
+# ----------------------------------------------------------------------------------------------- greedy e2e
+
+
+@pytest.mark.parametrize(("drafter", "overlap", "k"), [("other", True, 4), ("other", False, 3),
+                                                       ("super", True, 5), ("sub", False, 4)])
+def test_universal_greedy_matches_transformers(pairs, drafter, overlap, k):
+    target = pairs["target"]
+    prompts = [encode(target, p) for p in PROMPTS]
+    expected = [reference_greedy(target, p, 30) for p in prompts]
+    results = run_greedy(universal_config(target, pairs[drafter], overlap=overlap, num_draft_tokens=k), prompts, 30)
+    assert [r.token_ids for r in results] == expected
+    assert sum(r.metrics["drafts"] for r in results) > 0, "the drafter never contributed a block"
+
+
+def test_subset_vocabularies_really_are_subsets(pairs):
+    root = pairs["root"]
+    vocab = {n: set(PreTrainedTokenizerFast.from_pretrained(root / f"tok_{n}").get_vocab())
+             for n in ("target", "super", "sub")}
+    assert vocab["target"] < vocab["super"] and vocab["sub"] < vocab["target"]
+
+
+# ------------------------------------------------------------------------- re-tokenisation, oracle drafter
+
+
+class OracleLM:
+    """Stands in for the drafter's CachedLM: always predicts the drafter token that continues ``text``."""
+
+    def __init__(self, tokenizer, text: str, vocab: int):
+        self.tokenizer, self.text, self.vocab, self.length = tokenizer, text, vocab, 0
+
+    def next_logits(self, ids: list[int]) -> torch.Tensor:
+        done = self.tokenizer.decode(ids)
+        assert self.text.startswith(done), (done, self.text)
+        nxt = self.tokenizer(self.text[len(done):], add_special_tokens=False)["input_ids"][:1] or [0]
+        logits = torch.zeros(self.vocab)
+        logits[nxt[0]] = 10.0
+        self.length = len(ids)
+        return logits
+
+    def crop(self, keep: int) -> None:
+        self.length = min(self.length, keep)
+
+
+def make_drafter(pairs, name: str, q_top_k: int = 0) -> UniversalDrafter:
+    dcfg = load_config(universal_config(pairs["target"], pairs[name], q_top_k=q_top_k))["drafter"]
+    drafter = UniversalDrafter(dcfg)
+    drafter.target_vocab_size = len(drafter.target_tokenizer)
+    return drafter
+
+
+@pytest.mark.parametrize("name", ["other", "super", "sub"])
+def test_drafted_text_becomes_the_targets_own_tokens(pairs, name):
+    drafter = make_drafter(pairs, name)
+    text = "def add(a, b):\n    return a + b\nclass Node:\n    def __init__(self, value):\n"
+    full = drafter.target_tokenizer(text, add_special_tokens=False)["input_ids"]
+    prompt = full[:6]
+    session = drafter.open_session(prompt, len(prompt), GenerationParams(eos_token_ids=[]), {})
+    session.lm = OracleLM(drafter.tokenizer, text, drafter.draft_vocab_size)
+    while len(session.chain) < 12:
+        assert session.propose(1) > 0, (session.pending, session.chain_tokens)
+    assert session.committed + session.chain_tokens == full[: len(prompt) + len(session.chain)]
+    # A commit that rejects at position 3 with the oracle's own next token: rollback, re-tokenise, go on.
+    commit = full[len(prompt) : len(prompt) + 4]
+    wrong = session.chain_tokens[:3] + [t for t in range(20, 40) if t != commit[3]][:1]
+    assert session.observe_commit(wrong) == 3
+    session.lm = OracleLM(drafter.tokenizer, drafter.target_tokenizer.decode(session.committed), 0)
+    session.lm.vocab = drafter.draft_vocab_size
+    session.propose(1)  # the text so far is all the oracle knows: it must not crash, whatever it proposes
+    session.observe_commit(session.chain_tokens[:1] or [5])
+    assert session.committed[: len(prompt) + 3] == full[: len(prompt) + 3]
+
+
+# ------------------------------------------------------------------------------------------ vocabulary map
+
+
+def test_vocab_map_is_one_to_one_on_identical_strings(pairs):
+    root = pairs["root"]
+    target = PreTrainedTokenizerFast.from_pretrained(root / "tok_target")
+    for name in ("other", "super", "sub"):
+        draft = PreTrainedTokenizerFast.from_pretrained(root / f"tok_{name}")
+        vmap = VocabMap.build(draft, target)
+        assert len(set(vmap.d2t.values())) == len(vmap) == len(vmap.t2d)
+        for d, t in vmap.d2t.items():
+            assert draft.convert_ids_to_tokens(d) == target.convert_ids_to_tokens(t)
+        shared = set(draft.get_vocab()) & set(target.get_vocab())
+        assert len(vmap) == len(shared)  # every shared string is mapped (specials included)
+    sub = VocabMap.build(PreTrainedTokenizerFast.from_pretrained(root / "tok_sub"), target)
+    assert len(sub) == len(PreTrainedTokenizerFast.from_pretrained(root / "tok_sub"))
+
+
+@pytest.mark.parametrize(("name", "q_top_k"), [("other", 0), ("super", 0), ("sub", 8)])
+def test_sampled_drafts_carry_q_over_mapped_target_tokens_only(pairs, name, q_top_k):
+    drafter = make_drafter(pairs, name, q_top_k)
+    mapped = set(drafter.vocab.t2d)
+    assert len(mapped) < drafter.target_vocab_size or name == "super"
+    prompt = encode(pairs["target"], "def add(a, b):")
+    session = drafter.open_session(prompt, len(prompt), GenerationParams(do_sample=True, seed=3, eos_token_ids=[]),
+                                   {})
+    assert session.propose(6) == 6
+    for d in session.chain:
+        assert d.q_idx is not None and abs(float(d.q_prob.sum()) - 1) < 1e-5
+        assert d.token in mapped and float(d.q_prob[d.q_idx.tolist().index(d.token)]) > 0
+        support = {int(i) for i, p in zip(d.q_idx, d.q_prob) if p > 0}
+        assert support <= mapped  # target tokens without a counterpart get q = 0
+        assert len(d.q_idx) == (q_top_k or drafter.target_vocab_size)
+
+
+def test_announces_the_target_tokenizer_it_translates_to(pairs):
+    drafter = make_drafter(pairs, "other")
+    assert drafter.tokenizer_id == tokenizer_id(PreTrainedTokenizerFast.from_pretrained(pairs["target"]))
+    assert drafter.capabilities.sends_q
+
+
+# ------------------------------------------------------------------------------------------------ sampling
+
+
+def test_universal_sampling_is_lossless(sharp_pair, tmp_path):
+    """The target's 12-word vocabulary against a drafter whose vocabulary orders words differently and lacks two."""
+    target, _ = sharp_pair
+    words = ["<pad>", "<eos>", *[f"w{i}" for i in range(9, 1, -1)], "zz", "yy"]  # no w0, w1; ids all different
+    word_tokenizer(tmp_path / "tok", words)
+    drafter = build_model(tmp_path / "drafter", "llama", tmp_path / "tok", seed=12, layers=1, sharpen=1.2)
+    config = universal_config(target, drafter, num_draft_tokens=2, q_top_k=0)
+    exact = exact_joint(target)
+    lossless = asyncio.run(sample_pairs(config))
+    control = asyncio.run(sample_pairs(config, env={"PIPESPEC_UNSAFE_ACCEPT_ALL": "1"}))
+    assert tv(lossless, exact) < TV_BOUND
+    assert tv(control, exact) > 2 * TV_BOUND
+
+
+# -------------------------------------------------------------------------------------------------- config
+
+
+def test_universal_needs_a_drafter_model(pairs):
+    config = universal_config(pairs["target"], pairs["other"])
+    config["drafter"]["model"] = None
+    with pytest.raises(ConfigError, match=r"drafter\.model"):
+        load_config(config)
+
+
+def test_target_tokenizer_defaults_to_the_verifier_model(pairs):
+    config = load_config(universal_config(pairs["target"], pairs["other"]))
+    assert config["drafter"]["target_tokenizer"] == str(pairs["target"])
+    bad = universal_config(pairs["target"], pairs["other"])
+    bad["drafter"]["target_tokenizer"] = 5
+    with pytest.raises(ConfigError, match=r"drafter\.target_tokenizer"):
+        load_config(bad)
+
+
+def test_bundled_universal_config_loads():
+    config = load_config("universal.yaml")
+    assert config["drafter"]["type"] == "universal"
+    assert config["drafter"]["model"] == "smollm2-135m-instruct"
+    assert config["drafter"]["target_tokenizer"] == config["verifier"]["model"] == "qwen2.5-coder-1.5b-instruct"
