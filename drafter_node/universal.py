@@ -9,7 +9,7 @@ to the longest common prefix of the old and new drafter ids, so only the changed
 * **Greedy**: the drafter drafts its own tokens (argmax), decodes them to text, and re-encodes that text with the
   target tokenizer together with a look-behind window of the last few target tokens, so merges at the boundary come
   out as the target would make them. Only target ids that cleanly extend the sequence are kept (the window must
-  re-encode to itself), and the text's last word is held back until whitespace after it settles how it splits.
+  re-encode to itself), and the text's last pre-tokeniser piece is held back until more text settles its split.
   Greedy drafts carry no q (one-hot): verification is by argmax, exact whatever is drafted.
 * **Sampling**: a 1:1 vocabulary map pairs draft and target tokens with identical byte strings. The drafter's logits
   are moved onto the target vocabulary (tokens without a counterpart get -inf, so q = 0), processed with the shared
@@ -131,13 +131,18 @@ class VocabMap:
 # ------------------------------------------------------------------------------------------------- session
 
 
-def stable_end(text: str) -> int:
-    """Where the part of drafted ``text`` whose tokenisation more text cannot change ends.
+def stable_end(tokenizer, text: str) -> int:
+    """Where the part of drafted ``text`` whose target tokenisation more text cannot change ends.
 
-    Pre-tokenisers split at whitespace, and merges never cross their splits, so the text up to the last whitespace
-    before the final word is settled; the final word (with the whitespace char that starts it) may still grow, and
-    a trailing whitespace run may still split differently (byte-level BPE keeps its last space for the next word).
+    BPE merges never cross the pre-tokeniser's splits, and appending text can only change the last piece (a word
+    may grow; Qwen's pattern lets punctuation take the newlines after it; a whitespace run gives its last space to
+    the next word), so the text before the last piece is settled. Uses the tokenizer's own pre-tokeniser; without
+    one, the last whitespace-delimited word is held back.
     """
+    pre = getattr(getattr(tokenizer, "backend_tokenizer", None), "pre_tokenizer", None)
+    if pre is not None:
+        pieces = pre.pre_tokenize_str(text)
+        return pieces[-1][1][0] if pieces else 0
     i = len(text)
     if text[-1:].isspace():
         while i and text[i - 1].isspace():
@@ -261,7 +266,7 @@ class UniversalSession(DraftSession):
         The text is re-encoded after a look-behind window of the last target tokens; the window must come out as
         itself (else the new text would change tokens already there: no clean extension). Unless ``final``, the
         text's unstable end is held back (see :func:`stable_end`): more text may still change how it splits."""
-        text = self.pending if final else self.pending[: stable_end(self.pending)]
+        text = self.pending if final else self.pending[: stable_end(self.u.target_tokenizer, self.pending)]
         if not text:
             return 0
         ids = self.committed + self.chain_tokens
