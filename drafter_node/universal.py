@@ -201,10 +201,10 @@ class UniversalSession(DraftSession):
 
     # ---------------------------------------------------------------- drafting
     def propose(self, n: int) -> int:
-        if self.ended or self.stuck:
-            return 0
         if self.dirty:
             self.sync()
+        if self.ended or self.stuck:
+            return 0
         if not self.d_ids:
             self.stuck = True
             return 0

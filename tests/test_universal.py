@@ -155,15 +155,21 @@ def test_drafted_text_becomes_the_targets_own_tokens(pairs, name):
     while len(session.chain) < 12:
         assert session.propose(1) > 0, (session.pending, session.chain_tokens)
     assert session.committed + session.chain_tokens == full[: len(prompt) + len(session.chain)]
-    # A commit that rejects at position 3 with the oracle's own next token: rollback, re-tokenise, go on.
-    commit = full[len(prompt) : len(prompt) + 4]
-    wrong = session.chain_tokens[:3] + [t for t in range(20, 40) if t != commit[3]][:1]
+    # A commit that rejects at position 3: rollback, re-tokenise (the cache keeps the common prefix), go on.
+    wrong = [*session.chain_tokens[:3], full[len(prompt) + 3] + 1]
     assert session.observe_commit(wrong) == 3
-    session.lm = OracleLM(drafter.tokenizer, drafter.target_tokenizer.decode(session.committed), 0)
-    session.lm.vocab = drafter.draft_vocab_size
-    session.propose(1)  # the text so far is all the oracle knows: it must not crash, whatever it proposes
-    session.observe_commit(session.chain_tokens[:1] or [5])
-    assert session.committed[: len(prompt) + 3] == full[: len(prompt) + 3]
+    committed_text = drafter.target_tokenizer.decode(session.committed)
+    more = committed_text + " = value\n    return a\n"
+    session.lm = OracleLM(drafter.tokenizer, more, drafter.draft_vocab_size)
+    while len(session.chain) < 4:
+        assert session.propose(1) > 0, (session.pending, session.chain_tokens)
+    expected = drafter.target_tokenizer(more, add_special_tokens=False)["input_ids"]
+    assert session.committed + session.chain_tokens == expected[: len(session.committed) + len(session.chain)]
+    # A session with no clean continuation waits for the next commit, then drafts again.
+    session.stuck = True
+    assert session.propose(1) == 0
+    session.observe_commit(session.chain_tokens[:1])
+    assert session.propose(1) > 0
 
 
 # ------------------------------------------------------------------------------------------ vocabulary map
