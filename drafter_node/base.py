@@ -124,6 +124,8 @@ class Drafter(ABC):
     target_vocab_size: int  # set by the node from the verifier's welcome
     #: A fixed block length (constant schedule) for types whose blocks are not worth tuning; None: the config's.
     block_len: int | None = None
+    #: Added to the message when the verifier refuses this drafter's tokenizer (what the user should change).
+    tokenizer_hint: str = ""
 
     @abstractmethod
     def open_session(

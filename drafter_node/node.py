@@ -239,7 +239,8 @@ class DrafterNode:
     def _on_error(self, msg: Message) -> int | None:
         log.error("verifier: %s", msg["message"])
         if msg.get("code") in ("tokenizer_mismatch", "bad_version", "ensemble_needs_q", "unsupported"):
-            print(f"pipespec drafter: refused by the verifier: {msg['message']}", file=sys.stderr)
+            hint = self.drafter.tokenizer_hint if msg.get("code") == "tokenizer_mismatch" else ""
+            print(f"pipespec drafter: refused by the verifier: {msg['message']}{hint}", file=sys.stderr)
             return 2
         return None
 

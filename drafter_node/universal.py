@@ -316,6 +316,10 @@ class UniversalDrafter(Drafter):
         # The ids this drafter sends are the target tokenizer's: announce its fingerprint, so a verifier whose
         # target has another tokenizer (a drafter configured for a different target) refuses it.
         self.tokenizer_id = tokenizer_id(self.target_tokenizer)
+        self.tokenizer_hint = (
+            f" (the universal drafter translates to the tokenizer of drafter.target_tokenizer = "
+            f"{dcfg['target_tokenizer']!r}, default verifier.model: point it at the verifier's target)"
+        )
         self.model = load_causal_lm(path, dcfg["device"], dcfg["dtype"], dcfg.get("max_memory"))
         self.draft_vocab_size = min(len(self.tokenizer), int(self.model.get_output_embeddings().weight.shape[0]))
         self.draft_special_ids = set(self.tokenizer.all_special_ids) | {

@@ -22,7 +22,7 @@ from transformers import PreTrainedTokenizerFast
 
 from drafter_node.universal import UniversalDrafter, VocabMap
 from runtime.config import ConfigError, load_config
-from runtime.launch import cluster
+from runtime.launch import LaunchError, cluster
 from shared.models import tokenizer_id
 from shared.sampling import GenerationParams
 
@@ -211,6 +211,18 @@ def test_announces_the_target_tokenizer_it_translates_to(pairs):
     drafter = make_drafter(pairs, "other")
     assert drafter.tokenizer_id == tokenizer_id(PreTrainedTokenizerFast.from_pretrained(pairs["target"]))
     assert drafter.capabilities.sends_q
+
+
+def test_a_drafter_set_up_for_another_target_is_refused(pairs):
+    config = universal_config(pairs["target"], pairs["other"])
+    config["drafter"]["target_tokenizer"] = str(pairs["super"])  # translates to the wrong target's ids
+
+    async def main():
+        async with cluster(config):
+            pass
+
+    with pytest.raises(LaunchError, match=r"tokenizer mismatch(.|\n)*drafter\.target_tokenizer"):
+        asyncio.run(main())
 
 
 # ------------------------------------------------------------------------------------------------ sampling
