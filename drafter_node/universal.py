@@ -205,8 +205,8 @@ class UniversalSession(DraftSession):
             self.sync()
         if self.ended or self.stuck:
             return 0
-        if not self.d_ids:
-            self.stuck = True
+        if not self.d_ids or len(self.d_ids) >= self.u.max_positions:
+            self.stuck = True  # nothing to condition on, or past the drafter's context: the verifier goes alone
             return 0
         added = forwards = 0
         while added < n and forwards < MAX_FORWARDS_PER_CALL and not self.ended and not self.stuck:
@@ -326,6 +326,7 @@ class UniversalDrafter(Drafter):
             i for i, t in getattr(self.tokenizer, "added_tokens_decoder", {}).items() if getattr(t, "special", False)
         }
         self.vocab = VocabMap.build(self.tokenizer, self.target_tokenizer)
+        self.max_positions = int(getattr(self.model.config, "max_position_embeddings", None) or 1 << 62)
         self.q_top_m = int(dcfg.get("q_top_k", 0))
         self.capabilities = Capabilities(sends_q=True)  # sampled drafts carry q; greedy drafts are one-hot
         self.target_vocab_size = len(self.target_tokenizer)  # replaced by the verifier's at connect time
