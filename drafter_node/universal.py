@@ -41,6 +41,8 @@ log = logging.getLogger("pipespec.drafter")
 TARGET_LOOK_BEHIND = 4
 #: Drafter tokens of look-behind when decoding a new drafter token (SentencePiece-style leading spaces).
 DRAFT_LOOK_BEHIND = 4
+#: Target tokens before a change where re-tokenising the drafter's context starts (then up to as many further back).
+RESYNC_LOOK_BEHIND = 8
 #: Drafter forwards one ``propose`` call may run without producing a target token (a long word in progress).
 MAX_FORWARDS_PER_CALL = 16
 
@@ -153,6 +155,16 @@ def stable_end(tokenizer, text: str) -> int:
     return max(i - 1, 0)
 
 
+def _suffix_text(decode, ids: list[int], start: int) -> str | None:
+    """The text ``ids[start:]`` adds after ``ids[:start]`` (decoded with a look-behind, so leading spaces and merged
+    characters come out right); None when the boundary splits a character."""
+    lb = max(0, start - 4)
+    before, full = decode(ids[lb:start]), decode(ids[lb:])
+    if not full.startswith(before) or "\ufffd" in full[len(before) :]:
+        return None
+    return full[len(before) :]
+
+
 def _common_prefix(a: list[int], b: list[int]) -> int:
     n = 0
     for x, y in zip(a, b):
@@ -171,6 +183,7 @@ class UniversalSession(DraftSession):
         self.lm = CachedLM(drafter.model)
         self.vocab = drafter.vocab.limited(drafter.draft_vocab_size, drafter.target_vocab_size)
         self.d_ids: list[int] = []  # drafter context: its tokens for text(committed + chain) + self.pending
+        self.t_ctx: list[int] = []  # the target ids whose text the drafter context holds (committed + chain)
         self.pending = ""  # drafted text not yet turned into chain tokens (greedy)
         self.decoded_upto = 0  # d_ids before this index have their text in self.pending (or in the chain)
         self.dirty = True  # committed + chain changed under the drafter's context: re-tokenise before drafting
@@ -190,14 +203,42 @@ class UniversalSession(DraftSession):
         return self.u.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
     def sync(self) -> None:
-        """Re-tokenise text(committed + chain) for the drafter; keep the cache's longest common prefix."""
-        ids = self.u.encode_draft(self._target_text(self.committed + self.chain_tokens))
+        """Re-tokenise text(committed + chain) for the drafter; keep the cache's longest common prefix.
+
+        Only the tail after the change is re-tokenised (from a few target tokens before it, at a point where the
+        drafter's old tokens end exactly on a target token boundary), so the work does not grow with the length;
+        when no such point is found, the whole text is re-tokenised."""
+        target_ids = self.committed + self.chain_tokens
+        ids = self._retokenise_tail(target_ids) if self.d_ids else None
+        if ids is None:
+            ids = self.u.encode_draft(self._target_text(target_ids))
         self.lm.crop(min(self.lm.length, _common_prefix(ids, self.d_ids), max(len(ids) - 1, 0)))
         self.d_ids = ids
+        self.t_ctx = target_ids
         self.pending = ""
         self.decoded_upto = len(ids)
         self.dirty = False
         self.stuck = False
+
+    def _retokenise_tail(self, target_ids: list[int]) -> list[int] | None:
+        """The drafter context for ``target_ids`` built from the current one by re-encoding only its tail."""
+        old = self.t_ctx
+        changed = _common_prefix(old, target_ids)
+        view = self.d_ids[: self.decoded_upto]  # its text is text(old) + self.pending
+        for a in range(changed - RESYNC_LOOK_BEHIND, max(changed - 2 * RESYNC_LOOK_BEHIND, 0), -1):
+            old_tail = _suffix_text(self._target_text, old, a)
+            new_tail = _suffix_text(self._target_text, target_ids, a)
+            if old_tail is None or new_tail is None:
+                continue
+            old_tail += self.pending
+            for j in range(len(view) - 1, max(len(view) - 4 * len(old_tail) - 8, 0), -1):
+                tail = _suffix_text(self._draft_text, view, j)
+                if tail is None or len(tail) < len(old_tail):
+                    continue
+                if tail == old_tail:
+                    return view[:j] + self.u.tokenizer(new_tail, add_special_tokens=False)["input_ids"]
+                break  # a drafter token straddles this target boundary: try one further back
+        return None
 
     # ---------------------------------------------------------------- drafting
     def propose(self, n: int) -> int:
@@ -228,6 +269,7 @@ class UniversalSession(DraftSession):
             return 0
         token = choose(scores, self.params, len(ids), self.u.q_top_m)
         self.chain.append(token)
+        self.t_ctx.append(token.token)
         self.d_ids.append(self.vocab.t2d[token.token])
         self.decoded_upto = len(self.d_ids)
         return 1
@@ -247,6 +289,7 @@ class UniversalSession(DraftSession):
                 self.stuck = True
                 return added
             self.chain.append(DraftToken(target))
+            self.t_ctx.append(target)
             self.decoded_upto = len(self.d_ids)
             return added + 1
         start = max(0, self.decoded_upto - DRAFT_LOOK_BEHIND)
@@ -286,6 +329,7 @@ class UniversalSession(DraftSession):
             return 0
         self.pending = self.pending[len(text) :]
         self.chain.extend(DraftToken(t) for t in new)
+        self.t_ctx.extend(new)
         return len(new)
 
     # ---------------------------------------------------------------- commits and rollback

@@ -152,13 +152,16 @@ def test_drafted_text_becomes_the_targets_own_tokens(pairs, name):
     prompt = full[:6]
     session = drafter.open_session(prompt, len(prompt), GenerationParams(eos_token_ids=[]), {})
     session.lm = OracleLM(drafter.tokenizer, text, drafter.draft_vocab_size)
-    while len(session.chain) < 12:
+    while len(session.chain) < 16:
         assert session.propose(1) > 0, (session.pending, session.chain_tokens)
     assert session.committed + session.chain_tokens == full[: len(prompt) + len(session.chain)]
-    # A commit that rejects at position 3: rollback, re-tokenise (the cache keeps the common prefix), go on.
-    wrong = [*session.chain_tokens[:3], full[len(prompt) + 3] + 1]
-    assert session.observe_commit(wrong) == 3
+    # A commit that rejects at position 12: rollback, re-tokenise (the cache keeps the common prefix), go on.
+    wrong = [*session.chain_tokens[:12], full[len(prompt) + 12] + 1]
+    assert session.observe_commit(wrong) == 12
     committed_text = drafter.target_tokenizer.decode(session.committed)
+    # Only the tail is re-tokenised, and it comes out as re-tokenising the whole text would.
+    tail = session._retokenise_tail(session.committed)
+    assert tail is not None and tail == drafter.encode_draft(committed_text)
     more = committed_text + " = value\n    return a\n"
     session.lm = OracleLM(drafter.tokenizer, more, drafter.draft_vocab_size)
     while len(session.chain) < 4:
