@@ -1,7 +1,8 @@
 """``universal`` drafter (different tokenizers): greedy identity with transformers through a running cluster (overlap
 on and off, and both directions of one vocabulary being a subset of the other), the text re-tokenisation with an
 oracle drafter (drafted text comes out as the target's own tokens, rollback re-synchronises), the vocabulary map
-(unmapped target tokens get q = 0), the sampling distribution test with its negative control, and config errors.
+(unmapped target tokens get q = 0), the sampling distribution test with its negative control (overlap on; a second
+run with overlap off and a top-4 q), the refusal of a drafter set up for another target, and config errors.
 
 Tokenizers are byte-level BPEs trained on the spot with different corpora, sizes and special-token orders, so ids
 differ between them even for the same text.
@@ -231,19 +232,30 @@ def test_a_drafter_set_up_for_another_target_is_refused(pairs):
 # ------------------------------------------------------------------------------------------------ sampling
 
 
-def test_universal_sampling_is_lossless(sharp_pair, tmp_path):
-    """The target's 12-word vocabulary against a drafter whose vocabulary orders words differently and lacks two."""
-    target, _ = sharp_pair
+@pytest.fixture(scope="module")
+def word_drafter(tmp_path_factory):
+    """A drafter over words ordered differently from the target's 12-word vocabulary, lacking two of them."""
+    root = tmp_path_factory.mktemp("word_drafter")
     words = ["<pad>", "<eos>", *[f"w{i}" for i in range(9, 1, -1)], "zz", "yy"]  # no w0, w1; ids all different
-    word_tokenizer(tmp_path / "tok", words)
-    drafter = build_model(tmp_path / "drafter", "llama", tmp_path / "tok", seed=12, layers=1, sharpen=1.2)
-    config = universal_config(target, drafter, num_draft_tokens=2, q_top_k=0)
+    word_tokenizer(root / "tok", words)
+    return build_model(root / "drafter", "llama", root / "tok", seed=12, layers=1, sharpen=1.2)
+
+
+def test_universal_sampling_is_lossless(sharp_pair, word_drafter):
+    target, _ = sharp_pair
+    config = universal_config(target, word_drafter, num_draft_tokens=2, q_top_k=0)
     exact = exact_joint(target)
     lossless = asyncio.run(sample_pairs(config))
     control = asyncio.run(sample_pairs(config, env={"PIPESPEC_UNSAFE_ACCEPT_ALL": "1"}))
     print(f"universal sampling: TV {tv(lossless, exact):.3f}, control {tv(control, exact):.3f}")
     assert tv(lossless, exact) < TV_BOUND
     assert tv(control, exact) > 2 * TV_BOUND
+
+
+def test_universal_sampling_is_lossless_without_overlap(sharp_pair, word_drafter):
+    target, _ = sharp_pair
+    config = universal_config(target, word_drafter, num_draft_tokens=3, q_top_k=4, overlap=False)
+    assert tv(asyncio.run(sample_pairs(config)), exact_joint(target)) < TV_BOUND
 
 
 # -------------------------------------------------------------------------------------------------- config
