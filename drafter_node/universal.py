@@ -352,17 +352,17 @@ class UniversalDrafter(Drafter):
     def __init__(self, dcfg: dict[str, Any]):
         if not dcfg.get("model"):
             raise ValueError("drafter.model: the universal drafter needs its own small model")
-        if not dcfg.get("target_tokenizer"):
-            raise ValueError("drafter.target_tokenizer: the universal drafter needs the target's tokenizer")
+        if not dcfg.get("target_model"):
+            raise ValueError("drafter.target_model: the universal drafter needs the target's tokenizer")
         path = resolve_model(dcfg["model"])
         self.tokenizer = load_tokenizer(path)
-        self.target_tokenizer = load_tokenizer(resolve_model(dcfg["target_tokenizer"]))
+        self.target_tokenizer = load_tokenizer(resolve_model(dcfg["target_model"]))  # only the tokenizer files
         # The ids this drafter sends are the target tokenizer's: announce its fingerprint, so a verifier whose
         # target has another tokenizer (a drafter configured for a different target) refuses it.
         self.tokenizer_id = tokenizer_id(self.target_tokenizer)
         self.tokenizer_hint = (
-            f" (the universal drafter translates to the tokenizer of drafter.target_tokenizer = "
-            f"{dcfg['target_tokenizer']!r}, default verifier.model: point it at the verifier's target)"
+            f" (the universal drafter translates to the tokenizer of drafter.target_model = "
+            f"{dcfg['target_model']!r}, default verifier.model: point it at the verifier's target)"
         )
         self.model = load_causal_lm(path, dcfg["device"], dcfg["dtype"], dcfg.get("max_memory"))
         self.draft_vocab_size = min(len(self.tokenizer), int(self.model.get_output_embeddings().weight.shape[0]))

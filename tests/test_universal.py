@@ -219,13 +219,13 @@ def test_announces_the_target_tokenizer_it_translates_to(pairs):
 
 def test_a_drafter_set_up_for_another_target_is_refused(pairs):
     config = universal_config(pairs["target"], pairs["other"])
-    config["drafter"]["target_tokenizer"] = str(pairs["super"])  # translates to the wrong target's ids
+    config["drafter"]["target_model"] = str(pairs["super"])  # translates to the wrong target's ids
 
     async def main():
         async with cluster(config):
             pass
 
-    with pytest.raises(LaunchError, match=r"tokenizer mismatch(.|\n)*drafter\.target_tokenizer"):
+    with pytest.raises(LaunchError, match=r"tokenizer mismatch(.|\n)*drafter\.target_model"):
         asyncio.run(main())
 
 
@@ -268,12 +268,12 @@ def test_universal_needs_a_drafter_model(pairs):
         load_config(config)
 
 
-def test_target_tokenizer_defaults_to_the_verifier_model(pairs):
+def test_target_model_defaults_to_the_verifier_model(pairs):
     config = load_config(universal_config(pairs["target"], pairs["other"]))
-    assert config["drafter"]["target_tokenizer"] == str(pairs["target"])
+    assert config["drafter"]["target_model"] == str(pairs["target"])
     bad = universal_config(pairs["target"], pairs["other"])
-    bad["drafter"]["target_tokenizer"] = 5
-    with pytest.raises(ConfigError, match=r"drafter\.target_tokenizer"):
+    bad["drafter"]["target_model"] = str(pairs["root"] / "missing")
+    with pytest.raises(ConfigError, match=r"drafter\.target_model"):
         load_config(bad)
 
 
@@ -281,4 +281,4 @@ def test_bundled_universal_config_loads():
     config = load_config("universal.yaml")
     assert config["drafter"]["type"] == "universal"
     assert config["drafter"]["model"] == "smollm2-135m-instruct"
-    assert config["drafter"]["target_tokenizer"] == config["verifier"]["model"] == "qwen2.5-coder-1.5b-instruct"
+    assert config["drafter"]["target_model"] == config["verifier"]["model"] == "qwen2.5-coder-1.5b-instruct"
