@@ -52,3 +52,14 @@ async def sample_pairs(config, env=None, prompt: list[int] = PROMPT) -> torch.Te
 
 def tv(a: torch.Tensor, b: torch.Tensor) -> float:
     return 0.5 * float((a - b).abs().sum())
+
+
+def check_lossless_sampling(config, exact: torch.Tensor, prompt: list[int] = PROMPT) -> tuple[float, float]:
+    """The whole check: sampled through ``config`` the joint is within TV_BOUND of ``exact``, and the accept-all
+    negative control on the same config is not (so the check can fail). Returns (TV, control TV)."""
+    lossless = tv(asyncio.run(sample_pairs(config, prompt=prompt)), exact)
+    control = tv(asyncio.run(sample_pairs(config, env={"PIPESPEC_UNSAFE_ACCEPT_ALL": "1"}, prompt=prompt)), exact)
+    print(f"sampling TV {lossless:.3f} (bound {TV_BOUND}), accept-all control {control:.3f}")
+    assert lossless < TV_BOUND
+    assert control > 2 * TV_BOUND, "the drafts must really differ from the target, or the check tests nothing"
+    return lossless, control

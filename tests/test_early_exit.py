@@ -9,7 +9,7 @@ import asyncio
 import pytest
 import torch
 from conftest import tiny_config
-from sampling_check import TV_BOUND, exact_joint, sample_pairs, tv
+from sampling_check import check_lossless_sampling, exact_joint, tv
 from tiny_models import build_model, build_small_vocab_tokenizer, reference_greedy
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -73,10 +73,7 @@ def test_early_exit_sampling_is_lossless(deep_sharp_target):
     config_1.num_hidden_layers = 1
     early = AutoModelForCausalLM.from_pretrained(target, config=config_1)
     assert tv(exact, exact_joint(early)) > 0.4, "the early exit must really differ from the target"
-    lossless = asyncio.run(sample_pairs(config))
-    control = asyncio.run(sample_pairs(config, env={"PIPESPEC_UNSAFE_ACCEPT_ALL": "1"}))
-    assert tv(lossless, exact) < TV_BOUND
-    assert tv(control, exact) > 2 * TV_BOUND
+    check_lossless_sampling(config, exact)
 
 
 @pytest.mark.parametrize("exit_layer", [0, 2, 5, "one", True])
