@@ -252,10 +252,17 @@ def run_hf_rows(keys: list[str], threads: int, calibrate: bool, ctx: dict[str, A
     }
     job_path = tmp / f"hf-{threads}t.job.json"
     job_path.write_text(json.dumps(job))
+    run_worker(Path(__file__), job_path, threads, f"hf worker ({threads} thread(s))")
+    return json.loads(Path(job["out"]).read_text())
+
+
+def run_worker(script: Path, job_path: Path, threads: int, label: str) -> None:
+    """Run ``script --_hf-worker job_path`` in a subprocess at ``threads`` threads, passing its progress through;
+    raise with the end of its stderr if it fails."""
     n = str(threads)
     env = {**os.environ, "OMP_NUM_THREADS": n, "MKL_NUM_THREADS": n, "TOKENIZERS_PARALLELISM": "false",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.Popen([sys.executable, __file__, "--_hf-worker", str(job_path)], env=env, cwd=REPO_ROOT,
+    proc = subprocess.Popen([sys.executable, str(script), "--_hf-worker", str(job_path)], env=env, cwd=REPO_ROOT,
                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     tail: deque[str] = deque(maxlen=30)
     assert proc.stderr is not None
@@ -264,8 +271,7 @@ def run_hf_rows(keys: list[str], threads: int, calibrate: bool, ctx: dict[str, A
         tail.append(line.rstrip())
     code = proc.wait()
     if code != 0:
-        raise RuntimeError(f"hf worker ({threads} thread(s)) exited with code {code}:\n" + "\n".join(tail))
-    return json.loads(Path(job["out"]).read_text())
+        raise RuntimeError(f"{label} exited with code {code}:\n" + "\n".join(tail))
 
 
 # ---------------------------------------------------------------------------------------------- pipespec rows

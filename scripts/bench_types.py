@@ -48,17 +48,14 @@ import argparse
 import asyncio
 import datetime as dt
 import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
-from collections import deque
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench import REPO_ROOT, WARMUP_TOKENS, DraftCounter, _fmt, log, machine_info
+from bench import REPO_ROOT, WARMUP_TOKENS, DraftCounter, _fmt, log, machine_info, run_worker
 
 PROMPT_SETS = {"code": REPO_ROOT / "scripts" / "prompts" / "code_prompts.json",
                "edit": REPO_ROOT / "scripts" / "prompts" / "edit_prompts.json"}
@@ -170,18 +167,7 @@ def run_hf_rows(keys: list[str], ctx: dict[str, Any], tmp: Path) -> dict[str, An
            "max_new_tokens": ctx["max_new_tokens"], "dtype": ctx["dtype"], "out": str(tmp / "hf.out.json")}
     job_path = tmp / "hf.job.json"
     job_path.write_text(json.dumps(job))
-    n = str(ctx["hf_threads"])
-    env = {**os.environ, "OMP_NUM_THREADS": n, "MKL_NUM_THREADS": n, "TOKENIZERS_PARALLELISM": "false",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.Popen([sys.executable, __file__, "--_hf-worker", str(job_path)], env=env, cwd=REPO_ROOT,
-                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    tail: deque[str] = deque(maxlen=30)
-    assert proc.stderr is not None
-    for line in proc.stderr:
-        sys.stderr.write(line)
-        tail.append(line.rstrip())
-    if proc.wait() != 0:
-        raise RuntimeError(f"hf worker exited with code {proc.returncode}:\n" + "\n".join(tail))
+    run_worker(Path(__file__), job_path, ctx["hf_threads"], "hf worker")
     return json.loads(Path(job["out"]).read_text())
 
 

@@ -71,13 +71,19 @@ def build_model(folder: Path, arch: str, tokenizer_folder: Path, seed: int, laye
     torch.manual_seed(seed)
     config = model_config(arch, vocab_size or len(tokenizer), layers)
     model = AutoModelForCausalLM.from_config(config)
+    model.config.tie_word_embeddings = False
+    return save_tiny(model, tokenizer, folder, sharpen, eos_token_id=config.eos_token_id)
+
+
+def save_tiny(model, tokenizer, folder: Path, sharpen: float = 1.0, eos_token_id: int = 0) -> Path:
+    """Give ``model`` a fresh random LM head scaled by ``sharpen`` (peaked next-token distributions for sampling
+    tests), set its end/pad ids and save it with ``tokenizer`` into ``folder``. The head is fresh because tied tiny
+    models (GPT-2) otherwise just repeat their input token, and a target and a "random" drafter would then agree
+    on everything."""
     with torch.no_grad():
-        # A fresh, untied head: tied tiny models (GPT-2) otherwise just repeat their input token, and a target and
-        # a "random" drafter would then agree on everything.
-        model.config.tie_word_embeddings = False
         head = model.get_output_embeddings()
         head.weight = torch.nn.Parameter(torch.randn_like(head.weight) * 0.2 * sharpen)
-    model.generation_config.eos_token_id = config.eos_token_id
+    model.generation_config.eos_token_id = eos_token_id
     model.generation_config.pad_token_id = 1
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
@@ -143,11 +149,5 @@ def build_gemma4_pair(root: Path, tokenizer_folder: Path, seed: int = 1, sharpen
     )
     folders = root / "gemma4-target", root / "gemma4-assistant"
     for model, folder in zip((target, assistant), folders):
-        with torch.no_grad():
-            head = model.get_output_embeddings()
-            head.weight = torch.nn.Parameter(torch.randn_like(head.weight) * 0.2 * sharpen)
-        model.generation_config.eos_token_id = 0
-        model.generation_config.pad_token_id = 1
-        model.save_pretrained(folder)
-        tokenizer.save_pretrained(folder)
+        save_tiny(model, tokenizer, folder, sharpen)
     return folders

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+from tiny_models import save_tiny
 from transformers import AutoModelForCausalLM, DeepseekV3Config, Glm4MoeConfig, PreTrainedTokenizerFast
 
 from drafter_node.mtp import MTPModule, _modeling_classes
@@ -146,14 +147,8 @@ def build_mtp_model(folder: Path, arch: str, tokenizer_folder: Path, seed: int =
     torch.manual_seed(seed)
     config = mtp_config(arch, len(tokenizer), mtp_layers, layers)
     model = AutoModelForCausalLM.from_config(config)
-    with torch.no_grad():
-        model.config.tie_word_embeddings = False
-        head = model.get_output_embeddings()
-        head.weight = torch.nn.Parameter(torch.randn_like(head.weight) * 0.2 * sharpen)
-    model.generation_config.eos_token_id = 0
-    model.generation_config.pad_token_id = 1
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
+    model.config.tie_word_embeddings = False
+    save_tiny(model, tokenizer, folder, sharpen)
     if with_mtp_weights and mtp_layers:
         file = folder / "model.safetensors"
         with safe_open(str(file), "pt") as f:
