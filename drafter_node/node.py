@@ -29,7 +29,7 @@ import zmq
 from drafter_node.base import Drafter, DraftSession
 from drafter_node.schedule import DraftLengthSchedule
 from drafter_node.types import drafter_class
-from shared.models import set_threads
+from shared.models import ModelLoadError, set_threads
 from shared.protocol import Message, ProtocolError, decode, encode
 from shared.sampling import GenerationParams
 from shared.transport import connect_dealer
@@ -134,12 +134,22 @@ class NodeSession:
         self.stats["busy_s"] += time.monotonic() - t0
 
 
+def load_drafter(dcfg: dict[str, Any]) -> Drafter:
+    """Build the configured drafter type; files it cannot read or fetch (a hub id without hub access, a missing
+    folder) become one clear error naming what it was loading, not a traceback from deep inside a loader."""
+    try:
+        return drafter_class(dcfg["type"])(dcfg)
+    except OSError as exc:
+        sources = ", ".join(f"{k}={dcfg[k]!r}" for k in ("model", "target_model") if dcfg.get(k))
+        raise ModelLoadError(f"drafter type {dcfg['type']!r} cannot load its files ({sources}): {exc}") from None
+
+
 class DrafterNode:
     def __init__(self, config: dict[str, Any], drafter: Drafter | None = None):
         dcfg = config["drafter"]
         self.dcfg = dcfg
         set_threads(dcfg["threads"])
-        self.drafter = drafter or drafter_class(dcfg["type"])(dcfg)
+        self.drafter = drafter or load_drafter(dcfg)
         self.endpoint = dcfg.get("verifier_endpoint") or config["verifier"]["endpoint"]
         self.max_bytes = config["verifier"].get("max_message_bytes", 64 * 1024 * 1024)
         self.ctx = zmq.Context.instance()

@@ -204,3 +204,17 @@ def test_client_times_out_instead_of_hanging(tmp_path):
                 await client.ping(timeout_s=0.3)
 
     asyncio.run(main())
+
+
+def test_drafter_file_errors_become_one_clear_message(monkeypatch):
+    """A drafter whose files cannot be read or fetched (hub id without hub access) fails with one line naming them."""
+    import drafter_node.node as node
+    from shared.models import ModelLoadError
+
+    def broken(dcfg):
+        raise OSError("couldn't connect to the hub, and the files are not cached")
+
+    monkeypatch.setattr(node, "drafter_class", lambda name: broken)
+    with pytest.raises(ModelLoadError, match=r"drafter type 'mtp_drafter' cannot load its files \(model='org/x', "
+                                             r"target_model='org/t'\): couldn't connect"):
+        node.load_drafter({"type": "mtp_drafter", "model": "org/x", "target_model": "org/t"})
