@@ -28,8 +28,6 @@ sequence length ``m`` keeps exactly the positions ``i < m − j − 1`` of modul
 from __future__ import annotations
 
 import importlib
-import json
-import os
 from typing import Any
 
 import torch
@@ -38,6 +36,7 @@ from transformers import AutoConfig
 
 from drafter_node.base import Capabilities, Drafter, DraftSession
 from drafter_node.lm_drafter import pick_token
+from shared.checkpoint import read_tensors, weight_map
 from shared.models import DTYPES, load_tokenizer, resolve_model, tokenizer_id
 from shared.sampling import GenerationParams
 
@@ -51,37 +50,15 @@ def mtp_layer_count(config) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) else 0
 
 
-def checkpoint_file(path: str, name: str) -> str | None:
-    """A local copy of file ``name`` of the checkpoint at ``path`` (a folder, or a hub id: only that file is
-    fetched), or None when the checkpoint has no such file."""
-    if os.path.isdir(path):
-        local = os.path.join(path, name)
-        return local if os.path.exists(local) else None
-    from huggingface_hub import hf_hub_download
-    from huggingface_hub.errors import EntryNotFoundError
-
-    try:
-        return hf_hub_download(path, name)
-    except EntryNotFoundError:
-        return None
-
-
 def checkpoint_files(path: str) -> dict[str, str]:
-    """Tensor name → the safetensors file (name inside the checkpoint) holding it: single file or sharded."""
-    index = checkpoint_file(path, "model.safetensors.index.json")
-    if index is not None:
-        with open(index, encoding="utf-8") as f:
-            return dict(json.load(f)["weight_map"])
-    single = checkpoint_file(path, "model.safetensors")
-    if single is None:
+    """Tensor name → the safetensors file holding it; :class:`MTPError` when the checkpoint has no safetensors."""
+    files = weight_map(path)
+    if files is None:
         raise MTPError(f"drafter.type mtp: {path!r} has no safetensors weights (model.safetensors or an index)")
-    from safetensors import safe_open
-
-    with safe_open(single, "pt") as f:
-        return dict.fromkeys(f.keys(), "model.safetensors")
+    return files
 
 
-def check_mtp_checkpoint(folder: str, config=None) -> int:
+def check_mtp_checkpoint(folder: str, config=None, files: dict[str, str] | None = None) -> int:
     """The number of MTP layers K of the checkpoint in ``folder``; raises :class:`MTPError` when it has none."""
     config = config or AutoConfig.from_pretrained(folder)
     k = mtp_layer_count(config)
@@ -93,7 +70,7 @@ def check_mtp_checkpoint(folder: str, config=None) -> int:
             "use a checkpoint that ships them (DeepSeek-V3, GLM-4.5) or another drafter type"
         )
     layers = config.num_hidden_layers
-    keys = checkpoint_files(folder)
+    keys = files if files is not None else checkpoint_files(folder)
     missing = [f"model.layers.{layers + j}.eh_proj.weight" for j in range(k)
                if f"model.layers.{layers + j}.eh_proj.weight" not in keys]
     if missing:
@@ -160,11 +137,9 @@ def _fuse_experts(state: dict[str, torch.Tensor], wanted: set[str]) -> dict[str,
 
 def load_mtp(path: str, dtype: torch.dtype, device: str):
     """Build the K MTP modules, embeddings and LM head of the checkpoint in ``path`` and read only their tensors."""
-    from safetensors import safe_open
-
     config = AutoConfig.from_pretrained(path)
-    k = check_mtp_checkpoint(path, config)
     files = checkpoint_files(path)
+    k = check_mtp_checkpoint(path, config, files)
     if getattr(config, "_attn_implementation", None) in (None, "flash_attention_2", "flex_attention"):
         config._attn_implementation = "sdpa"
     if getattr(config, "_experts_implementation", None) is None:
@@ -173,15 +148,7 @@ def load_mtp(path: str, dtype: torch.dtype, device: str):
     layers = config.num_hidden_layers
 
     def read(keys: list[str]) -> dict[str, torch.Tensor]:
-        by_file: dict[str, list[str]] = {}
-        for key in keys:
-            by_file.setdefault(files[key], []).append(key)
-        out = {}
-        for name, names in by_file.items():
-            with safe_open(checkpoint_file(path, name), "pt") as f:
-                for key in names:
-                    out[key] = f.get_tensor(key)
-        return out
+        return read_tensors(path, files, keys)
 
     def first(*keys: str) -> str:
         for key in keys:

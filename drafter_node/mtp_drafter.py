@@ -20,13 +20,13 @@ processing and drawn from q (:func:`drafter_node.lm_drafter.pick_token`), so sam
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import torch
 
 from drafter_node.base import Capabilities, Drafter, DraftSession, DraftToken
 from drafter_node.lm_drafter import pick_token
+from shared.checkpoint import read_tensors, weight_map
 from shared.models import DTYPES, load_causal_lm, load_tokenizer, resolve_model, tokenizer_id
 from shared.sampling import GenerationParams
 
@@ -88,40 +88,20 @@ def kv_layers_for(target_config, assistant_config) -> dict[str, int]:
     return needed
 
 
-def _checkpoint_files(path: str) -> tuple[list[str], dict[str, str]]:
-    """The tensor names of a local folder's or hub id's safetensors and the file holding each (only the index, or
-    the single file's header, is read here)."""
-    from transformers.utils import cached_file
-
-    index = cached_file(path, "model.safetensors.index.json", _raise_exceptions_for_missing_entries=False)
-    if index is not None:
-        with open(index, encoding="utf-8") as f:
-            weight_map = json.load(f)["weight_map"]
-        return sorted(set(weight_map)), weight_map
-    single = cached_file(path, "model.safetensors", _raise_exceptions_for_missing_entries=False)
-    if single is None:
-        raise MTPDrafterError(f"drafter.target_model: {path!r} has no safetensors weights to read the embeddings from")
-    from safetensors import safe_open
-
-    with safe_open(single, "pt") as f:
-        return sorted(f.keys()), dict.fromkeys(f.keys(), "model.safetensors")
-
-
 def load_target_embeddings(path: str, target_config, device: str, dtype: str) -> torch.nn.Module:
     """The target's (scaled) input embedding, built alone and filled from the one tensor of the checkpoint that holds
     it: no other target weight is read."""
-    from safetensors import safe_open
     from transformers.models.gemma4.modeling_gemma4 import Gemma4TextScaledWordEmbedding
-    from transformers.utils import cached_file
 
     text = _text_config(target_config)
-    keys, weight_map = _checkpoint_files(path)
-    found = [k for k in keys if k.endswith("embed_tokens.weight") and "per_layer" not in k
+    files = weight_map(path)
+    if files is None:
+        raise MTPDrafterError(f"drafter.target_model: {path!r} has no safetensors weights to read the embeddings from")
+    found = [k for k in sorted(files) if k.endswith("embed_tokens.weight") and "per_layer" not in k
              and not any(part in k for part in ("vision", "audio"))]
     if len(found) != 1:
         raise MTPDrafterError(f"drafter.target_model: cannot tell the input embedding of {path!r} (found {found})")
-    with safe_open(cached_file(path, weight_map[found[0]]), "pt") as f:
-        weight = f.get_tensor(found[0])
+    weight = read_tensors(path, files, found)[found[0]]
     if tuple(weight.shape) != (text.vocab_size, text.hidden_size):
         raise MTPDrafterError(f"drafter.target_model: {found[0]} has shape {list(weight.shape)}")
     embed = Gemma4TextScaledWordEmbedding(text.vocab_size, text.hidden_size, text.pad_token_id,
