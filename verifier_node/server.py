@@ -40,6 +40,15 @@ MAX_DRAFT_TOKENS = 64
 HEARTBEAT_TIMEOUT_S = 3.0
 
 
+def _state_tensors(
+    hidden: torch.Tensor | None, kv: dict[str, torch.Tensor] | None
+) -> tuple[dict[str, torch.Tensor], int]:
+    """The target state a drafter asked for (hidden states, ``kv.{layer}`` rows) as message tensors, and their bytes."""
+    tensors = {"hidden": hidden} if hidden is not None else {}
+    tensors.update(kv or {})
+    return tensors, sum(t.numel() * t.element_size() for t in tensors.values())
+
+
 class Drafter:
     """The connected drafter as the verifier sees it: routing id and announced capabilities."""
 
@@ -224,9 +233,7 @@ class VerifierServer:
     ) -> None:
         if self.drafter is None or self._lacks_q(s.params, self.drafter):
             return  # not announced: the session takes plain steps from the target
-        tensors = {"hidden": hidden} if hidden is not None else {}
-        tensors.update(kv or {})
-        size = sum(t.numel() * t.element_size() for t in tensors.values())
+        tensors, size = _state_tensors(hidden, kv)
         pieces = [] if size <= self._state_budget() else split_state(tensors, len(s.tokens) - 1, self._state_budget())
         self._send_drafter(encode("session_start", None if pieces else tensors or None, session=s.sid,
                                   token_ids=s.tokens, prompt_len=s.prompt_len, params=s.params.to_dict()))
@@ -245,9 +252,7 @@ class VerifierServer:
         """A commit's state tensors (hidden states, K/V rows of one round's positions), dropped with an error in the
         log if they would exceed the message cap (the drafter then drafts nothing more for the session; the output
         is unaffected)."""
-        tensors = {"hidden": hidden} if hidden is not None else {}
-        tensors.update(kv or {})
-        size = sum(t.numel() * t.element_size() for t in tensors.values())
+        tensors, size = _state_tensors(hidden, kv)
         if size > self._state_budget():
             log.error("session %d: drafter state of %d bytes exceeds max_message_bytes (%d); not sent", s.sid, size,
                       self.max_bytes)
