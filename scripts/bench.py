@@ -401,6 +401,14 @@ def machine_info() -> dict[str, Any]:
     return {"cpu": model, "cores": cores, "python": platform.python_version(), "versions": versions}
 
 
+def header_lines(meta: dict[str, Any]) -> list[str]:
+    """The date and machine lines every benchmark report starts with (see :func:`machine_info`)."""
+    m = meta["machine"]
+    return [f"- date: {meta['date']}",
+            f"- machine: {m['cpu']}, {m['cores']} cores; python {m['python']}, "
+            + ", ".join(f"{k} {v}" for k, v in m["versions"].items())]
+
+
 def _fmt(value: Any, spec: str = ".2f", suffix: str = "") -> str:
     return "—" if value is None else f"{value:{spec}}{suffix}"
 
@@ -411,9 +419,7 @@ def write_markdown(path: Path, report: dict[str, Any]) -> None:
     lines = [
         "# pipespec benchmark",
         "",
-        f"- date: {meta['date']}",
-        f"- machine: {meta['machine']['cpu']}, {meta['machine']['cores']} cores; python {meta['machine']['python']}, "
-        + ", ".join(f"{k} {v}" for k, v in meta["machine"]["versions"].items()),
+        *header_lines(meta),
         f"- models: target `{meta['target']}`, drafter `{meta['drafter']}` ({meta['dtype']}); config `{CONFIG}` "
         f"(num_draft_tokens {meta['num_draft_tokens']}, draft_schedule {meta['draft_schedule']})",
         "- threads: hf rows 1 or 2 as named (one process); pipespec rows one thread per node "

@@ -55,7 +55,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench import REPO_ROOT, WARMUP_TOKENS, DraftCounter, _fmt, log, machine_info, run_worker
+from bench import REPO_ROOT, WARMUP_TOKENS, DraftCounter, _fmt, header_lines, log, machine_info, run_worker
 
 PROMPT_SETS = {"code": REPO_ROOT / "scripts" / "prompts" / "code_prompts.json",
                "edit": REPO_ROOT / "scripts" / "prompts" / "edit_prompts.json"}
@@ -247,9 +247,7 @@ def write_markdown(path: Path, report: dict[str, Any]) -> None:
     lines = [
         "# pipespec drafter types benchmark",
         "",
-        f"- date: {meta['date']}",
-        f"- machine: {meta['machine']['cpu']}, {meta['machine']['cores']} cores; python {meta['machine']['python']}, "
-        + ", ".join(f"{k} {v}" for k, v in meta["machine"]["versions"].items()),
+        *header_lines(meta),
         f"- target `{meta['target']}` ({meta['dtype']}); drafters as in each row's config; greedy; "
         f"{meta['prompts']} prompts per set, max_new_tokens {meta['max_new_tokens']}, one warm-up per row",
         f"- threads: transformers rows {meta['hf_threads']} (one process); pipespec rows one per node (two processes)",
