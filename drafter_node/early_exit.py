@@ -38,14 +38,18 @@ def check_exit_layer(config, exit_layer: Any) -> int:
     return layers
 
 
+def exit_config(path: str, exit_layer: int):
+    """The target's config (from the checkpoint at ``path``) cut to its first ``exit_layer`` layers."""
+    config = AutoConfig.from_pretrained(path)
+    check_exit_layer(config, exit_layer)
+    setattr(config, depth_key(config), exit_layer)
+    if isinstance(getattr(config, "layer_types", None), list):
+        config.layer_types = config.layer_types[:exit_layer]
+    return config
+
+
 class EarlyExitDrafter(AssistantDrafter):
     type_name = "early_exit"
 
     def model_config(self, path: str, dcfg: dict[str, Any]):
-        exit_layer = dcfg["assistant_early_exit"]
-        config = AutoConfig.from_pretrained(path)
-        check_exit_layer(config, exit_layer)
-        setattr(config, depth_key(config), exit_layer)
-        if isinstance(getattr(config, "layer_types", None), list):
-            config.layer_types = config.layer_types[:exit_layer]
-        return config
+        return exit_config(path, dcfg["assistant_early_exit"])

@@ -1,0 +1,293 @@
+"""Profile a config's nodes: ``python -m runtime.profile --config cpu.yaml`` measures how long one forward of the
+verifier's and the drafter's model takes for n new tokens, at the configured thread count (and, on a CPU, at all
+cores), prints a table and writes ``profile.json`` and ``profile.png`` into ``--out`` (default ``results/profile/``).
+
+``dtype: auto`` (in the config or ``--set verifier.dtype=auto``) picks the dtype as a node would
+(:func:`shared.costs.resolve_auto_dtype`) and shows both candidates' scores. Profiles are cached on disk
+(:func:`shared.costs.profile_cache_dir`); ``--fresh`` measures again. Progress goes to stderr, the table to stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from runtime.config import ConfigError, find_config, load_config, parse_overrides
+from shared.costs import (
+    NodeProfile,
+    cpu_model_name,
+    hardware_flags,
+    load_or_measure,
+    profile_cache_dir,
+    resolve_auto_dtype,
+    sizes_up_to,
+)
+from shared.models import ModelLoadError, load_causal_lm, resolve_model
+from shared.registry import RegistryError
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_OUT = REPO_ROOT / "results" / "profile"
+DEFAULT_BUDGET_S = 20.0
+AUTO_KEYS = ("verifier.dtype", "drafter.dtype")
+#: Drafter types whose model is a plain causal LM that can be profiled on its own.
+PLAIN_MODEL_TYPES = {"assistant", "universal"}
+SKIP_REASONS = {
+    "prompt_lookup": "prompt_lookup holds no model (no drafter curve)",
+    "mtp": "mtp drafts with modules fed by the target's hidden states (not profiled)",
+    "mtp_drafter": "mtp_drafter drafts from the target's state (not profiled)",
+}
+
+
+class ProfileOutputError(RuntimeError):
+    """The output folder or its files cannot be written."""
+
+
+def _label(model: str) -> str:
+    """A short name for the table: a local folder's base name, a named model or hub id as is."""
+    path = Path(model).expanduser()
+    return path.name if path.is_dir() else model
+
+
+def _progress(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def load_profile_config(source: str, overrides: list[str] | None) -> tuple[dict[str, Any], set[str]]:
+    """Load a config like :func:`runtime.config.load_config`, also accepting ``dtype: auto`` for both nodes.
+
+    Returns the config (with ``auto`` put back) and the dotted keys that were ``auto``. The config validation does
+    not know ``auto`` yet, so it sees a placeholder dtype for those keys."""
+    parsed = parse_overrides(overrides)
+    in_file: set[str] = set()
+    try:
+        raw = yaml.safe_load(find_config(source).read_text(encoding="utf-8")) or {}
+    except (ConfigError, OSError, yaml.YAMLError, UnicodeDecodeError):
+        raw = {}  # load_config below reports the problem
+    for key in AUTO_KEYS:
+        section, name = key.split(".")
+        if isinstance(raw, dict) and isinstance(raw.get(section), dict) and raw[section].get(name) == "auto":
+            in_file.add(key)
+    auto = set()
+    for key in AUTO_KEYS:
+        if parsed.get(key, "auto" if key in in_file else None) == "auto":
+            auto.add(key)
+            parsed[key] = "float32"  # placeholder for validation only
+    config = load_config(source, parsed)
+    for key in auto:
+        section, name = key.split(".")
+        config[section][name] = "auto"
+    return config, auto
+
+
+@dataclass
+class Node:
+    """One model to profile, as its node would load it."""
+
+    role: str  # "verifier" | "drafter"
+    label: str  # shown in the table
+    path: str  # what from_pretrained gets
+    device: str
+    dtype: str  # a dtype name or "auto"
+    threads: list[int]
+    sizes: list[int]
+    max_memory: dict | None = None
+    model_config: Any = None  # an architecture replacing the checkpoint's (early_exit)
+    variant: str = ""
+
+
+def _threads(section: dict[str, Any]) -> list[int]:
+    threads = [int(section["threads"])]
+    cores = os.cpu_count() or 1
+    if section["device"] == "cpu" and cores != threads[0]:
+        threads.append(cores)
+    return threads
+
+
+def plan_nodes(config: dict[str, Any]) -> tuple[list[Node], str | None]:
+    """The models to profile (verifier first) and, when the drafter has none to profile, the reason."""
+    v, d = config["verifier"], config["drafter"]
+    sizes = sizes_up_to(int(d["max_draft_tokens"]) + 1)
+    target = resolve_model(v["model"], progress=_progress)
+    nodes = [Node("verifier", _label(v["model"]), target, v["device"], v["dtype"], _threads(v), sizes,
+                  v.get("max_memory"))]
+    kind = d["type"]
+    if kind in SKIP_REASONS:
+        return nodes, SKIP_REASONS[kind]
+    path = resolve_model(d["model"], progress=_progress)
+    node = Node("drafter", _label(d["model"]), path, d["device"], d["dtype"], _threads(d), sizes, d.get("max_memory"))
+    if kind == "early_exit":
+        from drafter_node.early_exit import exit_config
+
+        exit_layer = d["assistant_early_exit"]
+        node.model_config = exit_config(path, exit_layer)
+        node.variant = f"early_exit:{exit_layer}"
+        node.label = f"{_label(d['model'])} (first {exit_layer} layers)"
+    elif kind not in PLAIN_MODEL_TYPES:
+        return nodes, f"{kind} is not a type this tool knows how to profile"
+    nodes.append(node)
+    return nodes, None
+
+
+def profile_node(node: Node, budget_s: float, fresh: bool) -> NodeProfile:
+    def load(dtype: str):
+        return load_causal_lm(node.path, node.device, dtype, node.max_memory, config=node.model_config)
+
+    if node.dtype == "auto":
+        model, profile = resolve_auto_dtype(load, node.path, node.device, node.threads, node.sizes, budget_s,
+                                            _progress, variant=node.variant, fresh=fresh)
+    else:
+        model = load(node.dtype)
+        profile = load_or_measure(model, node.path, node.device, node.dtype, node.threads, node.sizes, budget_s,
+                                  _progress, variant=node.variant, fresh=fresh)
+    del model
+    gc.collect()  # the next node's model must not share memory with this one
+    return profile
+
+
+def hardware_line(flags: dict) -> str:
+    yes = {True: "yes", False: "no"}
+    return (f"hardware: {cpu_model_name()} ({os.cpu_count()} cores); avx2 {yes[flags['avx2']]}, "
+            f"avx512_bf16 {yes[flags['avx512_bf16']]}, amx {yes[flags['amx']]}; GPU {flags['gpu'] or 'none'}")
+
+
+def format_table(results: list[tuple[Node, NodeProfile]], skipped: str | None, flags: dict) -> str:
+    sizes = sorted({n for node, _ in results for n in node.sizes})
+    header = ["node", "model", "dtype", "threads", *[f"{n} tok" for n in sizes], "ctx µs/tok", "source"]
+    rows = []
+    for node, profile in results:
+        for threads, curve in sorted(profile.curves.items()):
+            cells = []
+            for n in sizes:
+                mark = "" if n in curve.sizes else "*"
+                cells.append(f"{curve.cost(n) * 1e3:.1f}{mark}")
+            source = "cached" if profile.cached else f"measured {profile.measured_s:.1f} s"
+            rows.append([node.role, node.label, profile.dtype, str(threads) if threads else node.device, *cells,
+                         f"{curve.per_context_token_s * 1e6:.2f}", source])
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(c.ljust(w) if i < 4 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+
+    out = [hardware_line(flags), "ms per forward of n new tokens on a cached prefix "
+           f"of {results[0][1].curve(0).prefix_len} tokens (* interpolated: not measured within the budget)", "",
+           line(header), line(["-" * w for w in widths])]
+    out += [line(r) for r in rows]
+    out.append("")
+    for node, profile in results:
+        if node.dtype == "auto":
+            scores = ", ".join(f"{d} {s * 1e3:.1f} ms" for d, s in profile.candidates.items())
+            out.append(f"{node.role} dtype auto → {profile.dtype} (geometric mean per forward: {scores})")
+        else:
+            out.append(f"{node.role} dtype {profile.dtype} (explicit)")
+    if skipped:
+        out.append(f"drafter: {skipped}")
+    return "\n".join(out)
+
+
+def write_plot(path: Path, results: list[tuple[Node, NodeProfile]], title: str) -> bool:
+    try:
+        import matplotlib
+    except ImportError:
+        _progress("matplotlib is not installed: no profile.png (pip install matplotlib)")
+        return False
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for node, profile in results:
+        for threads, curve in sorted(profile.curves.items()):
+            xs = list(range(1, max(node.sizes) + 1))
+            where = f"{threads} thread{'s' if threads != 1 else ''}" if threads else node.device
+            line, = ax.plot(xs, [curve.cost(n) * 1e3 for n in xs], label=f"{node.role} {profile.dtype} {where}")
+            ax.plot(curve.sizes, [s * 1e3 for s in curve.seconds], "o", color=line.get_color())
+    ax.set_xlabel("new tokens n in one forward")
+    ax.set_ylabel("ms per forward")
+    ax.set_ylim(bottom=0)
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def run(config: dict[str, Any], config_name: str, out: Path, budget_s: float, fresh: bool) -> tuple[str, list[Path]]:
+    """Profile the nodes of ``config``, write ``profile.json`` / ``profile.png`` into ``out``; return the table and
+    the files written."""
+    import torch
+    import transformers
+
+    nodes, skipped = plan_nodes(config)
+    flags = hardware_flags()
+    results = []
+    for node in nodes:
+        results.append((node, profile_node(node, budget_s, fresh)))
+    table = format_table(results, skipped, flags)
+    report = {
+        "config": config_name,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "hardware": {"cpu": cpu_model_name(), "cpu_count": os.cpu_count(), "machine": platform.machine(), **flags},
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+        "budget_s": budget_s,
+        "cache": str(profile_cache_dir()),
+        "nodes": {node.role: {"model": node.label, "dtype_setting": node.dtype, "sizes": node.sizes,
+                              "threads": node.threads, "profile": profile.to_dict()} for node, profile in results},
+        "drafter_skipped": skipped,
+    }
+    written = [out / "profile.json"]
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        written[0].write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
+        if write_plot(out / "profile.png", results, hardware_line(flags)):
+            written.append(out / "profile.png")
+        else:
+            (out / "profile.png").unlink(missing_ok=True)  # never leave an earlier run's plot next to this json
+    except OSError as exc:
+        raise ProfileOutputError(f"cannot write into {out}: {exc}") from None
+    return table, written
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m runtime.profile", description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", default="cpu.yaml", help="config file, or a bare name looked up in configs/")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config key")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output folder (default: results/profile/)")
+    p.add_argument("--budget", type=float, default=DEFAULT_BUDGET_S,
+                   help=f"seconds of measuring per node (split over thread counts and auto candidates; "
+                        f"default {DEFAULT_BUDGET_S:g})")
+    p.add_argument("--fresh", action="store_true", help="measure again even where a cached profile exists")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    from drafter_node.early_exit import EarlyExitError
+
+    try:
+        if not args.budget > 0 or args.budget > 3600:
+            raise ConfigError(f"--budget: must be a number of seconds in (0, 3600], got {args.budget}")
+        config, _ = load_profile_config(args.config, args.set)
+        table, written = run(config, str(args.config), args.out, args.budget, args.fresh)
+    except (ConfigError, ModelLoadError, RegistryError, EarlyExitError, ProfileOutputError) as exc:
+        print(f"profile: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    print(table)
+    print(f"\nwrote {' and '.join(str(p) for p in written)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,675 @@
+"""Per-node cost profiles: how long one forward of a node's model takes for n new tokens, measured on the spot.
+
+A :class:`CostCurve` holds a few measured points (n new tokens in one batch-1 forward on a cached prefix → seconds)
+and answers ``cost(n, context)`` for any n by interpolation; ``observe`` refines it online from real rounds. A
+:class:`NodeProfile` is what one node measured of itself (one curve per CPU thread count, or one for a GPU) and can
+be sent to a peer (``to_dict`` / ``from_dict``, the latter validates: it comes from the network).
+
+:func:`load_or_measure` measures within a time budget and caches the result on disk, keyed by everything that
+changes the numbers (checkpoint, device, dtype, thread counts, library versions, CPU model), so a node pays for the
+measurement once per machine. :func:`resolve_auto_dtype` implements ``dtype: auto``: on a GPU the half type the
+device supports, on a CPU whichever of float32 / bfloat16 is faster here (bfloat16 only wins on CPUs with native
+bf16 support, and the memory it saves does not always make up for the conversion elsewhere).
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import gc
+import hashlib
+import itertools
+import json
+import math
+import os
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = [
+    "AUTO_CPU_DTYPES",
+    "CostCurve",
+    "NodeProfile",
+    "cpu_model_name",
+    "hardware_flags",
+    "load_or_measure",
+    "measure_curve",
+    "profile_cache_dir",
+    "profile_key",
+    "profile_score",
+    "resolve_auto_dtype",
+    "sizes_up_to",
+]
+
+ProgressFn = Callable[[str], None]
+
+#: Bumped whenever what a profile means or how it is measured changes (old cache files then miss).
+PROFILE_FORMAT = 1
+PROFILE_DTYPES = ("float32", "bfloat16", "float16")
+#: The candidates ``dtype: auto`` compares on a CPU.
+AUTO_CPU_DTYPES = ("float32", "bfloat16")
+
+MAX_WIRE_POINTS = 64  # from_dict: the most points a peer's curve may have
+MAX_OBSERVED_POINTS = 32  # observe: the most points a curve grows to
+MAX_SIZE = 4096
+MAX_SECONDS = 3600.0
+MAX_PREFIX = 1 << 20
+MAX_CURVES = 8
+MAX_THREADS_KEY = 1024
+MAX_NAME = 512
+#: The context term may lower a cost to this fraction of the base at most (a noisy slope must not zero it).
+CONTEXT_FLOOR = 0.5
+#: Size ladder for :func:`sizes_up_to`: dense where verification costs change most, sparse beyond.
+SIZE_LADDER = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
+
+
+# ------------------------------------------------------------------------------------------ validation helpers
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check_int(what: str, value: Any, low: int, high: int) -> int:
+    if not _is_int(value) or not low <= value <= high:
+        raise ValueError(f"{what}: must be an integer in [{low}, {high}], got {_short(value)}")
+    return int(value)
+
+
+def _check_seconds(what: str, value: Any, allow_zero: bool = False) -> float:
+    ok = _is_number(value) and (value >= 0 if allow_zero else value > 0) and value <= MAX_SECONDS
+    if not ok:
+        bound = "[0" if allow_zero else "(0"
+        raise ValueError(f"{what}: must be a finite number of seconds in {bound}, {MAX_SECONDS:g}], "
+                         f"got {_short(value)}")
+    return float(value)
+
+
+def _check_name(what: str, value: Any) -> str:
+    if not isinstance(value, str) or not value or len(value) > MAX_NAME:
+        raise ValueError(f"{what}: must be a non-empty string of at most {MAX_NAME} characters, got {_short(value)}")
+    return value
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+# ------------------------------------------------------------------------------------------ cost curve
+
+
+@dataclass
+class CostCurve:
+    """Forward time of one model, in seconds, over n new tokens in ONE batch-1 forward on a cached prefix."""
+
+    sizes: list[int]  # measured n, ascending, >= 1
+    seconds: list[float]  # time per forward for each size (min of repeats)
+    prefix_len: int  # cached prefix the points were measured on
+    per_context_token_s: float = 0.0  # extra seconds per forward per cached prefix token (coarse slope, >= 0)
+
+    def __post_init__(self) -> None:
+        if not self.sizes or len(self.sizes) != len(self.seconds):
+            raise ValueError(f"CostCurve: sizes and seconds must be non-empty and of one length "
+                             f"({len(self.sizes)} vs {len(self.seconds)})")
+        if any(b <= a for a, b in itertools.pairwise(self.sizes)):
+            raise ValueError(f"CostCurve: sizes must be strictly ascending, got {self.sizes}")
+
+    def base_cost(self, n: int) -> float:
+        """Seconds for ``n`` new tokens at the measured prefix length (no context term)."""
+        if n <= 0:
+            return 0.0
+        sizes, seconds = self.sizes, self.seconds
+        if n <= sizes[0]:
+            return seconds[0]
+        if n >= sizes[-1]:
+            if len(sizes) == 1:
+                return seconds[-1]
+            slope = (seconds[-1] - seconds[-2]) / (sizes[-1] - sizes[-2])
+            return seconds[-1] + max(0.0, slope) * (n - sizes[-1])  # never cheaper beyond the last point
+        i = bisect.bisect_left(sizes, n)
+        if sizes[i] == n:
+            return seconds[i]
+        x0, x1, y0, y1 = sizes[i - 1], sizes[i], seconds[i - 1], seconds[i]
+        return y0 + (y1 - y0) * (n - x0) / (x1 - x0)
+
+    def _context_delta(self, context: int | None) -> float:
+        return 0.0 if context is None else self.per_context_token_s * (context - self.prefix_len)
+
+    def cost(self, n: int, context: int | None = None) -> float:
+        """Seconds for one forward of ``n`` new tokens on a cached prefix of ``context`` tokens (default: the
+        measured prefix length)."""
+        base = self.base_cost(n)
+        if base == 0.0:
+            return 0.0
+        return max(base + self._context_delta(context), CONTEXT_FLOOR * base)
+
+    def observe(self, n: int, seconds: float, context: int | None = None, weight: float = 0.2) -> None:
+        """Move the curve toward one measured forward (``n`` new tokens took ``seconds`` on ``context`` cached
+        tokens) by an exponential moving average of ``weight``; an unmeasured ``n`` becomes a new point."""
+        if not _is_int(n) or not 1 <= n <= MAX_SIZE or not _is_number(seconds) or seconds <= 0:
+            return
+        if not _is_number(weight):
+            return
+        weight = min(1.0, max(0.0, float(weight)))
+        delta = self._context_delta(context)
+        # Invert cost() = max(base + delta, F·base): below the cost where the floor takes over, base = seconds / F.
+        floor_cost = CONTEXT_FLOOR * -delta / (1 - CONTEXT_FLOOR) if delta < 0 else 0.0
+        base = seconds - delta if seconds >= floor_cost else seconds / CONTEXT_FLOOR
+        base = min(MAX_SECONDS, max(base, seconds * CONTEXT_FLOOR))  # a too-steep slope must not make it ≤ 0
+        i = bisect.bisect_left(self.sizes, n)
+        if i < len(self.sizes) and self.sizes[i] == n:
+            self.seconds[i] += weight * (base - self.seconds[i])
+            return
+        start = self.base_cost(n)
+        while len(self.sizes) >= MAX_OBSERVED_POINTS:
+            self._drop_flattest_point()
+        i = bisect.bisect_left(self.sizes, n)
+        self.sizes.insert(i, n)
+        self.seconds.insert(i, start + weight * (base - start))
+
+    def _drop_flattest_point(self) -> None:
+        """Remove the interior point its neighbours predict best (the curve changes least without it)."""
+        if len(self.sizes) < 3:
+            del self.sizes[-1], self.seconds[-1]
+            return
+        best, best_err = 1, math.inf
+        for j in range(1, len(self.sizes) - 1):
+            x0, x, x1 = self.sizes[j - 1], self.sizes[j], self.sizes[j + 1]
+            y0, y, y1 = self.seconds[j - 1], self.seconds[j], self.seconds[j + 1]
+            err = abs(y0 + (y1 - y0) * (x - x0) / (x1 - x0) - y)
+            if err < best_err:
+                best, best_err = j, err
+        del self.sizes[best], self.seconds[best]
+
+    def to_dict(self) -> dict:
+        return {"sizes": list(self.sizes), "seconds": list(self.seconds), "prefix_len": self.prefix_len,
+                "per_context_token_s": self.per_context_token_s}
+
+    @classmethod
+    def from_dict(cls, d: Any) -> CostCurve:
+        """Build a curve from ``to_dict`` output, validating every field (unknown keys are ignored)."""
+        if not isinstance(d, dict):
+            raise ValueError(f"cost curve: must be a mapping, got {type(d).__name__}")
+        sizes, seconds = d.get("sizes"), d.get("seconds")
+        for name, value in (("sizes", sizes), ("seconds", seconds)):
+            if not isinstance(value, list) or not 1 <= len(value) <= MAX_WIRE_POINTS:
+                raise ValueError(f"cost curve: {name} must be a list of 1..{MAX_WIRE_POINTS} entries, "
+                                 f"got {_short(value) if not isinstance(value, list) else f'{len(value)} entries'}")
+        if len(sizes) != len(seconds):
+            raise ValueError(f"cost curve: sizes and seconds differ in length ({len(sizes)} vs {len(seconds)})")
+        sizes = [_check_int(f"cost curve: sizes[{i}]", s, 1, MAX_SIZE) for i, s in enumerate(sizes)]
+        seconds = [_check_seconds(f"cost curve: seconds[{i}]", s) for i, s in enumerate(seconds)]
+        if any(b <= a for a, b in itertools.pairwise(sizes)):
+            raise ValueError(f"cost curve: sizes must be strictly ascending, got {_short(sizes)}")
+        prefix = _check_int("cost curve: prefix_len", d.get("prefix_len"), 0, MAX_PREFIX)
+        slope = _check_seconds("cost curve: per_context_token_s", d.get("per_context_token_s", 0.0), allow_zero=True)
+        return cls(sizes, seconds, prefix, slope)
+
+
+# ------------------------------------------------------------------------------------------ node profile
+
+
+@dataclass
+class NodeProfile:
+    """What one node measured of itself: per thread count, the cost curve of its model in its chosen dtype."""
+
+    model: str
+    device: str
+    dtype: str  # "float32" | "bfloat16" | "float16" (the chosen one)
+    curves: dict[int, CostCurve]  # thread count -> curve (CPU: e.g. {1: ..., 2: ...}; GPU: {0: ...})
+    measured_s: float = 0.0
+    cached: bool = False
+    candidates: dict[str, float] = field(default_factory=dict)  # dtype -> score of the auto choice (empty: explicit)
+
+    def curve(self, threads: int) -> CostCurve:
+        """The curve for ``threads`` (exact key, else the nearest one; a tie goes to the fewer threads)."""
+        if threads in self.curves:
+            return self.curves[threads]
+        if not self.curves:
+            raise KeyError("this profile holds no cost curve")
+        return self.curves[min(self.curves, key=lambda k: (abs(k - threads), k))]
+
+    def to_dict(self) -> dict:
+        return {"model": self.model, "device": self.device, "dtype": self.dtype,
+                "curves": {str(t): c.to_dict() for t, c in sorted(self.curves.items())},
+                "measured_s": self.measured_s, "cached": self.cached, "candidates": dict(self.candidates)}
+
+    @classmethod
+    def from_dict(cls, d: Any) -> NodeProfile:
+        """Build a profile from ``to_dict`` output, validating every field (unknown keys are ignored)."""
+        if not isinstance(d, dict):
+            raise ValueError(f"node profile: must be a mapping, got {type(d).__name__}")
+        model = _check_name("node profile: model", d.get("model"))
+        device = _check_name("node profile: device", d.get("device"))
+        dtype = d.get("dtype")
+        if dtype not in PROFILE_DTYPES:
+            raise ValueError(f"node profile: dtype must be one of {', '.join(PROFILE_DTYPES)}, got {_short(dtype)}")
+        raw_curves = d.get("curves")
+        if not isinstance(raw_curves, dict) or not 1 <= len(raw_curves) <= MAX_CURVES:
+            raise ValueError(f"node profile: curves must be a mapping of 1..{MAX_CURVES} thread counts to curves")
+        curves: dict[int, CostCurve] = {}
+        for key, value in raw_curves.items():
+            # JSON object keys are strings; msgpack may carry ints.
+            threads = int(key) if isinstance(key, str) and key.isdigit() and len(key) <= 5 else key
+            threads = _check_int("node profile: curves key", threads, 0, MAX_THREADS_KEY)
+            if threads in curves:
+                raise ValueError(f"node profile: thread count {threads} appears twice")
+            curves[threads] = CostCurve.from_dict(value)
+        measured = _check_seconds("node profile: measured_s", d.get("measured_s", 0.0), allow_zero=True)
+        cached = d.get("cached", False)
+        if not isinstance(cached, bool):
+            raise ValueError(f"node profile: cached must be true or false, got {_short(cached)}")
+        raw_candidates = d.get("candidates", {})
+        if not isinstance(raw_candidates, dict) or len(raw_candidates) > len(PROFILE_DTYPES):
+            raise ValueError("node profile: candidates must be a mapping of dtype to score")
+        candidates = {}
+        for name, score in raw_candidates.items():
+            if name not in PROFILE_DTYPES:
+                raise ValueError(f"node profile: candidate dtype must be one of {', '.join(PROFILE_DTYPES)}, "
+                                 f"got {_short(name)}")
+            candidates[name] = _check_seconds(f"node profile: candidates[{name}]", score)
+        return cls(model, device, dtype, curves, measured, cached, candidates)
+
+
+def profile_score(profile: NodeProfile, sizes: list[int]) -> float:
+    """Geometric mean of the forward cost over every (thread count, size) pair: the number ``dtype: auto`` compares.
+
+    Both candidates are evaluated at the same requested sizes (interpolated where a budget left a size unmeasured),
+    so a candidate that measured fewer sizes is not favoured."""
+    logs = [math.log(curve.cost(n)) for curve in profile.curves.values() for n in sizes if n >= 1]
+    if not logs:
+        raise ValueError("profile_score: no sizes to score")
+    return math.exp(sum(logs) / len(logs))
+
+
+# ------------------------------------------------------------------------------------------ hardware
+
+
+def _cpuinfo_field(name: str) -> str | None:
+    with contextlib.suppress(OSError), open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+        for line in f:
+            key, sep, value = line.partition(":")
+            if sep and key.strip() == name:
+                return value.strip()
+    return None
+
+
+def cpu_model_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``; elsewhere ``platform.processor()``)."""
+    return _cpuinfo_field("model name") or platform.processor() or platform.machine() or "unknown CPU"
+
+
+def hardware_flags() -> dict:
+    """What decides whether bfloat16 pays on this CPU, and the GPU's name (None without CUDA)."""
+    flags = set((_cpuinfo_field("flags") or "").split())
+    gpu = None
+    if torch.cuda.is_available():
+        with contextlib.suppress(RuntimeError, AssertionError):
+            gpu = torch.cuda.get_device_name(0)
+    return {"avx2": "avx2" in flags, "avx512_bf16": "avx512_bf16" in flags,
+            "amx": bool(flags & {"amx_bf16", "amx_tile"}), "gpu": gpu}
+
+
+def _is_cpu(device: str) -> bool:
+    return device == "cpu"
+
+
+def _gpu_name(device: str) -> str | None:
+    if device.startswith("cuda") or device == "auto":
+        if not torch.cuda.is_available():
+            return None
+        index = int(device.split(":")[1]) if ":" in device else 0
+        with contextlib.suppress(RuntimeError, AssertionError):
+            return torch.cuda.get_device_name(index)
+    return None
+
+
+# ------------------------------------------------------------------------------------------ cache
+
+
+def profile_cache_dir() -> Path:
+    """Where profiles are cached: ``$PIPESPEC_CACHE/profiles`` (default ``~/.cache/pipespec/profiles``)."""
+    from shared.registry import cache_root
+
+    return cache_root() / "profiles"
+
+
+def _thread_keys(device: str, threads: list[int]) -> list[int]:
+    """The curve keys a profile holds: the thread counts on a CPU, a single 0 on a GPU (threads do not matter)."""
+    if not _is_cpu(device):
+        return [0]
+    keys = sorted({int(t) for t in threads})
+    if not keys or keys[0] < 1:
+        raise ValueError(f"thread counts must be ≥ 1, got {threads!r}")
+    return keys
+
+
+def _checkpoint_fingerprint(model_path: str) -> dict:
+    """What identifies a checkpoint's contents cheaply: its config, its weight index, its weight files' sizes and
+    mtimes. A hub id (no local folder) is identified by its name alone."""
+    path = Path(model_path).expanduser()
+    if not path.is_dir():
+        return {"id": model_path}
+    path = path.resolve()
+    info: dict[str, Any] = {"path": str(path)}
+    for name in ("config.json", "model.safetensors.index.json"):
+        with contextlib.suppress(OSError):
+            info[name] = hashlib.sha256((path / name).read_bytes()).hexdigest()
+    files = []
+    for weights in sorted(path.glob("*.safetensors")) + sorted(path.glob("*.bin")):
+        with contextlib.suppress(OSError):
+            st = weights.stat()
+            files.append([weights.name, st.st_size, st.st_mtime_ns])
+    info["weights"] = files
+    return info
+
+
+def profile_key(model_path: str, device: str, dtype: str, threads: list[int], sizes: list[int], *,
+                variant: str = "") -> str:
+    """The cache key of a profile: a SHA-256 over everything that changes the numbers.
+
+    ``variant`` tells apart models built differently from one checkpoint (e.g. ``early_exit:8``: the target cut to
+    8 layers)."""
+    import transformers
+
+    parts = {
+        "format": PROFILE_FORMAT,
+        "checkpoint": _checkpoint_fingerprint(model_path),
+        "variant": variant,
+        "device": device,
+        "dtype": dtype,
+        "threads": _thread_keys(device, threads),
+        "sizes": sorted({int(n) for n in sizes}),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "cpu": cpu_model_name(),
+        "gpu": _gpu_name(device),
+    }
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+
+
+def _read_cached(key: str) -> NodeProfile | None:
+    """The cached profile under ``key``, or None when there is none or it cannot be read (then it is re-measured)."""
+    path = profile_cache_dir() / f"{key}.json"
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(data, dict) or data.get("key") != key:
+            return None
+        profile = NodeProfile.from_dict(data.get("profile"))
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+    profile.cached = True
+    return profile
+
+
+def _write_cached(key: str, profile: NodeProfile) -> bool:
+    folder = profile_cache_dir()
+    tmp = folder / f".{key}.{os.getpid()}.tmp"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        data = profile.to_dict()
+        data["cached"] = False
+        tmp.write_text(json.dumps({"key": key, "profile": data}, indent=1), encoding="utf-8")
+        os.replace(tmp, folder / f"{key}.json")  # atomic: a reader never sees half a file
+        return True
+    except OSError:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        return False
+
+
+# ------------------------------------------------------------------------------------------ measuring
+
+
+def sizes_up_to(max_n: int) -> list[int]:
+    """A size ladder 1, 2, 3, 4, 6, 8, 12, … clipped to ``max_n``, with ``max_n`` itself last."""
+    if max_n < 1:
+        raise ValueError(f"sizes_up_to: max_n must be ≥ 1, got {max_n}")
+    return sorted({n for n in SIZE_LADDER if n < max_n} | {max_n})
+
+
+def _shape_first_order(sizes: list[int]) -> list[int]:
+    """The smallest size, the largest, then each time the size nearest the middle of the widest unmeasured gap:
+    the curve's shape is known early, so a budget that runs out leaves a curve that interpolates well."""
+    if len(sizes) <= 2:
+        return list(sizes)
+    order = [sizes[0], sizes[-1]]
+    left = list(sizes[1:-1])
+    while left:
+        done = sorted(order)
+
+        def gap_score(n: int, done: list[int] = done) -> tuple[float, float]:
+            i = bisect.bisect_left(done, n)
+            lo, hi = done[i - 1], done[i]
+            return (-(hi - lo), abs(n - (lo + hi) / 2))  # widest gap first, then nearest its middle
+
+        pick = min(left, key=gap_score)
+        order.append(pick)
+        left.remove(pick)
+    return order
+
+
+def _synchronizer(device: torch.device) -> Callable[[], None]:
+    if device.type == "cuda":
+        count = torch.cuda.device_count()
+
+        def sync() -> None:
+            for index in range(count):  # accelerate may have spread the model over several GPUs
+                torch.cuda.synchronize(index)
+
+        return sync
+    if device.type == "mps":
+        return torch.mps.synchronize
+    return lambda: None
+
+
+@torch.inference_mode()
+def measure_curve(model, sizes: list[int], prefix_len: int = 64, budget_s: float = 8.0,
+                  repeats: int = 2) -> CostCurve:
+    """Measure ``model``'s forward time for each n in ``sizes`` new tokens on a cached prefix of ``prefix_len``
+    random tokens: one warm-up and up to ``repeats`` timed forwards per size, the minimum kept.
+
+    Sizes are measured shape-first (smallest, largest, then the middles); a size whose estimated time would overrun
+    ``budget_s`` is skipped (the curve interpolates over it), but the first size is always measured. If the budget
+    allows, one more point on a 4× longer prefix sets ``per_context_token_s``."""
+    from shared.kv import CachedLM
+
+    wanted = sorted({int(n) for n in sizes if int(n) >= 1})
+    if not wanted:
+        raise ValueError(f"measure_curve: no size ≥ 1 in {sizes!r}")
+    if prefix_len < 0:
+        raise ValueError(f"measure_curve: prefix_len must be ≥ 0, got {prefix_len}")
+    repeats = max(1, int(repeats))
+    start = time.perf_counter()
+    lm = CachedLM(model)
+    sync = _synchronizer(lm._device)
+    vocab = int(model.get_input_embeddings().weight.shape[0])
+    generator = torch.Generator().manual_seed(1234)
+
+    def tokens(n: int) -> list[int]:
+        return torch.randint(0, vocab, (n,), generator=generator).tolist()
+
+    def forward(ids: list[int]) -> float:
+        sync()
+        t0 = time.perf_counter()
+        lm.feed(ids)
+        sync()
+        return time.perf_counter() - t0
+
+    def left() -> float:
+        return budget_s - (time.perf_counter() - start)
+
+    prefill_s = forward(tokens(prefix_len)) if prefix_len else 0.0
+    measured: dict[int, float] = {}
+
+    def estimate(n: int) -> float:
+        points = dict(measured)
+        if prefix_len and prefill_s > 0 and prefix_len not in points:
+            points[prefix_len] = prefill_s  # an upper bound (first-call overheads), fine for a budget guess
+        if not points:
+            return 0.0
+        keys = sorted(points)
+        return CostCurve(keys, [points[k] for k in keys], prefix_len).base_cost(n)
+
+    for n in _shape_first_order(wanted):
+        if measured and 2 * estimate(n) > left():  # warm-up + one timed forward must fit
+            continue
+        ids = tokens(n)
+        forward(ids)  # warm-up: shape-specific kernels and allocations
+        lm.crop(prefix_len)
+        best = math.inf
+        for r in range(repeats):
+            if r and best > left():
+                break
+            best = min(best, forward(ids))
+            lm.crop(prefix_len)
+        measured[n] = max(best, 1e-9)
+
+    keys = sorted(measured)
+    curve = CostCurve(keys, [measured[k] for k in keys], prefix_len)
+    long_len = 4 * prefix_len
+    max_pos = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if _is_int(max_pos):
+        long_len = min(long_len, max_pos - 1)
+    first = keys[0]  # compared at the same size on both prefixes
+    if long_len > prefix_len and estimate(long_len - prefix_len) + 2 * curve.base_cost(first) <= left():
+        lm.feed(tokens(long_len - prefix_len))
+        ids = tokens(first)
+        forward(ids)
+        lm.crop(long_len)
+        best = math.inf
+        for r in range(repeats):
+            if r and best > left():
+                break
+            best = min(best, forward(ids))
+            lm.crop(long_len)
+        curve.per_context_token_s = max(0.0, (best - curve.base_cost(first)) / (long_len - prefix_len))
+    return curve
+
+
+def _describe(curve: CostCurve) -> str:
+    points = ", ".join(f"{n} tok {s * 1e3:.1f} ms" for n, s in zip(curve.sizes, curve.seconds))
+    return f"{points}; context +{curve.per_context_token_s * 1e6:.2f} µs/token"
+
+
+def load_or_measure(model, model_path: str, device: str, dtype: str, threads: list[int], sizes: list[int],
+                    budget_s: float = 20.0, progress: ProgressFn | None = None, *, variant: str = "",
+                    fresh: bool = False) -> NodeProfile:
+    """The profile of ``model`` (loaded from ``model_path`` on ``device`` in ``dtype``): from the disk cache, or
+    measured within ``budget_s`` (split over the thread counts) and cached. ``fresh`` skips the cache lookup (the
+    new measurement still replaces the cached one)."""
+    if dtype not in PROFILE_DTYPES:
+        raise ValueError(f"load_or_measure: dtype must be one of {', '.join(PROFILE_DTYPES)}, got {dtype!r}")
+    keys = _thread_keys(device, threads)
+    key = profile_key(model_path, device, dtype, threads, sizes, variant=variant)
+    name = Path(model_path).name or model_path
+    if not fresh:
+        cached = _read_cached(key)
+        if cached is not None and cached.dtype == dtype and sorted(cached.curves) == keys:
+            if progress:
+                progress(f"profile of {name} {dtype} on {device}: cached")
+            return cached
+    started = time.perf_counter()
+    curves: dict[int, CostCurve] = {}
+    previous = torch.get_num_threads()
+    try:
+        for t in keys:
+            if t:
+                torch.set_num_threads(t)
+            where = f"{t} thread{'s' if t != 1 else ''}" if t else device
+            if progress:
+                progress(f"profiling {name} {dtype} {where} (budget {budget_s / len(keys):.1f} s) ...")
+            curves[t] = measure_curve(model, sizes, budget_s=budget_s / len(keys))
+            if progress:
+                progress(f"profiling {name} {dtype} {where}: {_describe(curves[t])}")
+    finally:
+        torch.set_num_threads(previous)
+    profile = NodeProfile(model=name, device=device, dtype=dtype, curves=curves,
+                          measured_s=time.perf_counter() - started)
+    if not _write_cached(key, profile) and progress:
+        progress(f"cannot write the profile cache in {profile_cache_dir()} (measuring again next time)")
+    return profile
+
+
+def _auto_gpu_dtype(device: str) -> str | None:
+    if device.startswith("cuda") or device == "auto":
+        return "bfloat16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "float16"
+    if device == "mps":
+        return "float16"
+    return None
+
+
+def _free(model: Any) -> None:
+    del model
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def resolve_auto_dtype(load: Callable[[str], Any], model_path: str, device: str, threads: list[int],
+                       sizes: list[int], budget_s: float = 20.0, progress: ProgressFn | None = None, *,
+                       variant: str = "", fresh: bool = False) -> tuple[Any, NodeProfile]:
+    """``dtype: auto``: pick the dtype for this node and return ``(model loaded in it, its profile)``.
+
+    ``load(dtype_name)`` loads the model. A GPU takes bfloat16 where supported, else float16 (MPS: float16). A CPU
+    measures float32 and bfloat16 (half the budget each) and keeps the one with the lower :func:`profile_score`;
+    both profiles are cached, so a later start looks both up and loads only the winner. At most one candidate is
+    in memory at a time. ``profile.candidates`` holds the scores."""
+    gpu_dtype = _auto_gpu_dtype(device)
+    if gpu_dtype is not None:
+        model = load(gpu_dtype)
+        profile = load_or_measure(model, model_path, device, gpu_dtype, threads, sizes, budget_s, progress,
+                                  variant=variant, fresh=fresh)
+        profile.candidates = {gpu_dtype: profile_score(profile, sizes)}
+        return model, profile
+
+    profiles: dict[str, NodeProfile | None] = {}
+    for dtype in AUTO_CPU_DTYPES:
+        cached = None
+        if not fresh:
+            cached = _read_cached(profile_key(model_path, device, dtype, threads, sizes, variant=variant))
+            if cached is not None and progress:
+                progress(f"profile of {Path(model_path).name} {dtype} on {device}: cached")
+        profiles[dtype] = cached
+    # Measure the likelier loser first, so the model in memory at the end is most often the winner.
+    flags = hardware_flags()
+    native_bf16 = flags["avx512_bf16"] or flags["amx"]
+    order = ["float32", "bfloat16"] if native_bf16 else ["bfloat16", "float32"]
+    held: tuple[str, Any] | None = None
+    for dtype in order:
+        if profiles[dtype] is not None:
+            continue
+        if held is not None:
+            _free(held[1])
+            held = None
+        model = load(dtype)
+        profiles[dtype] = load_or_measure(model, model_path, device, dtype, threads, sizes, budget_s / 2, progress,
+                                          variant=variant, fresh=fresh)
+        held = (dtype, model)
+        del model
+    scores = {dtype: profile_score(p, sizes) for dtype, p in profiles.items() if p is not None}
+    winner = min(scores, key=lambda d: (scores[d], d != "bfloat16"))  # a tie goes to the smaller footprint
+    if held is not None and held[0] == winner:
+        model = held[1]
+    else:
+        if held is not None:
+            _free(held[1])
+        held = None
+        model = load(winner)
+    profile = profiles[winner]
+    assert profile is not None
+    profile.candidates = scores
+    if progress:
+        listed = ", ".join(f"{d} {s * 1e3:.1f} ms" for d, s in scores.items())
+        progress(f"dtype auto for {Path(model_path).name}: {winner} (geometric mean per forward: {listed})")
+    return model, profile
