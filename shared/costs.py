@@ -165,7 +165,9 @@ class CostCurve:
         # Invert cost() = max(base + delta, F·base): below the cost where the floor takes over, base = seconds / F.
         floor_cost = CONTEXT_FLOOR * -delta / (1 - CONTEXT_FLOOR) if delta < 0 else 0.0
         base = seconds - delta if seconds >= floor_cost else seconds / CONTEXT_FLOOR
-        base = min(MAX_SECONDS, max(base, seconds * CONTEXT_FLOOR))  # a too-steep slope must not make it ≤ 0
+        if base <= 0:  # the context term alone exceeds the sample (the slope is off): take it as measured
+            base = seconds
+        base = min(MAX_SECONDS, base)
         i = bisect.bisect_left(self.sizes, n)
         if i < len(self.sizes) and self.sizes[i] == n:
             self.seconds[i] += weight * (base - self.seconds[i])

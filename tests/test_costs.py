@@ -1,0 +1,404 @@
+"""Cost profiles (shared/costs.py) and the profiling CLI (runtime/profile.py), on tiny models: curve arithmetic,
+online refinement, validation of dicts from peers, measuring within a budget, the disk cache, ``dtype: auto``."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from runtime import profile as profile_cli
+from runtime.config import load_config
+from shared import costs
+from shared.costs import CostCurve, NodeProfile
+from shared.models import DTYPES, load_causal_lm
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(autouse=True)
+def cache_dir(tmp_path, monkeypatch) -> Path:
+    """Every test gets its own profile cache (never ~/.cache)."""
+    monkeypatch.setenv("PIPESPEC_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache" / "profiles"
+
+
+def curve(sizes=(1, 4, 8), seconds=(0.010, 0.020, 0.040), prefix=64, slope=0.0) -> CostCurve:
+    return CostCurve(list(sizes), list(seconds), prefix, slope)
+
+
+# ------------------------------------------------------------------------------------------ CostCurve arithmetic
+
+
+def test_cost_interpolates_between_points_and_extends_the_last_segment():
+    c = curve()
+    assert c.cost(0) == 0.0
+    assert c.cost(1) == pytest.approx(0.010)
+    assert c.cost(2) == pytest.approx(0.010 + 0.010 / 3)
+    assert c.cost(6) == pytest.approx(0.030)
+    assert c.cost(8) == pytest.approx(0.040)
+    assert c.cost(12) == pytest.approx(0.040 + 4 * 0.005)  # the last segment's slope, 5 ms per token
+    below = curve(sizes=(3, 6), seconds=(0.02, 0.03))
+    assert below.cost(1) == pytest.approx(0.02)
+
+
+def test_cost_never_decreases_beyond_the_last_point():
+    noisy = curve(seconds=(0.010, 0.030, 0.025))
+    assert noisy.cost(20) == pytest.approx(0.025)
+    single = curve(sizes=(1,), seconds=(0.01,))
+    assert single.cost(5) == pytest.approx(0.01)
+
+
+def test_context_term_and_its_floor():
+    c = curve(slope=1e-5)
+    assert c.cost(1) == pytest.approx(0.010)
+    assert c.cost(1, context=64) == pytest.approx(0.010)
+    assert c.cost(1, context=164) == pytest.approx(0.010 + 100e-5)
+    assert c.cost(4, context=0) == pytest.approx(0.020 - 64e-5)
+    steep = curve(slope=1e-3)
+    assert steep.cost(1, context=0) == pytest.approx(0.005)  # 0.010 − 0.064 would be negative: floored at 50 %
+    assert steep.cost(0, context=1000) == 0.0
+
+
+# ------------------------------------------------------------------------------------------ observe
+
+
+def test_observe_moves_a_measured_point_by_the_weight():
+    c = curve()
+    c.observe(4, 0.030)
+    assert c.seconds == pytest.approx([0.010, 0.022, 0.040])
+    c.observe(4, 0.030, weight=1.0)
+    assert c.seconds[1] == pytest.approx(0.030)
+
+
+def test_observe_inserts_an_unmeasured_size_in_order():
+    c = curve()
+    c.observe(6, 0.050, weight=0.5)  # the curve said 30 ms at 6: halfway to 50 ms
+    assert c.sizes == [1, 4, 6, 8]
+    assert c.seconds[2] == pytest.approx(0.040)
+    c.observe(20, 0.1, weight=0.5)
+    assert c.sizes == [1, 4, 6, 8, 20]
+
+
+def test_observe_removes_the_context_term_first():
+    c = curve(slope=1e-5)
+    c.observe(1, 0.021, context=164, weight=0.5)  # 1 ms of it is the 100 extra context tokens
+    assert c.seconds[0] == pytest.approx(0.015)
+
+
+@pytest.mark.parametrize(("context", "sample"), [(None, 0.012), (0, 0.004), (10, 0.012), (64, 0.012), (500, 0.5)])
+def test_observe_with_full_weight_reproduces_the_sample(context, sample):
+    """observe inverts cost(): afterwards the curve predicts exactly what was seen, with or without the floor (at
+    contexts 0 and 10 the 1 ms/token slope would go negative: the sample is the floored cost)."""
+    c = curve(slope=1e-3)
+    c.observe(4, sample, context=context, weight=1.0)
+    assert c.cost(4, context=context) == pytest.approx(sample)
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf, 0.0, -0.01, "0.1", None])
+def test_observe_ignores_unusable_samples(bad):
+    c = curve()
+    before = c.to_dict()
+    c.observe(4, bad)
+    c.observe(0, 0.01)
+    assert c.to_dict() == before
+
+
+def test_observe_keeps_at_most_32_points():
+    c = curve(sizes=(1, 2), seconds=(0.01, 0.011))
+    for n in range(3, 60):
+        c.observe(n, 0.01 + 0.001 * n, weight=1.0)
+    assert len(c.sizes) <= 32
+    assert c.sizes == sorted(set(c.sizes))
+    assert c.sizes[0] == 1 and c.sizes[-1] == 59  # the ends survive: only interior points are dropped
+
+
+# ------------------------------------------------------------------------------------------ dicts from peers
+
+
+def test_curve_and_profile_round_trip_through_json():
+    c = curve(slope=2e-6)
+    assert CostCurve.from_dict(json.loads(json.dumps(c.to_dict()))) == c
+    p = NodeProfile("m", "cpu", "bfloat16", {1: c, 2: curve(seconds=(0.005, 0.01, 0.02))}, measured_s=3.5,
+                    candidates={"float32": 0.02, "bfloat16": 0.015})
+    back = NodeProfile.from_dict(json.loads(json.dumps(p.to_dict())))
+    assert back == p
+    assert sorted(back.curves) == [1, 2]
+
+
+GOOD = {"sizes": [1, 2], "seconds": [0.01, 0.02], "prefix_len": 64, "per_context_token_s": 0.0}
+
+
+@pytest.mark.parametrize("change", [
+    {"sizes": ["1", "2"]},
+    {"sizes": [True, 2]},
+    {"sizes": [1.5, 2]},
+    {"sizes": [0, 2]},
+    {"sizes": [1, 5000]},
+    {"sizes": [2, 1]},
+    {"sizes": [1, 1]},
+    {"sizes": [1]},
+    {"sizes": "1,2"},
+    {"sizes": []},
+    {"sizes": list(range(1, 66)), "seconds": [0.01] * 65},
+    {"seconds": [0.01, math.nan]},
+    {"seconds": [0.01, math.inf]},
+    {"seconds": [0.01, -0.02]},
+    {"seconds": [0.0, 0.02]},
+    {"seconds": [0.01, 4000.0]},
+    {"seconds": ["0.01", 0.02]},
+    {"prefix_len": -1},
+    {"prefix_len": "64"},
+    {"prefix_len": None},
+    {"per_context_token_s": -1e-6},
+    {"per_context_token_s": math.nan},
+])
+def test_curve_from_dict_rejects_bad_fields(change):
+    with pytest.raises(ValueError, match="cost curve"):
+        CostCurve.from_dict({**GOOD, **change})
+
+
+@pytest.mark.parametrize("bad", [None, [], "curve", 3])
+def test_curve_from_dict_rejects_non_mappings(bad):
+    with pytest.raises(ValueError, match="must be a mapping"):
+        CostCurve.from_dict(bad)
+
+
+PROFILE = {"model": "m", "device": "cpu", "dtype": "float32", "curves": {"1": GOOD}, "measured_s": 1.0,
+           "cached": False, "candidates": {}}
+
+
+@pytest.mark.parametrize("change", [
+    {"dtype": "auto"},
+    {"dtype": "float64"},
+    {"model": ""},
+    {"model": 7},
+    {"model": "x" * 1000},
+    {"curves": {}},
+    {"curves": [GOOD]},
+    {"curves": {str(t): GOOD for t in range(1, 10)}},
+    {"curves": {"-1": GOOD}},
+    {"curves": {"abc": GOOD}},
+    {"curves": {"2000": GOOD}},
+    {"curves": {"1": {**GOOD, "seconds": [0.01, math.nan]}}},
+    {"measured_s": -1.0},
+    {"cached": "yes"},
+    {"candidates": {"float32": math.nan}},
+    {"candidates": {"int8": 0.1}},
+    {"candidates": [0.1]},
+])
+def test_profile_from_dict_rejects_bad_fields(change):
+    with pytest.raises(ValueError, match=r"node profile|cost curve"):
+        NodeProfile.from_dict({**PROFILE, **change})
+
+
+def test_profile_curve_picks_the_nearest_thread_count():
+    one, four = curve(), curve(seconds=(0.005, 0.01, 0.02))
+    p = NodeProfile("m", "cpu", "float32", {1: one, 4: four})
+    assert p.curve(1) is one and p.curve(4) is four
+    assert p.curve(2) is one and p.curve(3) is four and p.curve(16) is four
+    tie = NodeProfile("m", "cpu", "float32", {1: one, 3: four})
+    assert tie.curve(2) is one
+
+
+# ------------------------------------------------------------------------------------------ measuring
+
+
+def test_shape_first_order_measures_the_ends_then_the_middles():
+    order = costs._shape_first_order([1, 2, 3, 4, 6, 8, 12, 17])
+    assert order[:3] == [1, 17, 8]
+    assert sorted(order) == [1, 2, 3, 4, 6, 8, 12, 17]
+
+
+def test_sizes_up_to():
+    assert costs.sizes_up_to(17) == [1, 2, 3, 4, 6, 8, 12, 16, 17]
+    assert costs.sizes_up_to(9) == [1, 2, 3, 4, 6, 8, 9]
+    assert costs.sizes_up_to(1) == [1]
+
+
+@pytest.fixture(scope="module")
+def llama(tiny):
+    path = tiny("llama")
+    return path, load_causal_lm(str(path), "cpu", "float32")
+
+
+def test_measure_curve_on_a_tiny_model(llama):
+    _, model = llama
+    requested = [1, 2, 4, 8]
+    c = costs.measure_curve(model, requested, prefix_len=16, budget_s=2.0)
+    assert set(c.sizes) <= set(requested) and 1 in c.sizes
+    assert all(math.isfinite(s) and s > 0 for s in c.seconds)
+    assert c.prefix_len == 16 and c.per_context_token_s >= 0
+    assert CostCurve.from_dict(c.to_dict()) == c  # what it measures passes a peer's validation
+
+
+def test_measure_curve_with_no_budget_measures_the_first_size_only(llama):
+    _, model = llama
+    c = costs.measure_curve(model, [2, 3, 5], prefix_len=8, budget_s=0.0)
+    assert c.sizes == [2]
+    assert c.per_context_token_s == 0.0
+    assert c.cost(5) == pytest.approx(c.seconds[0])
+
+
+def test_load_or_measure_caches_and_the_key_separates_thread_counts(llama, cache_dir):
+    path, model = llama
+    threads_before = torch.get_num_threads()
+    lines = []
+    first = costs.load_or_measure(model, str(path), "cpu", "float32", [1], [1, 2, 4], budget_s=1.0,
+                                  progress=lines.append)
+    assert not first.cached and sorted(first.curves) == [1]
+    assert any("1 thread" in line and "ms" in line for line in lines)
+    assert len(list(cache_dir.glob("*.json"))) == 1
+    # A hit must not touch the model: with None in its place, measuring would fail.
+    again = costs.load_or_measure(None, str(path), "cpu", "float32", [1], [1, 2, 4], budget_s=1.0)
+    assert again.cached and again.curves == first.curves
+    other = costs.load_or_measure(model, str(path), "cpu", "float32", [2], [1, 2, 4], budget_s=1.0)
+    assert not other.cached and sorted(other.curves) == [2]
+    assert len(list(cache_dir.glob("*.json"))) == 2
+    assert torch.get_num_threads() == threads_before
+
+
+def test_a_corrupt_cache_file_is_measured_again_and_overwritten(llama, cache_dir):
+    path, model = llama
+    args = (str(path), "cpu", "float32", [1], [1, 2])
+    costs.load_or_measure(model, *args, budget_s=0.5)
+    (file,) = cache_dir.glob("*.json")
+    file.write_text('{"key": "', encoding="utf-8")
+    redone = costs.load_or_measure(model, *args, budget_s=0.5)
+    assert not redone.cached
+    assert json.loads(file.read_text(encoding="utf-8"))["key"] == file.stem
+    assert costs.load_or_measure(None, *args, budget_s=0.5).cached
+
+
+def test_profile_key_changes_with_what_changes_the_numbers(tiny, tmp_path):
+    folder = tmp_path / "model"
+    shutil.copytree(tiny("llama"), folder)
+    base = costs.profile_key(str(folder), "cpu", "float32", [1, 2], [1, 2, 4])
+    assert costs.profile_key(str(folder), "cpu", "float32", [2, 1, 2], [4, 2, 1]) == base  # order-free
+    for other in (costs.profile_key(str(folder), "cpu", "bfloat16", [1, 2], [1, 2, 4]),
+                  costs.profile_key(str(folder), "cpu", "float32", [1], [1, 2, 4]),
+                  costs.profile_key(str(folder), "cpu", "float32", [1, 2], [1, 2]),
+                  costs.profile_key(str(folder), "cpu", "float32", [1, 2], [1, 2, 4], variant="early_exit:1")):
+        assert other != base
+    config = json.loads((folder / "config.json").read_text())
+    config["rms_norm_eps"] = 1e-5 if config.get("rms_norm_eps") != 1e-5 else 1e-6
+    (folder / "config.json").write_text(json.dumps(config))
+    assert costs.profile_key(str(folder), "cpu", "float32", [1, 2], [1, 2, 4]) != base
+
+
+def test_resolve_auto_dtype_on_cpu_measures_both_then_loads_only_the_winner(tiny):
+    path = str(tiny("llama"))
+    loads = []
+
+    def load(dtype):
+        loads.append(dtype)
+        return load_causal_lm(path, "cpu", dtype)
+
+    model, profile = costs.resolve_auto_dtype(load, path, "cpu", [1], [1, 2, 4], budget_s=1.0)
+    assert sorted(loads[:2]) == ["bfloat16", "float32"] and len(loads) <= 3  # a third load: the winner again
+    assert set(profile.candidates) == {"float32", "bfloat16"}
+    assert profile.dtype == min(profile.candidates, key=profile.candidates.get)
+    assert {p.dtype for p in model.parameters()} == {DTYPES[profile.dtype]}
+    del model
+    loads.clear()
+    model, again = costs.resolve_auto_dtype(load, path, "cpu", [1], [1, 2, 4], budget_s=1.0)
+    assert loads == [profile.dtype]  # both profiles cached: only the winner is loaded
+    assert again.cached and again.dtype == profile.dtype and again.candidates == profile.candidates
+    assert {p.dtype for p in model.parameters()} == {DTYPES[profile.dtype]}
+
+
+def test_hardware_description():
+    flags = costs.hardware_flags()
+    assert set(flags) == {"avx2", "avx512_bf16", "amx", "gpu"}
+    assert all(isinstance(flags[k], bool) for k in ("avx2", "avx512_bf16", "amx"))
+    assert isinstance(costs.cpu_model_name(), str) and costs.cpu_model_name()
+
+
+# ------------------------------------------------------------------------------------------ CLI
+
+
+def _write_config(tmp_path: Path, verifier: Path, drafter: Path | None, **drafter_keys) -> Path:
+    config = {"verifier": {"model": str(verifier), "dtype": "float32", "threads": 1},
+              "drafter": {"model": str(drafter) if drafter else None, "dtype": "float32", "threads": 1,
+                          "max_draft_tokens": 3, **drafter_keys}}
+    path = tmp_path / "profile.yaml"
+    path.write_text(yaml.safe_dump(config), encoding="utf-8")
+    return path
+
+
+def _cli(*args: str, cache: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PIPESPEC_CACHE": str(cache), "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "runtime.profile", *args], capture_output=True, text=True,
+                          env=env, cwd=REPO, timeout=300)
+
+
+def test_cli_profiles_both_nodes_and_writes_json_and_png(tiny, tmp_path):
+    config = _write_config(tmp_path, tiny("llama"), tiny("llama", "random"), dtype="auto")
+    out = tmp_path / "out"
+    result = _cli("--config", str(config), "--out", str(out), "--budget", "4", cache=tmp_path / "cache")
+    assert result.returncode == 0, result.stderr
+    assert "profiling" in result.stderr
+    table = result.stdout
+    assert "1 tok" in table and "4 tok" in table and "avx512_bf16" in table
+    assert "verifier dtype float32 (explicit)" in table
+    assert "drafter dtype auto →" in table and "bfloat16" in table
+    assert (out / "profile.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    report = json.loads((out / "profile.json").read_text())
+    verifier = NodeProfile.from_dict(report["nodes"]["verifier"]["profile"])
+    drafter = NodeProfile.from_dict(report["nodes"]["drafter"]["profile"])
+    assert verifier.dtype == "float32" and verifier.candidates == {}
+    assert set(drafter.candidates) == {"float32", "bfloat16"}
+    assert report["nodes"]["verifier"]["sizes"] == [1, 2, 3, 4]
+    threads = [1] if os.cpu_count() == 1 else [1, os.cpu_count()]
+    assert sorted(verifier.curves) == threads
+
+
+def test_cli_bad_config_exits_2_with_one_line(tmp_path):
+    config = _write_config(tmp_path, tmp_path / "missing-model", None)
+    result = _cli("--config", str(config), "--out", str(tmp_path / "out"), cache=tmp_path / "cache")
+    assert result.returncode == 2
+    assert result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("profile: error: verifier.model")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--set", "verifier.dtype=float64"], "verifier.dtype"),
+    (["--set", "drafter.nope=1"], "drafter.nope"),
+    (["--budget", "0"], "--budget"),
+])
+def test_cli_rejects_bad_settings(tiny, tmp_path, capsys, args, message):
+    config = _write_config(tmp_path, tiny("llama"), tiny("llama", "random"))
+    assert profile_cli.main(["--config", str(config), "--out", str(tmp_path / "out"), *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("profile: error:") and message in err[0]
+
+
+def test_auto_dtype_from_the_file_or_an_override(tiny, tmp_path):
+    config = _write_config(tmp_path, tiny("llama"), tiny("llama", "random"), dtype="auto")
+    loaded, auto = profile_cli.load_profile_config(str(config), None)
+    assert auto == {"drafter.dtype"} and loaded["drafter"]["dtype"] == "auto"
+    loaded, auto = profile_cli.load_profile_config(str(config), ["drafter.dtype=bfloat16", "verifier.dtype=auto"])
+    assert auto == {"verifier.dtype"}
+    assert loaded["drafter"]["dtype"] == "bfloat16" and loaded["verifier"]["dtype"] == "auto"
+
+
+def test_plan_profiles_early_exit_cut_and_skips_prompt_lookup(tiny, tmp_path):
+    target = tiny("llama")
+    config = load_config({"verifier": {"model": str(target)},
+                          "drafter": {"type": "early_exit", "assistant_early_exit": 1, "max_draft_tokens": 3}})
+    nodes, skipped = profile_cli.plan_nodes(config)
+    assert skipped is None and [n.role for n in nodes] == ["verifier", "drafter"]
+    assert nodes[1].model_config.num_hidden_layers == 1 and nodes[1].variant == "early_exit:1"
+    config = load_config({"verifier": {"model": str(target)}, "drafter": {"type": "prompt_lookup"}})
+    nodes, skipped = profile_cli.plan_nodes(config)
+    assert [n.role for n in nodes] == ["verifier"] and "prompt_lookup" in skipped
