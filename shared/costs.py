@@ -479,11 +479,13 @@ def _synchronizer(device: torch.device) -> Callable[[], None]:
 def measure_curve(model, sizes: list[int], prefix_len: int = 64, budget_s: float = 8.0,
                   repeats: int = 2) -> CostCurve:
     """Measure ``model``'s forward time for each n in ``sizes`` new tokens on a cached prefix of ``prefix_len``
-    random tokens: one warm-up and up to ``repeats`` timed forwards per size, the minimum kept.
+    random tokens: one warm-up and up to ``repeats`` more forwards per size (while the budget allows), the minimum
+    kept.
 
-    Sizes are measured shape-first (smallest, largest, then the middles); a size whose estimated time would overrun
-    ``budget_s`` is skipped (the curve interpolates over it), but the first size is always measured. If the budget
-    allows, one more point on a 4× longer prefix sets ``per_context_token_s``."""
+    Sizes are measured shape-first (smallest, largest, then the middles); a size whose estimated forward time would
+    overrun ``budget_s`` is skipped (the curve interpolates over it), but the first size is always measured (so a
+    model slower than the budget overruns it by about one prefill and one forward). If the budget allows, one more
+    point on a 4× longer prefix sets ``per_context_token_s``."""
     from shared.kv import CachedLM
 
     wanted = sorted({int(n) for n in sizes if int(n) >= 1})
@@ -523,19 +525,23 @@ def measure_curve(model, sizes: list[int], prefix_len: int = 64, budget_s: float
         keys = sorted(points)
         return CostCurve(keys, [points[k] for k in keys], prefix_len).base_cost(n)
 
-    for n in _shape_first_order(wanted):
-        if measured and 2 * estimate(n) > left():  # warm-up + one timed forward must fit
-            continue
-        ids = tokens(n)
-        forward(ids)  # warm-up: shape-specific kernels and allocations
-        lm.crop(prefix_len)
-        best = math.inf
-        for r in range(repeats):
-            if r and best > left():
+    def fastest(ids: list[int], keep: int) -> float:
+        """The minimum over a warm-up and up to ``repeats`` more forwards, as many as the budget allows. The warm-up
+        counts too: a slow one (first use of a shape) never wins the minimum, a normal one is not wasted when a
+        large model leaves the budget room for a single forward."""
+        best = forward(ids)
+        lm.crop(keep)
+        for _ in range(repeats):
+            if best > left():
                 break
             best = min(best, forward(ids))
-            lm.crop(prefix_len)
-        measured[n] = max(best, 1e-9)
+            lm.crop(keep)
+        return max(best, 1e-9)
+
+    for n in _shape_first_order(wanted):
+        if measured and estimate(n) > left():  # not even one forward fits: interpolate over this size
+            continue
+        measured[n] = fastest(tokens(n), prefix_len)
 
     keys = sorted(measured)
     curve = CostCurve(keys, [measured[k] for k in keys], prefix_len)
@@ -546,15 +552,7 @@ def measure_curve(model, sizes: list[int], prefix_len: int = 64, budget_s: float
     first = keys[0]  # compared at the same size on both prefixes
     if long_len > prefix_len and estimate(long_len - prefix_len) + 2 * curve.base_cost(first) <= left():
         lm.feed(tokens(long_len - prefix_len))
-        ids = tokens(first)
-        forward(ids)
-        lm.crop(long_len)
-        best = math.inf
-        for r in range(repeats):
-            if r and best > left():
-                break
-            best = min(best, forward(ids))
-            lm.crop(long_len)
+        best = fastest(tokens(first), long_len)
         curve.per_context_token_s = max(0.0, (best - curve.base_cost(first)) / (long_len - prefix_len))
     return curve
 
