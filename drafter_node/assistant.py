@@ -20,10 +20,14 @@ class AssistantDrafter(Drafter):
         self.tokenizer = load_tokenizer(path)
         self.tokenizer_id = tokenizer_id(self.tokenizer)
         self.model = load_causal_lm(path, dcfg["device"], dcfg["dtype"], dcfg.get("max_memory"),
-                                    config=self.model_config(path, dcfg))
+                                    config=self.model_config(path, dcfg), profile=dcfg.get("_profile_spec"))
         self.q_top_m = int(dcfg.get("q_top_k", 0))
         self.capabilities = Capabilities(sends_q=True, greedy_q=True)
         self.target_vocab_size = self.model.config.vocab_size  # replaced by the verifier's at connect time
+
+    @property
+    def profile_model(self):
+        return self.model
 
     def model_config(self, path: str, dcfg: dict[str, Any]):
         """The architecture to build (None: the checkpoint's own). Subtypes shape the drafter here."""

@@ -57,6 +57,13 @@ class DraftSession(ABC):
 
     #: True when ``propose`` costs next to nothing (no model forward): the node then asks for whole blocks at once.
     cheap_steps = False
+    #: ``begin_speculation`` can pre-draft several outcome rows (not just the all-accepted chain).
+    predrafts_rows = False
+
+    @property
+    def forward_size(self) -> int:
+        """Tokens (or pre-draft rows) the last step's forward ran over: what its time is a cost-curve sample of."""
+        return 1
 
     @property
     def chain_tokens(self) -> list[int]:
@@ -102,8 +109,9 @@ class DraftSession(ABC):
 
     # Optional multi-outcome pre-drafting (see drafter_node/branches.py). Types without it keep the default:
     # the node then extends the chain on the single assumption that the whole block is accepted.
-    def begin_speculation(self, block_len: int) -> bool:
-        """A block of ``block_len`` chain tokens was sent: start pre-drafting its outcomes; False if unsupported."""
+    def begin_speculation(self, block_len: int, max_rows: int | None = None) -> bool:
+        """A block of ``block_len`` chain tokens was sent: start pre-drafting its outcomes (at most ``max_rows`` of
+        them, the most likely first; None: all); False if unsupported."""
         return False
 
     @property
@@ -126,6 +134,12 @@ class Drafter(ABC):
     block_len: int | None = None
     #: Added to the message when the verifier refuses this drafter's tokenizer (what the user should change).
     tokenizer_hint: str = ""
+
+    @property
+    def profile_model(self):
+        """The causal LM whose plain forward is this type's drafting step, for the start-up cost profile (None: the
+        drafter's costs are learned from the rounds it runs)."""
+        return None
 
     @abstractmethod
     def open_session(

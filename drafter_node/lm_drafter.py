@@ -79,7 +79,15 @@ class LMDraftSession(DraftSession):
         self.lm.crop(length)
 
     # --------------------------------------------------------------- multi-outcome pre-drafting (greedy)
-    def begin_speculation(self, block_len: int) -> bool:
+    @property
+    def predrafts_rows(self) -> bool:  # type: ignore[override]
+        return not self.params.do_sample  # sampled requests continue the single all-accepted chain
+
+    @property
+    def forward_size(self) -> int:
+        return len(self.branches.guesses) if self.branches is not None else self.lm.last_fed
+
+    def begin_speculation(self, block_len: int, max_rows: int | None = None) -> bool:
         self.branches = None
         if self.params.do_sample or self.ended:
             return False

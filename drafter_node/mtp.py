@@ -37,7 +37,7 @@ from transformers import AutoConfig
 from drafter_node.base import Capabilities, Drafter, DraftSession
 from drafter_node.lm_drafter import pick_token
 from shared.checkpoint import read_tensors, weight_map
-from shared.models import DTYPES, load_tokenizer, resolve_model, tokenizer_id
+from shared.models import DTYPES, concrete_dtype, load_tokenizer, resolve_model, tokenizer_id
 from shared.sampling import GenerationParams
 
 
@@ -230,7 +230,7 @@ class MTPDrafter(Drafter):
         path = resolve_model(dcfg["model"])
         self.tokenizer = load_tokenizer(path)
         self.tokenizer_id = tokenizer_id(self.tokenizer)
-        self.dtype = DTYPES[dcfg["dtype"]]
+        self.dtype = DTYPES[concrete_dtype(dcfg["dtype"], dcfg["device"])]
         self.device = dcfg["device"]
         if self.device == "auto":  # a few layers: one device is enough
             self.device = "cuda" if torch.cuda.is_available() else "cpu"

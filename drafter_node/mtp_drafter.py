@@ -27,7 +27,7 @@ import torch
 from drafter_node.base import Capabilities, Drafter, DraftSession, DraftToken
 from drafter_node.lm_drafter import pick_token
 from shared.checkpoint import read_tensors, weight_map
-from shared.models import DTYPES, load_causal_lm, load_tokenizer, resolve_model, tokenizer_id
+from shared.models import DTYPES, load_causal_lm, load_tokenizer, model_dtype, resolve_model, tokenizer_id
 from shared.sampling import GenerationParams
 
 ASSISTANT_MODEL_TYPE = "gemma4_assistant"
@@ -124,7 +124,7 @@ class AssistantMTPDrafter(Drafter):
         self.tokenizer = load_tokenizer(target_path)  # an -assistant checkpoint need not carry a tokenizer
         self.tokenizer_id = tokenizer_id(self.tokenizer)
         self.model = load_causal_lm(assistant_path, dcfg["device"], dcfg["dtype"], dcfg.get("max_memory"))
-        self.embed = load_target_embeddings(target_path, target_config, dcfg["device"], dcfg["dtype"])
+        self.embed = load_target_embeddings(target_path, target_config, dcfg["device"], model_dtype(self.model))
         self.device = self.embed.weight.device
         self.dtype = self.embed.weight.dtype
         self.sliding_window = _text_config(self.model.config).sliding_window

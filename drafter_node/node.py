@@ -12,6 +12,12 @@ pre-drafted outcome, the next block goes out at once — a *pre-draft hit*; othe
 and drafting restarts from the commit.
 
 Synchronous mode (``overlap: false``) drafts exactly one block and waits for its commit: the baseline to compare.
+With the ``cost`` schedule (the default) each round's plan chooses between the two, and k = 0: an empty block with
+``idle_rounds = n`` tells the verifier to step alone for n rounds, after which the node sends one synchronous probe
+block and plans again.
+
+``threads: auto`` (CPU): the node computes with every core while the verifier waits for it (synchronous rounds and
+probes) and with its share while both work (overlap); see :mod:`drafter_node.cost_model`.
 """
 
 from __future__ import annotations
@@ -27,9 +33,11 @@ import torch
 import zmq
 
 from drafter_node.base import Drafter, DraftSession
-from drafter_node.schedule import DraftLengthSchedule
+from drafter_node.cost_model import CostBook
+from drafter_node.schedule import CostSchedule, DraftLengthSchedule
 from drafter_node.types import drafter_class
-from shared.models import ModelLoadError, set_threads
+from shared.costs import NodeProfile
+from shared.models import ModelLoadError, ProfileSpec, ThreadPlan, profile_node, profile_sizes, set_threads
 from shared.protocol import Message, ProtocolError, decode, encode
 from shared.sampling import GenerationParams
 from shared.transport import connect_dealer
@@ -43,16 +51,24 @@ HELLO_RETRY_S = 1.0
 class NodeSession:
     """A draft session plus what the node tracks for it: the block length schedule and what was already sent."""
 
-    def __init__(self, sid: int, draft: DraftSession, schedule: DraftLengthSchedule, overlap: bool):
+    def __init__(self, sid: int, draft: DraftSession, schedule: DraftLengthSchedule, book: CostBook | None = None):
         self.sid = sid
         self.draft = draft
         self.schedule = schedule
-        self.overlap = overlap
+        self.book = book
         self.sent_base: int | None = None  # committed length of the last block sent
         self.sent_len = 0
         self.sent_at = 0.0
+        self.sent_guesses: list[int | None] = []  # our guess of the verifier's token per outcome of the block sent
         self.exhausted = False  # propose() had nothing more to give on this base
-        self.stats = {"busy_s": 0.0, "blocks": 0, "predraft_hits": 0, "rolled_back": 0}
+        self.solo_wait = False  # an idle block went out: the verifier steps alone until the schedule's rounds end
+        self.threads = 0  # torch threads of the last step (0: not set by the node)
+        self.stats = {"busy_s": 0.0, "blocks": 0, "predraft_hits": 0, "rolled_back": 0, "idle_blocks": 0}
+
+    @property
+    def overlap(self) -> bool:
+        """Pre-draft while the block in flight is verified (this round's plan)."""
+        return self.schedule.overlap_now
 
     @property
     def base_len(self) -> int:
@@ -72,10 +88,12 @@ class NodeSession:
 
     def ready_to_send(self) -> bool:
         d = self.draft
-        return self.block_pending() and (len(d.chain) >= self.schedule.k or d.ended or self.exhausted)
+        if not self.block_pending() or self.solo_wait:
+            return False
+        return self.schedule.k == 0 or len(d.chain) >= self.schedule.k or d.ended or self.exhausted
 
     def wants_step(self) -> bool:
-        if self.exhausted:
+        if self.exhausted or self.solo_wait or self.schedule.k == 0:
             return False
         if not self.block_pending() and not self.overlap:
             return False
@@ -92,6 +110,8 @@ class NodeSession:
             self.exhausted = True
         spent = time.monotonic() - t0
         self.schedule.observe_step(spent)
+        if self.book is not None and not self.draft.cheap_steps:
+            self.book.observe_draft(self.draft.forward_size, spent, self.threads, self.base_len)
         self.stats["busy_s"] += spent
 
     def _step_size(self) -> int:
@@ -101,12 +121,17 @@ class NodeSession:
 
     def after_send(self) -> None:
         """Start pre-drafting the outcomes of the block just sent (overlap only)."""
-        if self.overlap:
+        if self.overlap and self.sent_len:
             t0 = time.monotonic()
-            self.draft.begin_speculation(self.sent_len)
+            self.draft.begin_speculation(self.sent_len, self.schedule.rows)
             self.stats["busy_s"] += time.monotonic() - t0
+        chain = self.draft.chain
+        self.sent_guesses = [d.alt for d in chain[: self.sent_len]]
+        self.sent_guesses.append(chain[self.sent_len].token if len(chain) > self.sent_len else None)
 
-    def block(self) -> tuple[list[int], dict[str, torch.Tensor]]:
+    def block(self) -> tuple[list[int], dict[str, torch.Tensor], int]:
+        """The block to send now, its q tensors, and how many rounds the verifier should then take alone."""
+        idle_rounds = self.schedule.solo_rounds if self.schedule.k == 0 else 0
         chain = self.draft.chain[: self.schedule.k]
         tokens = [d.token for d in chain]
         tensors = {}
@@ -115,12 +140,25 @@ class NodeSession:
         self.sent_base, self.sent_len = self.base_len, len(tokens)
         self.sent_at = time.monotonic()
         self.stats["blocks"] += 1
-        return tokens, tensors
+        if idle_rounds:
+            self.solo_wait = True
+            self.stats["idle_blocks"] += 1
+        return tokens, tensors, idle_rounds
 
-    def on_commit(self, tokens: list[int], drafted: int, accepted: int, extras: dict[str, torch.Tensor]) -> None:
-        """Apply a commit; ``drafted`` is how many of our block's tokens the verifier checked (0: not used)."""
+    def on_commit(self, tokens: list[int], drafted: int, accepted: int, extras: dict[str, torch.Tensor],
+                  verify_s: float | None = None, verifier_threads: int = 0) -> None:
+        """Apply a commit; ``drafted`` is how many of our block's tokens the verifier checked (0: not used);
+        ``verify_s``: the verifier's forward time of the round (with ``verifier_threads`` threads)."""
         t0 = time.monotonic()
         verified_ours = drafted > 0 and self.sent_base == self.base_len
+        if verified_ours and accepted < len(tokens) and accepted < len(self.sent_guesses):
+            guess = self.sent_guesses[accepted]
+            if guess is not None:
+                self.schedule.observe_guess(bonus=accepted == drafted, correct=guess == tokens[accepted])
+        if self.book is not None and verify_s is not None and verify_s > 0:
+            self.book.observe_verify(drafted + 1, verify_s, verifier_threads, self.base_len)
+            if verified_ours:
+                self.book.observe_overhead(time.monotonic() - self.sent_at - verify_s)
         chain_before = len(self.draft.chain)
         matched = self.draft.observe_commit(tokens, extras)
         if matched < len(tokens):
@@ -128,10 +166,17 @@ class NodeSession:
         if verified_ours:
             self.schedule.observe_roundtrip(time.monotonic() - self.sent_at)
         self.schedule.update(drafted, accepted)
+        if self.schedule.solo_rounds == 0:
+            self.solo_wait = False
         self.exhausted = False
         if self.overlap and matched == len(tokens) and self.draft.chain:
             self.stats["predraft_hits"] += 1  # the next block's start was drafted before the commit came
         self.stats["busy_s"] += time.monotonic() - t0
+
+
+def _count(value: Any) -> int:
+    """A non-negative int field from a peer's message, 0 when absent or malformed."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
 
 
 def load_drafter(dcfg: dict[str, Any]) -> Drafter:
@@ -148,8 +193,14 @@ class DrafterNode:
     def __init__(self, config: dict[str, Any], drafter: Drafter | None = None):
         dcfg = config["drafter"]
         self.dcfg = dcfg
-        set_threads(dcfg["threads"])
-        self.drafter = drafter or load_drafter(dcfg)
+        self.threads = ThreadPlan.for_node(config, "drafter")
+        self.max_k = int(dcfg["max_draft_tokens"])
+        set_threads(self.threads.share)
+        self.drafter = drafter or load_drafter({**dcfg, "_profile_spec": self.profile_spec(config)})
+        self.book = CostBook()
+        self.profile = self._profile(config)
+        self.book.set_drafter(self.profile, self.threads.share, self.threads.full)
+        self._threads_now = self.threads.share
         self.endpoint = dcfg.get("verifier_endpoint") or config["verifier"]["endpoint"]
         self.max_bytes = config["verifier"].get("max_message_bytes", 64 * 1024 * 1024)
         self.ctx = zmq.Context.instance()
@@ -160,6 +211,29 @@ class DrafterNode:
         self.welcomed = False
         self.want_q = False  # the verifier wants q with greedy drafts too (ensemble verification)
         self.last_sent = 0.0
+
+    def profile_spec(self, config: dict[str, Any]) -> ProfileSpec:
+        """What this node measures of its model: one to max_draft_tokens + 1 rows, at its thread counts."""
+        variant = f"early_exit:{self.dcfg['assistant_early_exit']}" if self.dcfg["type"] == "early_exit" else ""
+        return ProfileSpec(self.threads.counts(), profile_sizes(config), float(self.dcfg["profile_s"]), variant)
+
+    def _profile(self, config: dict[str, Any]) -> NodeProfile | None:
+        model = self.drafter.profile_model
+        spec = self.profile_spec(config)
+        if model is None or spec.budget_s <= 0:
+            return None  # learned from the rounds alone
+        source = self.dcfg.get("model") or config["verifier"]["model"]
+        profile = profile_node(model, source, self.dcfg["device"], spec, "drafter")
+        return profile
+
+    def _use_threads(self, s: NodeSession) -> None:
+        """Every core while the verifier waits for this session's block (synchronous rounds, probes, a pre-draft
+        miss); the node's share while the verifier works on the block in flight (pre-drafting)."""
+        wanted = self.threads.full if s.block_pending() else self.threads.share
+        if wanted != self._threads_now:
+            set_threads(wanted)
+            self._threads_now = wanted
+        s.threads = wanted
 
     def serve(self) -> int:
         signal.signal(signal.SIGTERM, lambda *_: self.stop())
@@ -178,7 +252,9 @@ class DrafterNode:
 
     def _hello(self) -> None:
         self._send(encode("hello", drafter_type=self.drafter.type_name, tokenizer_id=self.drafter.tokenizer_id,
-                          capabilities=self.drafter.capabilities.to_dict()))
+                          capabilities=self.drafter.capabilities.to_dict(),
+                          profile=self.profile.to_dict() if self.profile else None,
+                          threads={"share": self.threads.share, "full": self.threads.full}))
 
     def _loop(self) -> int:
         last_hello = 0.0
@@ -204,6 +280,7 @@ class DrafterNode:
                 if work.ready_to_send():
                     self._send_block(work)
                 else:
+                    self._use_threads(work)
                     work.step()
         return 0
 
@@ -223,10 +300,19 @@ class DrafterNode:
         return None
 
     def _send_block(self, s: NodeSession) -> None:
-        tokens, tensors = s.block()
+        tokens, tensors, idle_rounds = s.block()
+        stats = {**s.stats, "plans": dict(getattr(s.schedule, "plans", {})), "dtype": self.dtype_name}
         self._send(encode("draft", tensors, session=s.sid, base_len=s.sent_base, epoch=s.stats["blocks"],
-                          tokens=tokens, sent_at=time.time(), stats=dict(s.stats)))
+                          tokens=tokens, sent_at=time.time(), stats=stats, idle_rounds=idle_rounds,
+                          overlap=s.overlap))
         s.after_send()
+
+    @property
+    def dtype_name(self) -> str | None:
+        if self.profile is not None:
+            return self.profile.dtype
+        model = self.drafter.profile_model
+        return str(model.dtype).removeprefix("torch.") if model is not None else None
 
     def _on_message(self, frames: list) -> int | None:
         try:
@@ -243,6 +329,13 @@ class DrafterNode:
     def _on_welcome(self, msg: Message) -> None:
         self.welcomed = True
         self.drafter.target_vocab_size = msg["vocab_size"]
+        threads = msg.get("threads") if isinstance(msg.get("threads"), dict) else {}
+        try:
+            if msg.get("profile") is not None:
+                self.book.set_verifier(NodeProfile.from_dict(msg["profile"]), _count(threads.get("share")),
+                                       _count(threads.get("full")))
+        except (ValueError, TypeError) as exc:
+            log.warning("ignored the verifier's cost profile: %s", exc)
         self.want_q = bool(msg.get("want_q", False)) and self.drafter.capabilities.greedy_q
         log.info("connected to verifier (target %s)", msg["target"])
 
@@ -264,18 +357,28 @@ class DrafterNode:
         prompt_len = int(msg.get("prompt_len", len(msg["token_ids"])))
         draft = self.drafter.open_session(msg["token_ids"], prompt_len, params, msg.tensors)
         draft.want_q = self.want_q
-        if self.drafter.block_len is not None:
-            schedule = DraftLengthSchedule(self.drafter.block_len, "constant")
-        else:
-            schedule = DraftLengthSchedule.from_config(self.dcfg)
-        self.sessions[sid] = NodeSession(sid, draft, schedule, bool(self.dcfg.get("overlap", True)))
+        self.sessions[sid] = NodeSession(sid, draft, self._schedule_for(draft), self.book)
         self.order.append(sid)
+
+    def _schedule_for(self, draft: DraftSession) -> DraftLengthSchedule:
+        overlap = bool(self.dcfg.get("overlap", True))
+        fixed = self.drafter.block_len
+        if self.dcfg.get("draft_schedule") == "cost":
+            max_k = fixed if fixed is not None else self.max_k
+            start = min(fixed if fixed is not None else int(self.dcfg["num_draft_tokens"]), max_k)
+            return CostSchedule(start, max_k, self.book, lambda: len(draft.committed), overlap,
+                                rows_ok=draft.predrafts_rows)
+        if fixed is not None:
+            return DraftLengthSchedule(fixed, "constant", overlap=overlap)
+        return DraftLengthSchedule.from_config(self.dcfg)
 
     def _on_commit(self, msg: Message) -> None:
         s = self.sessions.get(msg["session"])
         if s is None or msg["base_len"] != s.base_len:
             return  # a duplicate or a commit for a session we no longer hold
-        s.on_commit(msg["tokens"], int(msg.get("drafted", 0)), int(msg.get("accepted", 0)), msg.tensors)
+        verify_s = msg.get("verify_s")
+        s.on_commit(msg["tokens"], _count(msg.get("drafted")), _count(msg.get("accepted")), msg.tensors,
+                    float(verify_s) if isinstance(verify_s, float) else None, _count(msg.get("threads")))
 
     def _on_state(self, msg: Message) -> None:
         s = self.sessions.get(msg["session"])

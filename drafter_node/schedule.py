@@ -3,7 +3,12 @@
 * ``constant``: always ``num_draft_tokens``.
 * ``heuristic``: transformers' schedule (all accepted → k + 2, else k − 1, never below 1).
 * ``adaptive``: grows like heuristic but falls only when less than half the block was accepted.
-* ``pipeline`` (the default): picks the k that maximises the speed model (DESIGN.md) from running estimates —
+* ``cost`` (the default): each round picks the block length k — k = 0 included: the verifier steps alone — whether to
+  pre-draft while the block is verified, and how many outcome rows, to maximise expected committed tokens per second
+  from the measured cost curves of both nodes, per-position acceptance and the round trip
+  (:mod:`drafter_node.cost_model`). While it chooses k = 0 it probes now and then (one synchronous block) so it can
+  come back when acceptance recovers.
+* ``pipeline``: picks the k that maximises the speed model (DESIGN.md) from running estimates —
   E(α, k) / max(1, (k+1)·c) when drafting overlaps verification (a round drafts the next block and its bonus
   guess), E(α, k) / (1 + k·c) when it does not — with α the
   per-token acceptance and c = (drafter step time) / (verification round trip), both measured as the session runs.
@@ -14,9 +19,15 @@ All are capped at ``max_draft_tokens``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
-SCHEDULES = ("constant", "heuristic", "adaptive", "pipeline")
+from drafter_node.cost_model import Acceptance, CostBook, Plan, best_plan
+
+SCHEDULES = ("cost", "pipeline", "adaptive", "heuristic", "constant")
+
+#: k = 0 is kept for this many verifier rounds before a probe block; doubled after each probe that confirms k = 0.
+SOLO_ROUNDS_MIN, SOLO_ROUNDS_MAX = 8, 128
 
 _EMA = 0.3  # weight of the newest timing sample
 _ALPHA_PRIOR = (4.0, 1.0)  # pseudo-counts (accepted, rejected): a mildly optimistic start
@@ -39,6 +50,18 @@ class DraftLengthSchedule:
         self.accepted, self.rejected = _ALPHA_PRIOR
         self.step_s: float | None = None
         self.roundtrip_s: float | None = None
+
+    #: Rounds the verifier takes alone from now (``cost`` only); outcome rows to pre-draft (None: all).
+    solo_rounds = 0
+    rows: int | None = None
+
+    @property
+    def overlap_now(self) -> bool:
+        """Pre-draft while this round's block is verified."""
+        return self.overlap
+
+    def observe_guess(self, bonus: bool, correct: bool) -> None:
+        """Whether the drafter's guess of the verifier's own token in a commit was right (``cost`` only)."""
 
     @classmethod
     def from_config(cls, dcfg: dict[str, Any]) -> DraftLengthSchedule:
@@ -90,3 +113,71 @@ class DraftLengthSchedule:
             return expected_tokens(alpha, k) / cost
 
         return max(range(1, self.max_k + 1), key=speedup)
+
+
+class CostSchedule(DraftLengthSchedule):
+    """The ``cost`` schedule: a :class:`~drafter_node.cost_model.Plan` per round from the node's :class:`CostBook`.
+
+    Until both sides' curves are known (profiles off and no round measured yet) it keeps the configured k."""
+
+    def __init__(self, k: int, max_k: int, book: CostBook, context: Callable[[], int], overlap: bool = True,
+                 rows_ok: bool = True):
+        super().__init__(k, "cost", max_k, overlap)
+        self.max_k = max_k
+        self.book = book
+        self.context = context
+        self.rows_ok = rows_ok
+        self.acc = Acceptance(max_k)
+        self.plan = Plan(min(k, max_k), overlap, (min(k, max_k) + 1) if rows_ok else 1, 0.0)
+        self.solo_left = 0  # verifier rounds still to be taken alone
+        self.solo_span = SOLO_ROUNDS_MIN
+        self.probing = False
+        self.plans = {"solo": 0, "sync": 0, "overlap": 0}
+        self.replan()
+
+    @property
+    def overlap_now(self) -> bool:
+        return self.plan.overlap and not self.probing
+
+    @property
+    def rows(self) -> int | None:  # type: ignore[override]
+        return self.plan.rows if self.plan.overlap else None
+
+    def k_if_accepted(self) -> int:
+        return max(1, self.k)
+
+    def observe_guess(self, bonus: bool, correct: bool) -> None:
+        (self.acc.bonus_guess if bonus else self.acc.correction_guess).observe(correct)
+
+    def update(self, drafted: int, accepted: int) -> None:
+        if self.solo_left > 0:
+            if drafted == 0:  # one of the rounds the verifier takes alone
+                self.solo_left -= 1
+                if self.solo_left == 0:
+                    self.probing = True  # the next block is a probe: synchronous, so it may take every core
+                    self.replan(allow_solo=False)
+                return
+            self.solo_left = 0  # a block was verified after all (e.g. the verifier restarted): plan afresh
+        if drafted:
+            self.acc.observe(drafted, accepted)
+        was_probe, self.probing = self.probing, False
+        self.replan(was_probe=was_probe)
+
+    @property
+    def solo_rounds(self) -> int:  # type: ignore[override]
+        return self.solo_left if self.plan.solo else 0
+
+    def replan(self, allow_solo: bool = True, was_probe: bool = False) -> None:
+        if not self.book.ready:
+            return
+        plan = best_plan(self.acc, self.book.costs(self.context()), self.max_k, self.rows_ok, allow_solo=allow_solo,
+                         allow_overlap=self.overlap and allow_solo)
+        self.plan, self.k = plan, plan.k
+        self.plans["solo" if plan.solo else "overlap" if plan.overlap else "sync"] += 1
+        if plan.solo:
+            self.acc.shrink()
+            if was_probe:  # the probe did not bring drafting back: probe less often
+                self.solo_span = min(2 * self.solo_span, SOLO_ROUNDS_MAX)
+            self.solo_left = self.solo_span
+        elif allow_solo:
+            self.solo_span = SOLO_ROUNDS_MIN

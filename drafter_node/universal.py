@@ -364,7 +364,8 @@ class UniversalDrafter(Drafter):
             f" (the universal drafter translates to the tokenizer of drafter.target_model = "
             f"{dcfg['target_model']!r}, default verifier.model: point it at the verifier's target)"
         )
-        self.model = load_causal_lm(path, dcfg["device"], dcfg["dtype"], dcfg.get("max_memory"))
+        self.model = load_causal_lm(path, dcfg["device"], dcfg["dtype"], dcfg.get("max_memory"),
+                                    profile=dcfg.get("_profile_spec"))
         self.draft_vocab_size = min(len(self.tokenizer), int(self.model.get_output_embeddings().weight.shape[0]))
         self.draft_special_ids = set(self.tokenizer.all_special_ids) | {
             i for i, t in getattr(self.tokenizer, "added_tokens_decoder", {}).items() if getattr(t, "special", False)
@@ -387,6 +388,10 @@ class UniversalDrafter(Drafter):
 
     def encode_target(self, text: str) -> list[int]:
         return self.target_tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    @property
+    def profile_model(self):
+        return self.model
 
     def open_session(
         self, token_ids: list[int], prompt_len: int, params: GenerationParams, extras: dict[str, torch.Tensor]

@@ -19,7 +19,7 @@ import yaml
 
 from drafter_node.schedule import SCHEDULES
 from drafter_node.types import DRAFTER_TYPES
-from shared.models import DTYPES
+from shared.models import AUTO, DTYPES
 from shared.transport import EndpointError, check_endpoint
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -29,8 +29,9 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "verifier": {
         "model": None,
         "device": "cpu",
-        "dtype": "bfloat16",
-        "threads": 1,
+        "dtype": "auto",
+        "threads": "auto",
+        "profile_s": 20,
         "endpoint": "ipc://{run_dir}/verifier.ipc",
         "max_memory": None,
         "draft_timeout_ms": 3000,
@@ -42,10 +43,11 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "type": "assistant",
         "model": None,
         "device": "cpu",
-        "dtype": "bfloat16",
-        "threads": 1,
+        "dtype": "auto",
+        "threads": "auto",
+        "profile_s": 20,
         "num_draft_tokens": 5,
-        "draft_schedule": "pipeline",
+        "draft_schedule": "cost",
         "max_draft_tokens": 16,
         "overlap": True,
         "q_top_k": 64,
@@ -214,9 +216,19 @@ def validate(config: dict[str, Any]) -> None:
     _check_device("drafter.device", d["device"], hint)
     for dotted in ("verifier.dtype", "drafter.dtype"):
         section, key = dotted.split(".")
-        if not isinstance(config[section][key], str) or config[section][key] not in DTYPES:
-            raise ConfigError(f"{dotted}: must be one of {', '.join(DTYPES)}, got {config[section][key]!r}")
-    for dotted in ("verifier.threads", "drafter.threads", "drafter.num_draft_tokens", "drafter.max_draft_tokens",
+        if not isinstance(config[section][key], str) or config[section][key] not in (AUTO, *DTYPES):
+            raise ConfigError(f"{dotted}: must be auto or one of {', '.join(DTYPES)}, got {config[section][key]!r}")
+    for dotted in ("verifier.threads", "drafter.threads"):
+        section, key = dotted.split(".")
+        value = config[section][key]
+        if value != AUTO and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ConfigError(f"{dotted}: must be auto or an integer ≥ 1, got {value!r}")
+    for dotted in ("verifier.profile_s", "drafter.profile_s"):
+        section, key = dotted.split(".")
+        value = config[section][key]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 600:
+            raise ConfigError(f"{dotted}: must be a number of seconds in [0, 600] (0: no profile), got {value!r}")
+    for dotted in ("drafter.num_draft_tokens", "drafter.max_draft_tokens",
                    "verifier.max_sessions", "verifier.max_message_bytes", "verifier.draft_timeout_ms"):
         _positive_int(config, dotted)
     _positive_int(config, "drafter.q_top_k", minimum=0)

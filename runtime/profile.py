@@ -20,9 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from runtime.config import ConfigError, find_config, load_config, parse_overrides
+from runtime.config import ConfigError, load_config
 from shared.costs import (
     NodeProfile,
     cpu_model_name,
@@ -30,15 +28,13 @@ from shared.costs import (
     load_or_measure,
     profile_cache_dir,
     resolve_auto_dtype,
-    sizes_up_to,
 )
-from shared.models import ModelLoadError, load_causal_lm, resolve_model
+from shared.models import ModelLoadError, ThreadPlan, load_causal_lm, profile_sizes, resolve_model
 from shared.registry import RegistryError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO_ROOT / "results" / "profile"
 DEFAULT_BUDGET_S = 20.0
-AUTO_KEYS = ("verifier.dtype", "drafter.dtype")
 #: Drafter types whose model is a plain causal LM that can be profiled on its own.
 PLAIN_MODEL_TYPES = {"assistant", "universal"}
 SKIP_REASONS = {
@@ -62,33 +58,6 @@ def _progress(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def load_profile_config(source: str, overrides: list[str] | None) -> tuple[dict[str, Any], set[str]]:
-    """Load a config like :func:`runtime.config.load_config`, also accepting ``dtype: auto`` for both nodes.
-
-    Returns the config (with ``auto`` put back) and the dotted keys that were ``auto``. The config validation does
-    not know ``auto`` yet, so it sees a placeholder dtype for those keys."""
-    parsed = parse_overrides(overrides)
-    in_file: set[str] = set()
-    try:
-        raw = yaml.safe_load(find_config(source).read_text(encoding="utf-8")) or {}
-    except (ConfigError, OSError, yaml.YAMLError, UnicodeDecodeError):
-        raw = {}  # load_config below reports the problem
-    for key in AUTO_KEYS:
-        section, name = key.split(".")
-        if isinstance(raw, dict) and isinstance(raw.get(section), dict) and raw[section].get(name) == "auto":
-            in_file.add(key)
-    auto = set()
-    for key in AUTO_KEYS:
-        if parsed.get(key, "auto" if key in in_file else None) == "auto":
-            auto.add(key)
-            parsed[key] = "float32"  # placeholder for validation only
-    config = load_config(source, parsed)
-    for key in auto:
-        section, name = key.split(".")
-        config[section][name] = "auto"
-    return config, auto
-
-
 @dataclass
 class Node:
     """One model to profile, as its node would load it."""
@@ -105,26 +74,24 @@ class Node:
     variant: str = ""
 
 
-def _threads(section: dict[str, Any]) -> list[int]:
-    threads = [int(section["threads"])]
-    cores = os.cpu_count() or 1
-    if section["device"] == "cpu" and cores != threads[0]:
-        threads.append(cores)
-    return threads
+def _threads(config: dict[str, Any], role: str) -> list[int]:
+    """The thread counts the node measures at start-up (its share and, with ``threads: auto``, every core)."""
+    return ThreadPlan.for_node(config, role).counts()
 
 
 def plan_nodes(config: dict[str, Any]) -> tuple[list[Node], str | None]:
     """The models to profile (verifier first) and, when the drafter has none to profile, the reason."""
     v, d = config["verifier"], config["drafter"]
-    sizes = sizes_up_to(int(d["max_draft_tokens"]) + 1)
+    sizes = profile_sizes(config)
     target = resolve_model(v["model"], progress=_progress)
-    nodes = [Node("verifier", _label(v["model"]), target, v["device"], v["dtype"], _threads(v), sizes,
+    nodes = [Node("verifier", _label(v["model"]), target, v["device"], v["dtype"], _threads(config, "verifier"), sizes,
                   v.get("max_memory"))]
     kind = d["type"]
     if kind in SKIP_REASONS:
         return nodes, SKIP_REASONS[kind]
     path = resolve_model(d["model"], progress=_progress)
-    node = Node("drafter", _label(d["model"]), path, d["device"], d["dtype"], _threads(d), sizes, d.get("max_memory"))
+    node = Node("drafter", _label(d["model"]), path, d["device"], d["dtype"], _threads(config, "drafter"), sizes,
+                d.get("max_memory"))
     if kind == "early_exit":
         from drafter_node.early_exit import exit_config
 
@@ -277,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if not args.budget > 0 or args.budget > 3600:
             raise ConfigError(f"--budget: must be a number of seconds in (0, 3600], got {args.budget}")
-        config, _ = load_profile_config(args.config, args.set)
+        config = load_config(args.config, args.set)
         table, written = run(config, str(args.config), args.out, args.budget, args.fresh)
     except (ConfigError, ModelLoadError, RegistryError, EarlyExitError, ProfileOutputError) as exc:
         print(f"profile: error: {exc}", file=sys.stderr)

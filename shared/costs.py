@@ -340,10 +340,12 @@ def _gpu_name(device: str) -> str | None:
 
 
 def profile_cache_dir() -> Path:
-    """Where profiles are cached: ``$PIPESPEC_CACHE/profiles`` (default ``~/.cache/pipespec/profiles``)."""
+    """Where profiles are cached: ``$PIPESPEC_PROFILE_DIR`` if set, else ``$PIPESPEC_CACHE/profiles`` (default
+    ``~/.cache/pipespec/profiles``)."""
     from shared.registry import cache_root
 
-    return cache_root() / "profiles"
+    override = os.environ.get("PIPESPEC_PROFILE_DIR")
+    return Path(override).expanduser() if override else cache_root() / "profiles"
 
 
 def _thread_keys(device: str, threads: list[int]) -> list[int]:

@@ -24,6 +24,7 @@ class CachedLM:
     def __init__(self, model):
         self.model = model
         self.length = 0
+        self.last_fed = 0  # tokens of the last forward (a cost-curve sample's size)
         self._device = input_device(model)
         self.reset()
 
@@ -31,6 +32,7 @@ class CachedLM:
     def feed(self, token_ids: list[int], want_hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Append ``token_ids`` to the cache; return float32 logits for each of them (and last hidden states)."""
         ids = torch.tensor([token_ids], dtype=torch.long, device=self._device)
+        self.last_fed = len(token_ids)
         out = self.model(input_ids=ids, cache=self.cache, use_cache=True, output_hidden_states=want_hidden)
         self.length += len(token_ids)
         hidden = out.hidden_states[-1][0] if want_hidden else None

@@ -10,16 +10,106 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import os
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+log = logging.getLogger("pipespec.models")
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+#: ``dtype: auto``: the fastest dtype for the shapes a node runs, measured (see :func:`load_causal_lm`).
+AUTO = "auto"
 
 
 class ModelLoadError(RuntimeError):
     """A model or tokenizer that cannot be loaded; the message says which and why."""
+
+
+@dataclass
+class ProfileSpec:
+    """What a node measures of its model at start-up: forward sizes (new tokens, or pre-draft rows), at which thread
+    counts, within how many seconds (0: no profile)."""
+
+    threads: list[int]
+    sizes: list[int]
+    budget_s: float
+    variant: str = ""  # tells apart models built differently from one checkpoint (early_exit: the cut target)
+
+
+@dataclass
+class ThreadPlan:
+    """A node's torch thread counts: ``share`` while the other node computes too, ``full`` while it idles.
+
+    ``threads: N`` gives N for both. ``threads: auto`` on a CPU gives every core (``full``) and, when both nodes are
+    on this machine's CPU, half of them (``share``), so the two never oversubscribe the cores while both work."""
+
+    share: int
+    full: int
+
+    @classmethod
+    def for_node(cls, config: dict[str, Any], role: str) -> ThreadPlan:
+        value = config[role]["threads"]
+        if value != AUTO:
+            return cls(int(value), int(value))
+        cores = available_cores()
+        other = config["drafter" if role == "verifier" else "verifier"]["device"]
+        both_on_cpu = config[role]["device"] == "cpu" and other == "cpu"
+        share = max(1, cores // 2) if both_on_cpu else cores
+        return cls(share, cores)
+
+    def counts(self) -> list[int]:
+        return sorted({self.share, self.full})
+
+
+def available_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def heuristic_dtype(device: str) -> str:
+    """``dtype: auto`` without a measurement: CUDA bf16 where supported, else fp16; MPS fp16; a CPU bf16 only with
+    native bf16 arithmetic (avx512_bf16 or AMX), else fp32 (emulated bf16 is slower there for multi-token forwards)."""
+    if device.startswith("cuda") or device == "auto":
+        return "bfloat16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "float16"
+    if device == "mps":
+        return "float16"
+    from shared.costs import hardware_flags
+
+    flags = hardware_flags()
+    return "bfloat16" if flags.get("avx512_bf16") or flags.get("amx") else "float32"
+
+
+def concrete_dtype(dtype: str, device: str) -> str:
+    """A config's dtype with ``auto`` resolved by :func:`heuristic_dtype` (for models that cannot be profiled)."""
+    return heuristic_dtype(device) if dtype == AUTO else dtype
+
+
+def model_dtype(model) -> str:
+    return str(next(model.parameters()).dtype).removeprefix("torch.")
+
+
+def profile_sizes(config: dict[str, Any]) -> list[int]:
+    """Forward sizes both nodes measure: 1 .. max_draft_tokens + 1 new tokens (verifier) or rows (drafter), on the
+    ladder 1, 2, 3, 4, 6, 8, 12, … (the curve interpolates between them)."""
+    from shared.costs import sizes_up_to
+
+    return sizes_up_to(min(int(config["drafter"]["max_draft_tokens"]), 64) + 1)
+
+
+def profile_node(model, source: str, device: str, spec: ProfileSpec, role: str):
+    """The node's cost profile of ``model`` (measured within ``spec.budget_s``, or read from the disk cache)."""
+    from shared.costs import load_or_measure
+
+    def progress(line: str) -> None:
+        log.info("%s: %s", role, line)
+
+    return load_or_measure(model, resolve_model(source), device, model_dtype(model), spec.threads, spec.sizes,
+                           spec.budget_s, progress=progress, variant=spec.variant)
 
 
 def set_threads(threads: int) -> None:
@@ -49,10 +139,29 @@ def load_tokenizer(path: str):
 
 
 def load_causal_lm(
-    path: str, device: str = "cpu", dtype: str = "float32", max_memory: dict | None = None, config: Any = None
+    path: str, device: str = "cpu", dtype: str = "float32", max_memory: dict | None = None, config: Any = None,
+    profile: ProfileSpec | None = None,
 ):
     """Load a causal LM for inference. ``device: auto`` spreads it over the GPUs with accelerate; ``config``
-    replaces the checkpoint's (e.g. fewer layers: only their weights are read)."""
+    replaces the checkpoint's (e.g. fewer layers: only their weights are read).
+
+    ``dtype: auto`` with a ``profile`` spec on a CPU measures float32 and bfloat16 for the spec's shapes and keeps
+    the faster (both measurements are cached on disk, so a second start loads only the winner); without a spec, or
+    on a GPU, it takes :func:`heuristic_dtype`. The choice is logged."""
+    if dtype == AUTO:
+        if profile is not None and profile.budget_s > 0 and device == "cpu":
+            from shared.costs import resolve_auto_dtype
+
+            def load(name: str):
+                return load_causal_lm(path, device, name, max_memory, config)
+
+            model, prof = resolve_auto_dtype(load, path, device, profile.threads, profile.sizes, profile.budget_s,
+                                             progress=lambda line: log.info("dtype auto: %s", line),
+                                             variant=profile.variant)
+            log.info("dtype auto: %s chose %s (scores %s)", path, prof.dtype, prof.candidates)
+            return model
+        dtype = heuristic_dtype(device)
+        log.info("dtype auto: %s on %s -> %s", path, device, dtype)
     from transformers import AutoModelForCausalLM
 
     kwargs: dict[str, Any] = {"dtype": DTYPES[dtype]}

@@ -18,6 +18,12 @@ torch.set_num_threads(1)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def profile_dir(tmp_path_factory):
+    """Cost profiles of the test run's tiny models go to a folder of their own (nodes inherit the variable)."""
+    os.environ["PIPESPEC_PROFILE_DIR"] = str(tmp_path_factory.mktemp("profiles"))
+
+
 
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory) -> Path:
@@ -50,8 +56,8 @@ def tiny(model_dir, tokenizer_dir):
 def tiny_config(target: Path, drafter: Path | None, **drafter_keys) -> dict:
     """A config dict for tiny models: float32, one thread per node, generous but bounded waits."""
     config = {
-        "verifier": {"model": str(target), "dtype": "float32", "threads": 1, "draft_timeout_ms": 3000},
-        "drafter": {"model": str(drafter or target), "dtype": "float32", "threads": 1,
+        "verifier": {"model": str(target), "dtype": "float32", "threads": 1, "draft_timeout_ms": 3000, "profile_s": 2},
+        "drafter": {"model": str(drafter or target), "dtype": "float32", "threads": 1, "profile_s": 2,
                     "draft_schedule": "constant", **drafter_keys},
         "client": {"timeout_s": 120},
         "launch": {"ready_timeout_s": 120},

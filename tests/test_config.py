@@ -253,7 +253,7 @@ def test_dict_source_is_not_mutated():
     assert config["drafter"]["num_draft_tokens"] == 3
     assert config["verifier"]["threads"] == DEFAULTS["verifier"]["threads"]
     config["verifier"]["threads"] = 99
-    assert DEFAULTS["verifier"]["threads"] == 1  # defaults are copied, not shared
+    assert DEFAULTS["verifier"]["threads"] == "auto"  # defaults are copied, not shared
 
 
 # ---------------------------------------------------------------------------------- bugs: non-ConfigError escapes

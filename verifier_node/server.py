@@ -3,7 +3,12 @@
 One thread, one loop: drain both ROUTER sockets (drafters and clients), then run one round for one session that
 is ready, round-robin. A session is ready when a draft built on its committed length is waiting, when no live
 drafter is connected, or when it has waited ``draft_timeout_ms`` — the verifier never idles on a slow or dead
-drafter longer than that bound; it takes a plain autoregressive step instead (same output, only slower).
+drafter longer than that bound; it takes a plain autoregressive step instead (same output, only slower). A draft with
+``idle_rounds = n`` (the drafter's plan is k = 0) makes the session step alone, without waiting, for n rounds.
+
+At start-up the verifier measures its cost curve (forward time over 1..K new tokens, cached on disk) and sends it in
+the welcome; with ``threads: auto`` it verifies with every core when the drafter idles (k = 0 rounds, synchronous
+blocks, no drafter) and with its share while the drafter pre-drafts.
 """
 
 from __future__ import annotations
@@ -18,12 +23,18 @@ from typing import Any
 import torch
 import zmq
 
+from shared.costs import NodeProfile
 from shared.kv import CachedLM, KVRowsError
 from shared.models import (
+    ProfileSpec,
+    ThreadPlan,
     default_eos_ids,
     load_causal_lm,
     load_tokenizer,
     logits_vocab_size,
+    model_dtype,
+    profile_node,
+    profile_sizes,
     resolve_model,
     set_threads,
     tokenizer_id,
@@ -37,6 +48,8 @@ from verifier_node.session import RoundResult, Session
 log = logging.getLogger("pipespec.verifier")
 
 MAX_DRAFT_TOKENS = 64
+#: Longest run of rounds one draft may ask the verifier to take alone (``idle_rounds``).
+MAX_IDLE_ROUNDS = 1024
 HEARTBEAT_TIMEOUT_S = 3.0
 
 
@@ -63,6 +76,7 @@ class Drafter:
             raise ProtocolError("capabilities.needs_kv_layers must be a list of layer indices", code="unsupported")
         self.kv_layers: list[int] = layers
         self.last_seen = time.monotonic()
+        self.dtype: str | None = None  # the drafter's model dtype, from its profile (None: unknown / no model)
 
     def alive(self) -> bool:
         return time.monotonic() - self.last_seen < HEARTBEAT_TIMEOUT_S
@@ -75,10 +89,20 @@ class VerifierServer:
         self.draft_timeout = vcfg["draft_timeout_ms"] / 1000
         self.max_sessions = vcfg.get("max_sessions", 64)
         self.max_bytes = vcfg.get("max_message_bytes", 64 * 1024 * 1024)
-        set_threads(vcfg["threads"])
+        self.threads = ThreadPlan.for_node(config, "verifier")
+        set_threads(self.threads.share)
+        self._threads_now = self.threads.share
         path = resolve_model(vcfg["model"])
         self.tokenizer = tokenizer or load_tokenizer(path)
-        self.model = model or load_causal_lm(path, vcfg["device"], vcfg["dtype"], vcfg.get("max_memory"))
+        spec = ProfileSpec(self.threads.counts(), profile_sizes(config), float(vcfg["profile_s"]))
+        self.model = model or load_causal_lm(path, vcfg["device"], vcfg["dtype"], vcfg.get("max_memory"),
+                                             profile=spec)
+        self.dtype = model_dtype(self.model)
+        self.profile: NodeProfile | None = None
+        if spec.budget_s > 0:
+            self.profile = profile_node(self.model, vcfg["model"], vcfg["device"], spec, "verifier")
+        log.info("verifier: %s in %s, threads %d (share) / %d (full)", vcfg["model"], self.dtype, self.threads.share,
+                 self.threads.full)
         self.vocab_size = logits_vocab_size(self.model)
         self.tokenizer_id = tokenizer_id(self.tokenizer)
         self.default_eos = default_eos_ids(self.model, self.tokenizer)
@@ -163,7 +187,7 @@ class VerifierServer:
             sid = self.order[0]
             self.order.rotate(-1)
             s = self.sessions[sid]
-            if not s.prefilled or s.draft is not None or not live or not s.announced:
+            if not s.prefilled or s.draft is not None or not live or not s.announced or s.solo_left > 0:
                 return s
             if now - s.ready_since >= self.draft_timeout:
                 return s
@@ -212,10 +236,18 @@ class VerifierServer:
                     f"which this target ({self.model_name}, {type(self.model).__name__}) cannot provide: {exc}",
                     code="unsupported",
                 ) from None
+        profile = msg.get("profile")
+        if profile is not None:
+            try:
+                drafter.dtype = NodeProfile.from_dict(profile).dtype
+            except (ValueError, TypeError) as exc:
+                raise ProtocolError(f"hello: bad cost profile: {exc}") from None
         self.drafter = drafter
-        log.info("drafter connected: type=%s caps=%s", self.drafter.type, msg["capabilities"])
+        log.info("drafter connected: type=%s caps=%s dtype=%s", self.drafter.type, msg["capabilities"], drafter.dtype)
         self._send_drafter(encode("welcome", target=self.model_name, vocab_size=self.vocab_size,
-                                  want_q=self.ensemble_weight is not None))
+                                  want_q=self.ensemble_weight is not None,
+                                  profile=self.profile.to_dict() if self.profile else None,
+                                  threads={"share": self.threads.share, "full": self.threads.full}))
         for s in self.sessions.values():  # a (re)connected drafter learns every live session
             s.announced = False
             s.draft = None
@@ -274,7 +306,10 @@ class VerifierServer:
         q = self._dense_q(msg, len(tokens)) if s.params.do_sample or ensemble else None
         if ensemble and tokens and q is None:
             raise ProtocolError("ensemble verification needs q (q_idx/q_prob or q) with every draft")
-        s.draft = {"tokens": tokens, "q": q}
+        idle = msg.get("idle_rounds", 0)
+        if isinstance(idle, bool) or not isinstance(idle, int) or not 0 <= idle <= MAX_IDLE_ROUNDS or (idle and tokens):
+            raise ProtocolError(f"draft: idle_rounds must be an integer in [0, {MAX_IDLE_ROUNDS}], with no tokens")
+        s.draft = {"tokens": tokens, "q": q, "idle_rounds": idle, "overlap": msg.get("overlap") is not False}
         s.metrics.bytes_in += msg["_bytes"]
         s.metrics.message_s += msg["_decode_s"]
         sent_at = msg.get("sent_at")
@@ -400,18 +435,34 @@ class VerifierServer:
             if want_hidden or kv_layers:
                 self._announce(s, hidden, kv)
             return
-        draft = s.draft or {"tokens": [], "q": None}
+        draft = s.draft or {"tokens": [], "q": None, "idle_rounds": 0, "overlap": False}
         s.draft = None
+        if draft["idle_rounds"]:
+            s.solo_left = draft["idle_rounds"]
+        solo = s.solo_left > 0
+        s.solo_left = max(0, s.solo_left - 1)
+        # Every core while the drafter idles (k = 0, a synchronous block, no drafter); the share while it pre-drafts.
+        drafter_busy = draft["tokens"] and draft["overlap"] and self.drafter is not None and self.drafter.alive()
+        self._use_threads(self.threads.share if drafter_busy and not solo else self.threads.full)
         result = s.verify(draft["tokens"], draft["q"], want_hidden, kv_layers)
+        result.threads = self._threads_now
+        if solo:
+            s.metrics.solo_rounds += 1
         self._publish(s, result)
         if s.finished:
             self._finish(s, s.finished)
+
+    def _use_threads(self, count: int) -> None:
+        if count != self._threads_now:
+            set_threads(count)
+            self._threads_now = count
 
     def _publish(self, s: Session, r: RoundResult) -> None:
         t0 = time.monotonic()
         if s.announced and self.drafter is not None:
             frames = encode("commit", self._extras(s, r.hidden, r.kv), session=s.sid, base_len=r.base_len,
-                            tokens=r.tokens, new_len=len(s.tokens), drafted=r.drafted, accepted=r.accepted)
+                            tokens=r.tokens, new_len=len(s.tokens), drafted=r.drafted, accepted=r.accepted,
+                            verify_s=r.forward_s, threads=r.threads)
             s.metrics.bytes_out += sum(len(f) if isinstance(f, bytes) else f.nbytes for f in frames)
             self._send_drafter(frames)
         delta = s.text.push(r.tokens)
@@ -422,7 +473,8 @@ class VerifierServer:
     def _finish(self, s: Session, reason: str) -> None:
         text = self.tokenizer.decode(s.generated, skip_special_tokens=True)
         self.client_sock.send_multipart([s.client, *encode(
-            "done", request_id=s.request_id, token_ids=s.generated, text=text, metrics=s.summary(),
+            "done", request_id=s.request_id, token_ids=s.generated, text=text,
+            metrics=s.summary(verifier_dtype=self.dtype, drafter_dtype=self.drafter.dtype if self.drafter else None),
             finish_reason=reason,
         )])
         if s.announced:

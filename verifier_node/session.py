@@ -29,6 +29,8 @@ class RoundResult:
     drafted: int
     hidden: torch.Tensor | None  # last hidden states of the newly cached positions, when a drafter needs them
     kv: dict[str, torch.Tensor] | None = None  # K/V rows of the newly cached positions (``kv.{layer}``), when asked
+    forward_s: float = 0.0  # the target forward's time (a cost-curve sample of len(draft) + 1 tokens)
+    threads: int = 0  # torch threads it ran with
 
 
 @dataclass
@@ -39,7 +41,8 @@ class SessionMetrics:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     rounds: int = 0
-    fallback_rounds: int = 0  # rounds verified without a draft (none came in time, or none was proposed)
+    fallback_rounds: int = 0  # rounds verified without a draft (solo rounds included here; not in the summary's)
+    solo_rounds: int = 0  # rounds the drafter's plan gave to the verifier alone (k = 0)
     stale_drafts: int = 0
     per_position_accepted: list[int] = field(default_factory=list)
     per_position_drafted: list[int] = field(default_factory=list)
@@ -90,6 +93,7 @@ class Session:
         self.text = IncrementalText(tokenizer)
         self.metrics = SessionMetrics()
         self.announced = False  # the current drafter knows this session
+        self.solo_left = 0  # rounds still to take alone, without waiting for a draft (the drafter chose k = 0)
 
     @property
     def generated(self) -> list[int]:
@@ -124,7 +128,9 @@ class Session:
         draft = draft[: max(0, remaining - 1)]  # the round commits at most len(draft) + 1 tokens
         if q is not None:
             q = q[: len(draft)]
+        t_forward = time.monotonic()
         logits, hidden = self.lm.feed([self.tokens[-1], *draft], want_hidden=want_hidden)
+        forward_s = time.monotonic() - t_forward
         prefix = torch.tensor(self.tokens, dtype=torch.long)
         scores = process_block(
             logits, prefix, torch.tensor(draft, dtype=torch.long), self.params, base_len - self.prompt_len
@@ -148,7 +154,7 @@ class Session:
         self.ready_since = time.monotonic()
         if hidden is not None:
             hidden = hidden[: len(out)]
-        return RoundResult(base_len, out, accepted, len(draft), hidden, kv)
+        return RoundResult(base_len, out, accepted, len(draft), hidden, kv, forward_s)
 
     def _generator(self, base_len: int) -> torch.Generator:
         return make_generator(self.params.seed or 0, base_len, stream=0)
@@ -164,7 +170,7 @@ class Session:
             self.finished = "length"
         return out
 
-    def summary(self) -> dict:
+    def summary(self, verifier_dtype: str | None = None, drafter_dtype: str | None = None) -> dict:
         """Per-request metrics returned to the client."""
         m = self.metrics
         elapsed = max(time.monotonic() - self.started, 1e-9)
@@ -180,7 +186,11 @@ class Session:
             "acceptance_rate": m.accepted_tokens / m.draft_tokens if m.draft_tokens else 0.0,
             "mean_accepted_length": 1 + m.accepted_tokens / m.drafts if m.drafts else 1.0,
             "per_position_acceptance": [a / d for a, d in zip(m.per_position_accepted, m.per_position_drafted)],
-            "fallback_rounds": m.fallback_rounds,
+            "fallback_rounds": m.fallback_rounds - m.solo_rounds,
+            "solo_rounds": m.solo_rounds,
+            "plans": m.drafter_stats.get("plans", {}),
+            "verifier_dtype": verifier_dtype,
+            "drafter_dtype": drafter_dtype or m.drafter_stats.get("dtype"),
             "stale_drafts": m.stale_drafts,
             "tokens_per_second": new / elapsed,
             "elapsed_s": elapsed,

@@ -1,0 +1,220 @@
+"""The speed model behind the ``cost`` draft schedule: expected committed tokens per second of each way to run a
+round, from measured cost curves, per-position acceptance and the measured round-trip overhead.
+
+A round is one verification. The planner compares, for every block length k and pre-draft plan:
+
+* **solo** (k = 0): no drafting; the verifier steps alone with every core (``threads: auto``), without waiting
+  for the drafter: ``rate = 1 / V_full(1)``.
+* **sync k**: draft k tokens (one forward each), then verify them; the two nodes alternate, so each may use every
+  core: ``rate = E(k) / (k·D_full(1) + V_full(k+1) + o)``.
+* **overlap k, R rows**: while block k is verified (on the cores the drafter leaves), the drafter guesses the
+  verifier's token for R of the k + 1 outcomes and extends those R rows k tokens deep, one forward of R tokens per
+  step. With h the probability that the commit hits a pre-drafted row,
+  ``T = max(V_share(k+1) + o, D_share(1) + k·D_share(R)) + (1 − h)·k·D_share(1)`` and ``rate = E(k) / T``.
+
+E(k) = Σ_{j=0..k} Π_{i<j} α_i (expected tokens per round: accepted drafts + the verifier's own token), with α_i the
+decaying per-position acceptance. h = Σ over the R most likely outcomes of P(outcome) · g, where P(outcome r) is the
+probability that exactly r drafts are accepted and g the measured accuracy of the drafter's guess for the verifier's
+token in that outcome (its top-1 after a full block, its next-best token at a rejection).
+
+V and D are the cost curves of the verifier and the drafter (seconds per forward over n new tokens), measured at
+start-up and refined from the rounds that run; ``o`` is the round trip minus the verifier's forward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+#: Decay of older acceptance evidence per observed block, so α follows the text being written.
+DECAY = 0.95
+#: Prior pseudo-observations per position: a mildly optimistic start (α = 0.6) so drafting is tried.
+PRIOR_N, PRIOR_ALPHA = 2.0, 0.6
+
+
+@dataclass
+class Plan:
+    """What one round does."""
+
+    k: int  # block length; 0: no drafting, the verifier steps alone
+    overlap: bool  # pre-draft the outcomes while the block is verified
+    rows: int  # outcome rows pre-drafted (0: none; 1 with a single-chain drafter: the all-accepted outcome)
+    rate: float  # expected committed tokens per second
+    hit: float = 0.0  # expected probability that the commit finds its next block pre-drafted
+
+    @property
+    def solo(self) -> bool:
+        return self.k == 0
+
+
+class Beta:
+    """A decaying success rate with a prior."""
+
+    def __init__(self, prior: float, weight: float = PRIOR_N):
+        self.successes, self.trials = prior * weight, weight
+
+    def observe(self, success: bool, decay: float = DECAY) -> None:
+        self.successes = decay * self.successes + float(success)
+        self.trials = decay * self.trials + 1.0
+
+    @property
+    def value(self) -> float:
+        return self.successes / self.trials
+
+    def shrink(self, weight: float) -> None:
+        """Keep the estimate but at most ``weight`` observations of evidence, so the next ones move it quickly."""
+        if self.trials > weight:
+            scale = weight / self.trials
+            self.successes, self.trials = self.successes * scale, weight
+
+
+class Acceptance:
+    """Per-position acceptance α_i = P(draft i accepted | drafts before it accepted), decaying."""
+
+    def __init__(self, max_k: int):
+        self.positions = [Beta(PRIOR_ALPHA) for _ in range(max(1, max_k))]
+        self.bonus_guess = Beta(0.8)  # the drafter's top-1 after a fully accepted block is the verifier's bonus
+        self.correction_guess = Beta(0.3)  # the drafter's next-best token at a rejection is the verifier's token
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        for i in range(min(drafted, len(self.positions))):
+            if i > accepted:
+                break  # positions after the first rejection were not tested
+            self.positions[i].observe(i < accepted)
+
+    def shrink(self, weight: float = PRIOR_N + 1) -> None:
+        """Before a run of k = 0 rounds: the rare probe blocks that follow must be able to bring drafting back."""
+        for beta in self.positions:
+            beta.shrink(weight)
+
+    def alpha(self, i: int) -> float:
+        return self.positions[min(i, len(self.positions) - 1)].value
+
+    def survival(self, k: int) -> list[float]:
+        """s[j] = P(the first j drafts are all accepted), j = 0..k."""
+        s = [1.0]
+        for i in range(k):
+            s.append(s[-1] * self.alpha(i))
+        return s
+
+    def expected_tokens(self, k: int) -> float:
+        return sum(self.survival(k))
+
+    def outcome_hits(self, k: int) -> list[float]:
+        """P(outcome r) · P(the drafter guessed its verifier token), r = 0..k, most likely first."""
+        s = self.survival(k)
+        hits = [s[r] * (1 - self.alpha(r)) * self.correction_guess.value for r in range(k)]
+        hits.append(s[k] * self.bonus_guess.value)
+        return sorted(hits, reverse=True)
+
+
+Curve = Callable[[int], float]  # seconds per forward over n new tokens
+
+
+@dataclass
+class Costs:
+    """What a plan costs: the verifier's and drafter's forward time when they share the cores (overlap) and when
+    each has them all (the other idles), and the round trip beyond the verifier's forward."""
+
+    verify_share: Curve
+    verify_full: Curve
+    draft_share: Curve
+    draft_full: Curve
+    overhead_s: float = 0.0
+
+
+def plans(acc: Acceptance, costs: Costs, max_k: int, rows_ok: bool, allow_solo: bool = True,
+          allow_sync: bool = True, allow_overlap: bool = True) -> list[Plan]:
+    """Every candidate plan with its expected rate. ``rows_ok``: the drafter can pre-draft several outcome rows
+    (otherwise overlap extends the single all-accepted chain: one row)."""
+    out: list[Plan] = []
+    o = max(0.0, costs.overhead_s)
+    if allow_solo:  # the verifier steps at once: no round trip to the drafter
+        out.append(Plan(0, False, 0, 1.0 / max(costs.verify_full(1), 1e-9)))
+    d1_full, d1_share = costs.draft_full(1), costs.draft_share(1)
+    for k in range(1, max_k + 1):
+        e = acc.expected_tokens(k)
+        if allow_sync:
+            t = k * d1_full + costs.verify_full(k + 1) + o
+            out.append(Plan(k, False, 0, e / max(t, 1e-9)))
+        if allow_overlap:
+            tv = costs.verify_share(k + 1) + o
+            hits = acc.outcome_hits(k)
+            if not rows_ok:
+                hits = [acc.survival(k)[k] * acc.bonus_guess.value]
+            h = 0.0
+            for rows in range(1, len(hits) + 1):
+                h += hits[rows - 1]
+                td = d1_share + k * costs.draft_share(rows)
+                t = max(tv, td) + (1 - h) * k * d1_share
+                out.append(Plan(k, True, rows, e / max(t, 1e-9), hit=h))
+    return out
+
+
+def best_plan(acc: Acceptance, costs: Costs, max_k: int, rows_ok: bool, **allowed: bool) -> Plan:
+    return max(plans(acc, costs, max_k, rows_ok, **allowed), key=lambda p: p.rate)
+
+
+class CostBook:
+    """A node's view of both sides' cost curves (``shared.costs.CostCurve``), shared by its sessions and refined by
+    every round they run. ``share``: the curve at the thread count a node uses while the other node works too;
+    ``full``: while the other node idles (the same curve when ``threads`` is a fixed number)."""
+
+    def __init__(self) -> None:
+        self.verify: dict[str, object] = {}
+        self.draft: dict[str, object] = {}
+        self.verify_threads = {"share": 0, "full": 0}
+        self.draft_threads = {"share": 0, "full": 0}
+        self.overhead_s: float | None = None
+
+    @staticmethod
+    def _pick(profile, threads: dict[str, int]) -> dict[str, object]:
+        return {role: profile.curve(count) for role, count in threads.items()}
+
+    def set_verifier(self, profile, share: int, full: int) -> None:
+        self.verify_threads = {"share": share, "full": full}
+        self.verify = self._pick(profile, self.verify_threads)
+
+    def set_drafter(self, profile, share: int, full: int) -> None:
+        self.draft_threads = {"share": share, "full": full}
+        if profile is not None:
+            self.draft = self._pick(profile, self.draft_threads)
+
+    @property
+    def ready(self) -> bool:
+        return bool(self.verify) and bool(self.draft)
+
+    def _observe(self, curves: dict[str, object], threads: dict[str, int], n: int, seconds: float, used: int,
+                 context: int) -> None:
+        from shared.costs import CostCurve
+
+        role = "full" if used and used == threads["full"] and threads["full"] != threads["share"] else "share"
+        curve = curves.get(role)
+        if curve is None:  # no profile for this side: learn the curve from the rounds alone
+            curve = CostCurve(sizes=[n], seconds=[seconds], prefix_len=context)
+            curves[role] = curve
+            if threads["full"] == threads["share"]:
+                curves["full" if role == "share" else "share"] = curve
+            return
+        curve.observe(n, seconds, context)
+
+    def observe_verify(self, n: int, seconds: float, threads: int, context: int) -> None:
+        self._observe(self.verify, self.verify_threads, n, seconds, threads, context)
+
+    def observe_draft(self, rows: int, seconds: float, threads: int, context: int) -> None:
+        self._observe(self.draft, self.draft_threads, rows, seconds, threads, context)
+
+    def observe_overhead(self, seconds: float) -> None:
+        """Round trip (block sent → commit received) minus the verifier's forward: transit, queueing, decoding."""
+        seconds = max(0.0, seconds)
+        self.overhead_s = seconds if self.overhead_s is None else 0.8 * self.overhead_s + 0.2 * seconds
+
+    def costs(self, context: int) -> Costs:
+        def at(curve) -> Curve:
+            return lambda n: curve.cost(n, context)
+
+        vs = self.verify.get("share") or self.verify.get("full")
+        vf = self.verify.get("full") or vs
+        ds = self.draft.get("share") or self.draft.get("full")
+        df = self.draft.get("full") or ds
+        return Costs(at(vs), at(vf), at(ds), at(df), self.overhead_s or 0.0)

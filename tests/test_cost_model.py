@@ -1,0 +1,125 @@
+"""The cost model and the ``cost`` schedule: plans from cost curves and acceptance, k = 0 with probes."""
+
+from __future__ import annotations
+
+from drafter_node.cost_model import Acceptance, CostBook, Costs, best_plan, plans
+from drafter_node.schedule import SOLO_ROUNDS_MIN, CostSchedule
+from shared.costs import CostCurve, NodeProfile
+
+
+def curve(points: dict[int, float]) -> CostCurve:
+    sizes = sorted(points)
+    return CostCurve(sizes=sizes, seconds=[points[n] for n in sizes], prefix_len=64)
+
+
+def flat(seconds: float) -> CostCurve:
+    return curve({1: seconds, 16: seconds})
+
+
+def linear(per_token: float) -> CostCurve:
+    return curve({1: per_token, 16: 16 * per_token})
+
+
+def accepting(alpha: float, max_k: int = 8, n: int = 200) -> Acceptance:
+    acc = Acceptance(max_k)
+    for i in range(n):
+        # a stream of blocks of 8 whose acceptance per position is about alpha
+        accepted = 0
+        while accepted < 8 and ((i * 7919 + accepted * 104729) % 1000) / 1000 < alpha:
+            accepted += 1
+        acc.observe(8, accepted)
+    return acc
+
+
+def costs(verify: CostCurve, draft: CostCurve, verify_full: CostCurve | None = None,
+          draft_full: CostCurve | None = None, overhead: float = 0.001) -> Costs:
+    vf, df = verify_full or verify, draft_full or draft
+    return Costs(verify.cost, vf.cost, draft.cost, df.cost, overhead)
+
+
+def test_acceptance_follows_observations_per_position():
+    acc = Acceptance(4)
+    for _ in range(100):
+        acc.observe(4, 2)  # positions 0 and 1 accepted, 2 rejected, 3 never tested
+    assert acc.alpha(0) > 0.95 and acc.alpha(1) > 0.95 and acc.alpha(2) < 0.05
+    assert abs(acc.alpha(3) - 0.6) < 1e-9  # the prior: position 3 was never reached
+    assert abs(acc.expected_tokens(2) - (1 + acc.alpha(0) + acc.alpha(0) * acc.alpha(1))) < 1e-12
+
+
+def test_flat_costs_and_good_acceptance_draft_and_overlap():
+    # An AMX/GPU-like target (verifying 8 tokens costs what 1 does) and a cheap drafter: long overlapped blocks.
+    p = best_plan(accepting(0.9), costs(flat(0.4), linear(0.04)), 8, rows_ok=True)
+    assert p.k >= 4 and p.overlap and p.rows >= 1
+    assert p.rate > 1 / 0.4 * 2
+
+
+def test_no_drafting_when_acceptance_is_near_zero():
+    p = best_plan(accepting(0.01), costs(linear(0.4), linear(0.1)), 8, rows_ok=True)
+    assert p.solo and p.k == 0
+
+
+def test_linear_verify_cost_makes_speculation_lose_to_solo_with_all_cores():
+    # bf16 emulated: verifying k + 1 tokens costs (k + 1)× one; all cores halve the cost of one token.
+    share, full = linear(0.4), linear(0.22)
+    p = best_plan(accepting(0.8), costs(share, linear(0.15), full, linear(0.09)), 8, rows_ok=True)
+    assert p.solo
+    assert abs(p.rate - 1 / 0.22) < 1e-6
+
+
+def test_rows_are_pruned_when_each_row_costs_a_row():
+    # Batched rows cost linearly (CPU): pre-drafting all k + 1 rows is not worth it; fewer rows are planned.
+    cands = [c for c in plans(accepting(0.85), costs(flat(1.0), linear(0.15)), 6, rows_ok=True) if c.overlap]
+    best = max(cands, key=lambda c: c.rate)
+    assert 1 <= best.rows < best.k + 1
+    # ... and with rows that are free, every row is worth it
+    free = max((c for c in plans(accepting(0.85), costs(flat(1.0), flat(0.15)), 6, rows_ok=True) if c.overlap),
+               key=lambda c: c.rate)
+    assert free.rows == free.k + 1
+
+
+def test_single_chain_drafters_plan_one_row():
+    assert all(c.rows <= 1 for c in plans(accepting(0.8), costs(flat(0.4), linear(0.04)), 6, rows_ok=False))
+
+
+def profile(points: dict[int, float], threads: int = 1) -> NodeProfile:
+    return NodeProfile(model="m", device="cpu", dtype="float32", curves={threads: curve(points)})
+
+
+def test_cost_schedule_goes_solo_then_probes_and_returns():
+    book = CostBook()
+    book.set_verifier(profile({1: 0.4, 9: 0.8}), 1, 1)
+    book.set_drafter(profile({1: 0.15, 9: 1.35}), 1, 1)
+    s = CostSchedule(4, 8, book, context=lambda: 100, overlap=True)
+    for _ in range(30):
+        s.update(4, 0)  # nothing accepted
+    assert s.k == 0 and s.solo_rounds == SOLO_ROUNDS_MIN
+    for _ in range(SOLO_ROUNDS_MIN):
+        assert s.k == 0
+        s.update(0, 0)  # the verifier's solo rounds
+    assert s.probing and s.k >= 1 and not s.overlap_now  # a synchronous probe block
+    s.update(s.k, 0)  # the probe failed: solo again, probing half as often
+    assert s.k == 0 and s.solo_rounds == 2 * SOLO_ROUNDS_MIN
+    for _ in range(2 * SOLO_ROUNDS_MIN):
+        s.update(0, 0)
+    for _ in range(40):  # acceptance recovers: probes succeed, drafting comes back
+        if s.k == 0:
+            s.update(0, 0)
+        else:
+            s.update(s.k, s.k)
+    assert s.k >= 1
+
+
+def test_cost_schedule_without_curves_keeps_the_configured_k():
+    s = CostSchedule(5, 8, CostBook(), context=lambda: 10)
+    s.update(5, 1)
+    assert s.k == 5 and s.overlap_now
+
+
+def test_cost_book_learns_a_missing_curve_from_rounds():
+    book = CostBook()
+    book.set_verifier(profile({1: 0.4, 9: 0.5}), 1, 1)
+    book.set_drafter(None, 1, 1)
+    assert not book.ready
+    book.observe_draft(1, 0.1, 1, 50)
+    assert book.ready
+    assert abs(book.costs(50).draft_share(1) - 0.1) < 1e-9
