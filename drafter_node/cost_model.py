@@ -23,6 +23,7 @@ start-up and refined from the rounds that run; ``o`` is the round trip minus the
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -160,12 +161,30 @@ class CostBook:
     every round they run. ``share``: the curve at the thread count a node uses while the other node works too;
     ``full``: while the other node idles (the same curve when ``threads`` is a fixed number)."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_k: int = 16) -> None:
+        self.acceptance = Acceptance(max_k)  # across sessions: where a new session's estimate starts
+        self.frozen = False  # fixed curves (tests): rounds do not refine them
         self.verify: dict[str, object] = {}
         self.draft: dict[str, object] = {}
         self.verify_threads = {"share": 0, "full": 0}
         self.draft_threads = {"share": 0, "full": 0}
         self.overhead_s: float | None = None
+
+    def session_acceptance(self) -> Acceptance:
+        """A new session's acceptance estimate: the node's so far, with little weight, so the session's own text
+        takes over within a few blocks."""
+        acc = copy.deepcopy(self.acceptance)
+        acc.shrink()
+        for beta in (acc.bonus_guess, acc.correction_guess):
+            beta.shrink(PRIOR_N + 1)
+        return acc
+
+    def fix_curves(self, verify, draft, overhead_s: float = 0.0) -> None:
+        """Use these curves for both thread counts and never refine them (deterministic plans in tests)."""
+        self.verify = {"share": verify, "full": verify}
+        self.draft = {"share": draft, "full": draft}
+        self.overhead_s = overhead_s
+        self.frozen = True
 
     @staticmethod
     def _pick(profile, threads: dict[str, int]) -> dict[str, object]:
@@ -188,6 +207,8 @@ class CostBook:
                  context: int) -> None:
         from shared.costs import CostCurve
 
+        if self.frozen:
+            return
         role = "full" if used and used == threads["full"] and threads["full"] != threads["share"] else "share"
         curve = curves.get(role)
         if curve is None:  # no profile for this side: learn the curve from the rounds alone
@@ -206,6 +227,8 @@ class CostBook:
 
     def observe_overhead(self, seconds: float) -> None:
         """Round trip (block sent → commit received) minus the verifier's forward: transit, queueing, decoding."""
+        if self.frozen:
+            return
         seconds = max(0.0, seconds)
         self.overhead_s = seconds if self.overhead_s is None else 0.8 * self.overhead_s + 0.2 * seconds
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from drafter_node.cost_model import Acceptance, CostBook, Plan, best_plan
+from drafter_node.cost_model import CostBook, Plan, best_plan
 
 SCHEDULES = ("cost", "pipeline", "adaptive", "heuristic", "constant")
 
@@ -127,7 +127,7 @@ class CostSchedule(DraftLengthSchedule):
         self.book = book
         self.context = context
         self.rows_ok = rows_ok
-        self.acc = Acceptance(max_k)
+        self.acc = book.session_acceptance()
         self.plan = Plan(min(k, max_k), overlap, (min(k, max_k) + 1) if rows_ok else 1, 0.0)
         self.solo_left = 0  # verifier rounds still to be taken alone
         self.solo_span = SOLO_ROUNDS_MIN
@@ -147,7 +147,8 @@ class CostSchedule(DraftLengthSchedule):
         return max(1, self.k)
 
     def observe_guess(self, bonus: bool, correct: bool) -> None:
-        (self.acc.bonus_guess if bonus else self.acc.correction_guess).observe(correct)
+        for acc in (self.acc, self.book.acceptance):
+            (acc.bonus_guess if bonus else acc.correction_guess).observe(correct)
 
     def update(self, drafted: int, accepted: int) -> None:
         if self.solo_left > 0:
@@ -160,6 +161,7 @@ class CostSchedule(DraftLengthSchedule):
             self.solo_left = 0  # a block was verified after all (e.g. the verifier restarted): plan afresh
         if drafted:
             self.acc.observe(drafted, accepted)
+            self.book.acceptance.observe(drafted, accepted)
         was_probe, self.probing = self.probing, False
         self.replan(was_probe=was_probe)
 
