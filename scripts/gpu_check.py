@@ -27,6 +27,10 @@ On the GPU machine (pyzmq is usually missing there; torch, transformers, msgpack
     # there (carry the wheels folder with the tree)
     PYTHONUNBUFFERED=1 python3 scripts/gpu_check.py --install-wheels wheels --out $OUT
 
+The first row (``pre``) checks that this transformers takes the forward's ``cache=`` argument that ``CachedLM``
+passes (older 5.x releases, e.g. 5.17, ignore it and forget the prefix); if it fails the run stops there: add
+``transformers==VERSION`` (the version this tree is tested with; pure Python, ~14 MB) to the download line above.
+
 ``--device cpu --quick`` runs everything with tiny models and half the identity clusters (a CPU smoke); ``--smoke``
 is smaller still (the test).
 """
@@ -263,21 +267,33 @@ def hf_generate(model, prompt: list[int], max_new_tokens: int, device: str, assi
     return out[0, len(prompt):].tolist()
 
 
-def cached_forward_ok(model, device: str) -> tuple[bool, float]:
-    """Does ``CachedLM`` (the forward's ``cache=`` argument) give the logits of a full forward? An older
-    transformers that does not know ``cache=`` would ignore it and forget the prefix."""
+def preflight(device: str, tm, report: Report) -> bool:
+    """Does ``CachedLM`` (the forward's ``cache=`` argument, transformers ≥ 5.2x) give a full forward's logits? An
+    older transformers ignores the argument and forgets the prefix: then nothing after this is meaningful."""
     import torch
+    from transformers import AutoModelForCausalLM
 
     from shared.kv import CachedLM
 
     ids = [5, 17, 33, 2, 60, 9, 8]
-    lm = CachedLM(model)
-    lm.feed(ids[:-2])
-    cached = lm.feed(ids[-2:])[0]
-    with torch.inference_mode():
-        full = model(input_ids=torch.tensor([ids], device=device)).logits[0, -2:].float()
-    err = float((cached - full).abs().max())
-    return err < 1e-3, err
+    try:
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(tm.model_config("llama", 160), dtype=torch.float32).to(device).eval()
+        lm = CachedLM(model)
+        lm.feed(ids[:-2])
+        cached = lm.feed(ids[-2:])[0]
+        with torch.inference_mode():
+            full = model(input_ids=torch.tensor([ids], device=device)).logits[0, -2:].float()
+        err = float((cached - full).abs().max())
+        ok, detail = err < 1e-3, f"largest logit difference {err:.2e} (tiny llama, float32)"
+    except Exception as exc:
+        ok, detail = False, f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+    if not ok:
+        detail += (f"; transformers {importlib.metadata.version('transformers')} does not take the forward's cache= "
+                   "argument: carry a newer transformers wheel (the version this tree is tested with) and rerun")
+        report.failed.append("preflight: the cached forward differs from a full forward")
+    report.row("pre", "cached forward = full forward", "ok" if ok else "FAIL", detail)
+    return ok
 
 
 # ---------------------------------------------------------------------------------------------- a: identity
@@ -322,13 +338,6 @@ def part_identity(plan: Plan, device: str, tmp: Path, tm, guard: Guard, report: 
                 report.skip("a", f"{arch} {dtype}", guard)
                 continue
             model = load_on(target, device, dtype)
-            if arch == plan.archs[0] and dtype == "float32":
-                ok, err = cached_forward_ok(model, device)
-                report.row("pre", "cached forward = full forward", "ok" if ok else "FAIL",
-                           f"largest logit difference {err:.2e} ({arch}, float32)" + ("" if ok else
-                           "; this transformers ignores the forward's cache= argument: carry a newer wheel"))
-                if not ok:
-                    report.failed.append("cached forward differs from the full forward")
             expected = [hf_generate(model, p, n, device) for p in prompts]
             del model
             for name in plan.drafters(i, j):
@@ -376,7 +385,7 @@ def part_identity(plan: Plan, device: str, tmp: Path, tm, guard: Guard, report: 
             continue
         matched, total = sum(r["matches"] for r in rows), sum(r["prompts"] for r in rows)
         report.row("a", f"{dtype}: all cases", f"{matched}/{total} prompts match",
-                   f"{len(rows)} clusters × {len(prompts)} prompts × {n} tokens vs transformers generate")
+                   f"{len(rows)} cluster(s) × {len(prompts)} prompts × {n} tokens vs transformers generate")
         if dtype == "float32" and matched != total:
             report.failed.append(f"float32 greedy identity: {matched}/{total}")
 
@@ -612,9 +621,11 @@ def main(argv: list[str] | None = None) -> int:
     missing = missing_imports()
     if missing:
         print("gpu_check: missing Python packages: " + "; ".join(missing) + "\n"
-              "Carry them as wheels in the tree: here `python3 -m pip download --no-deps --only-binary=:all: "
-              "--python-version X.Y --implementation cp --platform manylinux_2_17_x86_64 -d wheels pyzmq msgpack` "
-              "(X.Y = that machine's Python), there `python3 scripts/gpu_check.py --install-wheels wheels ...`.",
+              "Carry them as wheels in the tree: on a machine with pip access `python3 -m pip download --no-deps "
+              "--only-binary=:all: --python-version X.Y --implementation cp --platform manylinux_2_28_x86_64 "
+              "--platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d wheels pyzmq msgpack` "
+              f"(X.Y = this machine's Python, {platform.python_version()}), here "
+              "`python3 scripts/gpu_check.py --install-wheels wheels ...` (see the script's docstring).",
               file=sys.stderr)
         return 2
     sys.path.insert(0, str(REPO_ROOT))
@@ -642,12 +653,13 @@ def main(argv: list[str] | None = None) -> int:
     tm = load_tiny_models()
     report = Report()
     with tempfile.TemporaryDirectory(prefix="pipespec-gpu-check-") as tmp:
-        try:
-            part_identity(plan, device, Path(tmp), tm, guard, report, parallel)
-        except Exception as exc:
-            report.error("a", "greedy identity", exc)
-        free_memory(device)
-        part_models(plan, device, Path(tmp), tm, guard, report)
+        if preflight(device, tm, report):
+            try:
+                part_identity(plan, device, Path(tmp), tm, guard, report, parallel)
+            except Exception as exc:
+                report.error("a", "greedy identity", exc)
+            free_memory(device)
+            part_models(plan, device, Path(tmp), tm, guard, report)
     meta["elapsed_s"] = guard.elapsed()
     notes = []
     if guard.skipped:
