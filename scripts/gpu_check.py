@@ -18,18 +18,19 @@ Everything is built on the spot (no downloads, no real weights) and the run prin
 
 A time guard skips what is left, with a note, once ``--budget`` seconds have passed (checked before every step).
 
-On the GPU machine (pyzmq is usually missing there; torch, transformers, msgpack and pyyaml are not)::
+On the GPU machine pyzmq is missing and transformers is too old (the lent H200s have 5.17, which ignores the
+forward's ``cache=`` argument that ``shared.kv.CachedLM`` passes); torch, msgpack and pyyaml are there. Carry
+wheels (~15 MB; ``wheels/`` is git-ignored, so name it in the run's carry list)::
 
-    # here: wheels for the GPU machine's Python (3.12 on the lent H200s), kept out of git by .gitignore
+    # here: wheels for the GPU machine's Python (3.12 on the lent H200s); transformers = the version tested here
     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \\
         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \\
-        -d wheels pyzmq msgpack
-    # there (carry the wheels folder with the tree)
+        -d wheels pyzmq msgpack transformers==5.24.0
+    # there
     PYTHONUNBUFFERED=1 python3 scripts/gpu_check.py --install-wheels wheels --out $OUT
 
-The first row (``pre``) checks that this transformers takes the forward's ``cache=`` argument that ``CachedLM``
-passes (older 5.x releases, e.g. 5.17, ignore it and forget the prefix); if it fails the run stops there: add
-``transformers==VERSION`` (the version this tree is tested with; pure Python, ~14 MB) to the download line above.
+The first row (``pre``) checks that the cached forward gives a full forward's logits; if it does not, the run stops
+there (exit 1) with that advice.
 
 ``--device cpu --quick`` runs everything with tiny models and half the identity clusters (a CPU smoke); ``--smoke``
 is smaller still (the test).
