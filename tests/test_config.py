@@ -56,10 +56,10 @@ def _no_downloads(monkeypatch):
 
 
 def test_bundled_configs_exist():
-    assert {"cpu.yaml", "multi_node.yaml", "two_gpu.yaml"} <= set(BUNDLED)
+    assert {"cpu.yaml", "gpu.yaml", "multi_node.yaml", "two_gpu.yaml"} <= set(BUNDLED)
 
 
-GPU_CONFIGS = {"two_gpu.yaml", "mtp.yaml"}  # refused on a machine without GPUs (tested below)
+GPU_CONFIGS = {"gpu.yaml", "two_gpu.yaml", "mtp.yaml"}  # refused on a machine without GPUs (tested below)
 
 
 @pytest.mark.parametrize("name", [n for n in BUNDLED if n not in GPU_CONFIGS])
@@ -88,6 +88,15 @@ def test_two_gpu_config_needs_two_gpus():
     message = _config_error("two_gpu.yaml")
     assert ("verifier.device" if gpus == 0 else "drafter.device") in message
     assert "cpu.yaml" in message
+
+
+def test_gpu_config_puts_both_nodes_on_the_first_gpu():
+    if torch.cuda.device_count() >= 1:
+        config = load_config("gpu.yaml")
+        assert config["verifier"]["device"] == config["drafter"]["device"] == "cuda:0"
+        return
+    message = _config_error("gpu.yaml")
+    assert "verifier.device" in message and "cpu.yaml" in message
 
 
 def test_mtp_config_reads_the_targets_own_checkpoint():
