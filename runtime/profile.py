@@ -28,6 +28,7 @@ from shared.costs import (
     load_or_measure,
     profile_cache_dir,
     resolve_auto_dtype,
+    verify_score,
 )
 from shared.models import ModelLoadError, ThreadPlan, load_causal_lm, profile_sizes, resolve_model
 from shared.registry import RegistryError
@@ -111,7 +112,8 @@ def profile_node(node: Node, budget_s: float, fresh: bool) -> NodeProfile:
 
     if node.dtype == "auto":
         model, profile = resolve_auto_dtype(load, node.path, node.device, node.threads, node.sizes, budget_s,
-                                            _progress, variant=node.variant, fresh=fresh)
+                                            _progress, variant=node.variant, fresh=fresh,
+                                            score=verify_score if node.role == "verifier" else None)
     else:
         model = load(node.dtype)
         profile = load_or_measure(model, node.path, node.device, node.dtype, node.threads, node.sizes, budget_s,
@@ -153,7 +155,9 @@ def format_table(results: list[tuple[Node, NodeProfile]], skipped: str | None, f
     for node, profile in results:
         if node.dtype == "auto":
             scores = ", ".join(f"{d} {s * 1e3:.1f} ms" for d, s in profile.candidates.items())
-            out.append(f"{node.role} dtype auto → {profile.dtype} (geometric mean per forward: {scores})")
+            measure = ("seconds per committed token at its best block size, α 0.7" if node.role == "verifier"
+                       else "geometric mean per forward")
+            out.append(f"{node.role} dtype auto → {profile.dtype} ({measure}: {scores})")
         else:
             out.append(f"{node.role} dtype {profile.dtype} (explicit)")
     if skipped:

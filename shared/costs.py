@@ -294,6 +294,26 @@ def profile_score(profile: NodeProfile, sizes: list[int]) -> float:
     return math.exp(sum(logs) / len(logs))
 
 
+#: Acceptance assumed by :func:`verify_score` before any drafter is known.
+VERIFY_SCORE_ALPHA = 0.7
+
+
+def verify_score(profile: NodeProfile, sizes: list[int]) -> float:
+    """Seconds per committed token of a verifier at its best (thread count, block size), with a free drafter whose
+    drafts are accepted with probability VERIFY_SCORE_ALPHA: min over n of cost(n) / E(n − 1), with
+    E(k) = (1 − α^(k+1)) / (1 − α). What ``dtype: auto`` compares for a verifier, whose speed is one of those
+    shapes (k = 0 with every core when drafting does not pay), not their mean."""
+    a = VERIFY_SCORE_ALPHA
+    best = math.inf
+    for curve in profile.curves.values():
+        for n in sizes:
+            if n >= 1:
+                best = min(best, curve.cost(n) * (1 - a) / (1 - a**n))
+    if best == math.inf:
+        raise ValueError("verify_score: no sizes to score")
+    return best
+
+
 # ------------------------------------------------------------------------------------------ hardware
 
 
@@ -620,19 +640,22 @@ def _free(model: Any) -> None:
 
 def resolve_auto_dtype(load: Callable[[str], Any], model_path: str, device: str, threads: list[int],
                        sizes: list[int], budget_s: float = 20.0, progress: ProgressFn | None = None, *,
-                       variant: str = "", fresh: bool = False) -> tuple[Any, NodeProfile]:
+                       variant: str = "", fresh: bool = False,
+                       score: Callable[[NodeProfile, list[int]], float] | None = None) -> tuple[Any, NodeProfile]:
     """``dtype: auto``: pick the dtype for this node and return ``(model loaded in it, its profile)``.
 
     ``load(dtype_name)`` loads the model. A GPU takes bfloat16 where supported, else float16 (MPS: float16). A CPU
-    measures float32 and bfloat16 (half the budget each) and keeps the one with the lower :func:`profile_score`;
+    measures float32 and bfloat16 (half the budget each) and keeps the one with the lower ``score`` (default
+    :func:`profile_score`; a verifier passes :func:`verify_score`);
     both profiles are cached, so a later start looks both up and loads only the winner. At most one candidate is
     in memory at a time. ``profile.candidates`` holds the scores."""
+    score = score or profile_score
     gpu_dtype = _auto_gpu_dtype(device)
     if gpu_dtype is not None:
         model = load(gpu_dtype)
         profile = load_or_measure(model, model_path, device, gpu_dtype, threads, sizes, budget_s, progress,
                                   variant=variant, fresh=fresh)
-        profile.candidates = {gpu_dtype: profile_score(profile, sizes)}
+        profile.candidates = {gpu_dtype: score(profile, sizes)}
         return model, profile
 
     profiles: dict[str, NodeProfile | None] = {}
@@ -659,7 +682,7 @@ def resolve_auto_dtype(load: Callable[[str], Any], model_path: str, device: str,
                                           variant=variant, fresh=fresh)
         held = (dtype, model)
         del model
-    scores = {dtype: profile_score(p, sizes) for dtype, p in profiles.items() if p is not None}
+    scores = {dtype: score(p, sizes) for dtype, p in profiles.items() if p is not None}
     winner = min(scores, key=lambda d: (scores[d], d != "bfloat16"))  # a tie goes to the smaller footprint
     if held is not None and held[0] == winner:
         model = held[1]
@@ -673,5 +696,5 @@ def resolve_auto_dtype(load: Callable[[str], Any], model_path: str, device: str,
     profile.candidates = scores
     if progress:
         listed = ", ".join(f"{d} {s * 1e3:.1f} ms" for d, s in scores.items())
-        progress(f"dtype auto for {Path(model_path).name}: {winner} (geometric mean per forward: {listed})")
+        progress(f"dtype auto for {Path(model_path).name}: {winner} (score {listed})")
     return model, profile

@@ -37,6 +37,7 @@ class ProfileSpec:
     sizes: list[int]
     budget_s: float
     variant: str = ""  # tells apart models built differently from one checkpoint (early_exit: the cut target)
+    role: str = "drafter"  # verifier: dtype auto compares seconds per committed token (costs.verify_score)
 
 
 @dataclass
@@ -150,14 +151,16 @@ def load_causal_lm(
     on a GPU, it takes :func:`heuristic_dtype`. The choice is logged."""
     if dtype == AUTO:
         if profile is not None and profile.budget_s > 0 and device == "cpu":
-            from shared.costs import resolve_auto_dtype
+            from shared.costs import resolve_auto_dtype, verify_score
+
+            verifier = profile.role == "verifier"
 
             def load(name: str):
                 return load_causal_lm(path, device, name, max_memory, config)
 
             model, prof = resolve_auto_dtype(load, path, device, profile.threads, profile.sizes, profile.budget_s,
                                              progress=lambda line: log.info("dtype auto: %s", line),
-                                             variant=profile.variant)
+                                             variant=profile.variant, score=verify_score if verifier else None)
             log.info("dtype auto: %s chose %s (scores %s)", path, prof.dtype, prof.candidates)
             return model
         dtype = heuristic_dtype(device)

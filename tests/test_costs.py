@@ -404,3 +404,14 @@ def test_plan_profiles_early_exit_cut_and_skips_prompt_lookup(tiny, tmp_path):
     config = load_config({"verifier": {"model": str(target)}, "drafter": {"type": "prompt_lookup"}})
     nodes, skipped = profile_cli.plan_nodes(config)
     assert [n.role for n in nodes] == ["verifier"] and "prompt_lookup" in skipped
+
+
+def test_verify_score_prefers_the_dtype_fast_at_its_best_shape():
+    # emulated bf16 on two cores: one token at every core is cheap, blocks are dear; fp32: flat-ish but slow
+    bf16 = NodeProfile("m", "cpu", "bfloat16", {1: CostCurve([1, 8], [0.40, 2.50], 64),
+                                                2: CostCurve([1, 8], [0.22, 1.26], 64)})
+    fp32 = NodeProfile("m", "cpu", "float32", {1: CostCurve([1, 8], [0.43, 1.39], 64),
+                                               2: CostCurve([1, 8], [0.41, 1.35], 64)})
+    sizes = [1, 2, 4, 8]
+    assert costs.verify_score(bf16, sizes) < costs.verify_score(fp32, sizes)
+    assert abs(costs.verify_score(bf16, [1]) - 0.22) < 1e-9  # k = 0 at every core

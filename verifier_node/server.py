@@ -94,7 +94,7 @@ class VerifierServer:
         self._threads_now = self.threads.share
         path = resolve_model(vcfg["model"])
         self.tokenizer = tokenizer or load_tokenizer(path)
-        spec = ProfileSpec(self.threads.counts(), profile_sizes(config), float(vcfg["profile_s"]))
+        spec = ProfileSpec(self.threads.counts(), profile_sizes(config), float(vcfg["profile_s"]), role="verifier")
         self.model = model or load_causal_lm(path, vcfg["device"], vcfg["dtype"], vcfg.get("max_memory"),
                                              profile=spec)
         self.dtype = model_dtype(self.model)
