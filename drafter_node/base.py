@@ -40,6 +40,8 @@ class Capabilities:
 class DraftToken:
     token: int
     alt: int | None = None  # the drafter's next-best token here (greedy): its guess for a correction
+    prob: float | None = None  # the drafter's probability of ``token`` (greedy; softmax of the processed scores)
+    alt_prob: float | None = None  # … and of ``alt``: together they rank a block's outcomes (drafter_node/branches)
     q_idx: torch.Tensor | None = None  # support of q: the distribution it was drawn from (sampling), or the
     q_prob: torch.Tensor | None = None  # drafter's top-m softmax, not renormalised (greedy, when ``want_q``)
 
@@ -102,8 +104,9 @@ class DraftSession(ABC):
 
     # Optional multi-outcome pre-drafting (see drafter_node/branches.py). Types without it keep the default:
     # the node then extends the chain on the single assumption that the whole block is accepted.
-    def begin_speculation(self, block_len: int) -> bool:
-        """A block of ``block_len`` chain tokens was sent: start pre-drafting its outcomes; False if unsupported."""
+    def begin_speculation(self, block_len: int, max_rows: int | None = None) -> bool:
+        """A block of ``block_len`` chain tokens was sent: start pre-drafting its outcomes (at most ``max_rows`` of
+        them, the likeliest; None: all); False if unsupported."""
         return False
 
     @property
