@@ -19,6 +19,8 @@ from drafter_node.branches import Branches, rank_outcomes, supports_flat_rows
 from shared.kv import CachedLM
 from shared.sampling import GenerationParams, make_generator, process_logits
 
+_NO_CONTEXT = torch.empty(0, dtype=torch.long)
+
 
 def choose(
     scores: torch.Tensor, params: GenerationParams, position: int, q_top_m: int, greedy_q: bool = False
@@ -52,7 +54,9 @@ def pick_token(logits: torch.Tensor, ids: list[int], params: GenerationParams, p
     """The draft token after ``ids`` (the whole sequence) from a drafter's raw logits at that position: the shared
     logits processing (on the target's ``vocab_size`` columns: a drafter head may be padded wider), then
     :func:`choose`."""
-    scores = process_logits(logits[:vocab_size], torch.tensor(ids), params, len(ids) - prompt_len)
+    # Only the repetition penalty reads the context: without it, skip a tensor of the whole sequence per token.
+    context = torch.tensor(ids) if params.repetition_penalty != 1.0 else _NO_CONTEXT
+    scores = process_logits(logits[:vocab_size], context, params, len(ids) - prompt_len)
     return choose(scores, params, len(ids), q_top_m, greedy_q)
 
 
