@@ -39,6 +39,7 @@ import asyncio
 import copy
 import datetime as dt
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -280,17 +281,21 @@ def summarize(key: str, raw: dict[str, Any], reference: dict[str, Any]) -> dict[
     }
     s = raw.get("stats")
     if s and s["draft_tokens"]:
-        row |= {"alpha": s["accepted_tokens"] / s["draft_tokens"], "rounds": s["rounds"],
-                "draft_ms_per_round": 1000 * s["draft_s"] / s["rounds"],
-                "rest_ms_per_round": 1000 * (after_first - s["draft_s"]) / s["rounds"]}
+        row |= {"alpha": s["accepted_tokens"] / s["draft_tokens"], "rounds": s["rounds"]}
     if key == "pipespec":
         ms = [p["metrics"] for p in pp]
-        rounds = sum(m["rounds"] for m in ms)
         drafted = sum(m["draft_tokens"] for m in ms)
-        row |= {"alpha": sum(m["accepted_tokens"] for m in ms) / drafted if drafted else 0.0, "rounds": rounds,
-                "verify_ms_per_round": 1000 * sum(m["verifier_busy_fraction"] * m["elapsed_s"] for m in ms) / rounds,
-                "draft_ms_per_round": 1000 * sum(m["drafter_busy_fraction"] * m["elapsed_s"] for m in ms) / rounds,
+        elapsed = sum(m["elapsed_s"] for m in ms)
+        row |= {"alpha": sum(m["accepted_tokens"] for m in ms) / drafted if drafted else 0.0,
+                "rounds": sum(m["rounds"] for m in ms),
+                "verifier_busy": sum(m["verifier_busy_fraction"] * m["elapsed_s"] for m in ms) / elapsed,
+                "drafter_busy": sum(m["drafter_busy_fraction"] * m["elapsed_s"] for m in ms) / elapsed,
                 "predraft_hit_rate": statistics.mean(m["predraft_hit_rate"] for m in ms)}
+    elif key == "hf-target":
+        row["rounds"] = new  # one forward per token
+    # A round after the first token: the prefills (and the first round, which waits on them) left out.
+    if row.get("rounds", 0) > len(pp):
+        row["round_ms"] = 1000 * after_first / (row["rounds"] - len(pp))
     return row
 
 
@@ -315,6 +320,8 @@ def write_markdown(path: Path, report: dict[str, Any]) -> None:
         "# Long-context benchmark: per-round costs as the prompt grows",
         "",
         *header_lines(meta),
+        f"- 1-minute load average: {meta['load_average_at_start']:.1f} at the start, {meta['load_average_at_end']:.1f} "
+        "at the end (other work on the machine slows every row)",
         f"- target: random Qwen2-style, hidden {m['hidden']}, {m['layers']} layers, {m['heads']} heads / "
         f"{m['kv_heads']} KV heads, intermediate {m['intermediate']}, vocab {m['vocab']}; assistant: its first "
         f"layer (same embeddings, norm, head); dtype {meta['dtype']}",
@@ -324,18 +331,18 @@ def write_markdown(path: Path, report: dict[str, Any]) -> None:
         f"token; decode tok/s = tokens after the first ÷ time after the first token",
         f"- transformers assistant settings: {report.get('hf_settings') or '—'}",
         "",
-        "| length | row | tok/s (end to end) | decode tok/s | first token s | α | rounds | ms/round: draft | "
-        "ms/round: verify (hf: rest) | pre-draft hits | mismatches |",
+        "| length | row | tok/s (end to end) | decode tok/s | first token s | α | rounds | ms per round after the "
+        "first | pre-draft hits | busy: verifier / drafter | mismatches |",
         "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for length in meta["lengths"]:
         for key in ROWS:
             r = report["rows"][str(length)][key]
+            busy = f"{r['verifier_busy']:.0%} / {r['drafter_busy']:.0%}" if "verifier_busy" in r else "—"
             lines.append(
                 f"| {length} | {key} | {r['tok_s']:.2f} | {_fmt(r['decode_tok_s'])} | {r['first_token_s']:.2f} | "
-                f"{_fmt(r.get('alpha'))} | {r.get('rounds', '—')} | {_fmt(r.get('draft_ms_per_round'), '.1f')} | "
-                f"{_fmt(r.get('verify_ms_per_round', r.get('rest_ms_per_round')), '.1f')} | "
-                f"{_fmt(r.get('predraft_hit_rate'))} | {r['mismatches']} |")
+                f"{_fmt(r.get('alpha'))} | {r.get('rounds', '—')} | {_fmt(r.get('round_ms'), '.1f')} | "
+                f"{_fmt(r.get('predraft_hit_rate'))} | {busy} | {r['mismatches']} |")
     lines += ["", "| pipespec ÷ | " + " | ".join(str(n) for n in meta["lengths"]) + " | longest ÷ shortest |",
               "|---|" + "---:|" * (len(meta["lengths"]) + 1)]
     for name, v in report["ratios"].items():
@@ -402,6 +409,7 @@ def main(argv: list[str] | None = None) -> int:
                 "prompts": args.prompts, "max_new_tokens": args.max_new_tokens,
                 "model": {"hidden": args.hidden, "layers": args.layers, "heads": args.heads, "kv_heads": args.kv_heads,
                           "intermediate": config.intermediate_size, "vocab": config.vocab_size}}
+        meta["load_average_at_start"] = os.getloadavg()[0]
         log(f"machine: {meta['machine']['cpu']}, {meta['machine']['cores']} cores; dtype {args.dtype}; "
             f"transformers rows at {args.hf_threads} thread(s), pipespec 1 thread per node")
         raw: dict[str, Any] = {}
@@ -409,6 +417,7 @@ def main(argv: list[str] | None = None) -> int:
             prompts = random_prompts(config.vocab_size, length, args.prompts, args.seed)
             hf = run_hf(prompts, ctx, root)
             raw[str(length)] = {"hf": hf, "pipespec": asyncio.run(run_pipespec(prompts, ctx))}
+    meta["load_average_at_end"] = os.getloadavg()[0]
     rows = {n: {key: summarize(key, raw[str(n)]["hf"][key] if key in HF_ROWS else raw[str(n)]["pipespec"],
                                raw[str(n)]["hf"]["hf-target"]) for key in ROWS} for n in args.lengths}
     report = {"meta": meta, "rows": {str(n): r for n, r in rows.items()}, "ratios": ratios(rows, args.lengths),
