@@ -40,6 +40,8 @@ class Capabilities:
 class DraftToken:
     token: int
     alt: int | None = None  # the drafter's next-best token here (greedy): its guess for a correction
+    prob: float | None = None  # the drafter's probability of ``token`` (greedy; softmax of the processed scores)
+    alt_prob: float | None = None  # … and of ``alt``: together they rank a block's outcomes (drafter_node/branches)
     q_idx: torch.Tensor | None = None  # support of q: the distribution it was drawn from (sampling), or the
     q_prob: torch.Tensor | None = None  # drafter's top-m softmax, not renormalised (greedy, when ``want_q``)
 

@@ -1,92 +1,167 @@
-"""Pre-drafting several likely outcomes of a block at once, as one batched forward per step.
+"""Pre-drafting several likely outcomes of a block at once, flattened into the session's own batch-1 cache.
 
 While block ``d_0 … d_{k-1}`` is verified, the verifier will commit one of k + 1 outcomes: the first ``r`` drafts
 plus its own token at position r. The most likely own token is the drafter's next-best guess at that position
-(``alt_r``, for a rejection at r < k) or the drafter's top-1 after the block (the bonus, r = k). Row r of the batch
-continues ``committed + d_0 … d_{r-1} + x_r`` with x_r those guesses. All rows share the drafter's cache of
-``committed + d_0 … d_{k-1}``; row r simply masks out the cached slots of ``d_r … d_{k-1}`` and carries its own
-position ids, so one forward of k + 1 rows (about the cost of one row) extends every outcome by a token.
+(``alt_r``, for a rejection at r < k) or the drafter's top-1 after the block (the bonus, r = k).
+:func:`rank_outcomes` weighs each outcome by the drafter's own probabilities; a *plan* is any subset of them, one
+row per chosen outcome ``(r, guess)``, continuing ``committed + d_0 … d_{r-1} + guess``.
 
-When the commit arrives, the row whose assumption it confirms becomes the session's cache and chain (its masked
-slots cut out), so the next block is ready at once; DESIGN.md explains why this is where pipelining pays.
-Greedy requests only: a sampled correction comes from the residual distribution and is rarely guessed.
+The rows are never copied out of the session's cache. Each step feeds the R rows' pending tokens as one batch-1
+forward of R new tokens onto the cache of ``committed + block``, with explicit position ids (row r at depth j sits
+at position ``committed + r + j``) and a 4D mask in which a token sees the committed prefix, its row's kept drafts
+``block[:r]``, and its own row's earlier slots — not the dropped drafts, not other rows. So the cache grows by R
+slots per step (step-major: step j holds one slot per row) and nothing of the context is copied or repeated.
+
+When the commit arrives, the row it confirms is moved in place to directly after ``committed + block[:r]`` (an
+``index_select`` of its few slots and a write into the tail) and the cache is cropped behind it: adoption is
+O(tail), whatever the context length. A commit no row predicted crops the cache back to ``committed + block`` and
+the session rolls back as without pre-drafting. Greedy requests only: a sampled correction comes from the residual
+distribution and is rarely guessed.
 """
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 
 import torch
+from transformers.cache_utils import DynamicLayer
 
 from drafter_node.base import DraftToken
 from shared.kv import CachedLM
 
+#: Attention implementations that take a custom 4D additive mask as given (transformers' ``create_causal_mask``
+#: returns a 4D mask as is; eager adds it to the scores, sdpa passes it as ``attn_mask``).
+MASKABLE_ATTENTION = ("eager", "sdpa")
+
+
+def supports_flat_rows(lm: CachedLM) -> bool:
+    """Whether outcome rows can be flattened into ``lm``'s cache.
+
+    Not for sliding-window models (Gemma-style, ``CachedLM._sliding``): their layers keep only the last W positions,
+    so R new slots per step would push out committed positions that rows still need. Pre-drafting is disabled for
+    them (``begin_speculation`` returns False and the node extends the single chain instead) rather than keeping a
+    second, copying implementation. Nor for attention kernels that ignore a custom mask (flash attention)."""
+    if lm._sliding or getattr(lm.model.config, "_attn_implementation", "eager") not in MASKABLE_ATTENTION:
+        return False
+    return all(type(layer) is DynamicLayer for layer in lm.cache.layers)
+
+
+def rank_outcomes(chain: list[DraftToken], block_len: int) -> list[tuple[int, int, float]]:
+    """The outcomes of a block of ``chain[:block_len]``, most likely first: ``(r, guess, weight)``.
+
+    Outcome r < k keeps ``block[:r]`` and assumes the verifier's token at r is the drafter's next-best ``alt_r``:
+    weight Π_{i<r} prob_i × alt_prob_r. The bonus outcome r = k keeps the whole block and assumes the drafted token
+    ``chain[k]``: weight Π_{i<k} prob_i × prob_k (left out when the chain has no token k). Outcomes without a guess
+    are left out; a missing probability counts as 0. The sort is stable, so equal weights keep the order of r."""
+    outcomes: list[tuple[int, int, float]] = []
+    kept = 1.0  # probability that the drafter's own tokens 0 … r-1 are all accepted
+    for r, draft in enumerate(chain[: block_len + 1]):
+        if r < block_len:
+            guess, p = draft.alt, draft.alt_prob
+        else:
+            guess, p = draft.token, draft.prob
+        if guess is not None:
+            outcomes.append((r, guess, kept * (p or 0.0)))
+        kept *= draft.prob or 0.0
+    return sorted(outcomes, key=lambda o: -o[2])
+
 
 class Branches:
-    """k + 1 outcome rows drafted in one batch on top of a session's cache."""
+    """Outcome rows of one block, drafted as extra slots of the session's own batch-1 cache."""
 
-    def __init__(self, lm: CachedLM, committed_len: int, block: list[int], guesses: list[int]):
-        """``lm`` caches exactly ``committed + block``; ``guesses[r]`` is row r's assumed verifier token."""
-        self.model = lm.model
+    def __init__(self, lm: CachedLM, committed_len: int, block: list[int], rows: list[tuple[int, int]],
+                 weights: list[float] | None = None):
+        """``lm`` caches exactly ``committed + block``; row ``(r, guess)`` keeps ``block[:r]`` then assumes the
+        verifier's token ``guess`` at position r (r == len(block): the bonus row). ``weights``: each row's
+        probability (from :func:`rank_outcomes`), summed in :attr:`hit_weight`."""
         self.base = committed_len
         self.block = list(block)
         self.k = len(block)
-        self.guesses = list(guesses)
-        rows = len(guesses)
-        self.cache = copy.deepcopy(lm.cache)
-        self.cache.batch_repeat_interleave(rows)
-        cached = committed_len + self.k
-        # mask[r, slot]: row r sees the committed prefix, its own r drafts, and everything it adds itself.
-        self.mask = torch.ones(rows, cached, dtype=torch.long)
-        for r in range(rows):
-            self.mask[r, committed_len + r : cached] = 0
-        self.drafted: list[list[DraftToken]] = [[] for _ in range(rows)]  # tokens after the guess, per row
-        self.pending = torch.tensor(guesses, dtype=torch.long)  # next input token per row
-        self._device = lm._device
+        self.rows = [(int(r), int(guess)) for r, guess in rows]
+        if not self.rows or any(not 0 <= r <= self.k for r, _ in self.rows):
+            raise ValueError(f"rows must be a non-empty list of (r, guess) with 0 ≤ r ≤ {self.k}: {rows}")
+        if lm.length != committed_len + self.k:
+            raise ValueError(f"the cache holds {lm.length} tokens, not committed + block ({committed_len + self.k})")
+        self.weights = None if weights is None else [float(w) for w in weights]
+        self.lm = lm
+        self.drafted: list[list[DraftToken]] = [[] for _ in self.rows]  # tokens after the guess, per row
+        self.pending = [guess for _, guess in self.rows]  # next input token per row
+        self._cuts = torch.tensor([committed_len + r for r, _ in self.rows])  # row r sees the first base + r slots
+        self._dtype = lm.cache.layers[0].keys.dtype
 
     @property
     def depth(self) -> int:
         return len(self.drafted[0])
 
+    @property
+    def hit_weight(self) -> float | None:
+        """Probability (by the drafter's own estimate) that the commit confirms one of the rows; None without
+        weights."""
+        return None if self.weights is None else sum(self.weights)
+
+    def _mask(self) -> torch.Tensor:
+        """The additive mask [1, 1, R, cached + R] for the next step's R tokens."""
+        rows, depth = len(self.rows), self.depth
+        prefix = torch.arange(self.base + self.k)[None, :] < self._cuts[:, None]
+        # Tail slots are step-major: slot j * R + i is row i's token at depth j; a row sees only its own.
+        tail = torch.arange(rows * (depth + 1))[None, :] % rows == torch.arange(rows)[:, None]
+        visible = torch.cat([prefix, tail], dim=1)
+        mask = torch.zeros(visible.shape, dtype=self._dtype)
+        mask.masked_fill_(~visible, torch.finfo(self._dtype).min)
+        return mask[None, None]
+
     @torch.inference_mode()
     def step(self, choose_rows: Callable[[torch.Tensor, list[list[int]]], list[DraftToken]]) -> None:
         """Feed each row's pending token; ``choose_rows(logits [rows, V], contexts)`` picks the next tokens."""
-        rows = len(self.guesses)
-        self.mask = torch.cat([self.mask, torch.ones(rows, 1, dtype=torch.long)], dim=1)
-        positions = torch.tensor([[self.base + r + self.depth] for r in range(rows)])
-        out = self.model(
-            input_ids=self.pending[:, None].to(self._device),
-            attention_mask=self.mask.to(self._device),
-            position_ids=positions.to(self._device),
-            cache=self.cache,
+        device = self.lm._device
+        out = self.lm.model(
+            input_ids=torch.tensor([self.pending], dtype=torch.long, device=device),
+            attention_mask=self._mask().to(device),
+            position_ids=(self._cuts + self.depth)[None].to(device),  # row r at depth j: base + r + j
+            cache=self.lm.cache,
             use_cache=True,
         )
-        nxt = choose_rows(out.logits[:, -1].float(), [self.context(r) for r in range(rows)])
-        for r, token in enumerate(nxt):
-            self.drafted[r].append(token)
-        self.pending = torch.tensor([t.token for t in nxt], dtype=torch.long)
+        nxt = choose_rows(out.logits[0].float(), [self.context(i) for i in range(len(self.rows))])
+        for drafted, token in zip(self.drafted, nxt):
+            drafted.append(token)
+        self.pending = [t.token for t in nxt]
 
-    def context(self, r: int) -> list[int]:
-        """Row r's tokens after the committed prefix (the block part it keeps, its guess, what it drafted)."""
-        return [*self.block[:r], self.guesses[r], *(t.token for t in self.drafted[r])]
+    def context(self, index: int) -> list[int]:
+        """Row ``index``'s tokens after the committed prefix (the block part it keeps, its guess, what it drafted)."""
+        r, guess = self.rows[index]
+        return [*self.block[:r], guess, *(t.token for t in self.drafted[index])]
 
     def match(self, tokens: list[int]) -> int | None:
-        """The row a commit of ``tokens`` confirms, if any."""
+        """The index of the row a commit of ``tokens`` confirms, if any."""
         r = len(tokens) - 1
-        if r < len(self.guesses) and tokens[:r] == self.block[:r] and tokens[r] == self.guesses[r]:
-            return r
-        return None
+        if r < 0 or r > self.k or tokens[:r] != self.block[:r]:
+            return None
+        return next((i for i, row in enumerate(self.rows) if row == (r, tokens[r])), None)
 
-    def adopt(self, r: int, lm: CachedLM) -> list[DraftToken]:
-        """Make row r the session's cache; return its drafted tokens (the new chain)."""
-        keep_prefix = self.base + r
-        cut_from, cut_to = keep_prefix, self.base + self.k
-        for layer in self.cache.layers:
-            keys, values = layer.keys[r : r + 1], layer.values[r : r + 1]
-            layer.keys = torch.cat([keys[..., :cut_from, :], keys[..., cut_to:, :]], dim=-2)
-            layer.values = torch.cat([values[..., :cut_from, :], values[..., cut_to:, :]], dim=-2)
-        lm.cache = self.cache
+    @torch.inference_mode()
+    def adopt(self, index: int, lm: CachedLM) -> list[DraftToken]:
+        """Make row ``index`` the session's sequence; return its drafted tokens (the new chain).
+
+        Its slots move to directly after ``committed + block[:r]``, in place, and the cache is cropped behind them:
+        only the row's own ``depth`` slots per layer are read and written."""
+        r, _ = self.rows[index]
+        rows, depth = len(self.rows), self.depth
+        start = self.base + r
+        if depth:
+            src = torch.arange(depth, device=lm.cache.layers[0].keys.device) * rows + (self.base + self.k + index)
+            for layer in lm.cache.layers:
+                # index_select reads the row's slots out first, so the write may overlap them
+                layer.keys[..., start : start + depth, :] = layer.keys.index_select(-2, src)
+                layer.values[..., start : start + depth, :] = layer.values.index_select(-2, src)
+        extra = self.base + self.k + rows * depth - (start + depth)
+        if extra:
+            lm.cache.crop(-extra)  # a view of the first slots: no copy
         # cached now: committed + block[:r] + guess + drafted[:-1] (the last drafted token is not fed yet)
-        lm.length = keep_prefix + self.depth
-        return list(self.drafted[r])
+        lm.length = start + depth
+        return list(self.drafted[index])
+
+    def discard(self, lm: CachedLM) -> None:
+        """No row was confirmed: crop the rows' slots, leaving ``lm`` caching ``committed + block`` again."""
+        if self.depth:
+            lm.cache.crop(-len(self.rows) * self.depth)
+        lm.length = self.base + self.k

@@ -15,9 +15,11 @@ from __future__ import annotations
 import torch
 
 from drafter_node.base import DraftSession, DraftToken
-from drafter_node.branches import Branches
+from drafter_node.branches import Branches, rank_outcomes, supports_flat_rows
 from shared.kv import CachedLM
 from shared.sampling import GenerationParams, make_generator, process_logits
+
+_NO_CONTEXT = torch.empty(0, dtype=torch.long)
 
 
 def choose(
@@ -25,14 +27,19 @@ def choose(
 ) -> DraftToken:
     """Pick the draft token for ``position`` from processed scores (shared by every model-based type).
 
-    ``greedy_q``: under greedy, keep the drafter's top-m softmax probabilities with the token (ensemble
-    verification); they are not renormalised, so they are the drafter's own values."""
+    Under greedy the token also carries its next-best ``alt`` and both softmax probabilities (``prob``,
+    ``alt_prob``: they rank a block's outcomes for pre-drafting). ``greedy_q``: under greedy, keep the drafter's
+    top-m softmax probabilities with the token (ensemble verification); they are not renormalised, so they are the
+    drafter's own values."""
     m = scores.numel() if q_top_m <= 0 else min(q_top_m, scores.numel())
     if not params.do_sample:
-        top2 = torch.topk(scores, min(2, scores.numel())).indices.tolist()
-        token = DraftToken(top2[0], alt=top2[-1] if len(top2) > 1 else None)
+        top2 = torch.topk(scores, min(2, scores.numel())).indices  # on the scores: exact argmax, ties as before
+        probs = scores.softmax(-1)
+        p2 = probs[top2].tolist()
+        two = len(p2) > 1
+        token = DraftToken(int(top2[0]), alt=int(top2[1]) if two else None, prob=p2[0], alt_prob=p2[1] if two else None)
         if greedy_q:
-            q_prob, q_idx = torch.topk(scores.softmax(-1), m)
+            q_prob, q_idx = torch.topk(probs, m)
             token.q_idx, token.q_prob = q_idx.to(torch.int32), q_prob.float()
         return token
     probs = scores.softmax(-1)
@@ -47,7 +54,9 @@ def pick_token(logits: torch.Tensor, ids: list[int], params: GenerationParams, p
     """The draft token after ``ids`` (the whole sequence) from a drafter's raw logits at that position: the shared
     logits processing (on the target's ``vocab_size`` columns: a drafter head may be padded wider), then
     :func:`choose`."""
-    scores = process_logits(logits[:vocab_size], torch.tensor(ids), params, len(ids) - prompt_len)
+    # Only the repetition penalty reads the context: without it, skip a tensor of the whole sequence per token.
+    context = torch.tensor(ids) if params.repetition_penalty != 1.0 else _NO_CONTEXT
+    scores = process_logits(logits[:vocab_size], context, params, len(ids) - prompt_len)
     return choose(scores, params, len(ids), q_top_m, greedy_q)
 
 
@@ -62,12 +71,14 @@ class LMDraftSession(DraftSession):
         self.q_top_m = q_top_m
         self.vocab_size = vocab_size  # the target's: a drafter head may be padded wider
         self.branches: Branches | None = None
+        self.outcomes: list[tuple[int, int, float]] = []  # the last block's ranked outcomes (r, guess, weight)
 
     def pick(self, logits: torch.Tensor, ids: list[int]) -> DraftToken:
         """The draft token after ``ids`` (the whole sequence) from the drafter's raw logits at that position."""
         return pick_token(logits, ids, self.params, self.prompt_len, self.vocab_size, self.q_top_m, self.want_q)
 
     def propose(self, n: int) -> int:
+        self._drop_branches()  # drafting the single chain needs the cache to end at committed + chain again
         added = 0
         while added < n and not self.ended:
             ids = self.committed + self.chain_tokens
@@ -76,24 +87,37 @@ class LMDraftSession(DraftSession):
         return added
 
     def _truncate(self, length: int) -> None:
+        self._drop_branches()
         self.lm.crop(length)
 
     # --------------------------------------------------------------- multi-outcome pre-drafting (greedy)
     @property
     def predrafts_rows(self) -> bool:  # type: ignore[override]
-        return not self.params.do_sample  # sampled requests continue the single all-accepted chain
+        return not self.params.do_sample and supports_flat_rows(self.lm)  # else: the single all-accepted chain
 
     @property
     def forward_size(self) -> int:
-        return len(self.branches.guesses) if self.branches is not None else self.lm.last_fed
+        return len(self.branches.rows) if self.branches is not None else self.lm.last_fed
+
+    def _drop_branches(self) -> None:
+        if self.branches is not None:
+            self.branches.discard(self.lm)
+            self.branches = None
 
     def begin_speculation(self, block_len: int, max_rows: int | None = None) -> bool:
-        self.branches = None
-        if self.params.do_sample or self.ended:
+        """Pre-draft the ``max_rows`` likeliest outcomes of the block just sent (None: every outcome with a
+        guess), ranked by :func:`~drafter_node.branches.rank_outcomes`; :meth:`outcome_weights` keeps the ranking."""
+        self._drop_branches()
+        self.outcomes = []
+        if self.params.do_sample or self.ended or not supports_flat_rows(self.lm):
             return False
         if len(self.chain) < block_len + 1:
             self.propose(block_len + 1 - len(self.chain))  # the bonus guess
-        if len(self.chain) < block_len + 1 or any(d.alt is None for d in self.chain[:block_len]):
+        if len(self.chain) < block_len + 1:
+            return False
+        self.outcomes = rank_outcomes(self.chain, block_len)
+        chosen = self.outcomes if max_rows is None else self.outcomes[:max_rows]
+        if not chosen:
             return False
         cached = len(self.committed) + block_len
         ids = self.committed + self.chain_tokens
@@ -101,9 +125,14 @@ class LMDraftSession(DraftSession):
             self.lm.crop(cached)
         elif self.lm.length < cached:
             self.lm.feed(ids[self.lm.length : cached])
-        guesses = [d.alt for d in self.chain[:block_len]] + [self.chain[block_len].token]
-        self.branches = Branches(self.lm, len(self.committed), self.chain_tokens[:block_len], guesses)
+        self.branches = Branches(self.lm, len(self.committed), self.chain_tokens[:block_len],
+                                 [(r, guess) for r, guess, _ in chosen], weights=[w for _, _, w in chosen])
         return True
+
+    def outcome_weights(self) -> list[tuple[int, int, float]]:
+        """Every outcome of the last block ``begin_speculation`` saw, ``(r, guess, weight)``, likeliest first (the
+        pre-drafted rows are its first ``max_rows``; ``branches.hit_weight`` sums their weights)."""
+        return list(self.outcomes)
 
     @property
     def speculation_depth(self) -> int | None:
@@ -117,10 +146,12 @@ class LMDraftSession(DraftSession):
         ])
 
     def observe_commit(self, tokens: list[int], extras: dict[str, torch.Tensor] | None = None) -> int:
-        branches, self.branches = self.branches, None
+        branches = self.branches
         row = branches.match(tokens) if branches is not None else None
         if row is None:
+            self._drop_branches()  # back to committed + block: the usual rollback follows
             return super().observe_commit(tokens, extras)
+        self.branches = None
         self.chain = branches.adopt(row, self.lm)
         self.committed.extend(tokens)
         return len(tokens)
