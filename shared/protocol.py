@@ -12,12 +12,16 @@ Message types (``type`` field) and who sends them:
 type               direction        fields
 =================  ===============  ============================================================================
 hello              drafter → verif  drafter_type, tokenizer_id, capabilities{sends_q, greedy_q,
-                                    needs_hidden_states, needs_kv_layers}
+                                    needs_hidden_states, needs_kv_layers}; optional profile (shared.costs
+                                    NodeProfile dict, validated), threads{share, full}
 welcome            verif → drafter  target (model name), vocab_size, want_q (send q with every draft, greedy
-                                    requests included: the verifier runs ensemble verification)
+                                    requests included: the verifier runs ensemble verification); optional
+                                    profile, threads{share, full} (the verifier's cost curves)
 session_start      verif → drafter  session, token_ids (whole committed prefix), params (GenerationParams dict)
-draft              drafter → verif  session, base_len, epoch, tokens[k]; tensors q_idx/q_prob (sparse q) or q (dense)
-commit             verif → drafter  session, base_len, tokens[n+1], new_len, drafted, accepted; tensors: extras
+draft              drafter → verif  session, base_len, epoch, tokens[k]; tensors q_idx/q_prob (sparse q) or q (dense);
+                                    optional idle_rounds (k = 0: step alone this many rounds), overlap, stats
+commit             verif → drafter  session, base_len, tokens[n+1], new_len, drafted, accepted, verify_s, threads;
+                                    tensors: extras
 state              verif → drafter  session, base_len, end; tensors: extras for positions before ``end`` (a part of a
                                     session_start's state too large for one message, in position order)
 session_end        verif → drafter  session

@@ -71,3 +71,89 @@ def test_sampling_stays_exact_with_the_cost_schedule(sharp_pair, monkeypatch):
     monkeypatch.setenv("PIPESPEC_TEST_COSTS", FLAT_VERIFY)
     config = tiny_config(target, drafter, num_draft_tokens=3, q_top_k=0, draft_schedule="cost")
     check_lossless_sampling(config, exact_joint(target))
+
+
+BAD_IDLE = [-1, "many", 5000, True, 2.5]
+
+
+async def idle_drafter(endpoint: str, tok_id: str, stop: asyncio.Event) -> dict:
+    """A peer that says hello with a malformed cost profile, then a valid one, and answers every round first with
+    malformed ``idle_rounds`` drafts and then with a valid k = 0 block of 4 rounds."""
+    import zmq
+    import zmq.asyncio
+
+    from shared.protocol import decode, encode
+
+    ctx = zmq.asyncio.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    seen = {"errors": [], "welcome": None, "idle_blocks": 0}
+    bad_profile = {"model": "m", "device": "cpu", "dtype": "float32", "curves": {"1": {"sizes": ["x"]}}}
+    await sock.send_multipart(encode("hello", drafter_type="hostile", tokenizer_id=tok_id,
+                                     capabilities={"sends_q": False}, profile=bad_profile))
+    await sock.send_multipart(encode("hello", drafter_type="hostile", tokenizer_id=tok_id,
+                                     capabilities={"sends_q": False}, profile=None))
+    try:
+        while not stop.is_set():
+            if not await sock.poll(50):
+                await sock.send_multipart(encode("heartbeat"))
+                continue
+            msg = decode(await sock.recv_multipart())
+            if msg.type == "error":
+                seen["errors"].append(msg["message"])
+                continue
+            if msg.type == "welcome":
+                seen["welcome"] = msg.fields
+                continue
+            if msg.type == "session_start":
+                sid, base = msg["session"], len(msg["token_ids"])
+            elif msg.type == "commit":
+                sid, base = msg["session"], msg["new_len"]
+                if msg["drafted"] or base % 4:  # only after a solo run ends (every 4th round)
+                    continue
+            else:
+                continue
+            for bad in BAD_IDLE:
+                await sock.send_multipart(encode("draft", session=sid, base_len=base, epoch=0, tokens=[],
+                                                 idle_rounds=bad))
+            await sock.send_multipart(encode("draft", session=sid, base_len=base, epoch=0, tokens=[3],
+                                             idle_rounds=2))  # idle rounds with tokens: refused too
+            await sock.send_multipart(encode("draft", session=sid, base_len=base, epoch=0, tokens=[],
+                                             idle_rounds=4))
+            seen["idle_blocks"] += 1
+    finally:
+        sock.close()
+        ctx.term()
+    return seen
+
+
+def test_malformed_idle_rounds_and_profiles_are_refused_and_solo_rounds_run(tiny):
+    from shared.models import load_tokenizer, tokenizer_id
+
+    target = tiny("llama")
+    config = tiny_config(target, None)
+    config["launch"]["start_drafter"] = False
+    tok_id = tokenizer_id(load_tokenizer(str(target)))
+
+    async def main():
+        async with cluster(config) as client:
+            stop = asyncio.Event()
+            peer = asyncio.create_task(idle_drafter(client.config["verifier"]["endpoint"], tok_id, stop))
+            for _ in range(100):
+                if (await client.ping())["drafter_connected"]:
+                    break
+                await asyncio.sleep(0.05)
+            result = await client.generate(token_ids=PROMPTS[0], max_new_tokens=24, eos_token_ids=[])
+            again = await client.generate(token_ids=PROMPTS[1], max_new_tokens=8, eos_token_ids=[])
+            stop.set()
+            return result, again, await peer
+
+    result, again, seen = asyncio.run(main())
+    assert result.token_ids == reference_greedy(target, PROMPTS[0], 24)
+    assert again.token_ids == reference_greedy(target, PROMPTS[1], 8)
+    assert any("cost profile" in e for e in seen["errors"])
+    assert sum("idle_rounds" in e for e in seen["errors"]) >= len(BAD_IDLE) + 1
+    welcome = seen["welcome"]
+    assert welcome["threads"] == {"share": 1, "full": 1} and welcome["profile"]["dtype"] == "float32"
+    assert seen["idle_blocks"] > 0 and result.metrics["solo_rounds"] >= 4
