@@ -497,17 +497,29 @@ def _synchronizer(device: torch.device) -> Callable[[], None]:
     return lambda: None
 
 
-@torch.inference_mode()
-def measure_curve(model, sizes: list[int], prefix_len: int = 64, budget_s: float = 8.0,
+#: Cached prefix the curves are measured on: short, because a prefill in emulated bf16 on a CPU costs as much as
+#: that many one-token forwards and would eat the start-up budget; the context term comes from a 4× longer prefix.
+PROFILE_PREFIX = 16
+
+
+def measure_curve(model, sizes: list[int], prefix_len: int = PROFILE_PREFIX, budget_s: float = 8.0,
                   repeats: int = 2) -> CostCurve:
     """Measure ``model``'s forward time for each n in ``sizes`` new tokens on a cached prefix of ``prefix_len``
-    random tokens: one warm-up and up to ``repeats`` more forwards per size (while the budget allows), the minimum
-    kept.
+    random tokens at the current thread count (see :func:`measure_curves`)."""
+    return measure_curves(model, sizes, [0], prefix_len, budget_s, repeats)[0]
+
+
+@torch.inference_mode()
+def measure_curves(model, sizes: list[int], threads: list[int], prefix_len: int = PROFILE_PREFIX,
+                   budget_s: float = 8.0, repeats: int = 2) -> dict[int, CostCurve]:
+    """One curve per thread count in ``threads`` (0: leave the thread count as it is), all on one cached prefix of
+    ``prefix_len`` random tokens (one prefill, at the largest thread count): for each n in ``sizes``, one warm-up
+    and up to ``repeats`` more forwards of n new tokens per thread count (while the budget allows), the minimum kept.
 
     Sizes are measured shape-first (smallest, largest, then the middles); a size whose estimated forward time would
     overrun ``budget_s`` is skipped (the curve interpolates over it), but the first size is always measured (so a
-    model slower than the budget overruns it by about one prefill and one forward). If the budget allows, one more
-    point on a 4× longer prefix sets ``per_context_token_s``."""
+    model slower than the budget overruns it by about one prefill and one forward per thread count). If the budget
+    allows, one more point on a 4× longer prefix sets ``per_context_token_s``. The thread count is restored."""
     from shared.kv import CachedLM
 
     wanted = sorted({int(n) for n in sizes if int(n) >= 1})
@@ -515,12 +527,18 @@ def measure_curve(model, sizes: list[int], prefix_len: int = 64, budget_s: float
         raise ValueError(f"measure_curve: no size ≥ 1 in {sizes!r}")
     if prefix_len < 0:
         raise ValueError(f"measure_curve: prefix_len must be ≥ 0, got {prefix_len}")
+    keys = sorted({int(t) for t in threads}) or [0]
     repeats = max(1, int(repeats))
     start = time.perf_counter()
+    previous = torch.get_num_threads()
     lm = CachedLM(model)
     sync = _synchronizer(lm._device)
     vocab = int(model.get_input_embeddings().weight.shape[0])
     generator = torch.Generator().manual_seed(1234)
+
+    def use(t: int) -> None:
+        if t:
+            torch.set_num_threads(t)
 
     def tokens(n: int) -> list[int]:
         return torch.randint(0, vocab, (n,), generator=generator).tolist()
@@ -535,18 +553,6 @@ def measure_curve(model, sizes: list[int], prefix_len: int = 64, budget_s: float
     def left() -> float:
         return budget_s - (time.perf_counter() - start)
 
-    prefill_s = forward(tokens(prefix_len)) if prefix_len else 0.0
-    measured: dict[int, float] = {}
-
-    def estimate(n: int) -> float:
-        points = dict(measured)
-        if prefix_len and prefill_s > 0 and prefix_len not in points:
-            points[prefix_len] = prefill_s  # an upper bound (first-call overheads), fine for a budget guess
-        if not points:
-            return 0.0
-        keys = sorted(points)
-        return CostCurve(keys, [points[k] for k in keys], prefix_len).base_cost(n)
-
     def fastest(ids: list[int], keep: int) -> float:
         """The minimum over a warm-up and up to ``repeats`` more forwards, as many as the budget allows. The warm-up
         counts too: a slow one (first use of a shape) never wins the minimum, a normal one is not wasted when a
@@ -560,23 +566,47 @@ def measure_curve(model, sizes: list[int], prefix_len: int = 64, budget_s: float
             lm.crop(keep)
         return max(best, 1e-9)
 
-    for n in _shape_first_order(wanted):
-        if measured and estimate(n) > left():  # not even one forward fits: interpolate over this size
-            continue
-        measured[n] = fastest(tokens(n), prefix_len)
+    try:
+        use(keys[-1])
+        prefill_s = forward(tokens(prefix_len)) if prefix_len else 0.0
+        measured: dict[int, dict[int, float]] = {t: {} for t in keys}
 
-    keys = sorted(measured)
-    curve = CostCurve(keys, [measured[k] for k in keys], prefix_len)
-    long_len = 4 * prefix_len
-    max_pos = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-    if _is_int(max_pos):
-        long_len = min(long_len, max_pos - 1)
-    first = keys[0]  # compared at the same size on both prefixes
-    if long_len > prefix_len and estimate(long_len - prefix_len) + 2 * curve.base_cost(first) <= left():
-        lm.feed(tokens(long_len - prefix_len))
-        best = fastest(tokens(first), long_len)
-        curve.per_context_token_s = max(0.0, (best - curve.base_cost(first)) / (long_len - prefix_len))
-    return curve
+        def estimate(t: int, n: int) -> float:
+            points = dict(measured[t])
+            if prefix_len and prefill_s > 0 and prefix_len not in points:
+                points[prefix_len] = prefill_s  # an upper bound (first-call overheads), fine for a budget guess
+            if not points:
+                return 0.0
+            ks = sorted(points)
+            return CostCurve(ks, [points[k] for k in ks], prefix_len).base_cost(n)
+
+        for n in _shape_first_order(wanted):
+            for t in keys:
+                if measured[t] and estimate(t, n) > left():  # not even one forward fits: interpolate over n
+                    continue
+                use(t)
+                measured[t][n] = fastest(tokens(n), prefix_len)
+        curves = {}
+        for t in keys:
+            ks = sorted(measured[t])
+            curves[t] = CostCurve(ks, [measured[t][k] for k in ks], prefix_len)
+        long_len = 4 * prefix_len
+        max_pos = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+        if _is_int(max_pos):
+            long_len = min(long_len, max_pos - 1)
+        if long_len > prefix_len:
+            first = wanted[0]  # compared at the same size on both prefixes
+            need = estimate(keys[-1], long_len - prefix_len) + sum(2 * c.base_cost(first) for c in curves.values())
+            if need <= left():
+                use(keys[-1])
+                lm.feed(tokens(long_len - prefix_len))
+                for t, curve in curves.items():
+                    use(t)
+                    best = fastest(tokens(first), long_len)
+                    curve.per_context_token_s = max(0.0, (best - curve.base_cost(first)) / (long_len - prefix_len))
+        return curves
+    finally:
+        torch.set_num_threads(previous)
 
 
 def _describe(curve: CostCurve) -> str:
@@ -602,20 +632,13 @@ def load_or_measure(model, model_path: str, device: str, dtype: str, threads: li
                 progress(f"profile of {name} {dtype} on {device}: cached")
             return cached
     started = time.perf_counter()
-    curves: dict[int, CostCurve] = {}
-    previous = torch.get_num_threads()
-    try:
-        for t in keys:
-            if t:
-                torch.set_num_threads(t)
-            where = f"{t} thread{'s' if t != 1 else ''}" if t else device
-            if progress:
-                progress(f"profiling {name} {dtype} {where} (budget {budget_s / len(keys):.1f} s) ...")
-            curves[t] = measure_curve(model, sizes, budget_s=budget_s / len(keys))
-            if progress:
-                progress(f"profiling {name} {dtype} {where}: {_describe(curves[t])}")
-    finally:
-        torch.set_num_threads(previous)
+    where = ", ".join(f"{t} thread{'s' if t != 1 else ''}" if t else device for t in keys)
+    if progress:
+        progress(f"profiling {name} {dtype} at {where} (budget {budget_s:.1f} s) ...")
+    curves = measure_curves(model, sizes, keys, budget_s=budget_s)
+    if progress:
+        for t, curve in curves.items():
+            progress(f"profiling {name} {dtype} {t or device}{' threads' if t else ''}: {_describe(curve)}")
     profile = NodeProfile(model=name, device=device, dtype=dtype, curves=curves,
                           measured_s=time.perf_counter() - started)
     if not _write_cached(key, profile) and progress:
