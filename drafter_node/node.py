@@ -63,9 +63,15 @@ class NodeSession:
         self.sent_at = 0.0
         self.sent_guesses: list[int | None] = []  # our guess of the verifier's token per outcome of the block sent
         self.exhausted = False  # propose() had nothing more to give on this base
-        self.solo_wait = False  # an idle block went out: the verifier steps alone until the schedule's rounds end
+        self.idle_period_sent = 0  # the schedule's k = 0 run whose idle block went out
         self.threads = 0  # torch threads of the last step (0: not set by the node)
         self.stats = {"busy_s": 0.0, "blocks": 0, "predraft_hits": 0, "rolled_back": 0, "idle_blocks": 0}
+
+    @property
+    def solo_wait(self) -> bool:
+        """This k = 0 run's idle block went out: nothing to send until the schedule's rounds end."""
+        s = self.schedule
+        return s.k == 0 and s.solo_rounds > 0 and self.idle_period_sent == getattr(s, "solo_period", 0)
 
     @property
     def overlap(self) -> bool:
@@ -143,7 +149,7 @@ class NodeSession:
         self.sent_at = time.monotonic()
         self.stats["blocks"] += 1
         if idle_rounds:
-            self.solo_wait = True
+            self.idle_period_sent = getattr(self.schedule, "solo_period", 0)
             self.stats["idle_blocks"] += 1
         return tokens, tensors, idle_rounds
 
@@ -168,8 +174,6 @@ class NodeSession:
         if verified_ours:
             self.schedule.observe_roundtrip(time.monotonic() - self.sent_at)
         self.schedule.update(drafted, accepted)
-        if self.schedule.solo_rounds == 0:
-            self.solo_wait = False
         self.exhausted = False
         if self.overlap and matched == len(tokens) and self.draft.chain:
             self.stats["predraft_hits"] += 1  # the next block's start was drafted before the commit came

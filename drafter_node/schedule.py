@@ -22,12 +22,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from drafter_node.cost_model import CostBook, Plan, best_plan
+from drafter_node.cost_model import Acceptance, CostBook, Plan, best_plan
 
 SCHEDULES = ("cost", "pipeline", "adaptive", "heuristic", "constant")
 
 #: k = 0 is kept for this many verifier rounds before a probe block; doubled after each probe that confirms k = 0.
 SOLO_ROUNDS_MIN, SOLO_ROUNDS_MAX = 8, 128
+#: A probe is sent only if a perfect drafter (every draft accepted) would beat k = 0 by this factor: where even
+#: that cannot pay (e.g. a verifier whose cost grows with every token), probing would be pure overhead.
+PROBE_MARGIN = 1.05
 
 _EMA = 0.3  # weight of the newest timing sample
 _ALPHA_PRIOR = (4.0, 1.0)  # pseudo-counts (accepted, rejected): a mildly optimistic start
@@ -131,6 +134,7 @@ class CostSchedule(DraftLengthSchedule):
         self.plan = Plan(min(k, max_k), overlap, (min(k, max_k) + 1) if rows_ok else 1, 0.0)
         self.solo_left = 0  # verifier rounds still to be taken alone
         self.solo_span = SOLO_ROUNDS_MIN
+        self.solo_period = 0  # counts runs of k = 0: each needs its own idle block
         self.probing = False
         self.plans = {"solo": 0, "sync": 0, "overlap": 0}
         self.replan()
@@ -155,8 +159,12 @@ class CostSchedule(DraftLengthSchedule):
             if drafted == 0:  # one of the rounds the verifier takes alone
                 self.solo_left -= 1
                 if self.solo_left == 0:
-                    self.probing = True  # the next block is a probe: synchronous, so it may take every core
-                    self.replan(allow_solo=False)
+                    if self.drafting_can_pay():
+                        self.probing = True  # the next block is a probe: synchronous, so it may take every core
+                        self.replan(allow_solo=False)
+                    else:  # not even a perfect drafter would win: another run alone, no probe
+                        self.solo_span = SOLO_ROUNDS_MAX
+                        self._start_solo()
                 return
             self.solo_left = 0  # a block was verified after all (e.g. the verifier restarted): plan afresh
         if drafted:
@@ -180,6 +188,19 @@ class CostSchedule(DraftLengthSchedule):
             self.acc.shrink()
             if was_probe:  # the probe did not bring drafting back: probe less often
                 self.solo_span = min(2 * self.solo_span, SOLO_ROUNDS_MAX)
-            self.solo_left = self.solo_span
+            self._start_solo()
         elif allow_solo:
             self.solo_span = SOLO_ROUNDS_MIN
+
+    def _start_solo(self) -> None:
+        self.solo_left = self.solo_span
+        self.solo_period += 1
+
+    def drafting_can_pay(self) -> bool:
+        """Would a perfect drafter (every draft and guess right) beat k = 0 by PROBE_MARGIN with today's costs?"""
+        costs = self.book.costs(self.context())
+        perfect = Acceptance(self.max_k)
+        for beta in (*perfect.positions, perfect.bonus_guess, perfect.correction_guess):
+            beta.successes = beta.trials
+        best = best_plan(perfect, costs, self.max_k, self.rows_ok, allow_solo=False, allow_overlap=self.overlap)
+        return best.rate > PROBE_MARGIN / max(costs.verify_full(1), 1e-9)

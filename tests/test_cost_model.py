@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from drafter_node.cost_model import Acceptance, CostBook, Costs, best_plan, plans
-from drafter_node.schedule import SOLO_ROUNDS_MIN, CostSchedule
+from drafter_node.schedule import SOLO_ROUNDS_MAX, SOLO_ROUNDS_MIN, CostSchedule
 from shared.costs import CostCurve, NodeProfile
 
 
@@ -123,3 +123,17 @@ def test_cost_book_learns_a_missing_curve_from_rounds():
     book.observe_draft(1, 0.1, 1, 50)
     assert book.ready
     assert abs(book.costs(50).draft_share(1) - 0.1) < 1e-9
+
+
+def test_no_probes_where_not_even_a_perfect_drafter_could_pay():
+    # every verified token costs as much as one step alone: k = 0 for good, with no probe blocks at all
+    book = CostBook()
+    book.set_verifier(profile({1: 0.4, 9: 3.6}), 1, 1)
+    book.set_drafter(profile({1: 0.15, 9: 1.35}), 1, 1)
+    s = CostSchedule(4, 8, book, context=lambda: 100, overlap=True)
+    assert s.k == 0 and not s.drafting_can_pay()
+    period = s.solo_period
+    for _ in range(SOLO_ROUNDS_MIN + 3 * SOLO_ROUNDS_MAX):
+        s.update(0, 0)
+        assert s.k == 0 and not s.probing
+    assert s.solo_period == period + 4  # each run alone ends in another one (a new idle block), never a probe
