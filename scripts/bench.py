@@ -480,9 +480,11 @@ def main(argv: list[str] | None = None) -> int:
         if found:
             token_refs[dtype] = found[0]  # the 1-thread one where it ran (definition order)
 
-    # units: the rows of one setup share a pass; the reference's setup comes first so it is measured in pass 1
+    # units: the rows of one setup share a pass. The reference's setup comes first, so it is measured in pass 1,
+    # then the pipespec rows, so they share a pass with it (and its assisted row) where memory allows
     units: dict[str, list[str]] = {}
-    for key in ([reference] if reference else []) + list(rows):
+    order = sorted(rows, key=lambda k: (k != reference, defs.get(k, {}).get("kind") != "pipespec"))
+    for key in order:
         units.setdefault(rows[key].setup, [])
         if key not in units[rows[key].setup]:
             units[rows[key].setup].append(key)

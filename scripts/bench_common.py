@@ -29,6 +29,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -40,7 +41,7 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 WARMUP_TOKENS = 8
-PROCESS_GIB = 0.8  # resident memory of one Python process with torch and transformers, before any model
+PROCESS_GIB = 0.5  # resident memory of one Python process with torch and transformers, before any model (measured)
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 DTYPE_TAGS = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
@@ -91,11 +92,12 @@ except ImportError:  # private fallback until shared/costs.py is merged (the lea
         deadline = time.perf_counter() + budget_s
         for n in sizes:
             times = []
-            for _ in range(repeats):
+            for rep in range(repeats + 1):  # the first forward of a new shape may pick kernels: untimed
                 t0 = time.perf_counter()
                 lm.feed(ids[prefix_len:prefix_len + n])
                 sync()
-                times.append(time.perf_counter() - t0)
+                if rep:
+                    times.append(time.perf_counter() - t0)
                 lm.crop(prefix_len)
             done.append(n)
             seconds.append(min(times))
@@ -182,7 +184,7 @@ def header_lines(meta: dict[str, Any]) -> list[str]:
     """The lines every benchmark report starts with: times, machine, software, models, dtypes, threads, passes."""
     m = meta["machine"]
     flags = ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in m["flags"].items())
-    memory = f"{m['memory_gib']:.1f} GiB" if m.get("memory_gib") else "memory unknown"
+    memory = f"{m['memory_gib']:.1f} GiB memory" if m.get("memory_gib") else "memory unknown"
     end = f"{meta['end'][11:19]} UTC ({_duration(meta['start'], meta['end'])})" if meta.get("end") else "not finished"
     lines = [f"- date (UTC): {meta['start'][:10]}; run {meta['start'][11:19]} – {end}",
              f"- machine: {m['cpu']}; {m['cores']} cores usable ({m['logical_cpus']} logical CPUs); {flags}; "
@@ -253,7 +255,8 @@ def anchor_run(data: dict[str, Any], anchor: str, pass_index: int) -> list[dict[
     own = data["raw"].get(anchor)
     if own and own["pass"] == pass_index:
         return own["per_prompt"]
-    return data.get("anchor_runs", {}).get(anchor, {}).get(str(pass_index))
+    repeat = data.get("anchor_runs", {}).get(anchor, {}).get(str(pass_index))
+    return repeat["per_prompt"] if repeat else None
 
 
 def vs_anchor(data: dict[str, Any], key: str, anchor: str | None) -> float | None:
@@ -295,6 +298,7 @@ def write_curve_plot(path: Path, curves: dict[str, dict[str, Any]]) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     names = sorted({name for info in curves.values() for name in info["curves"]}, reverse=True)
     if not names:
@@ -312,6 +316,7 @@ def write_curve_plot(path: Path, curves: dict[str, dict[str, Any]]) -> None:
         ax.set_xlabel("new tokens in one forward (cached prefix)")
         ax.set_ylabel("ms")
         ax.set_ylim(bottom=0)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
@@ -332,7 +337,8 @@ def model_gib(path: str, dtype: str, fraction: float = 1.0) -> float:
         stored = DTYPE_BYTES.get(str(cfg.get("dtype") or cfg.get("torch_dtype")), 2)
     size = sum(f.stat().st_size for f in folder.glob("*.safetensors")) or sum(
         f.stat().st_size for f in folder.glob("*.bin"))
-    return fraction * size * DTYPE_BYTES[dtype] / stored / 2**30
+    widen = 1.1 if DTYPE_BYTES[dtype] > stored else 1.0  # loading bf16 weights as fp32 peaks above the result
+    return widen * fraction * size * DTYPE_BYTES[dtype] / stored / 2**30
 
 
 def cluster_models(cfg: dict[str, Any]) -> dict[str, float]:
@@ -741,6 +747,12 @@ class Runner:
         return {"raw": self.raw, "anchor_runs": self.anchor_runs, "curves": self.curves,
                 "setups": self.setup_info, "passes": self.passes}
 
+    def _update(self) -> None:
+        try:
+            self.on_update()
+        except Exception:  # a report bug must not end a long run; the final report raises it again
+            log("WARNING: writing the report failed:\n" + traceback.format_exc())
+
     async def run(self, passes: list[Pass]) -> None:
         self.passes = [{"index": i, "rows": p.rows, "estimated_gib": p.estimated_gib, "start": None, "end": None}
                        for i, p in enumerate(passes, 1)]
@@ -749,7 +761,7 @@ class Runner:
             log(f"pass {info['index']}/{len(passes)} (estimated {p.estimated_gib:.1f} GiB): {', '.join(p.rows)}")
             await self._run_pass(info["index"], p)
             info["end"] = utc_now()
-            self.on_update()
+            self._update()
 
     def _results(self, key: str, index: int, p: Pass) -> dict[str, Any]:
         if key in p.owned:
@@ -759,12 +771,14 @@ class Runner:
     async def _run_pass(self, index: int, p: Pass) -> None:
         rows = [self.rows[k] for k in p.rows]
         for r in rows:
-            self._results(r.key, index, p)
+            if not r.curves_only:
+                self._results(r.key, index, p)
         failed: dict[str, str] = {}
 
         def fail(row: Row, message: str) -> None:
             failed[row.key] = message
-            self._results(row.key, index, p)["error"] = message
+            if not row.curves_only:
+                self._results(row.key, index, p)["error"] = message
             log(f"{row.label} failed: {message.splitlines()[0][:300]}")
 
         async with contextlib.AsyncExitStack() as stack:
@@ -807,7 +821,7 @@ class Runner:
                              f"τ {result['metrics']['mean_accepted_length']:.2f}" if "metrics" in result else "")
                     log(f"{r.label}: prompt {i + 1}/{len(self.prompts[r.prompt_set])}: {result['new_tokens']} tokens "
                         f"in {result['time_s']:.2f} s ({result['new_tokens'] / result['time_s']:.2f} tok/s){extra}")
-                self.on_update()
+                self._update()
             for skey, handle in handles.items():  # memory high-water marks, to check the planner's estimates
                 pids = [handle.proc.pid] if isinstance(handle, Worker) else [q.pid for q in handle.processes.values()]
                 peaks = [peak_rss_gib(pid) or 0.0 for pid in pids]
