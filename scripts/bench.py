@@ -36,6 +36,7 @@ Usage::
     .venv/bin/python scripts/bench.py                                       # all rows, 10 prompts × 128 tokens
     .venv/bin/python scripts/bench.py --prompts 1 --max-new-tokens 8 --out /tmp/b  # a quick smoke
     .venv/bin/python scripts/bench.py --rows hf-target-bf16,pipespec        # a subset (keys or prefixes)
+    .venv/bin/python scripts/bench.py --dry-run                             # the passes, without running
     .venv/bin/python scripts/bench.py --pipespec-variants sync,constant --pipespec-set k8:drafter.max_draft_tokens=8
 """
 
@@ -370,7 +371,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="comma list of row keys or key prefixes, e.g. hf-target-bf16,pipespec (default: all rows)")
     p.add_argument("--reference", default=None,
                    help="the row speedups are taken against (default: hf-target-<config dtype>-<all threads>, else "
-                        "the first target-alone row selected); it runs in every pass")
+                        "a selected target-alone row, the config's dtype first); it runs in every pass")
     p.add_argument("--pipespec-variants", default="sync",
                    help=f"comma list of named pipespec variants to add as rows pipespec-NAME ({variants}; "
                         "default: sync; '' for none)")
