@@ -1,315 +1,145 @@
 #!/usr/bin/env python
-"""Benchmark pipespec against transformers on the CPU pair of ``configs/cpu.yaml``, side by side in one run.
+"""Benchmark pipespec against the strongest transformers setups on this machine, interleaved prompt by prompt.
 
 Every row decodes the same chat prompts (templated with the target tokenizer, ``add_generation_prompt=True``),
-greedily, for ``--max-new-tokens`` tokens, after one short warm-up generation:
+greedily, for ``--max-new-tokens`` tokens, after one warm-up generation of its own. Rows (keys for ``--rows``):
 
-- ``hf-target-1t``: transformers ``generate(do_sample=False)`` on the target alone, ``torch.set_num_threads(1)``;
-  ``hf-target-2t``: the same at 2 threads
-- ``hf-assisted-1t`` / ``hf-assisted-2t``: transformers assisted generation (``assistant_model=`` the drafter
-  model) at 1 / 2 threads
-- ``pipespec-sync``: ``cluster("cpu.yaml", overrides={"drafter.overlap": False})``, one thread per node
-- ``pipespec-overlap``: ``cluster("cpu.yaml")`` (overlap on)
+- ``hf-target-{fp32,bf16}-{1t,Nt}``: transformers ``generate(do_sample=False)`` on the target alone, float32 or
+  bfloat16, at 1 thread or at all N usable threads (the affinity count); on a GPU machine one ``-gpu`` setup each
+- ``hf-assisted-{fp32,bf16}-{1t,Nt}``: transformers assisted generation (``assistant_model=`` the drafter)
+- ``pipespec-shipped``: ``cluster("cpu.yaml")`` as shipped
+- ``pipespec-NAME``: a named variant of it (``--pipespec-variants``: sync, overlap or a ``draft_schedule`` value) or
+  a ``--pipespec-set`` list of config overrides
 
-The transformers rows run in one subprocess per thread count (``--_hf-worker``), so the thread count is clean and
-no model stays in memory while the pipespec nodes run. ``hf-target-1t`` is the reference: every other row's output
-is compared with it token by token (mismatching prompts are counted, never hidden) and its tokens/s is the 1.0×.
+transformers rows run in one persistent worker subprocess per (dtype, threads), holding its models across prompts;
+each pipespec row is one cluster kept open across prompts. For each prompt every row runs once before the next
+prompt starts, in an order rotated per prompt, so a host whose speed changes affects all rows alike. When the
+setups do not all fit in memory (``--memory-gib``), they are grouped into passes that do, interleaved within a pass;
+the reference row then runs in every pass and each row's speedup is taken against the reference of its own pass.
 
-The speed model (DESIGN.md): with α the measured acceptance, k the mean drafted block length and
-c = (drafter step) / (target step), measured here on a cached 100-token prefix at 1 thread,
-E = (1 − α^(k+1)) / (1 − α); the ideal overlapped speedup is E / max(1, k·c) and the synchronous bound E / (1 + k·c).
-Efficiency = achieved speedup / ideal overlapped speedup.
+- speedup: tokens/s ÷ the reference (``--reference``, default the target alone in the config's dtype at all threads)
+- vs best hf: speedup ÷ the best transformers row's speedup
+- mismatches: prompts whose token ids differ from the target alone in the same dtype (1 thread where it ran)
+- speed model (DESIGN.md): with α the acceptance, k the mean drafted block and c = drafter ÷ target cost of a
+  1-token cached forward (from the cost curves at the config's dtype and verifier threads),
+  E = (1 − α^(k+1)) / (1 − α); ideal overlapped speedup E / max(1, k·c), synchronous bound E / (1 + k·c);
+  efficiency = speedup over the target alone at the config's dtype and threads ÷ ideal
 
-Outputs in ``--out``: ``bench.md`` (header + table), ``bench.png`` (speedup bars), ``bench.json`` (raw numbers,
-rewritten after every row so a late failure keeps the earlier rows).
+The transformers workers also measure cost curves: forward ms over 1..K new tokens on a cached prefix for the
+target and 1..R for the drafter, per dtype and thread count.
+
+Outputs in ``--out``: ``bench.md`` (header, tables), ``bench.png`` (speedup bars), ``costs.png`` (cost curves),
+``bench.json`` (raw numbers, rewritten after every prompt so a late failure keeps what was measured).
 
 Usage::
 
-    .venv/bin/python scripts/bench.py                                  # all rows, 10 prompts, 128 new tokens
-    .venv/bin/python scripts/bench.py --prompts 2 --max-new-tokens 16  # a quick smoke
-    .venv/bin/python scripts/bench.py --rows hf-target-1t,pipespec     # a subset (keys or prefixes)
+    .venv/bin/python scripts/bench.py                                       # all rows, 10 prompts × 128 tokens
+    .venv/bin/python scripts/bench.py --prompts 1 --max-new-tokens 8 --out /tmp/b  # a quick smoke
+    .venv/bin/python scripts/bench.py --rows hf-target-bf16,pipespec        # a subset (keys or prefixes)
+    .venv/bin/python scripts/bench.py --dry-run                             # the passes, without running
+    .venv/bin/python scripts/bench.py --pipespec-variants sync,constant --pipespec-set k8:drafter.max_draft_tokens=8
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import datetime as dt
-import importlib.metadata
 import json
-import os
-import platform
 import statistics
-import subprocess
 import sys
-import tempfile
-import time
-from collections import deque
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_common import (
+    DTYPE_TAGS,
+    REPO_ROOT,
+    ClusterSetup,
+    HFSetup,
+    Row,
+    Runner,
+    chat_prompts,
+    cluster_models,
+    curve_table_lines,
+    fmt,
+    header_lines,
+    log,
+    machine_info,
+    md_table,
+    memory_budget_gib,
+    model_gib,
+    plan_passes,
+    plan_text,
+    select_rows,
+    thread_variants,
+    token_mismatches,
+    tps,
+    utc_now,
+    vs_anchor,
+    write_curve_plot,
+)
+
 DEFAULT_PROMPTS = REPO_ROOT / "scripts" / "prompts" / "code_prompts.json"
 CONFIG = "cpu.yaml"
-WARMUP_TOKENS = 8
-CALIB_PREFIX = 100  # cached prefix length for the c measurement
-CALIB_REPS = 10
-
-# key -> (label, kind, threads); the order is the run order and the table order.
-ROWS: dict[str, tuple[str, str, int]] = {
-    "hf-target-1t": ("hf target alone (1 thread)", "target", 1),
-    "hf-target-2t": ("hf target alone (2 threads)", "target", 2),
-    "hf-assisted-1t": ("hf assisted (1 thread)", "assisted", 1),
-    "hf-assisted-2t": ("hf assisted (2 threads)", "assisted", 2),
-    "pipespec-sync": ("pipespec sync (1+1 threads)", "sync", 1),
-    "pipespec-overlap": ("pipespec overlap (1+1 threads)", "overlap", 1),
-}
-REFERENCE = "hf-target-1t"
-
-_START = time.time()  # progress lines show seconds since this (the worker inherits the parent's)
+HF_DTYPES = ("float32", "bfloat16")
 
 
-def log(message: str) -> None:
-    """One progress line on stderr with the elapsed time of the whole run."""
-    print(f"[bench {time.time() - _START:7.1f}s] {message}", file=sys.stderr, flush=True)
+def named_variants() -> dict[str, dict[str, Any]]:
+    """The ``--pipespec-variants`` names and their config overrides."""
+    from drafter_node.schedule import SCHEDULES
+
+    return {"sync": {"drafter.overlap": False}, "overlap": {"drafter.overlap": True},
+            **{s: {"drafter.draft_schedule": s} for s in SCHEDULES}}
 
 
-# ---------------------------------------------------------------------------------------------- speed model
+# ---------------------------------------------------------------------------------------------- rows
+
+
+def define_rows(variants: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Every row this run can have: key → its definition (kept in bench.json, so ``--replot`` needs no flags)."""
+    defs: dict[str, dict[str, Any]] = {}
+    for kind, what in (("target", "target alone"), ("assisted", "assisted")):
+        for dtype in HF_DTYPES:
+            for tag, threads, device in thread_variants():
+                setup = f"hf-{DTYPE_TAGS[dtype]}-{tag}"
+                threads_label = "GPU" if device == "cuda" else str(threads)
+                defs[f"hf-{kind}-{DTYPE_TAGS[dtype]}-{tag}"] = {
+                    "label": f"hf {what} {DTYPE_TAGS[dtype]}, " + (
+                        "GPU" if device == "cuda" else f"{threads} thread" + "s" * (threads > 1)),
+                    "kind": kind, "dtype": dtype, "threads": threads, "threads_label": threads_label,
+                    "device": device, "setup": setup}
+    for name, overrides in {"shipped": {}, **variants}.items():
+        shown = ", ".join(f"{k}={v}" for k, v in overrides.items())
+        defs[f"pipespec-{name}"] = {"label": f"pipespec {name}" + (f" ({shown})" if shown else f" ({CONFIG})"),
+                                    "kind": "pipespec", "overrides": overrides}
+    return defs
+
+
+def parse_variants(names: str, sets: list[str]) -> dict[str, dict[str, Any]]:
+    """``--pipespec-variants`` names and ``--pipespec-set [NAME:]KEY=VALUE,...`` lists → name → overrides."""
+    from runtime.config import parse_overrides
+
+    known = named_variants()
+    variants: dict[str, dict[str, Any]] = {}
+    for name in filter(None, (n.strip() for n in names.split(","))):
+        if name not in known:
+            raise SystemExit(f"bench: unknown pipespec variant {name!r} (known: {', '.join(known)})")
+        variants[name] = known[name]
+    for i, item in enumerate(sets, 1):
+        name, sep, rest = item.partition(":")
+        if not sep or "=" in name:
+            name, rest = f"set{i}", item
+        variants[name] = parse_overrides([kv for kv in rest.split(",") if kv.strip()])
+    return variants
+
+
+# ---------------------------------------------------------------------------------------------- summaries
 
 
 def speed_model(alpha: float, k: float, c: float) -> dict[str, float]:
     """Leviathan et al.: expected tokens per verify E, ideal overlapped and synchronous speedups."""
     e = k + 1 if alpha >= 1.0 else (1 - alpha ** (k + 1)) / (1 - alpha)
     return {"E": e, "ideal_overlap": e / max(1.0, k * c), "sync_bound": e / (1 + k * c)}
-
-
-# ---------------------------------------------------------------------------------------------- hf worker
-
-
-class DraftCounter:
-    """Counts drafts and acceptances inside transformers' assisted generation (any strategy: assistant model,
-    prompt lookup, early exit, different tokenizers) by wrapping the candidate generator ``generate`` builds."""
-
-    def __init__(self) -> None:
-        self.rounds = self.drafts = self.draft_tokens = self.accepted_tokens = 0
-        self.draft_s = 0.0  # time inside the candidate generator (get_candidates)
-        self.settings: dict[str, Any] = {}  # the assistant settings transformers used (its defaults unless set)
-        self.generator = ""  # the candidate generator class transformers chose
-
-    def _wrap(self, gen: Any) -> Any:
-        get, update = gen.get_candidates, gen.update_candidate_strategy
-        counter = self
-        self.generator = type(gen).__name__
-        cfg = getattr(gen, "assistant_generation_config", None) or getattr(gen, "generation_config", None)
-        if cfg is not None and not self.settings:
-            self.settings = {name: getattr(cfg, name, None) for name in (
-                "num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold",
-                "prompt_lookup_num_tokens", "max_matching_ngram_size", "assistant_early_exit")
-                if getattr(cfg, name, None) is not None}
-
-        def get_candidates(input_ids: Any, **kwargs: Any) -> Any:
-            t0 = time.perf_counter()
-            try:
-                return get(input_ids, **kwargs)
-            finally:
-                counter.draft_s += time.perf_counter() - t0
-
-        def update_candidate_strategy(input_ids: Any, scores: Any, num_matches: Any) -> Any:
-            drafted = int(scores.shape[1]) - 1  # scores cover the candidates + the bonus position
-            counter.rounds += 1
-            if drafted > 0:
-                counter.drafts += 1
-                counter.draft_tokens += drafted
-                counter.accepted_tokens += int(num_matches)
-            return update(input_ids, scores, num_matches)
-
-        gen.get_candidates = get_candidates
-        gen.update_candidate_strategy = update_candidate_strategy
-        return gen
-
-    @contextlib.contextmanager
-    def patched(self) -> Iterator[None]:
-        from transformers.generation.utils import GenerationMixin
-
-        build = GenerationMixin._get_candidate_generator
-        counter = self
-
-        def _get_candidate_generator(model: Any, *args: Any, **kwargs: Any) -> Any:
-            return counter._wrap(build(model, *args, **kwargs))
-
-        GenerationMixin._get_candidate_generator = _get_candidate_generator
-        try:
-            yield
-        finally:
-            GenerationMixin._get_candidate_generator = build
-
-
-def _calibrate(target: Any, draft: Any, prompt_ids: list[int], block: int) -> dict[str, Any]:
-    """Median time of one cached forward: target over 1 and over ``block`` tokens, drafter over 1 token."""
-    from shared.kv import CachedLM
-
-    prefix = (prompt_ids * (CALIB_PREFIX // max(len(prompt_ids), 1) + 1))[:CALIB_PREFIX]
-
-    def timed(model: Any, n_tokens: int) -> list[float]:
-        lm = CachedLM(model)
-        lm.feed(prefix)
-        step = prefix[-n_tokens:]
-        times = []
-        for rep in range(CALIB_REPS + 2):  # two untimed warm-up forwards
-            t0 = time.perf_counter()
-            lm.feed(step)
-            if rep >= 2:
-                times.append(time.perf_counter() - t0)
-            lm.crop(CALIB_PREFIX)
-        return times
-
-    t_target = timed(target, 1)
-    t_block = timed(target, block)
-    t_draft = timed(draft, 1)
-    out = {
-        "prefix_tokens": CALIB_PREFIX,
-        "reps": CALIB_REPS,
-        "target_step_ms": 1000 * statistics.median(t_target),
-        "target_block_tokens": block,
-        "target_block_ms": 1000 * statistics.median(t_block),
-        "draft_step_ms": 1000 * statistics.median(t_draft),
-    }
-    out["c"] = out["draft_step_ms"] / out["target_step_ms"]
-    return out
-
-
-def hf_worker(job_path: Path) -> int:
-    """Subprocess body: load the models at one thread count, optionally measure c, run the transformers rows."""
-    global _START
-    job = json.loads(job_path.read_text())
-    _START = job["start"]
-    threads: int = job["threads"]
-    import torch
-    import transformers
-
-    from shared.models import load_causal_lm, set_threads
-
-    transformers.logging.set_verbosity_error()
-    transformers.logging.disable_progress_bar()
-    set_threads(threads)
-    t0 = time.perf_counter()
-    target = load_causal_lm(job["target_path"], "cpu", job["dtype"])
-    need_draft = job["calibrate"] or "assisted" in job["modes"]
-    draft = load_causal_lm(job["draft_path"], "cpu", job["dtype"]) if need_draft else None
-    log(f"hf worker ({threads} thread(s)): models loaded in {time.perf_counter() - t0:.1f} s "
-        f"(torch threads {torch.get_num_threads()})")
-    result: dict[str, Any] = {"threads": threads, "calibration": None, "rows": {}}
-
-    if job["calibrate"]:
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            result["calibration"] = cal = _calibrate(target, draft, job["prompt_ids"][0], job["block"])
-        log(f"calibration ({threads} thread): target {cal['target_step_ms']:.1f} ms/1 tok, "
-            f"{cal['target_block_ms']:.1f} ms/{cal['target_block_tokens']} tok, draft {cal['draft_step_ms']:.1f} "
-            f"ms/1 tok, c = {cal['c']:.3f} ({time.perf_counter() - t0:.1f} s)")
-
-    def generate(ids: list[int], max_new: int, assistant: Any) -> list[int]:
-        input_ids = torch.tensor([ids], dtype=torch.long)
-        extra = {"assistant_model": assistant} if assistant is not None else {}
-        out = target.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
-                              max_new_tokens=max_new, **extra)
-        return out[0, len(ids):].tolist()
-
-    for key in job["rows"]:
-        label, kind, _ = ROWS[key]
-        assistant = draft if kind == "assisted" else None
-        counter = DraftCounter()
-        generate(job["prompt_ids"][0], WARMUP_TOKENS, assistant)  # warm-up, untimed and uncounted
-        per_prompt = []
-        with counter.patched():
-            for i, ids in enumerate(job["prompt_ids"]):
-                t0 = time.perf_counter()
-                tokens = generate(ids, job["max_new_tokens"], assistant)
-                elapsed = time.perf_counter() - t0
-                per_prompt.append({"token_ids": tokens, "new_tokens": len(tokens), "time_s": elapsed})
-                log(f"{label}: prompt {i + 1}/{len(job['prompt_ids'])}: {len(tokens)} tokens in {elapsed:.2f} s "
-                    f"({len(tokens) / elapsed:.2f} tok/s)")
-        stats = None
-        if kind == "assisted":
-            stats = {name: getattr(counter, name) for name in
-                     ("rounds", "drafts", "draft_tokens", "accepted_tokens", "draft_s")}
-        result["rows"][key] = {"per_prompt": per_prompt, "hf_stats": stats}
-        if kind == "assisted":
-            result["assisted_settings"] = counter.settings
-    Path(job["out"]).write_text(json.dumps(result))
-    return 0
-
-
-def run_hf_rows(keys: list[str], threads: int, calibrate: bool, ctx: dict[str, Any], tmp: Path) -> dict[str, Any]:
-    """Start one worker subprocess for ``threads`` and return its result (or raise with the end of its stderr)."""
-    job = {
-        "start": _START, "threads": threads, "rows": keys, "calibrate": calibrate, "modes": [ROWS[k][1] for k in keys],
-        "prompt_ids": ctx["prompt_ids"], "max_new_tokens": ctx["max_new_tokens"], "block": ctx["block"],
-        "target_path": ctx["target_path"], "draft_path": ctx["draft_path"], "dtype": ctx["dtype"],
-        "out": str(tmp / f"hf-{threads}t.out.json"),
-    }
-    job_path = tmp / f"hf-{threads}t.job.json"
-    job_path.write_text(json.dumps(job))
-    run_worker(Path(__file__), job_path, threads, f"hf worker ({threads} thread(s))")
-    return json.loads(Path(job["out"]).read_text())
-
-
-def run_worker(script: Path, job_path: Path, threads: int, label: str) -> None:
-    """Run ``script --_hf-worker job_path`` in a subprocess at ``threads`` threads, passing its progress through;
-    raise with the end of its stderr if it fails."""
-    n = str(threads)
-    env = {**os.environ, "OMP_NUM_THREADS": n, "MKL_NUM_THREADS": n, "TOKENIZERS_PARALLELISM": "false",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.Popen([sys.executable, str(script), "--_hf-worker", str(job_path)], env=env, cwd=REPO_ROOT,
-                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    tail: deque[str] = deque(maxlen=30)
-    assert proc.stderr is not None
-    for line in proc.stderr:  # pass progress through, keep the end for an error report
-        sys.stderr.write(line)
-        tail.append(line.rstrip())
-    code = proc.wait()
-    if code != 0:
-        raise RuntimeError(f"{label} exited with code {code}:\n" + "\n".join(tail))
-
-
-# ---------------------------------------------------------------------------------------------- pipespec rows
-
-
-async def run_pipespec_row(key: str, ctx: dict[str, Any]) -> dict[str, Any]:
-    """Start the nodes of cpu.yaml (overlap on or off), warm up, then decode every prompt once."""
-    from runtime.launch import cluster
-
-    label, kind, _ = ROWS[key]
-    overrides = {"drafter.overlap": False} if kind == "sync" else None
-    t0 = time.perf_counter()
-    async with cluster(CONFIG, overrides=overrides) as client:
-        log(f"{label}: nodes ready in {time.perf_counter() - t0:.1f} s")
-        try:
-            await client.generate(messages=ctx["messages"][0], max_new_tokens=WARMUP_TOKENS, do_sample=False)
-            per_prompt = []
-            for i, messages in enumerate(ctx["messages"]):
-                t0 = time.perf_counter()
-                r = await client.generate(messages=messages, max_new_tokens=ctx["max_new_tokens"], do_sample=False)
-                elapsed = time.perf_counter() - t0
-                m = r.metrics
-                per_prompt.append({"token_ids": r.token_ids, "new_tokens": len(r.token_ids), "time_s": elapsed,
-                                   "metrics": m})
-                if m.get("prompt_tokens") != len(ctx["prompt_ids"][i]):
-                    log(f"WARNING {label}: prompt {i + 1}: the verifier templated {m.get('prompt_tokens')} tokens, "
-                        f"the bench {len(ctx['prompt_ids'][i])}")
-                log(f"{label}: prompt {i + 1}/{len(ctx['messages'])}: {len(r.token_ids)} tokens in {elapsed:.2f} s "
-                    f"({len(r.token_ids) / elapsed:.2f} tok/s), α {m['acceptance_rate']:.2f}, "
-                    f"τ {m['mean_accepted_length']:.2f}, {m['rounds']} rounds")
-        except Exception as exc:  # keep the node logs with the error text
-            tails = {role: client.cluster.log_tail(role) for role in client.processes}
-            raise RuntimeError(f"{type(exc).__name__}: {exc}\n" + "\n".join(
-                f"--- end of {role} log ---\n{text}" for role, text in tails.items())) from exc
-    return {"per_prompt": per_prompt}
-
-
-# ---------------------------------------------------------------------------------------------- aggregation
 
 
 def _weighted(per_prompt: list[dict], name: str, weight: str) -> float | None:
@@ -320,24 +150,40 @@ def _weighted(per_prompt: list[dict], name: str, weight: str) -> float | None:
     return sum(p["metrics"][name] * p["metrics"][weight] for p in per_prompt) / total
 
 
-def summarize(key: str, raw: dict[str, Any], ref: dict[str, Any] | None, c: float | None) -> dict[str, Any]:
-    """Totals, speed-model bounds and the token-identity check of one row."""
-    label, kind, threads = ROWS[key]
+def c_value(report: dict[str, Any]) -> float | None:
+    """Drafter ÷ target cost of a 1-token cached forward at the pipespec config's dtype and verifier threads."""
+    entry = report.get("curves", {}).get(report["meta"].get("c_setup") or "")
+    if not entry or not {"target", "drafter"} <= set(entry["curves"]):
+        return None
+    first = {name: dict(zip(c["sizes"], c["seconds"])).get(1) for name, c in entry["curves"].items()}
+    return first["drafter"] / first["target"] if first["drafter"] and first["target"] else None
+
+
+def summarize(key: str, report: dict[str, Any], c: float | None) -> dict[str, Any]:
+    """Totals, ratios, speed-model bounds and the token-identity check of one row."""
+    meta = report["meta"]
+    d = meta["row_defs"][key]
+    raw = report["raw"].get(key) or {"per_prompt": [], "pass": None}
+    row: dict[str, Any] = {"key": key, "label": d["label"], "kind": d["kind"], "threads": d["threads_label"],
+                           "pass": raw["pass"]}
+    if raw.get("error"):
+        row["error"] = raw["error"]
     pp = raw["per_prompt"]
-    new_tokens = sum(p["new_tokens"] for p in pp)
+    if not pp:
+        row.setdefault("error", "no prompt finished")
+        return row
     time_s = sum(p["time_s"] for p in pp)
-    row: dict[str, Any] = {"key": key, "label": label, "threads": threads, "prompts": len(pp),
-                           "new_tokens": new_tokens, "time_s": time_s, "tokens_per_s": new_tokens / time_s}
+    row |= {"prompts": len(pp), "new_tokens": sum(p["new_tokens"] for p in pp), "time_s": time_s}
+    row["tokens_per_s"] = row["new_tokens"] / time_s
     spec: dict[str, Any] | None = None
-    if kind == "target":
-        row |= {"verifier_busy": 1.0}
-    elif kind == "assisted":
-        s = raw["hf_stats"]
-        spec = {"drafts": s["drafts"], "draft_tokens": s["draft_tokens"], "accepted_tokens": s["accepted_tokens"],
-                "rounds": s["rounds"]}
+    if d["kind"] == "target":
+        row["verifier_busy"] = 1.0
+    elif d["kind"] == "assisted":
+        spec = {name: sum(p["stats"][name] for p in pp) for name in ("drafts", "draft_tokens", "accepted_tokens",
+                                                                       "rounds")}
+        draft_s = sum(p["stats"]["draft_s"] for p in pp)
         # in-process: the assistant's share is measured, the rest of the time is the target's (and Python's)
-        row |= {"drafter_busy": s["draft_s"] / time_s, "verifier_busy": 1 - s["draft_s"] / time_s,
-                "message_ms_per_round": 0.0}
+        row |= {"drafter_busy": draft_s / time_s, "verifier_busy": 1 - draft_s / time_s, "message_ms_per_round": 0.0}
     else:
         ms = [p["metrics"] for p in pp]
         spec = {name: sum(m[name] for m in ms) for name in
@@ -358,297 +204,333 @@ def summarize(key: str, raw: dict[str, Any], ref: dict[str, Any] | None, c: floa
             row["alpha"] = spec["accepted_tokens"] / spec["draft_tokens"]
             row["tau"] = 1 + spec["accepted_tokens"] / spec["drafts"]
             row["k"] = spec["draft_tokens"] / spec["drafts"]
-    if ref is not None:
-        ref_tps = sum(p["new_tokens"] for p in ref["per_prompt"]) / sum(p["time_s"] for p in ref["per_prompt"])
-        row["speedup"] = row["tokens_per_s"] / ref_tps
-        diverge = []
-        for i, (p, r) in enumerate(zip(pp, ref["per_prompt"])):
-            if p["token_ids"] != r["token_ids"]:
-                first = next((j for j, (a, b) in enumerate(zip(p["token_ids"], r["token_ids"])) if a != b),
-                             min(len(p["token_ids"]), len(r["token_ids"])))
-                diverge.append({"prompt": i, "first_diff": first})
-        if key != REFERENCE:
-            row["mismatches"] = len(diverge)
-            row["mismatch_detail"] = diverge
-    if c is not None and "alpha" in row:
+    speedup = vs_anchor(report, key, meta.get("reference"))
+    if speedup is not None:
+        row["speedup"] = speedup
+    token_ref = meta["token_refs"].get(d.get("dtype") or "")
+    ref = report["raw"].get(token_ref or "")
+    if key == token_ref:
+        row["mismatches"] = "ref"
+    elif ref and ref["per_prompt"]:
+        detail = token_mismatches(pp, ref["per_prompt"])
+        row |= {"mismatches": f"{len(detail)}/{min(len(pp), len(ref['per_prompt']))}", "mismatch_detail": detail,
+                "token_ref": token_ref}
+    if d["kind"] == "pipespec" and c is not None and "alpha" in row:
         model = speed_model(row["alpha"], row["k"], c)
-        row["E"] = model["E"]
-        if kind in ("sync", "overlap"):
-            row["ideal"] = model["ideal_overlap"]
-            if "speedup" in row:
-                row["efficiency"] = row["speedup"] / row["ideal"]
-        if kind == "sync":
+        row |= {"E": model["E"], "ideal": model["ideal_overlap"]}
+        base = meta.get("c_target_row")  # the target alone at the config's dtype and threads, like c
+        base_ratio = vs_anchor(report, base, meta.get("reference")) if base in report["raw"] else None
+        if speedup is not None and base_ratio:
+            row["efficiency"] = speedup / base_ratio / row["ideal"]
+        if not d["overlap"]:
             row["sync_bound"] = model["sync_bound"]
     return row
+
+
+def summarize_all(report: dict[str, Any]) -> list[dict[str, Any]]:
+    c = c_value(report)
+    rows = [summarize(k, report, c) for k in report["meta"]["rows"] if k in report["raw"]]
+    hf = [r["speedup"] for r in rows if r["kind"] != "pipespec" and "speedup" in r]
+    for r in rows:
+        if hf and "speedup" in r:
+            r["vs_best_hf"] = r["speedup"] / max(hf)
+    return rows
 
 
 # ---------------------------------------------------------------------------------------------- reports
 
 
-def machine_info() -> dict[str, Any]:
-    model = platform.processor() or "unknown"
-    with contextlib.suppress(OSError, subprocess.SubprocessError):
-        for line in subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout.splitlines():
-            if line.startswith("Model name:"):
-                model = line.split(":", 1)[1].strip()
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    versions = {}
-    for pkg in ("torch", "transformers", "pyzmq"):
-        try:
-            versions[pkg] = importlib.metadata.version(pkg)
-        except importlib.metadata.PackageNotFoundError:
-            versions[pkg] = "not installed"
-    return {"cpu": model, "cores": cores, "python": platform.python_version(), "versions": versions}
-
-
-def header_lines(meta: dict[str, Any]) -> list[str]:
-    """The date and machine lines every benchmark report starts with (see :func:`machine_info`)."""
-    m = meta["machine"]
-    return [f"- date: {meta['date']}",
-            f"- machine: {m['cpu']}, {m['cores']} cores; python {m['python']}, "
-            + ", ".join(f"{k} {v}" for k, v in m["versions"].items())]
-
-
-def _fmt(value: Any, spec: str = ".2f", suffix: str = "") -> str:
-    return "—" if value is None else f"{value:{spec}}{suffix}"
-
-
 def write_markdown(path: Path, report: dict[str, Any]) -> None:
     meta, rows = report["meta"], report["rows"]
-    cal = report.get("calibration")
-    lines = [
-        "# pipespec benchmark",
-        "",
-        *header_lines(meta),
-        f"- models: target `{meta['target']}`, drafter `{meta['drafter']}` ({meta['dtype']}); config `{CONFIG}` "
-        f"(num_draft_tokens {meta['num_draft_tokens']}, draft_schedule {meta['draft_schedule']})",
-        "- threads: hf rows 1 or 2 as named (one process); pipespec rows one thread per node "
-        f"(verifier {meta['verifier_threads']}, drafter {meta['drafter_threads']})",
-        f"- transformers assisted settings: {meta.get('assisted_settings') or '—'}",
-        f"- prompts: {meta['prompts']} from `{meta['prompts_file']}` (chat template of the target, greedy); "
-        f"max_new_tokens {meta['max_new_tokens']}; one warm-up generation of {WARMUP_TOKENS} tokens per row",
-    ]
-    if cal:
-        lines.append(
-            f"- c = {cal['c']:.3f}: drafter {cal['draft_step_ms']:.1f} ms / target {cal['target_step_ms']:.1f} ms per "
-            f"1-token forward on a cached {cal['prefix_tokens']}-token prefix, median of {cal['reps']}, 1 thread "
-            f"(target over {cal['target_block_tokens']} tokens: {cal['target_block_ms']:.1f} ms)")
-    lines += [
-        f"- reference: `{ROWS[REFERENCE][0]}`; speedup = tokens/s ÷ reference; mismatches = prompts whose token ids "
-        "differ from the reference",
-        "- ideal = E/max(1, k·c) with E = (1 − α^(k+1))/(1 − α), k = mean drafted block; efficiency = speedup ÷ "
-        "ideal; sync bound = E/(1 + k·c)",
-        "",
-        "| row | new tokens | time s | tok/s | speedup | mismatches | α | τ | k | verifier busy | drafter busy "
-        "| msg ms/round | ideal | efficiency | sync bound |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    errors = []
+    c = c_value(report)
+    ref = meta.get("reference")
+    lines = ["# pipespec benchmark", "", *header_lines(meta),
+             f"- pipespec: config `{CONFIG}` (num_draft_tokens {meta['num_draft_tokens']}, draft_schedule "
+             f"{meta['draft_schedule']}, overlap {meta['overlap']}), variants as named",
+             f"- prompts: {meta['prompts']} from `{meta['prompts_file']}` (chat template of the target, greedy), "
+             f"{min(meta['prompt_tokens'])}–{max(meta['prompt_tokens'])} prompt tokens; max_new_tokens "
+             f"{meta['max_new_tokens']}",
+             f"- transformers assisted settings: {meta.get('assisted_settings') or '—'}",
+             f"- speedup = tokens/s ÷ `{ref}` in the same pass; vs best hf = speedup ÷ the best transformers row's; "
+             "mismatches = prompts whose token ids differ from the target alone in the same dtype" if ref else
+             "- no target-alone row ran: no speedups",
+             "- ideal = E/max(1, k·c) with E = (1 − α^(k+1))/(1 − α), k = mean drafted block, "
+             + (f"c = {c:.3f} (1-token forward, drafter ÷ target, `{meta['c_setup']}` cost curves)" if c else
+                "c not measured") + f"; efficiency = speedup over `{meta.get('c_target_row')}` ÷ ideal; "
+             "sync bound = E/(1 + k·c)", ""]
+    table, errors = [], []
     for r in rows:
-        if "error" in r:
-            lines.append(f"| {r['label']} | error (see below) |" + " |" * 13)
+        if "tokens_per_s" not in r:
+            table.append([r["label"], r["threads"], str(r["pass"] or "—"), "error (see notes)", *[""] * 14])
             errors.append(r)
             continue
-        mism = "ref" if r["key"] == REFERENCE else "—" if "mismatches" not in r else f"{r['mismatches']}/{r['prompts']}"
-        lines.append(
-            f"| {r['label']} | {r['new_tokens']} | {r['time_s']:.1f} | {r['tokens_per_s']:.2f} | "
-            f"{_fmt(r.get('speedup'), '.2f', '×')} | {mism} | {_fmt(r.get('alpha'))} | {_fmt(r.get('tau'))} | "
-            f"{_fmt(r.get('k'))} | {_fmt(r.get('verifier_busy'))} | {_fmt(r.get('drafter_busy'))} | "
-            f"{_fmt(r.get('message_ms_per_round'))} | {_fmt(r.get('ideal'), '.2f', '×')} | "
-            f"{_fmt(r.get('efficiency'), '.0%')} | {_fmt(r.get('sync_bound'), '.2f', '×')} |")
-    pipe = [r for r in rows if r["key"].startswith("pipespec") and "error" not in r]
+        if "error" in r:
+            errors.append(r)
+        table.append([
+            r["label"] + (" (partial)" if "error" in r else ""), r["threads"], str(r["pass"]), str(r["new_tokens"]),
+            f"{r['time_s']:.1f}", f"{r['tokens_per_s']:.2f}", fmt(r.get("speedup"), ".2f", "×"),
+            fmt(r.get("vs_best_hf"), ".2f", "×"), str(r.get("mismatches", "—")), fmt(r.get("alpha")),
+            fmt(r.get("tau")), fmt(r.get("k")), fmt(r.get("verifier_busy")), fmt(r.get("drafter_busy")),
+            fmt(r.get("message_ms_per_round")), fmt(r.get("ideal"), ".2f", "×"), fmt(r.get("efficiency"), ".0%"),
+            fmt(r.get("sync_bound"), ".2f", "×")])
+    lines += md_table(["row", "threads", "pass", "new tokens", "time s", "tok/s", "speedup", "vs best hf",
+                       "mismatches", "α", "τ", "k", "verifier busy", "drafter busy", "msg ms/round", "ideal",
+                       "efficiency", "sync bound"], table, "lll" + "r" * 15)
+    pipe = [r for r in rows if r["kind"] == "pipespec" and "rounds" in r]
     if pipe:
         lines += ["", "Pipeline details (sums over the prompts; per-round and per-draft values are weighted means):",
-                  "",
-                  "| row | rounds | fallback rounds | stale drafts | pre-draft hits | rolled-back draft tokens | "
-                  "draft transit ms | bytes/round | mean TTFT s |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-        for r in pipe:
-            lines.append(
-                f"| {r['label']} | {r['rounds']} | {r['fallback_rounds']} | {r['stale_drafts']} | {r['predraft_hits']} "
-                f"| {r['rolled_back_draft_tokens']} | {_fmt(r.get('draft_transit_ms'))} | "
-                f"{_fmt(r.get('bytes_per_round'), '.0f')} | {_fmt(r.get('mean_ttft_s'))} |")
+                  "", *md_table(["row", "rounds", "fallback rounds", "stale drafts", "pre-draft hits",
+                                 "rolled-back draft tokens", "draft transit ms", "bytes/round", "mean TTFT s"],
+                                [[r["label"], str(r["rounds"]), str(r["fallback_rounds"]), str(r["stale_drafts"]),
+                                  str(r["predraft_hits"]), str(r["rolled_back_draft_tokens"]),
+                                  fmt(r.get("draft_transit_ms")), fmt(r.get("bytes_per_round"), ".0f"),
+                                  fmt(r.get("mean_ttft_s"))] for r in pipe], "l" + "r" * 8)]
+    curve_lines = curve_table_lines(report.get("curves", {}))
+    if curve_lines:
+        lines += ["", *curve_lines]
     notes = ["", "Notes:",
              "- hf assisted busy fractions: time inside the assistant's `get_candidates` ÷ wall time; the verifier "
              "share is the rest (in-process, no messages)."]
-    if REFERENCE not in {r["key"] for r in rows}:
-        notes.append(f"- `{REFERENCE}` was not run, so speedups, mismatches and efficiencies are not available.")
+    repeats = report.get("anchor_runs", {}).get(ref or "", {})
+    if ref and repeats and ref in report["raw"]:
+        own = report["raw"][ref]
+        speeds = {own["pass"]: own["per_prompt"], **{int(p): r["per_prompt"] for p, r in repeats.items()}}
+        notes.append(f"- `{ref}` per pass (a host that changed speed between passes shows here): " + ", ".join(
+            f"pass {p} {fmt(tps(pp))} tok/s" for p, pp in sorted(speeds.items()) if pp))
     for r in rows:
         if r.get("mismatch_detail"):
-            detail = ", ".join(f"prompt {d['prompt']} from token {d['first_diff']}" for d in r["mismatch_detail"])
-            notes.append(f"- {r['label']}: output differs from the reference on {detail}.")
+            detail = ", ".join(f"prompt {m['prompt'] + 1} from token {m['first_diff']}" for m in r["mismatch_detail"])
+            notes.append(f"- {r['label']}: output differs from `{r['token_ref']}` on {detail}.")
     for r in errors:
         notes += [f"- {r['label']} failed:", "", "```", r["error"], "```"]
     path.write_text("\n".join(lines + notes) + "\n")
 
 
-def write_plot(path: Path, rows: list[dict[str, Any]]) -> None:
+def write_plot(path: Path, report: dict[str, Any]) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    shown = [r for r in rows if "speedup" in r]
+    shown = [r for r in report["rows"] if "speedup" in r]
     if not shown:
-        log("no speedups to plot (the reference row did not run)")
+        log("no speedups to plot (no target-alone row ran)")
         path.unlink(missing_ok=True)  # never leave an earlier run's plot next to this run's table
         return
-    fig, ax = plt.subplots(figsize=(9, 4.5))
-    colors = {"target": "#9e9e9e", "assisted": "#f4a261", "sync": "#2a9d8f", "overlap": "#264653"}
+    defs = report["meta"]["row_defs"]
+    colors = {("target", "float32"): "#cfcfcf", ("target", "bfloat16"): "#9e9e9e",
+              ("assisted", "float32"): "#f9c99b", ("assisted", "bfloat16"): "#f4a261"}
+    fig, ax = plt.subplots(figsize=(max(9.0, 0.75 * len(shown)), 4.8))
     xs = range(len(shown))
-    bars = ax.bar(xs, [r["speedup"] for r in shown], color=[colors[ROWS[r["key"]][1]] for r in shown])
+    bars = ax.bar(xs, [r["speedup"] for r in shown],
+                  color=[colors.get((r["kind"], defs[r["key"]].get("dtype")), "#264653") for r in shown])
     for bar, r in zip(bars, shown):
         ax.annotate(f"{r['speedup']:.2f}×", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-                    ha="center", va="bottom", fontsize=9)
+                    ha="center", va="bottom", fontsize=8)
     top = max(r["speedup"] for r in shown)
+    base = next((r.get("speedup") for r in report["rows"] if r["key"] == report["meta"].get("c_target_row")), None)
     for name, style, text in (("ideal", {"color": "crimson"}, "ideal overlapped bound E/max(1, k·c)"),
                               ("sync_bound", {"color": "dimgray"}, "synchronous bound E/(1 + k·c)")):
-        marks = [(i, r[name]) for i, r in enumerate(shown) if name in r]
+        marks = [(i, r[name] * base) for i, r in enumerate(shown) if name in r and base]  # bounds are over c's base
         if marks:
-            ax.scatter([i for i, _ in marks], [v for _, v in marks], marker="_", s=900, zorder=3, label=text, **style)
+            ax.scatter([i for i, _ in marks], [v for _, v in marks], marker="_", s=700, zorder=3, label=text, **style)
             top = max(top, *(v for _, v in marks))
     if ax.get_legend_handles_labels()[0]:
         ax.legend(loc="upper left", fontsize=8)
     ax.set_ylim(0, top * 1.3)
     ax.axhline(1.0, color="black", linewidth=0.8)
-    ax.set_xticks(list(xs), [r["label"] for r in shown], rotation=20, ha="right", fontsize=8)
-    ax.set_ylabel(f"tokens/s ÷ {ROWS[REFERENCE][0]}")
-    ax.set_title("Greedy decoding speed relative to the target alone (1 thread)")
+    ax.set_xticks(list(xs), [r["label"] for r in shown], rotation=25, ha="right", fontsize=7)
+    ax.set_ylabel(f"tokens/s ÷ {report['meta']['reference']}")
+    ax.set_title("Greedy decoding speed relative to the target alone (interleaved prompt by prompt)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
+def write_reports(out: Path, report: dict[str, Any], final: bool) -> None:
+    """bench.json and bench.md (after every prompt); the plots too when ``final``."""
+    report["rows"] = summarize_all(report)
+    (out / "bench.json").write_text(json.dumps(report, indent=1))
+    write_markdown(out / "bench.md", report)
+    if final:
+        write_plot(out / "bench.png", report)
+        write_curve_plot(out / "costs.png", report.get("curves", {}))
+        log(f"wrote {out / 'bench.md'}, {out / 'bench.png'}, {out / 'costs.png'}, {out / 'bench.json'}")
+
+
 # ---------------------------------------------------------------------------------------------- main
 
 
-def select_rows(spec: str) -> list[str]:
-    """``"hf-target-1t,pipespec"`` → keys, in run order; a token matches a key or a ``-``-separated prefix."""
-    wanted = set()
-    for token in filter(None, (t.strip() for t in spec.split(","))):
-        hits = [k for k in ROWS if k == token or k.startswith(token + "-")]
-        if not hits:
-            raise SystemExit(f"bench: unknown row {token!r} (rows: {', '.join(ROWS)})")
-        wanted.update(hits)
-    return [k for k in ROWS if k in wanted]
-
-
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="rows: " + ", ".join(ROWS))
+    variants = ", ".join(named_variants())
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="rows on this machine: " + ", ".join(define_rows({})) + f", pipespec-NAME (variants: {variants})")
     p.add_argument("--out", type=Path, default=REPO_ROOT / "results", help="output folder (default: results/)")
-    p.add_argument("--rows", default=",".join(ROWS), help="comma list of row keys or prefixes (default: all)")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--prompts", type=int, default=10, help="number of prompts (from the start of the prompts file)")
+    p.add_argument("--rows", default="hf,pipespec",
+                   help="comma list of row keys or key prefixes, e.g. hf-target-bf16,pipespec (default: all rows)")
+    p.add_argument("--reference", default=None,
+                   help="the row speedups are taken against (default: hf-target-<config dtype>-<all threads>, else "
+                        "a selected target-alone row, the config's dtype first); it runs in every pass")
+    p.add_argument("--pipespec-variants", default="sync",
+                   help=f"comma list of named pipespec variants to add as rows pipespec-NAME ({variants}; "
+                        "default: sync; '' for none)")
+    p.add_argument("--pipespec-set", action="append", default=[], metavar="[NAME:]KEY=VALUE,...",
+                   help="add a row pipespec-NAME (default NAME setN) running cpu.yaml with these config overrides, "
+                        "e.g. k8:drafter.max_draft_tokens=8,drafter.draft_schedule=constant; repeatable")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per prompt (default: 128)")
+    p.add_argument("--prompts", type=int, default=10,
+                   help="number of prompts, from the start of the prompts file (default: 10)")
     p.add_argument("--prompts-file", type=Path, default=DEFAULT_PROMPTS,
                    help="JSON list of {id, messages} (default: scripts/prompts/code_prompts.json)")
+    p.add_argument("--memory-gib", type=float, default=None,
+                   help="memory the setups of one pass may use together (default: 90%% of MemAvailable at start)")
+    p.add_argument("--curve-target-tokens", type=int, default=16, metavar="K",
+                   help="target cost curve over 1..K new tokens (default: 16)")
+    p.add_argument("--curve-drafter-tokens", type=int, default=8, metavar="R",
+                   help="drafter cost curve over 1..R new tokens (default: 8)")
+    p.add_argument("--curve-budget-s", type=float, default=20.0,
+                   help="time budget of one cost curve; sizes past it are left out (default: 20)")
+    p.add_argument("--no-curves", action="store_true", help="skip the cost curves (and so c and the speed model)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the rows, the passes and their estimated memory, and exit without running (named models "
+                        "that are missing are installed first, as a run would)")
     p.add_argument("--replot", action="store_true",
-                   help="only rebuild bench.md and bench.png from the bench.json already in --out")
-    p.add_argument("--_hf-worker", dest="hf_worker", type=Path, help=argparse.SUPPRESS)
+                   help="only rebuild bench.md, bench.png and costs.png from the bench.json already in --out")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    sys.path.insert(0, str(REPO_ROOT))
-    if args.hf_worker:
-        return hf_worker(args.hf_worker)
     if args.replot:
-        return replot(args.out)
-    keys = select_rows(args.rows)
+        report = json.loads((args.out / "bench.json").read_text())
+        write_reports(args.out, report, final=True)
+        return 0
     from runtime.config import load_config
     from shared.models import load_tokenizer, resolve_model
 
+    defs = define_rows(parse_variants(args.pipespec_variants, args.pipespec_set))
+    keys = select_rows(args.rows, list(defs), "bench")
     cfg = load_config(CONFIG)
-    prompts = json.loads(args.prompts_file.read_text())[: args.prompts]
-    if len(prompts) < args.prompts:
-        log(f"WARNING: only {len(prompts)} prompts in {args.prompts_file}")
+    for key in keys:  # a bad override fails here, before any model loads
+        if defs[key]["kind"] == "pipespec":
+            v = load_config(CONFIG, defs[key]["overrides"])
+            defs[key] |= {"dtype": v["verifier"]["dtype"], "overlap": v["drafter"]["overlap"],
+                          "threads_label": f"{v['verifier']['threads']}+{v['drafter']['threads']}",
+                          "config": v}
+    prompts_all = json.loads(args.prompts_file.read_text())[: args.prompts]
+    if len(prompts_all) < args.prompts:
+        log(f"WARNING: only {len(prompts_all)} prompts in {args.prompts_file}")
     target_path = resolve_model(cfg["verifier"]["model"])
-    tokenizer = load_tokenizer(target_path)
-    messages = [p["messages"] for p in prompts]
-    prompt_ids = [list(tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=True,
-                                                     return_dict=True)["input_ids"]) for m in messages]
-    ctx = {"messages": messages, "prompt_ids": prompt_ids, "max_new_tokens": args.max_new_tokens,
-           "block": cfg["drafter"]["num_draft_tokens"] + 1, "target_path": target_path,
-           "draft_path": resolve_model(cfg["drafter"]["model"]), "dtype": cfg["verifier"]["dtype"]}
-    args.out.mkdir(parents=True, exist_ok=True)
-    meta = {
-        "date": dt.datetime.now().astimezone().isoformat(timespec="seconds"), "machine": machine_info(),
-        "target": cfg["verifier"]["model"], "drafter": cfg["drafter"]["model"], "dtype": cfg["verifier"]["dtype"],
+    draft_path = resolve_model(cfg["drafter"]["model"])
+    prompts = chat_prompts(load_tokenizer(target_path), [p["messages"] for p in prompts_all])
+
+    # setups: one worker per (dtype, threads) with rows, one cluster per pipespec row
+    setups: dict[str, HFSetup | ClusterSetup] = {}
+    rows: dict[str, Row] = {}
+    all_threads = thread_variants()[-1]
+    # c compares the drafter and target where pipespec runs them: the config's dtype and verifier threads
+    c_setup = f"hf-{DTYPE_TAGS[cfg['verifier']['dtype']]}-{cfg['verifier']['threads']}t"
+    if all_threads[2] != cfg["verifier"]["device"]:
+        c_setup = ""  # e.g. transformers on a GPU, pipespec's config on the CPU: no such setup here
+
+    def hf_setup(key: str, dtype: str, threads: int, device: str) -> HFSetup:
+        if key not in setups:
+            curves = [] if args.no_curves else [
+                ("target", "target", list(range(1, args.curve_target_tokens + 1))),
+                ("drafter", draft_path, list(range(1, args.curve_drafter_tokens + 1)))]
+            setups[key] = HFSetup(key, dtype, threads, device, target_path, model_gib(target_path, dtype), curves,
+                                  {"drafter": model_gib(draft_path, dtype)})
+        return setups[key]
+
+    for key in keys:
+        d = defs[key]
+        if d["kind"] == "pipespec":
+            v = d.pop("config")
+            setups[key] = ClusterSetup(key, CONFIG, d["overrides"], cluster_models(v),
+                                       processes=2 if v["launch"]["start_drafter"] else 1)
+            rows[key] = Row(key, d["label"], key)
+        else:
+            s = hf_setup(d["setup"], d["dtype"], d["threads"], d["device"])
+            strategy = {"kind": "target"} if d["kind"] == "target" else {"kind": "assistant", "model": draft_path}
+            rows[key] = Row(key, d["label"], s.key, strategy=strategy,
+                            models={} if d["kind"] == "target" else {"drafter": s.curve_models["drafter"]})
+    needs_c = any(defs[k]["kind"] == "pipespec" for k in keys) and not args.no_curves
+    if needs_c and c_setup and c_setup not in setups:
+        tag = c_setup.rsplit("-", 1)[1]
+        variant = next((v for v in thread_variants() if v[0] == tag), None)
+        if variant:  # only the cost curves of the pipespec setting are needed (for c), no rows
+            hf_setup(c_setup, cfg["verifier"]["dtype"], variant[1], variant[2])
+            rows[f"curves-{c_setup}"] = Row(f"curves-{c_setup}", f"cost curves {c_setup}", c_setup, curves_only=True)
+        else:
+            log(f"WARNING: no transformers setup at {cfg['verifier']['threads']} thread(s) here: c is not measured")
+
+    dtag = DTYPE_TAGS[cfg["verifier"]["dtype"]]
+    targets = [k for k in keys if defs[k]["kind"] == "target"]
+    reference = args.reference or f"hf-target-{dtag}-{all_threads[0]}"
+    if reference not in targets:
+        if args.reference:
+            raise SystemExit(f"bench: --reference {args.reference} is not a selected target-alone row")
+        reference = next(iter(sorted(targets, key=lambda k: not k.startswith(f"hf-target-{dtag}"))), None)
+    for row in rows.values():
+        if row.key != reference and not row.curves_only:
+            row.anchor = reference
+    token_refs = {}
+    for dtype in HF_DTYPES:
+        found = [k for k in targets if defs[k]["dtype"] == dtype]
+        if found:
+            token_refs[dtype] = found[0]  # the 1-thread one where it ran (definition order)
+
+    # units: the rows of one setup share a pass. The reference's setup comes first, so it is measured in pass 1,
+    # then the pipespec rows, so they share a pass with it (and its assisted row) where memory allows
+    units: dict[str, list[str]] = {}
+    order = sorted(rows, key=lambda k: (k != reference, defs.get(k, {}).get("kind") != "pipespec"))
+    for key in order:
+        units.setdefault(rows[key].setup, [])
+        if key not in units[rows[key].setup]:
+            units[rows[key].setup].append(key)
+    budget = memory_budget_gib(args.memory_gib)
+    passes = plan_passes(list(units.values()), rows, setups, budget)
+
+    meta: dict[str, Any] = {
+        "start": utc_now(), "end": None, "machine": machine_info(), "memory_budget_gib": budget,
+        "models": f"target `{cfg['verifier']['model']}`, drafter `{cfg['drafter']['model']}`",
+        "dtypes": "transformers rows as named (fp32 = float32, bf16 = bfloat16); pipespec rows their config's "
+                  f"({cfg['verifier']['dtype']} in {CONFIG})",
+        "threads": "transformers rows as named, one worker process each (OMP/MKL threads and torch.set_num_threads"
+                   "); pipespec rows verifier+drafter threads of their config, one process each",
         "num_draft_tokens": cfg["drafter"]["num_draft_tokens"], "draft_schedule": cfg["drafter"]["draft_schedule"],
-        "verifier_threads": cfg["verifier"]["threads"], "drafter_threads": cfg["drafter"]["threads"],
-        "prompts": len(prompts), "prompt_ids": [p.get("id") for p in prompts], "prompts_file": str(args.prompts_file),
-        "prompt_tokens": [len(ids) for ids in prompt_ids], "max_new_tokens": args.max_new_tokens, "rows": keys,
+        "overlap": cfg["drafter"]["overlap"], "prompts": len(prompts), "prompt_ids": [p.get("id") for p in prompts_all],
+        "prompts_file": str(args.prompts_file), "prompt_tokens": [len(p["ids"]) for p in prompts],
+        "max_new_tokens": args.max_new_tokens, "rows": keys, "row_defs": {k: defs[k] for k in keys},
+        "reference": reference, "token_refs": token_refs, "c_setup": c_setup,
+        "c_target_row": f"hf-target-{dtag}-{c_setup.rsplit('-', 1)[1]}" if c_setup else None,
     }
-    log(f"rows: {', '.join(keys)}; {len(prompts)} prompts ({min(meta['prompt_tokens'])}–"
-        f"{max(meta['prompt_tokens'])} tokens), max_new_tokens {args.max_new_tokens}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    log(f"rows: {', '.join(keys)}; reference {reference}; {len(prompts)} prompts "
+        f"({min(meta['prompt_tokens'])}–{max(meta['prompt_tokens'])} tokens), max_new_tokens {args.max_new_tokens}; "
+        f"{len(passes)} pass(es) within {budget:.1f} GiB")
 
-    raw: dict[str, dict[str, Any]] = {}
-    errors: dict[str, str] = {}
-    calibration = None
-    need_c = any(k.startswith(("pipespec", "hf-assisted-1t")) for k in keys)
+    if args.dry_run:
+        print(plan_text(passes, rows, setups, budget))
+        return 0
 
-    def save() -> dict[str, Any]:
-        ref = raw.get(REFERENCE)
-        c = calibration["c"] if calibration else None
-        rows = [summarize(k, raw[k], ref, c) if k in raw else {"key": k, "label": ROWS[k][0], "error": errors[k]}
-                for k in keys if k in raw or k in errors]
-        report = {"meta": meta, "calibration": calibration, "rows": rows, "raw": raw}
-        (args.out / "bench.json").write_text(json.dumps(report, indent=1))
+    def save(final: bool = False) -> dict[str, Any]:
+        report = {"meta": meta, **runner.state()}
+        meta["passes"] = runner.passes
+        settings = next((r["hf"]["settings"] for k, r in runner.raw.items()
+                         if defs.get(k, {}).get("kind") == "assisted" and "hf" in r), None)
+        meta["assisted_settings"] = settings
+        write_reports(args.out, report, final)
         return report
 
-    with tempfile.TemporaryDirectory(prefix="pipespec-bench-") as tmp:
-        for threads in (1, 2):  # one worker per thread count; the 1-thread one also measures c
-            hf_keys = [k for k in keys if k.startswith("hf") and ROWS[k][2] == threads]
-            calibrate = threads == 1 and need_c
-            if not hf_keys and not calibrate:
-                continue
-            t0 = time.perf_counter()
-            try:
-                out = run_hf_rows(hf_keys, threads, calibrate, ctx, Path(tmp))
-            except RuntimeError as exc:
-                log(f"hf rows at {threads} thread(s) failed: {exc}")
-                errors.update(dict.fromkeys(hf_keys, str(exc)))
-                continue
-            raw.update(out["rows"])
-            calibration = out["calibration"] or calibration
-            meta["assisted_settings"] = out.get("assisted_settings") or meta.get("assisted_settings")
-            log(f"hf worker ({threads} thread(s)) done in {time.perf_counter() - t0:.1f} s")
-            save()
-    for key in (k for k in keys if k.startswith("pipespec")):
-        t0 = time.perf_counter()
-        try:
-            raw[key] = asyncio.run(run_pipespec_row(key, ctx))
-            log(f"{ROWS[key][0]}: done in {time.perf_counter() - t0:.1f} s")
-        except Exception as exc:  # report a runtime failure in the table, keep the other rows
-            errors[key] = f"{type(exc).__name__}: {exc}"
-            log(f"{ROWS[key][0]} failed after {time.perf_counter() - t0:.1f} s: {errors[key]}")
-        save()
-
-    write_reports(args.out, save())
-    return 1 if errors else 0
-
-
-def write_reports(out: Path, report: dict[str, Any]) -> None:
-    write_markdown(out / "bench.md", report)
-    write_plot(out / "bench.png", report["rows"])
-    log(f"wrote {out / 'bench.md'}, {out / 'bench.png'}, {out / 'bench.json'}")
-    print((out / "bench.md").read_text())
-
-
-def replot(out: Path) -> int:
-    """Recompute the rows from the raw numbers of an earlier run and rewrite the markdown and the plot."""
-    report = json.loads((out / "bench.json").read_text())
-    raw, meta = report["raw"], report["meta"]
-    c = report["calibration"]["c"] if report.get("calibration") else None
-    errors = {r["key"]: r["error"] for r in report["rows"] if "error" in r}
-    report["rows"] = [summarize(k, raw[k], raw.get(REFERENCE), c) if k in raw
-                      else {"key": k, "label": ROWS[k][0], "error": errors[k]}
-                      for k in meta["rows"] if k in raw or k in errors]
-    (out / "bench.json").write_text(json.dumps(report, indent=1))
-    write_reports(out, report)
-    return 0
+    runner = Runner(rows, setups, {"default": prompts}, args.max_new_tokens, save,
+                    curve_budget_s=args.curve_budget_s)
+    asyncio.run(runner.run(passes))
+    meta["end"] = utc_now()
+    report = save(final=True)
+    print((args.out / "bench.md").read_text())
+    return 1 if any("error" in r for r in report["rows"]) else 0
 
 
 if __name__ == "__main__":
