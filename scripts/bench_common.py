@@ -45,65 +45,7 @@ PROCESS_GIB = 0.5  # resident memory of one Python process with torch and transf
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 DTYPE_TAGS = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
-try:
-    from shared.costs import cpu_model_name, hardware_flags, measure_curve
-except ImportError:  # private fallback until shared/costs.py is merged (the lead deletes this block at merge)
-    @dataclass
-    class CostCurve:
-        sizes: list[int]
-        seconds: list[float]
-        prefix_len: int
-
-    def cpu_model_name() -> str:
-        with contextlib.suppress(OSError):
-            for line in Path("/proc/cpuinfo").read_text().splitlines():
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-        return platform.processor() or "unknown"
-
-    def hardware_flags() -> dict[str, bool]:
-        flags: set[str] = set()
-        with contextlib.suppress(OSError):
-            for line in Path("/proc/cpuinfo").read_text().splitlines():
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    break
-        import torch
-
-        return {"avx2": "avx2" in flags, "avx512_bf16": "avx512_bf16" in flags,
-                "amx": bool(flags & {"amx_bf16", "amx_tile"}), "gpu": torch.cuda.is_available()}
-
-    def measure_curve(model: Any, sizes: list[int], prefix_len: int = 64, budget_s: float = 8.0,
-                      repeats: int = 2) -> CostCurve:
-        """Fastest of ``repeats`` forwards of n new tokens on a cached ``prefix_len``-token prefix, for each n in
-        ``sizes`` in order, stopping once ``budget_s`` is spent."""
-        import torch
-
-        from shared.kv import CachedLM
-
-        sync = torch.cuda.synchronize if next(model.parameters()).is_cuda else (lambda: None)
-        ids = [100 + (i * 7919) % 1000 for i in range(prefix_len + max(sizes))]  # any fixed in-vocabulary ids
-        lm = CachedLM(model)
-        lm.feed(ids[:prefix_len])
-        lm.feed(ids[prefix_len:prefix_len + 1])  # untimed warm-up
-        lm.crop(prefix_len)
-        done: list[int] = []
-        seconds: list[float] = []
-        deadline = time.perf_counter() + budget_s
-        for n in sizes:
-            times = []
-            for rep in range(repeats + 1):  # the first forward of a new shape may pick kernels: untimed
-                t0 = time.perf_counter()
-                lm.feed(ids[prefix_len:prefix_len + n])
-                sync()
-                if rep:
-                    times.append(time.perf_counter() - t0)
-                lm.crop(prefix_len)
-            done.append(n)
-            seconds.append(min(times))
-            if time.perf_counter() > deadline:
-                break
-        return CostCurve(done, seconds, prefix_len)
+from shared.costs import cpu_model_name, hardware_flags, measure_curve  # noqa: E402
 
 _START = time.time()  # progress lines show seconds since this (workers get the parent's through their spec)
 
