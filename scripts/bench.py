@@ -430,7 +430,11 @@ def main(argv: list[str] | None = None) -> int:
     rows: dict[str, Row] = {}
     all_threads = thread_variants()[-1]
     # c compares the drafter and target where pipespec runs them: the config's dtype and verifier threads
-    c_setup = f"hf-{DTYPE_TAGS[cfg['verifier']['dtype']]}-{cfg['verifier']['threads']}t"
+    # dtype/threads auto: pipespec chooses at start-up (its rows report what); transformers rows are named setups,
+    # and the reference is bf16 at every core (the fastest transformers setup on CPUs measured so far)
+    vdtype = cfg["verifier"]["dtype"] if cfg["verifier"]["dtype"] != "auto" else "bfloat16"
+    vthreads = cfg["verifier"]["threads"] if cfg["verifier"]["threads"] != "auto" else all_threads[1]
+    c_setup = f"hf-{DTYPE_TAGS[vdtype]}-{vthreads}t"
     if all_threads[2] != cfg["verifier"]["device"]:
         c_setup = ""  # e.g. transformers on a GPU, pipespec's config on the CPU: no such setup here
 
@@ -460,12 +464,12 @@ def main(argv: list[str] | None = None) -> int:
         tag = c_setup.rsplit("-", 1)[1]
         variant = next((v for v in thread_variants() if v[0] == tag), None)
         if variant:  # only the cost curves of the pipespec setting are needed (for c), no rows
-            hf_setup(c_setup, cfg["verifier"]["dtype"], variant[1], variant[2])
+            hf_setup(c_setup, vdtype, variant[1], variant[2])
             rows[f"curves-{c_setup}"] = Row(f"curves-{c_setup}", f"cost curves {c_setup}", c_setup, curves_only=True)
         else:
             log(f"WARNING: no transformers setup at {cfg['verifier']['threads']} thread(s) here: c is not measured")
 
-    dtag = DTYPE_TAGS[cfg["verifier"]["dtype"]]
+    dtag = DTYPE_TAGS[vdtype]
     targets = [k for k in keys if defs[k]["kind"] == "target"]
     reference = args.reference or f"hf-target-{dtag}-{all_threads[0]}"
     if reference not in targets:

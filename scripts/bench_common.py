@@ -283,13 +283,18 @@ def model_gib(path: str, dtype: str, fraction: float = 1.0) -> float:
     return widen * fraction * size * DTYPE_BYTES[dtype] / stored / 2**30
 
 
+def _sized_dtype(dtype: str) -> str:
+    """``auto`` may become float32: budget memory for the larger."""
+    return "float32" if dtype == "auto" else dtype
+
+
 def cluster_models(cfg: dict[str, Any]) -> dict[str, float]:
     """GiB of the models a cluster of the loaded config ``cfg`` holds: the target in the verifier and the drafter's
     model (none for prompt lookup; for early exit its first layers plus, roughly, the embeddings and LM head)."""
     from shared.models import resolve_model
 
     v, d = cfg["verifier"], cfg["drafter"]
-    models = {"verifier": model_gib(resolve_model(v["model"]), v["dtype"])}
+    models = {"verifier": model_gib(resolve_model(v["model"]), _sized_dtype(v["dtype"]))}
     if not cfg["launch"]["start_drafter"] or d["type"] == "prompt_lookup":
         return models
     path = resolve_model(d.get("model") or v["model"])
@@ -298,7 +303,7 @@ def cluster_models(cfg: dict[str, Any]) -> dict[str, float]:
         with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
             layers = json.loads((Path(path) / "config.json").read_text())["num_hidden_layers"]
             fraction = min(1.0, d["assistant_early_exit"] / layers + 0.3)
-    models["drafter"] = model_gib(path, d["dtype"], fraction)
+    models["drafter"] = model_gib(path, _sized_dtype(d["dtype"]), fraction)
     return models
 
 
