@@ -22,6 +22,7 @@ probes) and with its share while both work (overlap); see :mod:`drafter_node.cos
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -38,7 +39,7 @@ from drafter_node.base import Drafter, DraftSession
 from drafter_node.cost_model import CostBook
 from drafter_node.schedule import CostSchedule, DraftLengthSchedule
 from drafter_node.types import drafter_class
-from shared.costs import CostCurve, NodeProfile
+from shared.costs import CostCurve, NodeProfile, measuring_alone
 from shared.models import ModelLoadError, ProfileSpec, ThreadPlan, profile_node, profile_sizes, set_threads
 from shared.protocol import Message, ProtocolError, decode, encode
 from shared.sampling import GenerationParams
@@ -217,9 +218,11 @@ class DrafterNode:
         self.threads = ThreadPlan.for_node(config, "drafter")
         self.max_k = int(dcfg["max_draft_tokens"])
         set_threads(self.threads.share)
-        self.drafter = drafter or load_drafter({**dcfg, "_profile_spec": self.profile_spec(config)})
+        # Load and measure while no other node on this machine does (the verifier starts at the same time).
+        with measuring_alone(dcfg["device"]) if dcfg["profile_s"] > 0 else contextlib.nullcontext():
+            self.drafter = drafter or load_drafter({**dcfg, "_profile_spec": self.profile_spec(config)})
+            self.profile = self._profile(config)
         self.book = CostBook(self.max_k)
-        self.profile = self._profile(config)
         self.book.set_drafter(self.profile, self.threads.share, self.threads.full)
         self._fixed_costs = test_costs()
         if self._fixed_costs:

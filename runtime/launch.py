@@ -258,8 +258,16 @@ def format_metrics(m: dict[str, Any]) -> str:
         f"{m['rounds']} rounds, acceptance {m['acceptance_rate']:.2f} ({m['accepted_tokens']}/{m['draft_tokens']}), "
         f"τ {m['mean_accepted_length']:.2f}, busy verifier {m['verifier_busy_fraction']:.2f} / drafter "
         f"{m['drafter_busy_fraction']:.2f}, pre-draft hits {m['predraft_hits']}, fallback rounds "
-        f"{m['fallback_rounds']}, message overhead {m['message_overhead_ms_per_round']:.2f} ms/round"
+        f"{m['fallback_rounds']}, message overhead {m['message_overhead_ms_per_round']:.2f} ms/round, "
+        f"rounds alone (k = 0) {m.get('solo_rounds', 0)}, plans {_plans(m.get('plans'))}, dtype verifier "
+        f"{m.get('verifier_dtype') or '?'} / drafter {m.get('drafter_dtype') or '—'}"
     )
+
+
+def _plans(plans: Any) -> str:
+    if not isinstance(plans, dict) or not plans:
+        return "—"
+    return " / ".join(f"{name} {count}" for name, count in plans.items())
 
 
 async def _serve(config: dict[str, Any], run_dir: str | None) -> int:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import fcntl
 import gc
 import hashlib
 import itertools
@@ -24,7 +25,7 @@ import math
 import os
 import platform
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -635,7 +636,8 @@ def load_or_measure(model, model_path: str, device: str, dtype: str, threads: li
     where = ", ".join(f"{t} thread{'s' if t != 1 else ''}" if t else device for t in keys)
     if progress:
         progress(f"profiling {name} {dtype} at {where} (budget {budget_s:.1f} s) ...")
-    curves = measure_curves(model, sizes, keys, budget_s=budget_s)
+    with measuring_alone(device, progress):
+        curves = measure_curves(model, sizes, keys, budget_s=budget_s)
     if progress:
         for t, curve in curves.items():
             progress(f"profiling {name} {dtype} {t or device}{' threads' if t else ''}: {_describe(curve)}")
@@ -644,6 +646,52 @@ def load_or_measure(model, model_path: str, device: str, dtype: str, threads: li
     if not _write_cached(key, profile) and progress:
         progress(f"cannot write the profile cache in {profile_cache_dir()} (measuring again next time)")
     return profile
+
+
+#: Longest wait for another node's measurement on this machine before measuring anyway.
+MEASURE_LOCK_WAIT_S = 180.0
+
+
+_HOLDING_LOCK = False  # this process holds the measuring lock already (nested use is a no-op)
+
+
+@contextlib.contextmanager
+def measuring_alone(device: str, progress: ProgressFn | None = None) -> Iterator[None]:
+    """Hold a machine-wide lock (a file in the profile folder) while loading and measuring on a CPU: two nodes that
+    start together would otherwise time their forwards while the other loads or measures on the same cores, and
+    cache those numbers. Waits at most MEASURE_LOCK_WAIT_S; re-entrant within a process."""
+    global _HOLDING_LOCK
+    if not _is_cpu(device) or _HOLDING_LOCK:
+        yield
+        return
+    folder = profile_cache_dir()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        handle = open(folder / ".measure.lock", "a+")  # noqa: SIM115 - held across the yield
+    except OSError:
+        yield
+        return
+    try:
+        deadline = time.monotonic() + MEASURE_LOCK_WAIT_S
+        waited = False
+        while True:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    if progress:
+                        progress("another process kept measuring; measuring alongside it")
+                    break
+                if not waited and progress:
+                    progress("waiting for another node's measurement on this machine ...")
+                waited = True
+                time.sleep(0.1)
+        _HOLDING_LOCK = True
+        yield
+    finally:
+        _HOLDING_LOCK = False
+        handle.close()  # releases the lock
 
 
 def _auto_gpu_dtype(device: str) -> str | None:

@@ -151,16 +151,20 @@ def load_causal_lm(
     on a GPU, it takes :func:`heuristic_dtype`. The choice is logged."""
     if dtype == AUTO:
         if profile is not None and profile.budget_s > 0 and device == "cpu":
-            from shared.costs import resolve_auto_dtype, verify_score
+            from shared.costs import measuring_alone, resolve_auto_dtype, verify_score
 
             verifier = profile.role == "verifier"
 
             def load(name: str):
                 return load_causal_lm(path, device, name, max_memory, config)
 
-            model, prof = resolve_auto_dtype(load, path, device, profile.threads, profile.sizes, profile.budget_s,
-                                             progress=lambda line: log.info("dtype auto: %s", line),
-                                             variant=profile.variant, score=verify_score if verifier else None)
+            def progress(line: str) -> None:
+                log.info("dtype auto: %s", line)
+
+            with measuring_alone(device):  # load and measure while no other node on this machine measures
+                model, prof = resolve_auto_dtype(load, path, device, profile.threads, profile.sizes,
+                                                 profile.budget_s, progress=progress, variant=profile.variant,
+                                                 score=verify_score if verifier else None)
             log.info("dtype auto: %s chose %s (scores %s)", path, prof.dtype, prof.candidates)
             return model
         dtype = heuristic_dtype(device)

@@ -13,6 +13,7 @@ blocks, no drafter) and with its share while the drafter pre-drafts.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import secrets
 import signal
@@ -23,7 +24,7 @@ from typing import Any
 import torch
 import zmq
 
-from shared.costs import NodeProfile
+from shared.costs import NodeProfile, measuring_alone
 from shared.kv import CachedLM, KVRowsError
 from shared.models import (
     ProfileSpec,
@@ -95,12 +96,14 @@ class VerifierServer:
         path = resolve_model(vcfg["model"])
         self.tokenizer = tokenizer or load_tokenizer(path)
         spec = ProfileSpec(self.threads.counts(), profile_sizes(config), float(vcfg["profile_s"]), role="verifier")
-        self.model = model or load_causal_lm(path, vcfg["device"], vcfg["dtype"], vcfg.get("max_memory"),
-                                             profile=spec)
-        self.dtype = model_dtype(self.model)
         self.profile: NodeProfile | None = None
-        if spec.budget_s > 0:
-            self.profile = profile_node(self.model, vcfg["model"], vcfg["device"], spec, "verifier")
+        # Load and measure while no other node on this machine does (the drafter starts at the same time).
+        with measuring_alone(vcfg["device"]) if spec.budget_s > 0 else contextlib.nullcontext():
+            self.model = model or load_causal_lm(path, vcfg["device"], vcfg["dtype"], vcfg.get("max_memory"),
+                                                 profile=spec)
+            if spec.budget_s > 0:
+                self.profile = profile_node(self.model, vcfg["model"], vcfg["device"], spec, "verifier")
+        self.dtype = model_dtype(self.model)
         log.info("verifier: %s in %s, threads %d (share) / %d (full)", vcfg["model"], self.dtype, self.threads.share,
                  self.threads.full)
         self.vocab_size = logits_vocab_size(self.model)
