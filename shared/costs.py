@@ -587,6 +587,7 @@ def measure_curves(model, sizes: list[int], threads: list[int], prefix_len: int 
                     continue
                 use(t)
                 measured[t][n] = fastest(tokens(n), prefix_len)
+        fill_from_richest(measured)
         curves = {}
         for t in keys:
             ks = sorted(measured[t])
@@ -608,6 +609,24 @@ def measure_curves(model, sizes: list[int], threads: list[int], prefix_len: int 
         return curves
     finally:
         torch.set_num_threads(previous)
+
+
+def fill_from_richest(measured: dict[int, dict[int, float]]) -> None:
+    """Give every thread count's points the shape of the most measured one where the budget left them out: a size
+    measured at one thread count but not at another gets own(first) · rich(n) / rich(first). A lone point would
+    otherwise extrapolate flat (a forward over 9 tokens costing what one does), which no CPU does."""
+    if len(measured) < 2:
+        return
+    rich = max(measured.values(), key=len)
+    for points in measured.values():
+        if points is rich or not points:
+            continue
+        first = min(points)
+        if first not in rich:
+            continue
+        for n, seconds in rich.items():
+            if n not in points:
+                points[n] = points[first] * seconds / rich[first]
 
 
 def _describe(curve: CostCurve) -> str:

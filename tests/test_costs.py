@@ -415,3 +415,10 @@ def test_verify_score_prefers_the_dtype_fast_at_its_best_shape():
     sizes = [1, 2, 4, 8]
     assert costs.verify_score(bf16, sizes) < costs.verify_score(fp32, sizes)
     assert abs(costs.verify_score(bf16, [1]) - 0.22) < 1e-9  # k = 0 at every core
+
+
+def test_a_thread_count_the_budget_cut_short_takes_the_shape_of_the_richest():
+    measured = {1: {1: 0.4, 9: 3.0}, 2: {1: 0.3}}
+    costs.fill_from_richest(measured)
+    assert measured[2] == {1: 0.3, 9: 0.3 * 3.0 / 0.4}
+    assert measured[1] == {1: 0.4, 9: 3.0}
