@@ -432,6 +432,9 @@ class VerifierServer:
         want_hidden = bool(self.drafter and self.drafter.needs_hidden)
         kv_layers = self.drafter.kv_layers if self.drafter else []
         if not s.prefilled:
+            # A prompt is one long forward: every core (a drafter that drafts prefills its own copy meanwhile, one
+            # whose plan is k = 0 waits; the threads follow the plan again from the first round)
+            self._use_threads(self.threads.full)
             if not (want_hidden or kv_layers):
                 self._announce(s)
             hidden, kv = s.prefill(want_hidden, kv_layers)
