@@ -197,6 +197,10 @@ def summarize(key: str, report: dict[str, Any], c: float | None) -> dict[str, An
             "bytes_per_round": _weighted(pp, "bytes_per_round", "rounds"),
             "server_elapsed_s": sum(m["elapsed_s"] for m in ms),
             "mean_ttft_s": statistics.mean(m["time_to_first_token_s"] or 0.0 for m in ms),
+            "solo_rounds": sum(m.get("solo_rounds", 0) for m in ms),
+            "plans": {name: sum((m.get("plans") or {}).get(name, 0) for m in ms)
+                      for name in sorted({n for m in ms for n in (m.get("plans") or {})})},
+            "dtypes": "/".join(sorted({f"{m.get('verifier_dtype')}+{m.get('drafter_dtype')}" for m in ms})),
         }
     if spec:
         row |= spec
@@ -279,12 +283,15 @@ def write_markdown(path: Path, report: dict[str, Any]) -> None:
     pipe = [r for r in rows if r["kind"] == "pipespec" and "rounds" in r]
     if pipe:
         lines += ["", "Pipeline details (sums over the prompts; per-round and per-draft values are weighted means):",
-                  "", *md_table(["row", "rounds", "fallback rounds", "stale drafts", "pre-draft hits",
-                                 "rolled-back draft tokens", "draft transit ms", "bytes/round", "mean TTFT s"],
-                                [[r["label"], str(r["rounds"]), str(r["fallback_rounds"]), str(r["stale_drafts"]),
+                  "", *md_table(["row", "dtypes (verifier+drafter)", "rounds", "rounds alone (k = 0)", "plans",
+                                 "fallback rounds", "stale drafts", "pre-draft hits", "rolled-back draft tokens",
+                                 "draft transit ms", "bytes/round", "mean TTFT s"],
+                                [[r["label"], r.get("dtypes") or "—", str(r["rounds"]), str(r.get("solo_rounds", "—")),
+                                  ", ".join(f"{k} {v}" for k, v in (r.get("plans") or {}).items()) or "—",
+                                  str(r["fallback_rounds"]), str(r["stale_drafts"]),
                                   str(r["predraft_hits"]), str(r["rolled_back_draft_tokens"]),
                                   fmt(r.get("draft_transit_ms")), fmt(r.get("bytes_per_round"), ".0f"),
-                                  fmt(r.get("mean_ttft_s"))] for r in pipe], "l" + "r" * 8)]
+                                  fmt(r.get("mean_ttft_s"))] for r in pipe], "ll" + "r" * 10)]
     curve_lines = curve_table_lines(report.get("curves", {}))
     if curve_lines:
         lines += ["", *curve_lines]
