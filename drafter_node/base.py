@@ -136,6 +136,8 @@ class Drafter(ABC):
     block_len: int | None = None
     #: Added to the message when the verifier refuses this drafter's tokenizer (what the user should change).
     tokenizer_hint: str = ""
+    #: Drafting costs next to nothing (no model): the cost model then weighs only what verifying a block costs.
+    free_drafting: bool = False
 
     @property
     def profile_model(self):

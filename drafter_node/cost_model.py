@@ -199,6 +199,13 @@ class CostBook:
         if profile is not None:
             self.draft = self._pick(profile, self.draft_threads)
 
+    def set_free_drafter(self) -> None:
+        """A drafter without a model (prompt lookup): its steps cost nothing worth planning for."""
+        from shared.costs import CostCurve
+
+        free = CostCurve(sizes=[1], seconds=[1e-5], prefix_len=0)
+        self.draft = {"share": free, "full": free}
+
     @property
     def ready(self) -> bool:
         return bool(self.verify) and bool(self.draft)

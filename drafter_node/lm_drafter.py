@@ -124,7 +124,7 @@ class LMDraftSession(DraftSession):
         if self.lm.length > cached:
             self.lm.crop(cached)
         elif self.lm.length < cached:
-            self.lm.feed(ids[self.lm.length : cached])
+            self.lm.feed(ids[self.lm.length : cached], last_logits_only=True)
         self.branches = Branches(self.lm, len(self.committed), self.chain_tokens[:block_len],
                                  [(r, guess) for r, guess, _ in chosen], weights=[w for _, _, w in chosen])
         return True

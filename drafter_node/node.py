@@ -224,6 +224,8 @@ class DrafterNode:
             self.profile = self._profile(config)
         self.book = CostBook(self.max_k)
         self.book.set_drafter(self.profile, self.threads.share, self.threads.full)
+        if self.drafter.free_drafting:  # no model: nothing to measure, and no step to learn a curve from
+            self.book.set_free_drafter()
         self._fixed_costs = test_costs()
         if self._fixed_costs:
             self.book.fix_curves(*self._fixed_costs)

@@ -48,6 +48,7 @@ class PromptLookupSession(DraftSession):
 
 class PromptLookupDrafter(Drafter):
     type_name = "prompt_lookup"
+    free_drafting = True  # a lookup in the token history
 
     def __init__(self, dcfg: dict[str, Any]):
         self.max_ngram = int(dcfg["max_matching_ngram_size"])

@@ -211,7 +211,10 @@ def summarize(key: str, report: dict[str, Any], c: float | None) -> dict[str, An
     speedup = vs_anchor(report, key, meta.get("reference"))
     if speedup is not None:
         row["speedup"] = speedup
-    token_ref = meta["token_refs"].get(d.get("dtype") or "")
+    dtype = d.get("dtype") or ""
+    if dtype == "auto" and raw["per_prompt"]:  # compare with the target alone in the dtype the verifier chose
+        dtype = raw["per_prompt"][0].get("metrics", {}).get("verifier_dtype") or ""
+    token_ref = meta["token_refs"].get(dtype)
     ref = report["raw"].get(token_ref or "")
     if key == token_ref:
         row["mismatches"] = "ref"

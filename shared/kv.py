@@ -7,6 +7,8 @@ recording is switched on so that a rollback can restore the window, and every ``
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
@@ -25,15 +27,20 @@ class CachedLM:
         self.model = model
         self.length = 0
         self.last_fed = 0  # tokens of the last forward (a cost-curve sample's size)
+        self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
         self._device = input_device(model)
         self.reset()
 
     @torch.inference_mode()
-    def feed(self, token_ids: list[int], want_hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Append ``token_ids`` to the cache; return float32 logits for each of them (and last hidden states)."""
+    def feed(self, token_ids: list[int], want_hidden: bool = False,
+             last_logits_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Append ``token_ids`` to the cache; return float32 logits for each of them (``last_logits_only``: for the
+        last one only, which skips the LM head over the others: a prompt's prefill needs none of them) and the last
+        hidden states."""
         ids = torch.tensor([token_ids], dtype=torch.long, device=self._device)
         self.last_fed = len(token_ids)
-        out = self.model(input_ids=ids, cache=self.cache, use_cache=True, output_hidden_states=want_hidden)
+        extra = {"logits_to_keep": 1} if last_logits_only and self._keeps_logits else {}
+        out = self.model(input_ids=ids, cache=self.cache, use_cache=True, output_hidden_states=want_hidden, **extra)
         self.length += len(token_ids)
         hidden = out.hidden_states[-1][0] if want_hidden else None
         return out.logits[0].float(), hidden
@@ -43,7 +50,7 @@ class CachedLM:
         whatever the cache does not hold yet."""
         if self.length >= len(ids):
             self.crop(len(ids) - 1)  # need at least the last token's forward to get its logits
-        logits, _ = self.feed(ids[self.length :])
+        logits, _ = self.feed(ids[self.length :], last_logits_only=True)
         return logits[-1]
 
     def crop(self, keep: int) -> None:

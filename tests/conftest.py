@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -75,3 +77,28 @@ def sharp_pair(tmp_path_factory):
     return target, drafter
 
 
+
+
+@contextlib.asynccontextmanager
+async def peer_socket(endpoint: str):
+    """A raw DEALER socket to a node, for tests that play a (hostile) peer by hand."""
+    import zmq
+    import zmq.asyncio
+
+    ctx = zmq.asyncio.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    try:
+        yield sock
+    finally:
+        sock.close()
+        ctx.term()
+
+
+async def wait_for_drafter(client, tries: int = 100) -> None:
+    """Until the verifier reports a live drafter (bounded: about 5 s)."""
+    for _ in range(tries):
+        if (await client.ping())["drafter_connected"]:
+            return
+        await asyncio.sleep(0.05)

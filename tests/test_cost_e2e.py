@@ -14,7 +14,7 @@ import asyncio
 import json
 
 import pytest
-from conftest import tiny_config
+from conftest import peer_socket, tiny_config, wait_for_drafter
 from sampling_check import check_lossless_sampling, exact_joint
 from tiny_models import reference_greedy
 
@@ -79,22 +79,15 @@ BAD_IDLE = [-1, "many", 5000, True, 2.5]
 async def idle_drafter(endpoint: str, tok_id: str, stop: asyncio.Event) -> dict:
     """A peer that says hello with a malformed cost profile, then a valid one, and answers every round first with
     malformed ``idle_rounds`` drafts and then with a valid k = 0 block of 4 rounds."""
-    import zmq
-    import zmq.asyncio
-
     from shared.protocol import decode, encode
 
-    ctx = zmq.asyncio.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(endpoint)
     seen = {"errors": [], "welcome": None, "idle_blocks": 0}
     bad_profile = {"model": "m", "device": "cpu", "dtype": "float32", "curves": {"1": {"sizes": ["x"]}}}
-    await sock.send_multipart(encode("hello", drafter_type="hostile", tokenizer_id=tok_id,
-                                     capabilities={"sends_q": False}, profile=bad_profile))
-    await sock.send_multipart(encode("hello", drafter_type="hostile", tokenizer_id=tok_id,
-                                     capabilities={"sends_q": False}, profile=None))
-    try:
+    async with peer_socket(endpoint) as sock:
+        await sock.send_multipart(encode("hello", drafter_type="hostile", tokenizer_id=tok_id,
+                                         capabilities={"sends_q": False}, profile=bad_profile))
+        await sock.send_multipart(encode("hello", drafter_type="hostile", tokenizer_id=tok_id,
+                                         capabilities={"sends_q": False}, profile=None))
         while not stop.is_set():
             if not await sock.poll(50):
                 await sock.send_multipart(encode("heartbeat"))
@@ -122,9 +115,6 @@ async def idle_drafter(endpoint: str, tok_id: str, stop: asyncio.Event) -> dict:
             await sock.send_multipart(encode("draft", session=sid, base_len=base, epoch=0, tokens=[],
                                              idle_rounds=4))
             seen["idle_blocks"] += 1
-    finally:
-        sock.close()
-        ctx.term()
     return seen
 
 
@@ -140,10 +130,7 @@ def test_malformed_idle_rounds_and_profiles_are_refused_and_solo_rounds_run(tiny
         async with cluster(config) as client:
             stop = asyncio.Event()
             peer = asyncio.create_task(idle_drafter(client.config["verifier"]["endpoint"], tok_id, stop))
-            for _ in range(100):
-                if (await client.ping())["drafter_connected"]:
-                    break
-                await asyncio.sleep(0.05)
+            await wait_for_drafter(client)
             result = await client.generate(token_ids=PROMPTS[0], max_new_tokens=24, eos_token_ids=[])
             again = await client.generate(token_ids=PROMPTS[1], max_new_tokens=8, eos_token_ids=[])
             stop.set()
@@ -157,3 +144,13 @@ def test_malformed_idle_rounds_and_profiles_are_refused_and_solo_rounds_run(tiny
     welcome = seen["welcome"]
     assert welcome["threads"] == {"share": 1, "full": 1} and welcome["profile"]["dtype"] == "float32"
     assert seen["idle_blocks"] > 0 and result.metrics["solo_rounds"] >= 4
+
+
+def test_prompt_lookup_is_planned_too_and_stops_drafting_where_verifying_costs(tiny):
+    # no model on the drafter side: its curve is free, so only the verifier's cost decides (linear: k = 0)
+    target = tiny("llama", "target")
+    config = tiny_config(target, None, type="prompt_lookup", draft_schedule="cost")
+    prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7]  # something to copy
+    (result,) = run(config, {"PIPESPEC_TEST_COSTS": LINEAR_VERIFY}, [(prompt, 30)])
+    assert result.token_ids == reference_greedy(target, prompt, 30)
+    assert result.metrics["solo_rounds"] >= 20

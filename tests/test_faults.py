@@ -9,7 +9,7 @@ import random
 import pytest
 import zmq
 import zmq.asyncio
-from conftest import tiny_config
+from conftest import peer_socket, tiny_config, wait_for_drafter
 from tiny_models import build_model, build_small_vocab_tokenizer, reference_greedy
 
 from runtime.client import AsyncClient, Chunk
@@ -22,15 +22,11 @@ PROMPT = [5, 17, 33, 2, 60]
 
 async def hostile_drafter(endpoint: str, tok_id: str, vocab: int, stop: asyncio.Event) -> dict:
     """A drafter that answers every state with a stale draft, then the same random draft twice."""
-    ctx = zmq.asyncio.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(endpoint)
     rng = random.Random(0)
     sent = {"stale": 0, "dup": 0}
-    await sock.send_multipart(encode("hello", drafter_type="hostile", tokenizer_id=tok_id,
-                                     capabilities={"sends_q": False}))
-    try:
+    async with peer_socket(endpoint) as sock:
+        await sock.send_multipart(encode("hello", drafter_type="hostile", tokenizer_id=tok_id,
+                                         capabilities={"sends_q": False}))
         while not stop.is_set():
             if not await sock.poll(50):
                 await sock.send_multipart(encode("heartbeat"))
@@ -48,9 +44,6 @@ async def hostile_drafter(endpoint: str, tok_id: str, vocab: int, stop: asyncio.
             for _ in range(2):
                 await sock.send_multipart(encode("draft", session=sid, base_len=base, epoch=0, tokens=tokens))
             sent["dup"] += 1
-    finally:
-        sock.close()
-        ctx.term()
     return sent
 
 
@@ -66,10 +59,7 @@ def test_stale_and_duplicate_drafts_do_not_change_output(tiny):
             stop = asyncio.Event()
             drafter = asyncio.create_task(
                 hostile_drafter(client.config["verifier"]["endpoint"], tok_id, 160, stop))
-            for _ in range(100):
-                if (await client.ping())["drafter_connected"]:
-                    break
-                await asyncio.sleep(0.05)
+            await wait_for_drafter(client)
             result = await client.generate(token_ids=PROMPT, max_new_tokens=30, eos_token_ids=[])
             stop.set()
             sent = await drafter

@@ -108,7 +108,7 @@ class Session:
         if self.prompt_len > 1:
             t0 = time.monotonic()
             fed = self.prompt_len - 1
-            _, hidden = self.lm.feed(self.tokens[:-1], want_hidden=want_hidden)
+            _, hidden = self.lm.feed(self.tokens[:-1], want_hidden=want_hidden, last_logits_only=True)
             if kv_layers:
                 kv = self.lm.new_rows(list(kv_layers), fed, fed)
             self.lm.crop(fed)
