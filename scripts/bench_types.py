@@ -303,9 +303,11 @@ def main(argv: list[str] | None = None) -> int:
         "models": f"target `{base['verifier']['model']}`; drafters as each row's config (assistant and ensemble "
                   f"`{base['drafter']['model']}`, universal `{load_config('universal.yaml')['drafter']['model']}`, "
                   "early exit the target's first layers, prompt lookup none)",
-        "dtypes": f"{dtype} for every row",
-        "threads": f"transformers rows {threads} (one worker process); pipespec rows their configs' (one per node, "
-                   "one process per node)",
+        "dtypes": f"transformers rows {dtype}; pipespec rows " + (
+            f"{dtype}" if args.dtype else "their configs' (auto: chosen at start-up, see each request's "
+            "verifier_dtype / drafter_dtype in types.json)"),
+        "threads": f"transformers rows {threads} (one worker process); pipespec rows their configs' (auto: every "
+                   "core while the other node idles, half while both work; one process per node)",
         "prompts": args.prompts, "max_new_tokens": args.max_new_tokens, "hf_threads": threads, "dtype": dtype,
         "ensemble_weight": args.ensemble_weight, "rows": keys,
     }
