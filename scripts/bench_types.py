@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Benchmark every drafter type against the target alone and against transformers' own implementation of the
-same strategy, interleaved prompt by prompt, on the real models of this machine (see MODELS.md).
+same strategy, interleaved prompt by prompt, on the real models of this machine (see the README, "Models").
 
 Each type runs on the prompts where it makes sense:
 

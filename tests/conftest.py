@@ -56,10 +56,11 @@ def tiny(model_dir, tokenizer_dir):
 
 
 def tiny_config(target: Path, drafter: Path | None, **drafter_keys) -> dict:
-    """A config dict for tiny models: float32, one thread per node, generous but bounded waits."""
+    """A config dict for tiny models: float32, one thread per node, generous but bounded waits, no start-up cost
+    profile (tests/test_costs.py and tests/test_cost_e2e.py exercise it; here it would only serialise start-ups)."""
     config = {
-        "verifier": {"model": str(target), "dtype": "float32", "threads": 1, "draft_timeout_ms": 3000, "profile_s": 2},
-        "drafter": {"model": str(drafter or target), "dtype": "float32", "threads": 1, "profile_s": 2,
+        "verifier": {"model": str(target), "dtype": "float32", "threads": 1, "draft_timeout_ms": 3000, "profile_s": 0},
+        "drafter": {"model": str(drafter or target), "dtype": "float32", "threads": 1, "profile_s": 0,
                     "draft_schedule": "constant", **drafter_keys},
         "client": {"timeout_s": 120},
         "launch": {"ready_timeout_s": 120},

@@ -41,7 +41,8 @@ def test_greedy_identity_with_the_cost_schedule(tiny, arch, drafter, overlap):
     target, draft_model = tiny(arch, "target"), tiny(arch, drafter)
     cases = [(PROMPTS[0], 60), (PROMPTS[1], 25)]
     config = tiny_config(target, draft_model, num_draft_tokens=4, overlap=overlap, draft_schedule="cost",
-                         max_draft_tokens=8)
+                         max_draft_tokens=8, profile_s=2)  # the drafter measures itself (under the machine lock)
+    config["verifier"]["profile_s"] = 2
     results = run(config, {"PIPESPEC_TEST_COSTS": FLAT_VERIFY}, cases)
     for (prompt, n), result in zip(cases, results):
         assert result.token_ids == reference_greedy(target, prompt, n), f"prompt {prompt}"
@@ -124,6 +125,7 @@ def test_malformed_idle_rounds_and_profiles_are_refused_and_solo_rounds_run(tiny
     target = tiny("llama")
     config = tiny_config(target, None)
     config["launch"]["start_drafter"] = False
+    config["verifier"]["profile_s"] = 2  # the welcome carries a measured profile
     tok_id = tokenizer_id(load_tokenizer(str(target)))
 
     async def main():

@@ -35,7 +35,7 @@ class RoundResult:
 
 @dataclass
 class SessionMetrics:
-    """Counters in vLLM's terms plus the pipeline's own (see DESIGN.md)."""
+    """Counters in vLLM's terms plus the pipeline's own (see the README, "Metrics")."""
 
     drafts: int = 0
     draft_tokens: int = 0
