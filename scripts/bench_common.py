@@ -452,6 +452,25 @@ def rotated(items: list[Any], i: int) -> list[Any]:
 # ---------------------------------------------------------------------------------------------- worker (parent side)
 
 
+def run_script_worker(script: Path, job_path: Path, threads: int, label: str) -> None:
+    """Run ``script --_hf-worker job_path`` in a subprocess at ``threads`` threads (a one-job worker, for scripts
+    whose rows need no persistent process), passing its progress through; raise with the end of its stderr if it
+    fails."""
+    n = str(threads)
+    env = {**os.environ, "OMP_NUM_THREADS": n, "MKL_NUM_THREADS": n, "TOKENIZERS_PARALLELISM": "false",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.Popen([sys.executable, str(script), "--_hf-worker", str(job_path)], env=env, cwd=REPO_ROOT,
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    tail: deque[str] = deque(maxlen=30)
+    assert proc.stderr is not None
+    for line in proc.stderr:  # pass progress through, keep the end for an error report
+        sys.stderr.write(line)
+        tail.append(line.rstrip())
+    code = proc.wait()
+    if code != 0:
+        raise WorkerError(f"{label} exited with code {code}:\n" + "\n".join(tail))
+
+
 class WorkerError(RuntimeError):
     """A worker request failed; the message carries the error (and the end of the worker's log if it died)."""
 

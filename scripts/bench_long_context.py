@@ -48,7 +48,9 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench import REPO_ROOT, WARMUP_TOKENS, DraftCounter, _fmt, header_lines, log, machine_info, run_worker
+import bench_common
+from bench_common import REPO_ROOT, WARMUP_TOKENS, DraftCounter, header_lines, log, machine_info, run_script_worker
+from bench_common import fmt as _fmt
 
 sys.path.insert(0, str(REPO_ROOT / "tests"))  # the tiny tokenizer and model saving the tests use
 HF_ROWS = ("hf-target", "hf-assisted")
@@ -156,10 +158,8 @@ def calibrate_drafter(assistant: Any, prompt: list[int], k: int) -> dict[str, fl
 
 def hf_worker(job_path: Path) -> int:
     """Subprocess body: the transformers rows for one prompt length, then the drafter calibration."""
-    import bench
-
     job = json.loads(job_path.read_text())
-    bench._START = job["start"]
+    bench_common._START = job["start"]
     import torch
     import transformers
 
@@ -218,14 +218,12 @@ def run_hf(prompts: list[list[int]], ctx: dict[str, Any], tmp: Path) -> dict[str
            "assistant": str(ctx["assistant"]), "out": str(tmp / f"hf-{length}.out.json")}
     job_path = tmp / f"hf-{length}.job.json"
     job_path.write_text(json.dumps(job))
-    run_worker(Path(__file__), job_path, ctx["hf_threads"], f"hf worker @ {length}")
+    run_script_worker(Path(__file__), job_path, ctx["hf_threads"], f"hf worker @ {length}")
     return json.loads(Path(job["out"]).read_text())
 
 
 def _bench_start() -> float:
-    import bench
-
-    return bench._START
+    return bench_common._START
 
 
 # ---------------------------------------------------------------------------------------------- pipespec
