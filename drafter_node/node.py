@@ -72,7 +72,7 @@ class NodeSession:
     def solo_wait(self) -> bool:
         """This k = 0 run's idle block went out: nothing to send until the schedule's rounds end."""
         s = self.schedule
-        return s.k == 0 and s.solo_rounds > 0 and self.idle_period_sent == getattr(s, "solo_period", 0)
+        return s.k == 0 and s.solo_rounds > 0 and self.idle_period_sent == s.solo_period
 
     @property
     def overlap(self) -> bool:
@@ -150,7 +150,7 @@ class NodeSession:
         self.sent_at = time.monotonic()
         self.stats["blocks"] += 1
         if idle_rounds:
-            self.idle_period_sent = getattr(self.schedule, "solo_period", 0)
+            self.idle_period_sent = self.schedule.solo_period
             self.stats["idle_blocks"] += 1
         return tokens, tensors, idle_rounds
 
@@ -330,7 +330,7 @@ class DrafterNode:
 
     def _send_block(self, s: NodeSession) -> None:
         tokens, tensors, idle_rounds = s.block()
-        stats = {**s.stats, "plans": dict(getattr(s.schedule, "plans", {})), "dtype": self.dtype_name}
+        stats = {**s.stats, "plans": dict(s.schedule.plans), "dtype": self.dtype_name}
         self._send(encode("draft", tensors, session=s.sid, base_len=s.sent_base, epoch=s.stats["blocks"],
                           tokens=tokens, sent_at=time.time(), stats=stats, idle_rounds=idle_rounds,
                           overlap=s.overlap))

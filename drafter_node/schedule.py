@@ -53,6 +53,8 @@ class DraftLengthSchedule:
         self.accepted, self.rejected = _ALPHA_PRIOR
         self.step_s: float | None = None
         self.roundtrip_s: float | None = None
+        self.solo_period = 0  # counts runs of k = 0 (``cost`` only): each needs its own idle block
+        self.plans: dict[str, int] = {}  # rounds per kind of plan (``cost`` only), reported in the draft stats
 
     #: Rounds the verifier takes alone from now (``cost`` only); outcome rows to pre-draft (None: all).
     solo_rounds = 0
@@ -134,7 +136,6 @@ class CostSchedule(DraftLengthSchedule):
         self.plan = Plan(min(k, max_k), overlap, (min(k, max_k) + 1) if rows_ok else 1, 0.0)
         self.solo_left = 0  # verifier rounds still to be taken alone
         self.solo_span = SOLO_ROUNDS_MIN
-        self.solo_period = 0  # counts runs of k = 0: each needs its own idle block
         self.probing = False
         self.plans = {"solo": 0, "sync": 0, "overlap": 0}
         self.replan()
@@ -149,6 +150,13 @@ class CostSchedule(DraftLengthSchedule):
 
     def k_if_accepted(self) -> int:
         return max(1, self.k)
+
+    # The cost book measures steps and round trips for every session; the EMAs of the older schedules are unused.
+    def observe_step(self, seconds: float) -> None:
+        pass
+
+    def observe_roundtrip(self, seconds: float) -> None:
+        pass
 
     def observe_guess(self, bonus: bool, correct: bool) -> None:
         for acc in (self.acc, self.book.acceptance):
