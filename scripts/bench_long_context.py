@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import copy
-import datetime as dt
 import json
 import os
 import statistics
@@ -49,7 +48,16 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_common
-from bench_common import REPO_ROOT, WARMUP_TOKENS, DraftCounter, header_lines, log, machine_info, run_script_worker
+from bench_common import (
+    REPO_ROOT,
+    WARMUP_TOKENS,
+    DraftCounter,
+    header_lines,
+    log,
+    machine_info,
+    run_script_worker,
+    utc_now,
+)
 from bench_common import fmt as _fmt
 
 sys.path.insert(0, str(REPO_ROOT / "tests"))  # the tiny tokenizer and model saving the tests use
@@ -346,7 +354,8 @@ def write_markdown(path: Path, report: dict[str, Any]) -> None:
     for name, v in report["ratios"].items():
         measure, ref = name.split(":")
         label = f"{ref}, {'decode' if measure == 'decode_tok_s' else 'end to end'}"
-        lines.append(f"| {label} | " + " | ".join(_fmt(v["per_length"][n], ".2f", "×") for n in meta["lengths"])
+        lines.append(f"| {label} | " + " | ".join(_fmt(v["per_length"].get(n, v["per_length"].get(str(n))), ".2f", "×")
+                                                       for n in meta["lengths"])
                      + f" | {_fmt(v['long_over_short'])} |")
     lines += ["", "Drafter per-block costs (assistant, median ms, in the transformers worker's process):", "",
               "| length | plain step | build rows | rows step (7 rows) | adopt a row |", "|---:|---:|---:|---:|---:|"]
@@ -402,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
         log(f"models built in {time.perf_counter() - t0:.1f} s")
         ctx = {"target": target, "assistant": assistant, "k": args.k, "dtype": args.dtype,
                "hf_threads": args.hf_threads, "max_new_tokens": args.max_new_tokens, "hf_defaults": args.hf_defaults}
-        meta = {"date": dt.datetime.now().astimezone().isoformat(timespec="seconds"), "machine": machine_info(),
+        meta = {"start": utc_now(), "machine": machine_info(),
                 "dtype": args.dtype, "hf_threads": args.hf_threads, "k": args.k, "lengths": args.lengths,
                 "prompts": args.prompts, "max_new_tokens": args.max_new_tokens,
                 "model": {"hidden": args.hidden, "layers": args.layers, "heads": args.heads, "kv_heads": args.kv_heads,
@@ -416,6 +425,7 @@ def main(argv: list[str] | None = None) -> int:
             hf = run_hf(prompts, ctx, root)
             raw[str(length)] = {"hf": hf, "pipespec": asyncio.run(run_pipespec(prompts, ctx))}
     meta["load_average_at_end"] = os.getloadavg()[0]
+    meta["end"] = utc_now()
     rows = {n: {key: summarize(key, raw[str(n)]["hf"][key] if key in HF_ROWS else raw[str(n)]["pipespec"],
                                raw[str(n)]["hf"]["hf-target"]) for key in ROWS} for n in args.lengths}
     report = {"meta": meta, "rows": {str(n): r for n, r in rows.items()}, "ratios": ratios(rows, args.lengths),
