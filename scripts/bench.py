@@ -71,6 +71,7 @@ from bench_common import (
     plan_passes,
     plan_text,
     select_rows,
+    start_row,
     thread_variants,
     token_mismatches,
     tps,
@@ -163,18 +164,11 @@ def summarize(key: str, report: dict[str, Any], c: float | None) -> dict[str, An
     """Totals, ratios, speed-model bounds and the token-identity check of one row."""
     meta = report["meta"]
     d = meta["row_defs"][key]
-    raw = report["raw"].get(key) or {"per_prompt": [], "pass": None}
-    row: dict[str, Any] = {"key": key, "label": d["label"], "kind": d["kind"], "threads": d["threads_label"],
-                           "pass": raw["pass"]}
-    if raw.get("error"):
-        row["error"] = raw["error"]
-    pp = raw["per_prompt"]
+    row: dict[str, Any] = {"key": key, "label": d["label"], "kind": d["kind"], "threads": d["threads_label"]}
+    pp = start_row(row, report["raw"].get(key))
     if not pp:
-        row.setdefault("error", "no prompt finished")
         return row
-    time_s = sum(p["time_s"] for p in pp)
-    row |= {"prompts": len(pp), "new_tokens": sum(p["new_tokens"] for p in pp), "time_s": time_s}
-    row["tokens_per_s"] = row["new_tokens"] / time_s
+    time_s = row["time_s"]
     spec: dict[str, Any] | None = None
     if d["kind"] == "target":
         row["verifier_busy"] = 1.0
@@ -212,8 +206,8 @@ def summarize(key: str, report: dict[str, Any], c: float | None) -> dict[str, An
     if speedup is not None:
         row["speedup"] = speedup
     dtype = d.get("dtype") or ""
-    if dtype == "auto" and raw["per_prompt"]:  # compare with the target alone in the dtype the verifier chose
-        dtype = raw["per_prompt"][0].get("metrics", {}).get("verifier_dtype") or ""
+    if dtype == "auto" and pp:  # compare with the target alone in the dtype the verifier chose
+        dtype = pp[0].get("metrics", {}).get("verifier_dtype") or ""
     token_ref = meta["token_refs"].get(dtype)
     ref = report["raw"].get(token_ref or "")
     if key == token_ref:

@@ -169,6 +169,22 @@ def md_table(header: list[str], rows: list[list[str]], align: str) -> list[str]:
     return ["| " + " | ".join(r) + " |" for r in [header, rule, *rows]]
 
 
+def start_row(row: dict[str, Any], raw: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """Fill a summary row's error and totals (prompts, new tokens, time, tokens/s) from one row's raw results;
+    return its per-prompt records (empty: nothing finished, and the row says so)."""
+    raw = raw or {"per_prompt": [], "pass": None}
+    row["pass"] = raw["pass"]
+    if raw.get("error"):
+        row["error"] = raw["error"]
+    pp = raw["per_prompt"]
+    if not pp:
+        row.setdefault("error", "no prompt finished")
+        return pp
+    row |= {"prompts": len(pp), "new_tokens": sum(p["new_tokens"] for p in pp),
+            "time_s": sum(p["time_s"] for p in pp), "tokens_per_s": tps(pp)}
+    return pp
+
+
 def tps(per_prompt: list[dict[str, Any]]) -> float | None:
     time_s = sum(p["time_s"] for p in per_prompt)
     return sum(p["new_tokens"] for p in per_prompt) / time_s if time_s else None

@@ -79,6 +79,7 @@ from bench_common import (
     plan_text,
     select_rows,
     speed_ratio,
+    start_row,
     token_mismatches,
     tps,
     utc_now,
@@ -125,16 +126,10 @@ def hf_same_strategy(key: str) -> str | None:
 def summarize(key: str, report: dict[str, Any]) -> dict[str, Any]:
     label, kind, runner, prompt_set, config = ROWS[key]
     raw = report["raw"].get(key) or {"per_prompt": [], "pass": None}
-    row: dict[str, Any] = {"key": key, "label": label, "type": kind, "prompt_set": prompt_set, "config": config,
-                           "pass": raw["pass"]}
-    if raw.get("error"):
-        row["error"] = raw["error"]
-    pp = raw["per_prompt"]
+    row: dict[str, Any] = {"key": key, "label": label, "type": kind, "prompt_set": prompt_set, "config": config}
+    pp = start_row(row, raw)
     if not pp:
-        row.setdefault("error", "no prompt finished")
         return row
-    row |= {"prompts": len(pp), "new_tokens": sum(p["new_tokens"] for p in pp),
-            "time_s": sum(p["time_s"] for p in pp), "tokens_per_s": tps(pp)}
     names = ("drafts", "draft_tokens", "accepted_tokens", "rounds")
     s = None if runner == "hf:target" else {
         n: sum((p.get("stats") or p.get("metrics"))[n] for p in pp) for n in names}
