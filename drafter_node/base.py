@@ -15,25 +15,13 @@ Types differ only in how ``propose`` chooses tokens and what ``_truncate`` must 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import asdict, dataclass, field
-from typing import Any, ClassVar
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
+from shared.protocol import Capabilities
 from shared.sampling import GenerationParams
-
-
-@dataclass
-class Capabilities:
-    """What a drafter announces at connect time; the verifier adapts to it and knows nothing else about the type."""
-
-    sends_q: bool  # sends the distribution each draft was drawn from (sampling); else drafts are one-hot
-    greedy_q: bool = False  # can send its q under greedy too, when the verifier asks (ensemble verification)
-    needs_hidden_states: bool = False  # wants the target's last hidden states for committed positions
-    needs_kv_layers: list[int] = field(default_factory=list)  # wants new K/V rows of these target layers
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 @dataclass

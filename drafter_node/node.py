@@ -41,7 +41,22 @@ from drafter_node.schedule import CostSchedule, DraftLengthSchedule
 from drafter_node.types import drafter_class
 from shared.costs import CostCurve, NodeProfile, measuring_alone
 from shared.models import ModelLoadError, ProfileSpec, ThreadPlan, profile_node, profile_sizes, set_threads
-from shared.protocol import Message, ProtocolError, decode, encode
+from shared.protocol import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    Commit,
+    Draft,
+    Error,
+    Heartbeat,
+    Hello,
+    ProtocolError,
+    SessionEnd,
+    SessionStart,
+    State,
+    ThreadCounts,
+    Welcome,
+    decode,
+    encode,
+)
 from shared.sampling import GenerationParams
 from shared.transport import connect_dealer
 
@@ -196,11 +211,6 @@ def test_costs() -> tuple[CostCurve, CostCurve] | None:
     return curve(spec["verify"]), curve(spec["draft"])
 
 
-def _count(value: Any) -> int:
-    """A non-negative int field from a peer's message, 0 when absent or malformed."""
-    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
-
-
 def load_drafter(dcfg: dict[str, Any]) -> Drafter:
     """Build the configured drafter type; files it cannot read or fetch (a hub id without hub access, a missing
     folder) become one clear error naming what it was loading, not a traceback from deep inside a loader."""
@@ -231,7 +241,7 @@ class DrafterNode:
             self.book.fix_curves(*self._fixed_costs)
         self._threads_now = self.threads.share
         self.endpoint = dcfg.get("verifier_endpoint") or config["verifier"]["endpoint"]
-        self.max_bytes = config["verifier"].get("max_message_bytes", 64 * 1024 * 1024)
+        self.max_bytes = config["verifier"].get("max_message_bytes", DEFAULT_MAX_MESSAGE_BYTES)
         self.ctx = zmq.Context.instance()
         self.sock = connect_dealer(self.ctx, self.endpoint)
         self.sessions: dict[int, NodeSession] = {}
@@ -240,6 +250,8 @@ class DrafterNode:
         self.welcomed = False
         self.want_q = False  # the verifier wants q with greedy drafts too (ensemble verification)
         self.last_sent = 0.0
+        self._handlers = {Welcome: self._on_welcome, Error: self._on_error, SessionStart: self._on_session_start,
+                          Commit: self._on_commit, State: self._on_state, SessionEnd: self._on_session_end}
 
     def profile_spec(self, config: dict[str, Any]) -> ProfileSpec:
         """What this node measures of its model: one to max_draft_tokens + 1 rows, at its thread counts."""
@@ -280,10 +292,10 @@ class DrafterNode:
         self.last_sent = time.monotonic()
 
     def _hello(self) -> None:
-        self._send(encode("hello", drafter_type=self.drafter.type_name, tokenizer_id=self.drafter.tokenizer_id,
-                          capabilities=self.drafter.capabilities.to_dict(),
-                          profile=self.profile.to_dict() if self.profile else None,
-                          threads={"share": self.threads.share, "full": self.threads.full}))
+        self._send(encode(Hello(drafter_type=self.drafter.type_name, tokenizer_id=self.drafter.tokenizer_id,
+                                capabilities=self.drafter.capabilities,
+                                profile=self.profile.to_dict() if self.profile else None,
+                                threads=ThreadCounts(self.threads.share, self.threads.full))))
 
     def _loop(self) -> int:
         last_hello = 0.0
@@ -293,7 +305,7 @@ class DrafterNode:
                 self._hello()
                 last_hello = now
             elif self.welcomed and now - self.last_sent > HEARTBEAT_S:
-                self._send(encode("heartbeat"))
+                self._send(encode(Heartbeat()))
             work = self._next_work()
             if self.sock.poll(0 if work else 50):
                 for _ in range(1000):
@@ -331,9 +343,9 @@ class DrafterNode:
     def _send_block(self, s: NodeSession) -> None:
         tokens, tensors, idle_rounds = s.block()
         stats = {**s.stats, "plans": dict(s.schedule.plans), "dtype": self.dtype_name}
-        self._send(encode("draft", tensors, session=s.sid, base_len=s.sent_base, epoch=s.stats["blocks"],
-                          tokens=tokens, sent_at=time.time(), stats=stats, idle_rounds=idle_rounds,
-                          overlap=s.overlap))
+        self._send(encode(Draft(session=s.sid, base_len=s.sent_base, epoch=s.stats["blocks"], tokens=tokens,
+                                idle_rounds=idle_rounds, overlap=s.overlap, sent_at=time.time(), stats=stats,
+                                tensors=tensors)))
         s.after_send()
 
     @property
@@ -349,42 +361,41 @@ class DrafterNode:
         except ProtocolError as exc:
             log.warning("dropped a malformed message from the verifier: %s", exc)
             return None
-        handler = getattr(self, f"_on_{msg.type}", None)
+        handler = self._handlers.get(type(msg))
         if handler is None:
-            log.warning("ignored unexpected message %r", msg.type)
+            log.warning("ignored unexpected message %r", msg.TYPE)
             return None
         return handler(msg)
 
-    def _on_welcome(self, msg: Message) -> None:
+    def _on_welcome(self, msg: Welcome) -> None:
         self.welcomed = True
-        self.drafter.target_vocab_size = msg["vocab_size"]
-        threads = msg.get("threads") if isinstance(msg.get("threads"), dict) else {}
+        self.drafter.target_vocab_size = msg.vocab_size
+        threads = msg.threads or ThreadCounts()
         try:
-            if msg.get("profile") is not None and not self._fixed_costs:
-                self.book.set_verifier(NodeProfile.from_dict(msg["profile"]), _count(threads.get("share")),
-                                       _count(threads.get("full")))
+            if msg.profile is not None and not self._fixed_costs:
+                self.book.set_verifier(NodeProfile.from_dict(msg.profile), threads.share, threads.full)
         except (ValueError, TypeError) as exc:
             log.warning("ignored the verifier's cost profile: %s", exc)
-        self.want_q = bool(msg.get("want_q", False)) and self.drafter.capabilities.greedy_q
-        log.info("connected to verifier (target %s)", msg["target"])
+        self.want_q = msg.want_q and self.drafter.capabilities.greedy_q
+        log.info("connected to verifier (target %s)", msg.target)
 
-    def _on_error(self, msg: Message) -> int | None:
-        log.error("verifier: %s", msg["message"])
-        if msg.get("code") in ("tokenizer_mismatch", "bad_version", "ensemble_needs_q", "unsupported"):
-            hint = self.drafter.tokenizer_hint if msg.get("code") == "tokenizer_mismatch" else ""
-            print(f"pipespec drafter: refused by the verifier: {msg['message']}{hint}", file=sys.stderr)
+    def _on_error(self, msg: Error) -> int | None:
+        log.error("verifier: %s", msg.message)
+        if msg.code in ("tokenizer_mismatch", "bad_version", "ensemble_needs_q", "unsupported"):
+            hint = self.drafter.tokenizer_hint if msg.code == "tokenizer_mismatch" else ""
+            print(f"pipespec drafter: refused by the verifier: {msg.message}{hint}", file=sys.stderr)
             return 2
         return None
 
-    def _on_session_start(self, msg: Message) -> None:
-        sid = msg["session"]
+    def _on_session_start(self, msg: SessionStart) -> None:
+        sid = msg.session
         old = self.sessions.pop(sid, None)
         if old:
             self.order.remove(sid)
             old.draft.close()
-        params = GenerationParams.from_dict(msg["params"])
-        prompt_len = int(msg.get("prompt_len", len(msg["token_ids"])))
-        draft = self.drafter.open_session(msg["token_ids"], prompt_len, params, msg.tensors)
+        params = GenerationParams.from_dict(msg.params)
+        prompt_len = len(msg.token_ids) if msg.prompt_len is None else msg.prompt_len
+        draft = self.drafter.open_session(msg.token_ids, prompt_len, params, msg.tensors)
         draft.want_q = self.want_q
         self.sessions[sid] = NodeSession(sid, draft, self._schedule_for(draft), self.book)
         self.order.append(sid)
@@ -401,22 +412,20 @@ class DrafterNode:
             return DraftLengthSchedule(fixed, "constant", overlap=overlap)
         return DraftLengthSchedule.from_config(self.dcfg)
 
-    def _on_commit(self, msg: Message) -> None:
-        s = self.sessions.get(msg["session"])
-        if s is None or msg["base_len"] != s.base_len:
+    def _on_commit(self, msg: Commit) -> None:
+        s = self.sessions.get(msg.session)
+        if s is None or msg.base_len != s.base_len:
             return  # a duplicate or a commit for a session we no longer hold
-        verify_s = msg.get("verify_s")
-        s.on_commit(msg["tokens"], _count(msg.get("drafted")), _count(msg.get("accepted")), msg.tensors,
-                    float(verify_s) if isinstance(verify_s, float) else None, _count(msg.get("threads")))
+        s.on_commit(msg.tokens, msg.drafted, msg.accepted, msg.tensors, msg.verify_s, msg.threads)
 
-    def _on_state(self, msg: Message) -> None:
-        s = self.sessions.get(msg["session"])
-        if s is None or msg["base_len"] != s.base_len:
+    def _on_state(self, msg: State) -> None:
+        s = self.sessions.get(msg.session)
+        if s is None or msg.base_len != s.base_len:
             return
-        s.draft.observe_state(msg.tensors, int(msg["end"]))
+        s.draft.observe_state(msg.tensors, msg.end)
 
-    def _on_session_end(self, msg: Message) -> None:
-        s = self.sessions.pop(msg["session"], None)
+    def _on_session_end(self, msg: SessionEnd) -> None:
+        s = self.sessions.pop(msg.session, None)
         if s is not None:
             self.order.remove(s.sid)
             s.draft.close()

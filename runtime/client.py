@@ -17,7 +17,20 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from shared.protocol import DEFAULT_MAX_MESSAGE_BYTES, Message, ProtocolError, decode, encode
+from shared.protocol import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    Cancel,
+    Done,
+    Error,
+    Generate,
+    Message,
+    Ping,
+    Pong,
+    ProtocolError,
+    decode,
+    encode,
+)
+from shared.protocol import Chunk as ChunkMessage
 from shared.transport import connect_dealer
 
 
@@ -91,11 +104,11 @@ class AsyncClient:
                 msg = decode(frames, DEFAULT_MAX_MESSAGE_BYTES)
             except ProtocolError:
                 continue
-            if msg.type == "pong":
+            if isinstance(msg, Pong):
                 self._pongs.put_nowait(msg)
                 continue
-            rid = msg.get("request_id")
-            queue = self._queues.get(rid) if isinstance(rid, int) else None
+            rid = getattr(msg, "request_id", None)  # chunk, done and error replies name their request
+            queue = self._queues.get(rid) if rid is not None else None
             if queue is not None:
                 queue.put_nowait(msg)
 
@@ -103,12 +116,12 @@ class AsyncClient:
         """Ask the verifier for its state (``drafter_connected``, ``target``, ``sessions``)."""
         while not self._pongs.empty():
             self._pongs.get_nowait()
-        await self._sock.send_multipart(encode("ping"))
+        await self._sock.send_multipart(encode(Ping()))
         try:
-            msg = await asyncio.wait_for(self._pongs.get(), timeout_s)
+            msg: Pong = await asyncio.wait_for(self._pongs.get(), timeout_s)
         except asyncio.TimeoutError:
             raise TimeoutError(f"no answer from the verifier at {self.address} within {timeout_s} s") from None
-        return dict(msg.fields)
+        return msg.to_dict()
 
     async def stream(
         self,
@@ -154,13 +167,12 @@ class AsyncClient:
         rid = next(self._ids)
         queue: asyncio.Queue[Message] = asyncio.Queue()
         self._queues[rid] = queue
-        request = {k: v for k, v in (("prompt", prompt), ("token_ids", token_ids), ("messages", messages))
-                   if v is not None}
         finished = False
         try:
-            await self._sock.send_multipart(encode(
-                "generate", request_id=rid, params={k: v for k, v in params.items() if v is not None}, **request
-            ))
+            await self._sock.send_multipart(encode(Generate(
+                request_id=rid, params={k: v for k, v in params.items() if v is not None}, token_ids=token_ids,
+                prompt=prompt, messages=messages,
+            )))
             while True:
                 try:
                     msg = await asyncio.wait_for(queue.get(), self.timeout_s)
@@ -168,18 +180,17 @@ class AsyncClient:
                     raise TimeoutError(
                         f"no reply from the verifier at {self.address} for {self.timeout_s} s (request {rid})"
                     ) from None
-                if msg.type == "chunk":
-                    yield Chunk(list(msg["token_ids"]), msg["text"])
-                elif msg.type == "done":
+                if isinstance(msg, ChunkMessage):
+                    yield Chunk(msg.token_ids, msg.text)
+                elif isinstance(msg, Done):
                     finished = True
-                    yield GenerationResult(msg["text"], list(msg["token_ids"]), dict(msg["metrics"]),
-                                           msg["finish_reason"])
+                    yield GenerationResult(msg.text, msg.token_ids, msg.metrics, msg.finish_reason)
                     return
-                elif msg.type == "error":
+                elif isinstance(msg, Error):
                     finished = True
-                    raise PipespecError(msg["message"], msg.get("code", "error"))
+                    raise PipespecError(msg.message, msg.code)
         finally:
             self._queues.pop(rid, None)
             if not finished and self._sock is not None:
                 # The caller stopped early (break, cancel, timeout): free the verifier's session.
-                await self._sock.send_multipart(encode("cancel", request_id=rid))
+                await self._sock.send_multipart(encode(Cancel(request_id=rid)))

@@ -20,6 +20,7 @@ import yaml
 from drafter_node.schedule import SCHEDULES
 from drafter_node.types import DRAFTER_TYPES
 from shared.models import AUTO, DTYPES
+from shared.protocol import DEFAULT_MAX_MESSAGE_BYTES, MAX_DRAFT_TOKENS
 from shared.transport import EndpointError, check_endpoint
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -36,7 +37,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "max_memory": None,
         "draft_timeout_ms": 3000,
         "max_sessions": 64,
-        "max_message_bytes": 64 * 1024 * 1024,
+        "max_message_bytes": DEFAULT_MAX_MESSAGE_BYTES,
         "allow_remote": False,
     },
     "drafter": {
@@ -234,8 +235,9 @@ def validate(config: dict[str, Any]) -> None:
     _positive_int(config, "drafter.q_top_k", minimum=0)
     _positive_int(config, "drafter.prompt_lookup_num_tokens")
     _positive_int(config, "drafter.max_matching_ngram_size")
-    if d["num_draft_tokens"] > 64:
-        raise ConfigError("drafter.num_draft_tokens: at most 64")
+    for key in ("num_draft_tokens", "max_draft_tokens"):  # longer drafts are refused by the verifier
+        if d[key] > MAX_DRAFT_TOKENS:
+            raise ConfigError(f"drafter.{key}: at most {MAX_DRAFT_TOKENS}, got {d[key]}")
     if not isinstance(d["draft_schedule"], str) or d["draft_schedule"] not in SCHEDULES:
         raise ConfigError(f"drafter.draft_schedule: one of {', '.join(SCHEDULES)}, got {d['draft_schedule']!r}")
     for dotted in ("drafter.overlap", "verifier.allow_remote", "launch.start_drafter"):

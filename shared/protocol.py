@@ -1,37 +1,50 @@
-"""Wire protocol shared by the verifier, the drafters and the clients.
+"""Wire protocol shared by the verifier, the drafters and the clients: one typed message class per message type,
+the codec, and every limit both sides must agree on.
 
 A message is a list of ZeroMQ frames: one msgpack header followed by zero or more raw tensor frames. The header
-carries the schema version, the message type, the message fields and, for each tensor frame, its name, dtype and
-shape. Nothing is ever pickled; every decoded message is checked against the schema below (known type, required
-fields with the right types, tensor sizes that match their shapes, a total size under a cap), and anything else
-raises :class:`ProtocolError`, which a node turns into an ``error`` reply before it goes on serving.
+carries the schema version ``v``, the message ``type``, the message's fields and, for each tensor frame, its name,
+dtype and shape. Nothing is ever pickled.
 
-Message types (``type`` field) and who sends them:
+Each message type is a dataclass below (:class:`Draft`, :class:`Commit`, …) with its wire name (``TYPE``), who
+sends it (``DIRECTION``), typed fields (required ones first, optional ones with their defaults) and, where the type
+carries tensors, ``tensors``. ``encode(msg)`` turns an instance into frames; ``decode(frames, max_bytes)`` checks
+the frames against the class and returns an instance: a known version and type, every required field present, every
+field of its annotated type (``int`` rejects bools, ``float`` accepts ints and gives a float, list elements and
+nested structures such as :class:`Capabilities` and :class:`ThreadCounts` are checked too), missing optional fields
+filled with their defaults, tensor sizes that match their shapes, a total size under a cap, and the message's own
+range checks (``validate()``: a draft's length, ``idle_rounds``, non-negative counts). Anything else raises
+:class:`ProtocolError`, which a node turns into an ``error`` reply before it goes on serving. **Unknown extra header
+fields are ignored** (not an error, not kept): a newer peer may add optional fields without breaking an older one.
+Checks that need a node's state (token ids below the vocabulary size, a matching ``base_len``) stay in the nodes.
+
+Message types and who sends them (``*``: optional, with its default):
 
 =================  ===============  ============================================================================
 type               direction        fields
 =================  ===============  ============================================================================
-hello              drafter → verif  drafter_type, tokenizer_id, capabilities{sends_q, greedy_q,
-                                    needs_hidden_states, needs_kv_layers}; optional profile (shared.costs
-                                    NodeProfile dict, validated), threads{share, full}
+hello              drafter → verif  drafter_type, tokenizer_id, capabilities (:class:`Capabilities`); profile*
+                                    (shared.costs NodeProfile dict, checked by the verifier), threads*
+                                    (:class:`ThreadCounts`)
 welcome            verif → drafter  target (model name), vocab_size, want_q (send q with every draft, greedy
-                                    requests included: the verifier runs ensemble verification); optional
-                                    profile, threads{share, full} (the verifier's cost curves)
-session_start      verif → drafter  session, token_ids (whole committed prefix), params (GenerationParams dict)
-draft              drafter → verif  session, base_len, epoch, tokens[k]; tensors q_idx/q_prob (sparse q) or q (dense);
-                                    optional idle_rounds (k = 0: step alone this many rounds), overlap, stats
-commit             verif → drafter  session, base_len, tokens[n+1], new_len, drafted, accepted, verify_s, threads;
-                                    tensors: extras
-state              verif → drafter  session, base_len, end; tensors: extras for positions before ``end`` (a part of a
-                                    session_start's state too large for one message, in position order)
+                                    requests included: the verifier runs ensemble verification); profile*,
+                                    threads* (the verifier's cost curves and thread counts)
+session_start      verif → drafter  session, token_ids (whole committed prefix), params (GenerationParams dict),
+                                    prompt_len* (None: all of token_ids); tensors: extras
+draft              drafter → verif  session, base_len, epoch, tokens[k ≤ MAX_DRAFT_TOKENS]; idle_rounds* (0; k = 0:
+                                    step alone this many rounds, ≤ MAX_IDLE_ROUNDS), overlap* (True), sent_at*,
+                                    stats*; tensors q_idx/q_prob (sparse q) or q (dense)
+commit             verif → drafter  session, base_len, tokens[n+1], new_len; drafted* (0), accepted* (0),
+                                    verify_s*, threads* (0); tensors: extras
+state              verif → drafter  session, base_len, end; tensors: extras for positions before ``end`` (a part of
+                                    a session_start's state too large for one message, in position order)
 session_end        verif → drafter  session
 heartbeat          drafter → verif  (liveness while idle)
-generate           client → verif   request_id, token_ids | prompt | messages, params
+generate           client → verif   request_id, params; exactly one of token_ids*, prompt*, messages*
 chunk              verif → client   request_id, token_ids (new committed tokens), text (new text)
 done               verif → client   request_id, token_ids (all new tokens), text, metrics, finish_reason
 cancel             client → verif   request_id
-ping / pong        client ↔ verif   pong: drafter_connected, drafter_type, target, sessions
-error              any              request_id or session (when known), message, code
+ping / pong        client ↔ verif   pong: drafter_connected; drafter_type*, target*, sessions* (0)
+error              any              message; code* ("error"), request_id*, session* (when known)
 =================  ===============  ============================================================================
 
 Capabilities: ``sends_q`` — sampled drafts come with the distribution they were drawn from; ``greedy_q`` — when
@@ -43,22 +56,34 @@ full row when m = 0. A verifier with ensemble verification refuses a drafter wit
 
 from __future__ import annotations
 
+import dataclasses
+import math
+import types
+import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import msgpack
 import torch
 
 SCHEMA_VERSION = 1
 
-#: Default cap on the total bytes of one message (header + tensor frames). Configurable per node.
+# ----------------------------------------------------------------------------------------------------- limits
+#: Default cap on the total bytes of one message (header + tensor frames). Configurable per node
+#: (``verifier.max_message_bytes``).
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 #: Cap on the header frame alone; headers are small, a huge one is an attack or a bug.
 MAX_HEADER_BYTES = 1024 * 1024
-#: ``tokenizer_id`` of a drafter that only copies token ids (prompt lookup): it fits any target tokenizer.
-ANY_TOKENIZER = "any"
+#: Longest draft block (``draft.tokens``) a verifier accepts; ``drafter.num_draft_tokens`` and
+#: ``drafter.max_draft_tokens`` are capped by it.
+MAX_DRAFT_TOKENS = 64
+#: Longest run of rounds one draft may ask the verifier to take alone (``draft.idle_rounds``).
+MAX_IDLE_ROUNDS = 1024
 #: Largest size of one tensor dimension (keeps shape arithmetic far from overflow).
 MAX_DIM = 2**31
+#: ``tokenizer_id`` of a drafter that only copies token ids (prompt lookup): it fits any target tokenizer.
+ANY_TOKENIZER = "any"
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -69,27 +94,16 @@ _DTYPES: dict[str, torch.dtype] = {
     "uint8": torch.uint8,
 }
 _DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
+_ITEM_SIZES = {name: torch.empty((), dtype=dt).element_size() for name, dt in _DTYPES.items()}
 
-# Required header fields per message type, with the Python types they must have. Optional fields are not listed;
-# handlers read them with defaults. ``int`` fields reject bools (msgpack keeps them apart, Python does not).
-_LIST = list
-SCHEMA: dict[str, dict[str, type | tuple[type, ...]]] = {
-    "hello": {"drafter_type": str, "tokenizer_id": str, "capabilities": dict},
-    "welcome": {"target": str, "vocab_size": int, "want_q": bool},
-    "session_start": {"session": int, "token_ids": _LIST, "params": dict},
-    "draft": {"session": int, "base_len": int, "epoch": int, "tokens": _LIST},
-    "commit": {"session": int, "base_len": int, "tokens": _LIST, "new_len": int},
-    "state": {"session": int, "base_len": int, "end": int},
-    "session_end": {"session": int},
-    "heartbeat": {},
-    "generate": {"request_id": int, "params": dict},
-    "chunk": {"request_id": int, "token_ids": _LIST, "text": str},
-    "done": {"request_id": int, "token_ids": _LIST, "text": str, "metrics": dict, "finish_reason": str},
-    "cancel": {"request_id": int},
-    "ping": {},
-    "pong": {"drafter_connected": bool},
-    "error": {"message": str},
-}
+
+class ProtocolError(ValueError):
+    """A message that does not follow the schema. ``code`` is a short machine-readable reason."""
+
+    def __init__(self, message: str, code: str = "bad_message", request_id: int | None = None):
+        super().__init__(message)
+        self.code = code
+        self.request_id = request_id
 
 
 def state_row_axis(name: str) -> int:
@@ -120,62 +134,469 @@ def split_state(
     return pieces
 
 
-class ProtocolError(ValueError):
-    """A message that does not follow the schema. ``code`` is a short machine-readable reason."""
-
-    def __init__(self, message: str, code: str = "bad_message", request_id: int | None = None):
-        super().__init__(message)
-        self.code = code
-        self.request_id = request_id
+# ------------------------------------------------------------------------------------- field specs (built once)
+_MISSING = object()
+Check = Callable[[str, Any], Any]  # (field path, wire value) -> Python value, or raises ProtocolError
 
 
-@dataclass
+def _wrong(path: str, what: str, value: Any) -> ProtocolError:
+    return ProtocolError(f"field {path!r} must be {what}, got {type(value).__name__}")
+
+
+def _check_int(path: str, v: Any) -> int:
+    if type(v) is not int:  # bool is a subclass of int; msgpack keeps them apart, so must we
+        raise _wrong(path, "an integer", v)
+    return v
+
+
+def _check_float(path: str, v: Any) -> float:
+    t = type(v)
+    if t is float:
+        return v
+    if t is int:
+        return float(v)
+    raise _wrong(path, "a number", v)
+
+
+def _check_str(path: str, v: Any) -> str:
+    if type(v) is not str:
+        raise _wrong(path, "a string", v)
+    return v
+
+
+def _check_bool(path: str, v: Any) -> bool:
+    if type(v) is not bool:
+        raise _wrong(path, "true or false", v)
+    return v
+
+
+def _check_int_list(path: str, v: Any) -> list[int]:
+    if type(v) is not list:
+        raise _wrong(path, "a list of integers", v)
+    for x in v:
+        if type(x) is not int:
+            raise ProtocolError(f"field {path!r} must be a list of integers, got an element of type "
+                                f"{type(x).__name__}")
+    return v
+
+
+def _check_any(path: str, v: Any) -> Any:
+    return v
+
+
+_SCALARS: dict[Any, tuple[Check, str]] = {
+    int: (_check_int, "an integer"),
+    float: (_check_float, "a number"),
+    str: (_check_str, "a string"),
+    bool: (_check_bool, "true or false"),
+}
+
+
+def _compile(tp: Any, owner: str) -> tuple[Check, Callable[[Any], Any] | None]:
+    """A checker for wire values of annotation ``tp``, and a converter to the wire form (None: sent as it is)."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        inner = [a for a in args if a is not type(None)]
+        if len(inner) != 1 or len(args) != 2:
+            raise TypeError(f"{owner}: only X | None unions are supported, got {tp}")
+        check, to_wire = _compile(inner[0], owner)
+        return (lambda path, v: None if v is None else check(path, v)), (
+            None if to_wire is None else (lambda v: None if v is None else to_wire(v)))
+    if tp in _SCALARS:
+        return _SCALARS[tp][0], None
+    if tp is Any:
+        return _check_any, None
+    if origin is list:
+        if args == (int,):
+            return _check_int_list, None
+        item_check, item_wire = _compile(args[0], owner) if args else (_check_any, None)
+
+        def check_list(path: str, v: Any) -> list:
+            if type(v) is not list:
+                raise _wrong(path, "a list", v)
+            return [item_check(f"{path}[{i}]", x) for i, x in enumerate(v)]
+
+        return check_list, None if item_wire is None else (lambda v: [item_wire(x) for x in v])
+    if origin is dict or tp is dict:
+        value_check = _compile(args[1], owner)[0] if args and args[1] is not Any else None
+
+        def check_dict(path: str, v: Any) -> dict:
+            if type(v) is not dict:
+                raise _wrong(path, "a map", v)
+            if value_check is not None:
+                for key, x in v.items():
+                    value_check(f"{path}.{key}", x)
+            return v
+
+        return check_dict, None
+    spec = getattr(tp, "_SPEC", None)
+    if isinstance(spec, _Spec):  # a nested structure (Capabilities, ThreadCounts): a map on the wire
+        return spec.read, spec.write
+    raise TypeError(f"{owner}: unsupported field type {tp!r}")
+
+
+@dataclass(frozen=True)
+class _Field:
+    name: str
+    check: Check
+    to_wire: Callable[[Any], Any] | None
+    default: Any  # _MISSING: required
+    factory: Callable[[], Any] | None
+    skip_none: bool  # optional with default None: left out of the header when None
+
+
+class _Spec:
+    """What encode and decode need of one class, computed once when the class is defined (no reflection per call)."""
+
+    def __init__(self, cls: type):
+        hints = typing.get_type_hints(cls)
+        self.cls = cls
+        self.has_tensors = False
+        fields = []
+        for f in dataclasses.fields(cls):
+            if f.name == "tensors":
+                self.has_tensors = True
+                continue
+            check, to_wire = _compile(hints[f.name], cls.__name__)
+            factory = None if f.default_factory is dataclasses.MISSING else f.default_factory
+            default = f.default if f.default is not dataclasses.MISSING else (_MISSING if factory is None else None)
+            fields.append(_Field(f.name, check, to_wire, default, factory, default is None and factory is None))
+        self.fields = tuple(fields)
+        self.names = tuple(f.name for f in fields)
+        self.wire = tuple((f.name, f.to_wire, f.skip_none) for f in fields)
+
+    def read(self, path: str, header: Any) -> Any:
+        """Check a header (or a nested map) and build an instance; unknown keys are ignored."""
+        if type(header) is not dict:
+            raise _wrong(path, "a map", header)
+        values = {}
+        prefix = f"{path}." if path else ""
+        for f in self.fields:
+            v = header.get(f.name, _MISSING)
+            if v is _MISSING:
+                if f.default is _MISSING:
+                    raise ProtocolError(f"{path or self.cls.TYPE}: missing field {prefix + f.name!r}")
+                v = f.factory() if f.factory is not None else f.default
+            else:
+                v = f.check(prefix + f.name if prefix else f.name, v)
+            values[f.name] = v
+        obj = self.cls.__new__(self.cls)
+        obj.__dict__.update(values)
+        return obj
+
+    def write(self, obj: Any) -> dict[str, Any]:
+        """The wire map of an instance (fields as they are: no copies)."""
+        d = obj.__dict__
+        out = {}
+        for name, to_wire, skip_none in self.wire:
+            v = d[name]
+            if v is None and skip_none:
+                continue
+            out[name] = v if to_wire is None else to_wire(v)
+        return out
+
+
+def _struct(cls: type) -> type:
+    """A nested structure inside a message (a map on the wire), with its field spec."""
+    cls = dataclass(cls)
+    cls._SPEC = _Spec(cls)
+    return cls
+
+
+#: Message type name -> class.
+MESSAGE_TYPES: dict[str, type[Message]] = {}
+
+
+def _message(cls: type) -> type:
+    """Register a message class: a dataclass, its field spec, its entry in :data:`MESSAGE_TYPES`."""
+    cls = dataclass(cls)
+    cls._SPEC = _Spec(cls)
+    if cls.TYPE in MESSAGE_TYPES:
+        raise TypeError(f"message type {cls.TYPE!r} defined twice")
+    MESSAGE_TYPES[cls.TYPE] = cls
+    return cls
+
+
+def _tensors() -> Any:
+    # the tensors a message carries; not compared (tensor equality is not a bool)
+    return field(default_factory=dict, compare=False, repr=False)
+
+
 class Message:
-    """A decoded message: its type, header fields and named tensors."""
+    """Base of every message class: ``TYPE`` (wire name), ``DIRECTION`` (who sends it), ``validate()``."""
 
-    type: str
-    fields: dict[str, Any] = field(default_factory=dict)
-    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    TYPE: ClassVar[str] = ""
+    DIRECTION: ClassVar[str] = ""
+    _SPEC: ClassVar[_Spec]
 
-    def __getitem__(self, key: str) -> Any:
-        return self.fields[key]
+    def validate(self) -> None:
+        """Range checks that belong to the message itself; raise :class:`ProtocolError`. Called by ``decode``."""
 
-    def get(self, key: str, default: Any = None) -> Any:
-        return self.fields.get(key, default)
+    def to_dict(self) -> dict[str, Any]:
+        """The header fields as plain values (nested structures as maps, None where unset), without tensors."""
+        return {f.name: _plain(getattr(self, f.name)) for f in self._SPEC.fields}
 
 
-def encode(msg_type: str, tensors: dict[str, torch.Tensor] | None = None, **fields: Any) -> list[Any]:
+def _plain(v: Any) -> Any:
+    spec = getattr(type(v), "_SPEC", None)
+    return {name: _plain(x) for name, x in v.__dict__.items()} if isinstance(spec, _Spec) else v
+
+
+# ------------------------------------------------------------------------------------------ nested structures
+@_struct
+class Capabilities:
+    """What a drafter announces at connect time; the verifier adapts to it and knows nothing else about the type."""
+
+    sends_q: bool = False  # sends the distribution each draft was drawn from (sampling); else drafts are one-hot
+    greedy_q: bool = False  # can send its q under greedy too, when the verifier asks (ensemble verification)
+    needs_hidden_states: bool = False  # wants the target's last hidden states for committed positions
+    needs_kv_layers: list[int] = field(default_factory=list)  # wants new K/V rows of these target layers
+
+
+@_struct
+class ThreadCounts:
+    """A node's torch thread counts: its share while both nodes compute, and every core (``full``)."""
+
+    share: int = 0
+    full: int = 0
+
+
+def _non_negative(msg: Message, *names: str) -> None:
+    for name in names:
+        v = getattr(msg, name)
+        if v is not None and not v >= 0:  # `not >=` also catches NaN
+            raise ProtocolError(f"{msg.TYPE}: {name} must be ≥ 0, got {v!r}")
+
+
+# -------------------------------------------------------------------------------------------- message types
+@_message
+class Hello(Message):
+    TYPE = "hello"
+    DIRECTION = "drafter→verifier"
+
+    drafter_type: str
+    tokenizer_id: str
+    capabilities: Capabilities
+    profile: dict[str, Any] | None = None  # shared.costs.NodeProfile.to_dict(); the verifier checks it
+    threads: ThreadCounts | None = None
+
+    def validate(self) -> None:
+        if any(layer < 0 for layer in self.capabilities.needs_kv_layers):
+            raise ProtocolError("hello: capabilities.needs_kv_layers must be layer indices ≥ 0")
+        if self.threads is not None:
+            _non_negative(self.threads, "share", "full")
+
+
+@_message
+class Welcome(Message):
+    TYPE = "welcome"
+    DIRECTION = "verifier→drafter"
+
+    target: str
+    vocab_size: int
+    want_q: bool
+    profile: dict[str, Any] | None = None
+    threads: ThreadCounts | None = None
+
+    def validate(self) -> None:
+        if self.vocab_size < 1:
+            raise ProtocolError(f"welcome: vocab_size must be ≥ 1, got {self.vocab_size}")
+        if self.threads is not None:
+            _non_negative(self.threads, "share", "full")
+
+
+@_message
+class SessionStart(Message):
+    TYPE = "session_start"
+    DIRECTION = "verifier→drafter"
+
+    session: int
+    token_ids: list[int]
+    params: dict[str, Any]  # shared.sampling.GenerationParams.to_dict()
+    prompt_len: int | None = None  # None: all of token_ids is the prompt
+    tensors: dict[str, torch.Tensor] = _tensors()
+
+    def validate(self) -> None:
+        if self.prompt_len is not None and not 0 <= self.prompt_len <= len(self.token_ids):
+            raise ProtocolError(f"session_start: prompt_len must be in [0, {len(self.token_ids)}]")
+
+
+@_message
+class Draft(Message):
+    TYPE = "draft"
+    DIRECTION = "drafter→verifier"
+
+    session: int
+    base_len: int
+    epoch: int
+    tokens: list[int]
+    idle_rounds: int = 0  # k = 0: the verifier steps alone this many rounds (no tokens then)
+    overlap: bool = True  # the drafter pre-drafts while this block is verified
+    sent_at: float | None = None  # the drafter's wall clock at send (same-host transit time)
+    stats: dict[str, Any] | None = None  # the drafter's counters, passed on in the request's metrics
+    tensors: dict[str, torch.Tensor] = _tensors()  # q_idx/q_prob [k, m] (sparse q) or q [k, vocab] (dense)
+
+    def validate(self) -> None:
+        if len(self.tokens) > MAX_DRAFT_TOKENS:
+            raise ProtocolError(f"draft: at most {MAX_DRAFT_TOKENS} tokens, got {len(self.tokens)}")
+        if not 0 <= self.idle_rounds <= MAX_IDLE_ROUNDS or (self.idle_rounds and self.tokens):
+            raise ProtocolError(f"draft: idle_rounds must be an integer in [0, {MAX_IDLE_ROUNDS}], with no tokens")
+
+
+@_message
+class Commit(Message):
+    TYPE = "commit"
+    DIRECTION = "verifier→drafter"
+
+    session: int
+    base_len: int
+    tokens: list[int]
+    new_len: int
+    drafted: int = 0  # draft tokens the verifier checked (0: the round used no draft)
+    accepted: int = 0
+    verify_s: float | None = None  # the round's target forward time
+    threads: int = 0  # the verifier's torch threads in that forward (0: unknown)
+    tensors: dict[str, torch.Tensor] = _tensors()  # extras: hidden, kv.{layer} for the committed positions
+
+    def validate(self) -> None:
+        _non_negative(self, "base_len", "new_len", "drafted", "accepted", "verify_s", "threads")
+
+
+@_message
+class State(Message):
+    TYPE = "state"
+    DIRECTION = "verifier→drafter"
+
+    session: int
+    base_len: int
+    end: int
+    tensors: dict[str, torch.Tensor] = _tensors()
+
+    def validate(self) -> None:
+        _non_negative(self, "base_len", "end")
+
+
+@_message
+class SessionEnd(Message):
+    TYPE = "session_end"
+    DIRECTION = "verifier→drafter"
+
+    session: int
+
+
+@_message
+class Heartbeat(Message):
+    TYPE = "heartbeat"
+    DIRECTION = "drafter→verifier"
+
+
+@_message
+class Generate(Message):
+    TYPE = "generate"
+    DIRECTION = "client→verifier"
+
+    request_id: int
+    params: dict[str, Any]  # shared.sampling.GenerationParams fields; the verifier checks them
+    token_ids: list[int] | None = None
+    prompt: str | None = None
+    messages: list[dict[str, str]] | None = None  # chat turns {role, content}, templated by the target
+
+    def validate(self) -> None:
+        given = [v for v in (self.token_ids, self.prompt, self.messages) if v is not None]
+        if len(given) != 1:
+            raise ProtocolError("give exactly one of token_ids, prompt or messages", "bad_request")
+        if self.messages is not None and not all("role" in m and "content" in m for m in self.messages):
+            raise ProtocolError("messages must be a list of {role, content} strings", "bad_request")
+
+
+@_message
+class Chunk(Message):
+    TYPE = "chunk"
+    DIRECTION = "verifier→client"
+
+    request_id: int
+    token_ids: list[int]  # tokens committed in this round
+    text: str  # the text they complete
+
+
+@_message
+class Done(Message):
+    TYPE = "done"
+    DIRECTION = "verifier→client"
+
+    request_id: int
+    token_ids: list[int]  # every new token
+    text: str
+    metrics: dict[str, Any]
+    finish_reason: str
+
+
+@_message
+class Cancel(Message):
+    TYPE = "cancel"
+    DIRECTION = "client→verifier"
+
+    request_id: int
+
+
+@_message
+class Ping(Message):
+    TYPE = "ping"
+    DIRECTION = "client→verifier"
+
+
+@_message
+class Pong(Message):
+    TYPE = "pong"
+    DIRECTION = "verifier→client"
+
+    drafter_connected: bool
+    drafter_type: str | None = None
+    target: str | None = None
+    sessions: int = 0
+
+
+@_message
+class Error(Message):
+    TYPE = "error"
+    DIRECTION = "any"
+
+    message: str
+    code: str = "error"
+    request_id: int | None = None
+    session: int | None = None
+
+
+# ------------------------------------------------------------------------------------------------------ codec
+def encode(msg: Message) -> list[Any]:
     """Encode a message into frames: a msgpack header then one raw buffer per tensor (no copy for CPU tensors)."""
-    if msg_type not in SCHEMA:
-        raise ValueError(f"unknown message type {msg_type!r}")
-    if {"v", "type", "tensors"} & fields.keys():
-        raise ValueError("v, type and tensors are reserved header keys")
-    specs = []
+    spec = getattr(type(msg), "_SPEC", None)
+    if not isinstance(spec, _Spec) or MESSAGE_TYPES.get(msg.TYPE) is not type(msg):
+        raise TypeError(f"encode() takes a message instance (one of {', '.join(MESSAGE_TYPES)}), got {msg!r:.80}")
+    header = spec.write(msg)
+    header["v"] = SCHEMA_VERSION
+    header["type"] = msg.TYPE
     buffers: list[Any] = []
-    for name, tensor in (tensors or {}).items():
-        t = tensor.detach()
-        if t.device.type != "cpu":
-            t = t.cpu()
-        t = t.contiguous()
-        if t.dtype not in _DTYPE_NAMES:
-            raise ValueError(f"tensor {name!r}: dtype {t.dtype} cannot be sent")
-        specs.append({"name": name, "dtype": _DTYPE_NAMES[t.dtype], "shape": list(t.shape)})
-        # A uint8 view shares memory with t; numpy exposes it to ZeroMQ as a buffer without copying.
-        buffers.append(t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b"")
-    header = {"v": SCHEMA_VERSION, "type": msg_type, "tensors": specs, **fields}
+    if spec.has_tensors and msg.tensors:
+        descriptors = []
+        for name, tensor in msg.tensors.items():
+            t = tensor.detach()
+            if t.device.type != "cpu":
+                t = t.cpu()
+            t = t.contiguous()
+            dtype_name = _DTYPE_NAMES.get(t.dtype)
+            if dtype_name is None:
+                raise ValueError(f"tensor {name!r}: dtype {t.dtype} cannot be sent")
+            descriptors.append({"name": name, "dtype": dtype_name, "shape": list(t.shape)})
+            # A uint8 view shares memory with t; numpy exposes it to ZeroMQ as a buffer without copying.
+            buffers.append(t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b"")
+        header["tensors"] = descriptors
     return [msgpack.packb(header, use_bin_type=True), *buffers]
 
 
-def _check_type(name: str, value: Any, expected: type | tuple[type, ...]) -> None:
-    if expected is int and (isinstance(value, bool) or not isinstance(value, int)):
-        raise ProtocolError(f"field {name!r} must be an integer")
-    if not isinstance(value, expected):
-        names = expected.__name__ if isinstance(expected, type) else "/".join(t.__name__ for t in expected)
-        raise ProtocolError(f"field {name!r} must be {names}, got {type(value).__name__}")
-
-
 def decode(frames: list[Any], max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Message:
-    """Decode and validate frames (bytes or zmq.Frame). Raises :class:`ProtocolError` on anything malformed."""
+    """Decode and validate frames (bytes or zmq.Frame) into a message instance. Raises :class:`ProtocolError` on
+    anything malformed; unknown extra header fields are ignored (forward compatibility)."""
     if not frames:
         raise ProtocolError("empty message")
     raw = [memoryview(f.buffer if hasattr(f, "buffer") else f) for f in frames]
@@ -191,30 +612,35 @@ def decode(frames: list[Any], max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Mes
     if not isinstance(header, dict):
         raise ProtocolError("header must be a map")
     rid = header.get("request_id")
-    request_id = rid if isinstance(rid, int) and not isinstance(rid, bool) else None
-    version = header.pop("v", None)
-    if version != SCHEMA_VERSION:
+    request_id = rid if type(rid) is int else None
+    version = header.get("v")
+    if version != SCHEMA_VERSION or type(version) is not int:
         raise ProtocolError(
             f"unsupported schema version {version!r} (this node speaks {SCHEMA_VERSION})",
             code="bad_version",
             request_id=request_id,
         )
-    msg_type = header.pop("type", None)
-    if not isinstance(msg_type, str) or msg_type not in SCHEMA:
+    msg_type = header.get("type")
+    cls = MESSAGE_TYPES.get(msg_type) if isinstance(msg_type, str) else None
+    if cls is None:
         raise ProtocolError(f"unknown message type {msg_type!r}", code="unknown_type", request_id=request_id)
-    specs = header.pop("tensors", [])
     try:
-        for name, expected in SCHEMA[msg_type].items():
-            if name not in header:
-                raise ProtocolError(f"{msg_type}: missing field {name!r}")
-            _check_type(name, header[name], expected)
-        tensors = _decode_tensors(specs, raw[1:])
+        spec = cls._SPEC
+        msg = spec.read("", header)
+        tensors = _decode_tensors(header.get("tensors", []), raw[1:])
+        if spec.has_tensors:
+            msg.tensors = tensors
+        elif tensors:
+            raise ProtocolError(f"a {msg_type} message carries no tensors")
+        msg.validate()
     except ProtocolError as exc:
+        if not str(exc).startswith(msg_type):
+            exc.args = (f"{msg_type}: {exc}",)
         exc.request_id = request_id
         raise
     except (TypeError, ValueError, RuntimeError, OverflowError) as exc:  # last line of defence: never crash a node
         raise ProtocolError(f"malformed {msg_type} message: {exc}", request_id=request_id) from None
-    return Message(msg_type, header, tensors)
+    return msg
 
 
 def _decode_tensors(specs: Any, buffers: list[memoryview]) -> dict[str, torch.Tensor]:
@@ -230,16 +656,13 @@ def _decode_tensors(specs: Any, buffers: list[memoryview]) -> dict[str, torch.Te
         if (
             not isinstance(shape, list)
             or len(shape) > 8
-            or not all(isinstance(s, int) and not isinstance(s, bool) and 0 <= s < MAX_DIM for s in shape)
+            or not all(type(s) is int and 0 <= s < MAX_DIM for s in shape)
         ):
             raise ProtocolError(f"tensor {name!r}: bad shape {shape!r}")
-        dtype = _DTYPES[dtype_name]
-        numel = 1
-        for s in shape:
-            numel *= s
-        expected = numel * torch.empty((), dtype=dtype).element_size()
-        if buf.nbytes != expected:
+        numel = math.prod(shape)
+        if buf.nbytes != numel * _ITEM_SIZES[dtype_name]:
             raise ProtocolError(f"tensor {name!r}: {buf.nbytes} bytes for shape {shape} of {dtype_name}")
+        dtype = _DTYPES[dtype_name]
         if numel == 0:
             tensors[name] = torch.empty(shape, dtype=dtype)
         else:
@@ -248,6 +671,7 @@ def _decode_tensors(specs: Any, buffers: list[memoryview]) -> dict[str, torch.Te
     return tensors
 
 
-def error_frames(message: str, code: str = "error", **fields: Any) -> list[Any]:
+def error_frames(message: str, code: str = "error", request_id: int | None = None,
+                 session: int | None = None) -> list[Any]:
     """Frames of an ``error`` reply."""
-    return encode("error", message=message, code=code, **{k: v for k, v in fields.items() if v is not None})
+    return encode(Error(message=message, code=code, request_id=request_id, session=session))

@@ -80,41 +80,52 @@ BAD_IDLE = [-1, "many", 5000, True, 2.5]
 async def idle_drafter(endpoint: str, tok_id: str, stop: asyncio.Event) -> dict:
     """A peer that says hello with a malformed cost profile, then a valid one, and answers every round first with
     malformed ``idle_rounds`` drafts and then with a valid k = 0 block of 4 rounds."""
-    from shared.protocol import decode, encode
+    from shared.protocol import (
+        Capabilities,
+        Commit,
+        Draft,
+        Error,
+        Heartbeat,
+        Hello,
+        SessionStart,
+        Welcome,
+        decode,
+        encode,
+    )
 
     seen = {"errors": [], "welcome": None, "idle_blocks": 0}
     bad_profile = {"model": "m", "device": "cpu", "dtype": "float32", "curves": {"1": {"sizes": ["x"]}}}
+    caps = Capabilities(sends_q=False)
     async with peer_socket(endpoint) as sock:
-        await sock.send_multipart(encode("hello", drafter_type="hostile", tokenizer_id=tok_id,
-                                         capabilities={"sends_q": False}, profile=bad_profile))
-        await sock.send_multipart(encode("hello", drafter_type="hostile", tokenizer_id=tok_id,
-                                         capabilities={"sends_q": False}, profile=None))
+        await sock.send_multipart(encode(Hello(drafter_type="hostile", tokenizer_id=tok_id, capabilities=caps,
+                                               profile=bad_profile)))
+        await sock.send_multipart(encode(Hello(drafter_type="hostile", tokenizer_id=tok_id, capabilities=caps)))
         while not stop.is_set():
             if not await sock.poll(50):
-                await sock.send_multipart(encode("heartbeat"))
+                await sock.send_multipart(encode(Heartbeat()))
                 continue
             msg = decode(await sock.recv_multipart())
-            if msg.type == "error":
-                seen["errors"].append(msg["message"])
+            if isinstance(msg, Error):
+                seen["errors"].append(msg.message)
                 continue
-            if msg.type == "welcome":
-                seen["welcome"] = msg.fields
+            if isinstance(msg, Welcome):
+                seen["welcome"] = msg
                 continue
-            if msg.type == "session_start":
-                sid, base = msg["session"], len(msg["token_ids"])
-            elif msg.type == "commit":
-                sid, base = msg["session"], msg["new_len"]
-                if msg["drafted"] or base % 4:  # only after a solo run ends (every 4th round)
+            if isinstance(msg, SessionStart):
+                sid, base = msg.session, len(msg.token_ids)
+            elif isinstance(msg, Commit):
+                sid, base = msg.session, msg.new_len
+                if msg.drafted or base % 4:  # only after a solo run ends (every 4th round)
                     continue
             else:
                 continue
-            for bad in BAD_IDLE:
-                await sock.send_multipart(encode("draft", session=sid, base_len=base, epoch=0, tokens=[],
-                                                 idle_rounds=bad))
-            await sock.send_multipart(encode("draft", session=sid, base_len=base, epoch=0, tokens=[3],
-                                             idle_rounds=2))  # idle rounds with tokens: refused too
-            await sock.send_multipart(encode("draft", session=sid, base_len=base, epoch=0, tokens=[],
-                                             idle_rounds=4))
+            for bad in BAD_IDLE:  # malformed on purpose: the encoder does not check types, decode does
+                await sock.send_multipart(encode(Draft(session=sid, base_len=base, epoch=0, tokens=[],
+                                                       idle_rounds=bad)))
+            await sock.send_multipart(encode(Draft(session=sid, base_len=base, epoch=0, tokens=[3],
+                                                   idle_rounds=2)))  # idle rounds with tokens: refused too
+            await sock.send_multipart(encode(Draft(session=sid, base_len=base, epoch=0, tokens=[],
+                                                   idle_rounds=4)))
             seen["idle_blocks"] += 1
     return seen
 
@@ -143,8 +154,10 @@ def test_malformed_idle_rounds_and_profiles_are_refused_and_solo_rounds_run(tiny
     assert again.token_ids == reference_greedy(target, PROMPTS[1], 8)
     assert any("cost profile" in e for e in seen["errors"])
     assert sum("idle_rounds" in e for e in seen["errors"]) >= len(BAD_IDLE) + 1
+    from shared.protocol import ThreadCounts
+
     welcome = seen["welcome"]
-    assert welcome["threads"] == {"share": 1, "full": 1} and welcome["profile"]["dtype"] == "float32"
+    assert welcome.threads == ThreadCounts(share=1, full=1) and welcome.profile["dtype"] == "float32"
     assert seen["idle_blocks"] > 0 and result.metrics["solo_rounds"] >= 4
 
 

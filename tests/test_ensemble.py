@@ -25,7 +25,7 @@ from drafter_node.lm_drafter import choose
 from runtime.client import PipespecError
 from runtime.config import ConfigError, load_config
 from runtime.launch import cluster
-from shared.protocol import decode, encode
+from shared.protocol import Capabilities, Error, Hello, Welcome, decode, encode
 from shared.sampling import GenerationParams, make_generator
 from verifier_node.acceptance import accept_greedy, accept_sampling, ensemble_targets
 
@@ -247,12 +247,12 @@ def test_config_refuses_bad_weights_and_prompt_lookup():
         assert load_config(name, {"verification.ensemble_weight": 0.7})["verification"]["ensemble_weight"] == 0.7
 
 
-async def _fake_drafter(endpoint: str, tok_id: str, capabilities: dict):
+async def _fake_drafter(endpoint: str, tok_id: str, capabilities: Capabilities):
     ctx = zmq.asyncio.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(endpoint)
-    await sock.send_multipart(encode("hello", drafter_type="fake", tokenizer_id=tok_id, capabilities=capabilities))
+    await sock.send_multipart(encode(Hello(drafter_type="fake", tokenizer_id=tok_id, capabilities=capabilities)))
     assert await sock.poll(10000), "the verifier did not answer the hello"
     return ctx, sock, decode(await sock.recv_multipart())
 
@@ -269,15 +269,15 @@ def test_connect_and_request_refusals(tiny):
     async def main():
         async with cluster(config) as client:
             endpoint = client.config["verifier"]["endpoint"]
-            ctx, sock, reply = await _fake_drafter(endpoint, tok_id, {"sends_q": False})
-            assert reply.type == "error" and reply["code"] == "ensemble_needs_q"
-            assert "needs the draft distribution q" in reply["message"] and "'fake'" in reply["message"]
+            ctx, sock, reply = await _fake_drafter(endpoint, tok_id, Capabilities(sends_q=False))
+            assert isinstance(reply, Error) and reply.code == "ensemble_needs_q"
+            assert "needs the draft distribution q" in reply.message and "'fake'" in reply.message
             assert not (await client.ping())["drafter_connected"]
             sock.close()
             ctx.term()
 
-            ctx, sock, reply = await _fake_drafter(endpoint, tok_id, {"sends_q": True, "greedy_q": False})
-            assert reply.type == "welcome" and reply["want_q"] is True
+            ctx, sock, reply = await _fake_drafter(endpoint, tok_id, Capabilities(sends_q=True, greedy_q=False))
+            assert isinstance(reply, Welcome) and reply.want_q is True
             with pytest.raises(PipespecError, match="sends none under greedy decoding") as info:
                 await client.generate(token_ids=[5, 6, 7], max_new_tokens=4)
             assert info.value.code == "bad_request"

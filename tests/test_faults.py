@@ -15,7 +15,18 @@ from tiny_models import build_model, build_small_vocab_tokenizer, reference_gree
 from runtime.client import AsyncClient, Chunk
 from runtime.launch import LaunchError, cluster
 from shared.models import load_tokenizer, tokenizer_id
-from shared.protocol import SCHEMA_VERSION, decode, encode
+from shared.protocol import (
+    SCHEMA_VERSION,
+    Capabilities,
+    Commit,
+    Draft,
+    Generate,
+    Heartbeat,
+    Hello,
+    SessionStart,
+    decode,
+    encode,
+)
 
 PROMPT = [5, 17, 33, 2, 60]
 
@@ -25,24 +36,24 @@ async def hostile_drafter(endpoint: str, tok_id: str, vocab: int, stop: asyncio.
     rng = random.Random(0)
     sent = {"stale": 0, "dup": 0}
     async with peer_socket(endpoint) as sock:
-        await sock.send_multipart(encode("hello", drafter_type="hostile", tokenizer_id=tok_id,
-                                         capabilities={"sends_q": False}))
+        await sock.send_multipart(encode(Hello(drafter_type="hostile", tokenizer_id=tok_id,
+                                               capabilities=Capabilities(sends_q=False))))
         while not stop.is_set():
             if not await sock.poll(50):
-                await sock.send_multipart(encode("heartbeat"))
+                await sock.send_multipart(encode(Heartbeat()))
                 continue
             msg = decode(await sock.recv_multipart())
-            if msg.type == "session_start":
-                sid, base = msg["session"], len(msg["token_ids"])
-            elif msg.type == "commit":
-                sid, base = msg["session"], msg["new_len"]
+            if isinstance(msg, SessionStart):
+                sid, base = msg.session, len(msg.token_ids)
+            elif isinstance(msg, Commit):
+                sid, base = msg.session, msg.new_len
             else:
                 continue
-            await sock.send_multipart(encode("draft", session=sid, base_len=base - 1, epoch=0, tokens=[3, 4]))
+            await sock.send_multipart(encode(Draft(session=sid, base_len=base - 1, epoch=0, tokens=[3, 4])))
             sent["stale"] += 1
             tokens = [rng.randrange(vocab) for _ in range(rng.randint(0, 5))]
             for _ in range(2):
-                await sock.send_multipart(encode("draft", session=sid, base_len=base, epoch=0, tokens=tokens))
+                await sock.send_multipart(encode(Draft(session=sid, base_len=base, epoch=0, tokens=tokens)))
             sent["dup"] += 1
     return sent
 
@@ -107,7 +118,7 @@ async def raw_exchange(endpoint: str, frames: list) -> dict:
         await sock.send_multipart(frames)
         assert await sock.poll(10_000), "no reply to a malformed message"
         reply = decode(await sock.recv_multipart())
-        return {"type": reply.type, **reply.fields}
+        return {"type": reply.TYPE, **reply.to_dict()}
     finally:
         sock.close()
         ctx.term()
@@ -149,13 +160,13 @@ def test_malformed_messages_get_error_replies_and_nodes_keep_serving(tiny):
             # a drafter-only message on the client socket, and a draft from a drafter that never said hello
             replies["draft from client"] = await raw_exchange(
                 client.config["client"]["endpoint"],
-                encode("draft", session=1, base_len=1, epoch=0, tokens=[1]))
+                encode(Draft(session=1, base_len=1, epoch=0, tokens=[1])))
             replies["draft before hello"] = await raw_exchange(
                 client.config["verifier"]["endpoint"],
-                encode("draft", session=1, base_len=1, epoch=0, tokens=[1]))
+                encode(Draft(session=1, base_len=1, epoch=0, tokens=[1])))
             bad_request = await raw_exchange(client.config["client"]["endpoint"],
-                                             encode("generate", request_id=3, params={"temperature": -1},
-                                                    token_ids=[1, 2]))
+                                             encode(Generate(request_id=3, params={"temperature": -1},
+                                                             token_ids=[1, 2])))
             result = await client.generate(token_ids=PROMPT, max_new_tokens=12, eos_token_ids=[])
             pong = await client.ping()
         return replies, bad_request, result, pong

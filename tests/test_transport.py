@@ -7,7 +7,7 @@ import torch
 import zmq
 
 from shared import transport
-from shared.protocol import ProtocolError, decode, encode, error_frames
+from shared.protocol import Commit, Draft, Error, ProtocolError, State, decode, encode, error_frames
 from shared.transport import (
     HARD_FRAME_LIMIT,
     EndpointError,
@@ -119,15 +119,15 @@ def test_router_dealer_exchange_over_ipc(ctx, tmp_path):
     router = bind_router(ctx, endpoint)
     dealer = connect_dealer(ctx, endpoint)
     q = torch.rand(3, 7)
-    dealer.send_multipart(encode("draft", tensors={"q": q}, session=1, base_len=4, epoch=0, tokens=[5, 6, 7]))
+    dealer.send_multipart(encode(Draft(session=1, base_len=4, epoch=0, tokens=[5, 6, 7], tensors={"q": q})))
     peer, *body = _recv(router)
     msg = decode(body)
-    assert (msg.type, msg["session"], msg["tokens"]) == ("draft", 1, [5, 6, 7])
+    assert isinstance(msg, Draft) and (msg.session, msg.tokens) == (1, [5, 6, 7])
     assert torch.equal(msg.tensors["q"], q)
 
-    router.send_multipart([peer, *encode("commit", session=1, base_len=4, tokens=[5, 9], new_len=6, accepted=1)])
+    router.send_multipart([peer, *encode(Commit(session=1, base_len=4, tokens=[5, 9], new_len=6, accepted=1))])
     reply = decode(_recv(dealer))
-    assert (reply.type, reply["tokens"], reply["new_len"]) == ("commit", [5, 9], 6)
+    assert isinstance(reply, Commit) and (reply.tokens, reply.new_len, reply.accepted) == ([5, 9], 6, 1)
 
     # a malformed message gets an addressed error reply, and the pair keeps working
     dealer.send_multipart([b"\xc1not msgpack"])
@@ -136,7 +136,7 @@ def test_router_dealer_exchange_over_ipc(ctx, tmp_path):
         decode(body)
     router.send_multipart([peer, *error_frames(str(info.value), info.value.code)])
     err = decode(_recv(dealer))
-    assert err.type == "error" and err["code"] == "bad_message"
+    assert isinstance(err, Error) and err.code == "bad_message"
 
 
 def test_frame_over_maxmsgsize_is_dropped(ctx, tmp_path, monkeypatch):
@@ -145,9 +145,11 @@ def test_frame_over_maxmsgsize_is_dropped(ctx, tmp_path, monkeypatch):
     router = bind_router(ctx, endpoint)
     assert router.getsockopt(zmq.MAXMSGSIZE) == 4096
     dealer = connect_dealer(ctx, endpoint)
-    dealer.send_multipart(encode("ping", tensors={"big": torch.zeros(8192, dtype=torch.uint8)}))
+    dealer.send_multipart(encode(State(session=1, base_len=1, end=1,
+                                       tensors={"big": torch.zeros(8192, dtype=torch.uint8)})))
     assert not router.poll(300), "a frame over MAXMSGSIZE reached the router"
     # the dealer reconnects by itself; a message under the cap then goes through
-    dealer.send_multipart(encode("ping", tensors={"small": torch.zeros(16, dtype=torch.uint8)}))
+    dealer.send_multipart(encode(State(session=1, base_len=1, end=1,
+                                       tensors={"small": torch.zeros(16, dtype=torch.uint8)})))
     _, *body = _recv(router)
     assert set(decode(body).tensors) == {"small"}

@@ -19,6 +19,7 @@ import secrets
 import signal
 import time
 from collections import deque
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -40,7 +41,32 @@ from shared.models import (
     set_threads,
     tokenizer_id,
 )
-from shared.protocol import ANY_TOKENIZER, Message, ProtocolError, decode, encode, error_frames, split_state
+from shared.protocol import (
+    ANY_TOKENIZER,
+    DEFAULT_MAX_MESSAGE_BYTES,
+    Cancel,
+    Capabilities,
+    Chunk,
+    Commit,
+    Done,
+    Draft,
+    Generate,
+    Heartbeat,
+    Hello,
+    Message,
+    Ping,
+    Pong,
+    ProtocolError,
+    SessionEnd,
+    SessionStart,
+    State,
+    ThreadCounts,
+    Welcome,
+    decode,
+    encode,
+    error_frames,
+    split_state,
+)
 from shared.sampling import GenerationParams, ParamError
 from shared.transport import bind_router
 from verifier_node.acceptance import check_ensemble_weight
@@ -48,10 +74,15 @@ from verifier_node.session import RoundResult, Session
 
 log = logging.getLogger("pipespec.verifier")
 
-MAX_DRAFT_TOKENS = 64
-#: Longest run of rounds one draft may ask the verifier to take alone (``idle_rounds``).
-MAX_IDLE_ROUNDS = 1024
 HEARTBEAT_TIMEOUT_S = 3.0
+
+
+@dataclass
+class Receipt:
+    """How a message arrived: its bytes on the wire and the time its decoding took (for the session's metrics)."""
+
+    nbytes: int
+    decode_s: float
 
 
 def _state_tensors(
@@ -66,16 +97,13 @@ def _state_tensors(
 class Drafter:
     """The connected drafter as the verifier sees it: routing id and announced capabilities."""
 
-    def __init__(self, routing_id: bytes, drafter_type: str, capabilities: dict):
+    def __init__(self, routing_id: bytes, drafter_type: str, capabilities: Capabilities):
         self.routing_id = routing_id
         self.type = drafter_type
-        self.sends_q = bool(capabilities.get("sends_q", False))
-        self.greedy_q = self.sends_q and bool(capabilities.get("greedy_q", False))
-        self.needs_hidden = bool(capabilities.get("needs_hidden_states", False))
-        layers = capabilities.get("needs_kv_layers") or []
-        if not isinstance(layers, list):
-            raise ProtocolError("capabilities.needs_kv_layers must be a list of layer indices", code="unsupported")
-        self.kv_layers: list[int] = layers
+        self.sends_q = capabilities.sends_q
+        self.greedy_q = self.sends_q and capabilities.greedy_q
+        self.needs_hidden = capabilities.needs_hidden_states
+        self.kv_layers: list[int] = capabilities.needs_kv_layers
         self.last_seen = time.monotonic()
         self.dtype: str | None = None  # the drafter's model dtype, from its profile (None: unknown / no model)
 
@@ -89,7 +117,7 @@ class VerifierServer:
         self.config = config
         self.draft_timeout = vcfg["draft_timeout_ms"] / 1000
         self.max_sessions = vcfg.get("max_sessions", 64)
-        self.max_bytes = vcfg.get("max_message_bytes", 64 * 1024 * 1024)
+        self.max_bytes = vcfg.get("max_message_bytes", DEFAULT_MAX_MESSAGE_BYTES)
         self.threads = ThreadPlan.for_node(config, "verifier")
         set_threads(self.threads.share)
         self._threads_now = self.threads.share
@@ -176,10 +204,9 @@ class VerifierServer:
                 log.warning("bad message from %s: %s", peer.hex(), exc)
                 sock.send_multipart([peer, *error_frames(str(exc), exc.code, request_id=exc.request_id)])
                 continue
-            msg.fields["_bytes"] = sum(len(f.buffer) for f in body)
-            msg.fields["_decode_s"] = time.monotonic() - t0
+            receipt = Receipt(sum(len(f.buffer) for f in body), time.monotonic() - t0)
             try:
-                handler(peer, msg)
+                handler(peer, msg, receipt)
             except ProtocolError as exc:
                 sock.send_multipart([peer, *error_frames(str(exc), exc.code, request_id=exc.request_id)])
 
@@ -197,30 +224,30 @@ class VerifierServer:
         return None
 
     # -------------------------------------------------------------- drafter side
-    def _on_drafter_message(self, peer: bytes, msg: Message) -> None:
-        if msg.type == "hello":
+    def _on_drafter_message(self, peer: bytes, msg: Message, receipt: Receipt) -> None:
+        if isinstance(msg, Hello):
             self._on_hello(peer, msg)
             return
         if self.drafter is None or peer != self.drafter.routing_id:
             raise ProtocolError("say hello first: this drafter is not connected", code="not_connected")
         self.drafter.last_seen = time.monotonic()
-        if msg.type == "heartbeat":
+        if isinstance(msg, Heartbeat):
             return
-        if msg.type == "draft":
-            self._on_draft(msg)
+        if isinstance(msg, Draft):
+            self._on_draft(msg, receipt)
             return
-        raise ProtocolError(f"a drafter may not send {msg.type!r}", code="unexpected")
+        raise ProtocolError(f"a drafter may not send {msg.TYPE!r}", code="unexpected")
 
-    def _on_hello(self, peer: bytes, msg: Message) -> None:
-        if msg["tokenizer_id"] not in (self.tokenizer_id, ANY_TOKENIZER):
-            log.error("refused drafter %r: tokenizer %s != target's %s", msg["drafter_type"], msg["tokenizer_id"],
+    def _on_hello(self, peer: bytes, msg: Hello) -> None:
+        if msg.tokenizer_id not in (self.tokenizer_id, ANY_TOKENIZER):
+            log.error("refused drafter %r: tokenizer %s != target's %s", msg.drafter_type, msg.tokenizer_id,
                       self.tokenizer_id)
             raise ProtocolError(
-                f"tokenizer mismatch: the drafter's tokenizer ({msg['tokenizer_id']}) is not the target's "
-                f"({self.tokenizer_id}); drafter type {msg['drafter_type']!r} needs the target's tokenizer",
+                f"tokenizer mismatch: the drafter's tokenizer ({msg.tokenizer_id}) is not the target's "
+                f"({self.tokenizer_id}); drafter type {msg.drafter_type!r} needs the target's tokenizer",
                 code="tokenizer_mismatch",
             )
-        drafter = Drafter(peer, msg["drafter_type"], msg["capabilities"])
+        drafter = Drafter(peer, msg.drafter_type, msg.capabilities)
         if self.ensemble_weight is not None and not drafter.sends_q:
             log.error("refused drafter %r: ensemble verification needs q, it sends none", drafter.type)
             raise ProtocolError(
@@ -233,24 +260,23 @@ class VerifierServer:
             try:
                 CachedLM(self.model).check_kv_layers(drafter.kv_layers)
             except KVRowsError as exc:
-                log.error("refused drafter %r: %s", msg["drafter_type"], exc)
+                log.error("refused drafter %r: %s", msg.drafter_type, exc)
                 raise ProtocolError(
-                    f"drafter type {msg['drafter_type']!r} needs K/V rows of target layers {drafter.kv_layers}, "
+                    f"drafter type {msg.drafter_type!r} needs K/V rows of target layers {drafter.kv_layers}, "
                     f"which this target ({self.model_name}, {type(self.model).__name__}) cannot provide: {exc}",
                     code="unsupported",
                 ) from None
-        profile = msg.get("profile")
-        if profile is not None:
+        if msg.profile is not None:
             try:
-                drafter.dtype = NodeProfile.from_dict(profile).dtype
+                drafter.dtype = NodeProfile.from_dict(msg.profile).dtype
             except (ValueError, TypeError) as exc:
                 raise ProtocolError(f"hello: bad cost profile: {exc}") from None
         self.drafter = drafter
-        log.info("drafter connected: type=%s caps=%s dtype=%s", self.drafter.type, msg["capabilities"], drafter.dtype)
-        self._send_drafter(encode("welcome", target=self.model_name, vocab_size=self.vocab_size,
-                                  want_q=self.ensemble_weight is not None,
-                                  profile=self.profile.to_dict() if self.profile else None,
-                                  threads={"share": self.threads.share, "full": self.threads.full}))
+        log.info("drafter connected: type=%s caps=%s dtype=%s", self.drafter.type, msg.capabilities, drafter.dtype)
+        self._send_drafter(encode(Welcome(target=self.model_name, vocab_size=self.vocab_size,
+                                          want_q=self.ensemble_weight is not None,
+                                          profile=self.profile.to_dict() if self.profile else None,
+                                          threads=ThreadCounts(self.threads.share, self.threads.full))))
         for s in self.sessions.values():  # a (re)connected drafter learns every live session
             s.announced = False
             s.draft = None
@@ -270,10 +296,10 @@ class VerifierServer:
             return  # not announced: the session takes plain steps from the target
         tensors, size = _state_tensors(hidden, kv)
         pieces = [] if size <= self._state_budget() else split_state(tensors, len(s.tokens) - 1, self._state_budget())
-        self._send_drafter(encode("session_start", None if pieces else tensors or None, session=s.sid,
-                                  token_ids=s.tokens, prompt_len=s.prompt_len, params=s.params.to_dict()))
+        self._send_drafter(encode(SessionStart(session=s.sid, token_ids=s.tokens, params=s.params.to_dict(),
+                                               prompt_len=s.prompt_len, tensors={} if pieces else tensors)))
         for end, part in pieces:  # a long prompt's state, in pieces that each fit the message cap
-            self._send_drafter(encode("state", part, session=s.sid, base_len=len(s.tokens), end=end))
+            self._send_drafter(encode(State(session=s.sid, base_len=len(s.tokens), end=end, tensors=part)))
         s.announced = True
         s.ready_since = time.monotonic()
 
@@ -283,7 +309,7 @@ class VerifierServer:
 
     def _extras(
         self, s: Session, hidden: torch.Tensor | None, kv: dict[str, torch.Tensor] | None
-    ) -> dict[str, torch.Tensor] | None:
+    ) -> dict[str, torch.Tensor]:
         """A commit's state tensors (hidden states, K/V rows of one round's positions), dropped with an error in the
         log if they would exceed the message cap (the drafter then drafts nothing more for the session; the output
         is unaffected)."""
@@ -291,38 +317,31 @@ class VerifierServer:
         if size > self._state_budget():
             log.error("session %d: drafter state of %d bytes exceeds max_message_bytes (%d); not sent", s.sid, size,
                       self.max_bytes)
-            return None
-        return tensors or None
+            return {}
+        return tensors
 
-    def _on_draft(self, msg: Message) -> None:
-        s = self.sessions.get(msg["session"])
-        if s is None or not s.prefilled or msg["base_len"] != len(s.tokens):
+    def _on_draft(self, msg: Draft, receipt: Receipt) -> None:
+        s = self.sessions.get(msg.session)
+        if s is None or not s.prefilled or msg.base_len != len(s.tokens):
             if s is not None:
                 s.metrics.stale_drafts += 1
             return  # stale or duplicate: harmless by design
-        tokens = msg["tokens"]
-        if len(tokens) > MAX_DRAFT_TOKENS or not all(
-            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab_size for t in tokens
-        ):
-            raise ProtocolError(f"draft tokens must be at most {MAX_DRAFT_TOKENS} ids in [0, {self.vocab_size})")
+        tokens = msg.tokens  # its length and idle_rounds were checked by decode (Draft.validate)
+        if not all(0 <= t < self.vocab_size for t in tokens):
+            raise ProtocolError(f"draft tokens must be ids in [0, {self.vocab_size})")
         ensemble = self.ensemble_weight is not None
         q = self._dense_q(msg, len(tokens)) if s.params.do_sample or ensemble else None
         if ensemble and tokens and q is None:
             raise ProtocolError("ensemble verification needs q (q_idx/q_prob or q) with every draft")
-        idle = msg.get("idle_rounds", 0)
-        if isinstance(idle, bool) or not isinstance(idle, int) or not 0 <= idle <= MAX_IDLE_ROUNDS or (idle and tokens):
-            raise ProtocolError(f"draft: idle_rounds must be an integer in [0, {MAX_IDLE_ROUNDS}], with no tokens")
-        s.draft = {"tokens": tokens, "q": q, "idle_rounds": idle, "overlap": msg.get("overlap") is not False}
-        s.metrics.bytes_in += msg["_bytes"]
-        s.metrics.message_s += msg["_decode_s"]
-        sent_at = msg.get("sent_at")
-        if isinstance(sent_at, float):
-            s.metrics.transit_s += max(0.0, time.time() - sent_at)
-        stats = msg.get("stats")
-        if isinstance(stats, dict):
-            s.metrics.drafter_stats = stats
+        s.draft = {"tokens": tokens, "q": q, "idle_rounds": msg.idle_rounds, "overlap": msg.overlap}
+        s.metrics.bytes_in += receipt.nbytes
+        s.metrics.message_s += receipt.decode_s
+        if msg.sent_at is not None:
+            s.metrics.transit_s += max(0.0, time.time() - msg.sent_at)
+        if msg.stats is not None:
+            s.metrics.drafter_stats = msg.stats
 
-    def _dense_q(self, msg: Message, k: int) -> torch.Tensor | None:
+    def _dense_q(self, msg: Draft, k: int) -> torch.Tensor | None:
         """Rebuild the draft distribution rows from a sparse (q_idx, q_prob) or dense (q) encoding."""
         t = msg.tensors
         if "q" in t:
@@ -347,32 +366,32 @@ class VerifierServer:
             self.drafter_sock.send_multipart([self.drafter.routing_id, *frames], copy=False)
 
     # --------------------------------------------------------------- client side
-    def _on_client_message(self, peer: bytes, msg: Message) -> None:
-        if msg.type == "generate":
+    def _on_client_message(self, peer: bytes, msg: Message, receipt: Receipt) -> None:
+        if isinstance(msg, Generate):
             try:
                 self._on_generate(peer, msg)
             except (ParamError, ValueError) as exc:
-                raise ProtocolError(str(exc), code="bad_request", request_id=msg["request_id"]) from None
-        elif msg.type == "cancel":
-            sid = self.by_request.get((peer, msg["request_id"]))
+                raise ProtocolError(str(exc), code="bad_request", request_id=msg.request_id) from None
+        elif isinstance(msg, Cancel):
+            sid = self.by_request.get((peer, msg.request_id))
             if sid is not None:
                 self._finish(self.sessions[sid], "cancelled")
-        elif msg.type == "ping":
+        elif isinstance(msg, Ping):
             d = self.drafter
-            self.client_sock.send_multipart([peer, *encode(
-                "pong", drafter_connected=bool(d and d.alive()), drafter_type=d.type if d else None,
+            self.client_sock.send_multipart([peer, *encode(Pong(
+                drafter_connected=bool(d and d.alive()), drafter_type=d.type if d else None,
                 target=self.model_name, sessions=len(self.sessions),
-            )])
+            ))])
         else:
-            raise ProtocolError(f"a client may not send {msg.type!r}", code="unexpected")
+            raise ProtocolError(f"a client may not send {msg.TYPE!r}", code="unexpected")
 
-    def _on_generate(self, peer: bytes, msg: Message) -> None:
-        rid = msg["request_id"]
+    def _on_generate(self, peer: bytes, msg: Generate) -> None:
+        rid = msg.request_id
         if (peer, rid) in self.by_request:
             raise ParamError(f"request_id {rid} is already running for this client")
         if len(self.sessions) >= self.max_sessions:
             raise ProtocolError(f"verifier is at its limit of {self.max_sessions} sessions", "busy", rid)
-        params_in = dict(msg["params"])
+        params_in = dict(msg.params)
         params_in.setdefault("eos_token_ids", self.default_eos)
         params = GenerationParams.from_dict(params_in, self.vocab_size)
         if params.seed is None:
@@ -396,30 +415,16 @@ class VerifierServer:
         self.by_request[(peer, rid)] = sid
         self.order.append(sid)
 
-    def _prompt_ids(self, msg: Message) -> list[int]:
-        given = [k for k in ("token_ids", "prompt", "messages") if msg.get(k) is not None]
-        if len(given) != 1:
-            raise ParamError("give exactly one of token_ids, prompt or messages")
-        kind = given[0]
-        value = msg[kind]
-        if kind == "token_ids":
-            if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
-                raise ParamError("token_ids must be a list of integers")
-            ids = value
-        elif kind == "prompt":
-            if not isinstance(value, str):
-                raise ParamError("prompt must be a string")
-            ids = self.tokenizer(value, add_special_tokens=True)["input_ids"]
+    def _prompt_ids(self, msg: Generate) -> list[int]:
+        # decode checked the types and that exactly one of token_ids, prompt and messages is given
+        if msg.token_ids is not None:
+            ids = msg.token_ids
+        elif msg.prompt is not None:
+            ids = self.tokenizer(msg.prompt, add_special_tokens=True)["input_ids"]
         else:
-            ok = isinstance(value, list) and all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                for m in value
-            )
-            if not ok:
-                raise ParamError("messages must be a list of {role, content} strings")
             if not getattr(self.tokenizer, "chat_template", None):
                 raise ParamError("the target's tokenizer has no chat template; send prompt or token_ids")
-            ids = self.tokenizer.apply_chat_template(value, add_generation_prompt=True, tokenize=True,
+            ids = self.tokenizer.apply_chat_template(msg.messages, add_generation_prompt=True, tokenize=True,
                                                      return_dict=True)["input_ids"]
         if not ids:
             raise ParamError("the prompt is empty")
@@ -466,25 +471,25 @@ class VerifierServer:
     def _publish(self, s: Session, r: RoundResult) -> None:
         t0 = time.monotonic()
         if s.announced and self.drafter is not None:
-            frames = encode("commit", self._extras(s, r.hidden, r.kv), session=s.sid, base_len=r.base_len,
-                            tokens=r.tokens, new_len=len(s.tokens), drafted=r.drafted, accepted=r.accepted,
-                            verify_s=r.forward_s, threads=r.threads)
+            frames = encode(Commit(session=s.sid, base_len=r.base_len, tokens=r.tokens, new_len=len(s.tokens),
+                                   drafted=r.drafted, accepted=r.accepted, verify_s=r.forward_s, threads=r.threads,
+                                   tensors=self._extras(s, r.hidden, r.kv)))
             s.metrics.bytes_out += sum(len(f) if isinstance(f, bytes) else f.nbytes for f in frames)
             self._send_drafter(frames)
         delta = s.text.push(r.tokens)
-        self.client_sock.send_multipart([s.client, *encode("chunk", request_id=s.request_id, token_ids=r.tokens,
-                                                           text=delta)])
+        self.client_sock.send_multipart([s.client, *encode(Chunk(request_id=s.request_id, token_ids=r.tokens,
+                                                                 text=delta))])
         s.metrics.message_s += time.monotonic() - t0
 
     def _finish(self, s: Session, reason: str) -> None:
         text = self.tokenizer.decode(s.generated, skip_special_tokens=True)
-        self.client_sock.send_multipart([s.client, *encode(
-            "done", request_id=s.request_id, token_ids=s.generated, text=text,
+        self.client_sock.send_multipart([s.client, *encode(Done(
+            request_id=s.request_id, token_ids=s.generated, text=text,
             metrics=s.summary(verifier_dtype=self.dtype, drafter_dtype=self.drafter.dtype if self.drafter else None),
             finish_reason=reason,
-        )])
+        ))])
         if s.announced:
-            self._send_drafter(encode("session_end", session=s.sid))
+            self._send_drafter(encode(SessionEnd(session=s.sid)))
         del self.sessions[s.sid]
         del self.by_request[(s.client, s.request_id)]
         self.order.remove(s.sid)
