@@ -361,11 +361,11 @@ class ThreadCounts:
     full: int = 0
 
 
-def _non_negative(msg: Message, *names: str) -> None:
+def _non_negative(where: str, obj: Any, *names: str) -> None:
     for name in names:
-        v = getattr(msg, name)
+        v = getattr(obj, name)
         if v is not None and not v >= 0:  # `not >=` also catches NaN
-            raise ProtocolError(f"{msg.TYPE}: {name} must be ≥ 0, got {v!r}")
+            raise ProtocolError(f"{where}: {name} must be ≥ 0, got {v!r}")
 
 
 # -------------------------------------------------------------------------------------------- message types
@@ -384,7 +384,7 @@ class Hello(Message):
         if any(layer < 0 for layer in self.capabilities.needs_kv_layers):
             raise ProtocolError("hello: capabilities.needs_kv_layers must be layer indices ≥ 0")
         if self.threads is not None:
-            _non_negative(self.threads, "share", "full")
+            _non_negative(f"{self.TYPE}: threads", self.threads, "share", "full")
 
 
 @_message
@@ -402,7 +402,7 @@ class Welcome(Message):
         if self.vocab_size < 1:
             raise ProtocolError(f"welcome: vocab_size must be ≥ 1, got {self.vocab_size}")
         if self.threads is not None:
-            _non_negative(self.threads, "share", "full")
+            _non_negative(f"{self.TYPE}: threads", self.threads, "share", "full")
 
 
 @_message
@@ -459,7 +459,7 @@ class Commit(Message):
     tensors: dict[str, torch.Tensor] = _tensors()  # extras: hidden, kv.{layer} for the committed positions
 
     def validate(self) -> None:
-        _non_negative(self, "base_len", "new_len", "drafted", "accepted", "verify_s", "threads")
+        _non_negative(self.TYPE, self, "base_len", "new_len", "drafted", "accepted", "verify_s", "threads")
 
 
 @_message
@@ -473,7 +473,7 @@ class State(Message):
     tensors: dict[str, torch.Tensor] = _tensors()
 
     def validate(self) -> None:
-        _non_negative(self, "base_len", "end")
+        _non_negative(self.TYPE, self, "base_len", "end")
 
 
 @_message
@@ -570,9 +570,9 @@ class Error(Message):
 # ------------------------------------------------------------------------------------------------------ codec
 def encode(msg: Message) -> list[Any]:
     """Encode a message into frames: a msgpack header then one raw buffer per tensor (no copy for CPU tensors)."""
-    spec = getattr(type(msg), "_SPEC", None)
-    if not isinstance(spec, _Spec) or MESSAGE_TYPES.get(msg.TYPE) is not type(msg):
+    if not isinstance(msg, Message) or MESSAGE_TYPES.get(msg.TYPE) is not type(msg):
         raise TypeError(f"encode() takes a message instance (one of {', '.join(MESSAGE_TYPES)}), got {msg!r:.80}")
+    spec = msg._SPEC
     header = spec.write(msg)
     header["v"] = SCHEMA_VERSION
     header["type"] = msg.TYPE
