@@ -833,4 +833,5 @@ def test_fuzz_valid_headers_with_fuzzed_fields(data):
         frames.append(b"")
     msg = _decode_or_protocol_error([_pack(header), *frames])  # checks the decoded fields' types too
     if msg is not None:
-        assert decode(encode(msg)) == msg  # a decoded message always encodes back to itself
+        header = encode(msg)[0]  # a decoded message encodes back to itself (compared as bytes: NaN != NaN)
+        assert encode(decode([header, *encode(msg)[1:]]))[0] == header
