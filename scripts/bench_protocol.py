@@ -63,26 +63,33 @@ def _encoder(module: ModuleType, msg_type: str, fields: dict, tensors: dict) -> 
     return lambda: module.encode(msg)
 
 
-def _per_call_us(fn: Callable[[], Any], loops: int, repeats: int) -> float:
-    best = float("inf")
+def _per_call_us(fn: Callable[[], Any], loops: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(loops):
+        fn()
+    return (time.perf_counter() - t0) / loops * 1e6
+
+
+def measure(modules: dict[str, ModuleType], loops: int, repeats: int) -> dict[str, dict[str, dict[str, float]]]:
+    """µs per call of encode and decode for each message and codec, and the verifier's part of one round. The
+    codecs take turns within every repeat (best of the repeats), so load from other processes hits them alike."""
+    calls = {}
+    for name, module in modules.items():
+        for msg_type, (fields, tensors) in _fields().items():
+            enc = _encoder(module, msg_type, fields, tensors)
+            frames = [memoryview(f).tobytes() if not isinstance(f, bytes) else f for f in enc()]
+            assert module.decode(frames) is not None
+            calls[(name, msg_type, "encode")] = enc
+            calls[(name, msg_type, "decode")] = lambda m=module, f=frames: m.decode(f)
+    best = dict.fromkeys(calls, float("inf"))
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(loops):
-            fn()
-        best = min(best, (time.perf_counter() - t0) / loops)
-    return best * 1e6
-
-
-def measure(module: ModuleType, loops: int, repeats: int) -> dict[str, dict[str, float]]:
-    """µs per call of encode and decode for each message, and the verifier's part of one round."""
-    out = {}
-    for msg_type, (fields, tensors) in _fields().items():
-        enc = _encoder(module, msg_type, fields, tensors)
-        frames = [memoryview(f).tobytes() if not isinstance(f, bytes) else f for f in enc()]
-        assert module.decode(frames) is not None
-        out[msg_type] = {"encode": _per_call_us(enc, loops, repeats),
-                         "decode": _per_call_us(lambda f=frames: module.decode(f), loops, repeats)}
-    out["round"] = {"encode": out["commit"]["encode"] + out["chunk"]["encode"], "decode": out["draft"]["decode"]}
+        for key, fn in calls.items():
+            best[key] = min(best[key], _per_call_us(fn, loops))
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for (name, msg_type, op), us in best.items():
+        out.setdefault(name, {}).setdefault(msg_type, {})[op] = us
+    for r in out.values():
+        r["round"] = {"encode": r["commit"]["encode"] + r["chunk"]["encode"], "decode": r["draft"]["decode"]}
     return out
 
 
@@ -93,19 +100,20 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeats", type=int, default=7)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    runs = {}
-    if args.baseline:
-        source = subprocess.run(["git", "show", f"{args.baseline}:shared/protocol.py"], cwd=ROOT, check=True,
-                                capture_output=True, text=True).stdout
-        with tempfile.TemporaryDirectory() as tmp:
+    modules = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.baseline:
+            source = subprocess.run(["git", "show", f"{args.baseline}:shared/protocol.py"], cwd=ROOT, check=True,
+                                    capture_output=True, text=True).stdout
             path = Path(tmp) / "baseline_protocol.py"
             path.write_text(source)
-            runs[args.baseline] = measure(_load(path, "baseline_protocol"), args.loops, args.repeats)
-    from shared import protocol
+            modules[args.baseline] = _load(path, "baseline_protocol")
+        from shared import protocol
 
-    runs["this tree"] = measure(protocol, args.loops, args.repeats)
+        modules["this tree"] = protocol
+        runs = measure(modules, args.loops, args.repeats)
     names = list(runs)
-    print(f"µs per call (best of {args.repeats} × {args.loops} calls, one thread)")
+    print(f"µs per call (best of {args.repeats} runs of {args.loops} calls, codecs in turn, one thread)")
     head = " | ".join(f"{op} {n}" for op in ("encode", "decode") for n in names)
     print(f"| message | {head} |")
     print("|---" * (1 + 2 * len(names)) + "|")

@@ -184,6 +184,10 @@ def _check_any(path: str, v: Any) -> Any:
     return v
 
 
+#: Annotations whose wire values need no conversion when they have exactly this Python type (decode's fast path).
+_EXACT: dict[Any, type] = {int: int, str: str, bool: bool, float: float, dict[str, Any]: dict,
+                           int | None: int, str | None: str, float | None: float, dict[str, Any] | None: dict}
+
 _SCALARS: dict[Any, tuple[Check, str]] = {
     int: (_check_int, "an integer"),
     float: (_check_float, "a number"),
@@ -264,24 +268,28 @@ class _Spec:
         self.fields = tuple(fields)
         self.names = tuple(f.name for f in fields)
         self.wire = tuple((f.name, f.to_wire, f.skip_none) for f in fields)
+        # per field: (name, exact type that needs no check or conversion, check, default, factory)
+        self.plan = tuple((f.name, _EXACT.get(hints[f.name]), f.check, f.default, f.factory) for f in fields)
 
     def read(self, path: str, header: Any) -> Any:
         """Check a header (or a nested map) and build an instance; unknown keys are ignored."""
         if type(header) is not dict:
             raise _wrong(path, "a map", header)
         values = {}
-        prefix = f"{path}." if path else ""
-        for f in self.fields:
-            v = header.get(f.name, _MISSING)
-            if v is _MISSING:
-                if f.default is _MISSING:
-                    raise ProtocolError(f"{path or self.cls.TYPE}: missing field {prefix + f.name!r}")
-                v = f.factory() if f.factory is not None else f.default
+        get = header.get
+        for name, exact, check, default, factory in self.plan:
+            v = get(name, _MISSING)
+            if type(v) is exact:  # the common case: a scalar of exactly its type (never a bool for an int)
+                values[name] = v
+            elif v is _MISSING:
+                if default is _MISSING:
+                    where = f"{path}." if path else ""
+                    raise ProtocolError(f"{path or self.cls.TYPE}: missing field {where + name!r}")
+                values[name] = factory() if factory is not None else default
             else:
-                v = f.check(prefix + f.name if prefix else f.name, v)
-            values[f.name] = v
+                values[name] = check(f"{path}.{name}" if path else name, v)
         obj = self.cls.__new__(self.cls)
-        obj.__dict__.update(values)
+        obj.__dict__ = values
         return obj
 
     def write(self, obj: Any) -> dict[str, Any]:
