@@ -24,7 +24,7 @@ type               direction        fields
 =================  ===============  ============================================================================
 hello              drafter → verif  drafter_type, tokenizer_id, capabilities (:class:`Capabilities`); profile*
                                     (shared.costs NodeProfile dict, checked by the verifier), threads*
-                                    (:class:`ThreadCounts`)
+                                    (:class:`ThreadCounts`), host* (its hostname)
 welcome            verif → drafter  target (model name), vocab_size, want_q (send q with every draft, greedy
                                     requests included: the verifier runs ensemble verification); profile*,
                                     threads* (the verifier's cost curves and thread counts)
@@ -38,12 +38,14 @@ commit             verif → drafter  session, base_len, tokens[n+1], new_len; d
 state              verif → drafter  session, base_len, end; tensors: extras for positions before ``end`` (a part of
                                     a session_start's state too large for one message, in position order)
 session_end        verif → drafter  session
-heartbeat          drafter → verif  (liveness while idle)
-generate           client → verif   request_id, params; exactly one of token_ids*, prompt*, messages*
+heartbeat          drafter ↔ verif  (liveness while idle; the verifier answers each one)
+generate           client → verif   request_id, params; exactly one of token_ids*, prompt*, messages*;
+                                    drafter_type* (only a drafter of this type serves it)
 chunk              verif → client   request_id, token_ids (new committed tokens), text (new text)
 done               verif → client   request_id, token_ids (all new tokens), text, metrics, finish_reason
 cancel             client → verif   request_id
-ping / pong        client ↔ verif   pong: drafter_connected; drafter_type*, target*, sessions* (0)
+ping / pong        client ↔ verif   pong: drafter_connected; drafter_type*, target*, sessions* (0), drafters*
+                                    ([{id, type, host, sessions, alive}])
 error              any              message; code* ("error"), request_id*, session* (when known)
 =================  ===============  ============================================================================
 
@@ -82,6 +84,8 @@ MAX_DRAFT_TOKENS = 64
 MAX_IDLE_ROUNDS = 1024
 #: Largest size of one tensor dimension (keeps shape arithmetic far from overflow).
 MAX_DIM = 2**31
+#: Longest ``hello.host`` (a hostname) a verifier accepts.
+MAX_HOST_CHARS = 255
 #: ``tokenizer_id`` of a drafter that only copies token ids (prompt lookup): it fits any target tokenizer.
 ANY_TOKENIZER = "any"
 
@@ -387,10 +391,13 @@ class Hello(Message):
     capabilities: Capabilities
     profile: dict[str, Any] | None = None  # shared.costs.NodeProfile.to_dict(); the verifier checks it
     threads: ThreadCounts | None = None
+    host: str | None = None  # the drafter's hostname (shown in pong.drafters)
 
     def validate(self) -> None:
         if any(layer < 0 for layer in self.capabilities.needs_kv_layers):
             raise ProtocolError("hello: capabilities.needs_kv_layers must be layer indices ≥ 0")
+        if self.host is not None and len(self.host) > MAX_HOST_CHARS:
+            raise ProtocolError(f"hello: host must be at most {MAX_HOST_CHARS} characters")
         if self.threads is not None:
             _non_negative(f"{self.TYPE}: threads", self.threads, "share", "full")
 
@@ -495,7 +502,7 @@ class SessionEnd(Message):
 @_message
 class Heartbeat(Message):
     TYPE = "heartbeat"
-    DIRECTION = "drafter→verifier"
+    DIRECTION = "drafter↔verifier"  # the verifier answers each one
 
 
 @_message
@@ -508,6 +515,7 @@ class Generate(Message):
     token_ids: list[int] | None = None
     prompt: str | None = None
     messages: list[dict[str, str]] | None = None  # chat turns {role, content}, templated by the target
+    drafter_type: str | None = None  # only a drafter of this type may serve the request (None: any)
 
     def validate(self) -> None:
         given = [v for v in (self.token_ids, self.prompt, self.messages) if v is not None]
@@ -558,10 +566,11 @@ class Pong(Message):
     TYPE = "pong"
     DIRECTION = "verifier→client"
 
-    drafter_connected: bool
-    drafter_type: str | None = None
+    drafter_connected: bool  # any drafter alive
+    drafter_type: str | None = None  # the first live drafter's
     target: str | None = None
     sessions: int = 0
+    drafters: list[dict[str, Any]] = field(default_factory=list)  # {id, type, host, sessions, alive} per drafter
 
 
 @_message

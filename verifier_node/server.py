@@ -1,10 +1,14 @@
-"""The verifier node: owns the target, the sessions and the committed sequences; serves clients and one drafter.
+"""The verifier node: owns the target, the sessions and the committed sequences; serves clients and a pool of
+drafters.
 
 One thread, one loop: drain both ROUTER sockets (drafters and clients), then run one round for one session that
-is ready, round-robin. A session is ready when a draft built on its committed length is waiting, when no live
-drafter is connected, or when it has waited ``draft_timeout_ms`` — the verifier never idles on a slow or dead
-drafter longer than that bound; it takes a plain autoregressive step instead (same output, only slower). A draft with
-``idle_rounds = n`` (the drafter's plan is k = 0) makes the session step alone, without waiting, for n rounds.
+is ready, round-robin. Every drafter that says hello joins the pool (:mod:`verifier_node.drafters`); each session is
+served by one of them (the least loaded that fits) or by none. A session is ready when a draft built on its
+committed length is waiting, when its drafter is not alive, or when it has waited as long as its drafter's measured
+answer time allows (:mod:`verifier_node.draft_wait`, capped by ``draft_timeout_ms``) — then it takes a plain
+autoregressive step instead (same output, only slower). A draft with ``idle_rounds = n`` (the drafter's plan is
+k = 0) makes the session step alone, without waiting, for n rounds. A dead or demoted drafter's sessions move to
+another live drafter when one fits.
 
 At start-up the verifier measures its cost curve (forward time over 1..K new tokens, cached on disk) and sends it in
 the welcome; with ``threads: auto`` it verifies with every core when the drafter idles (k = 0 rounds, synchronous
@@ -25,6 +29,7 @@ from typing import Any
 import torch
 import zmq
 
+from drafter_node.types import DRAFTER_TYPES
 from shared.costs import NodeProfile, measuring_alone
 from shared.kv import CachedLM, KVRowsError
 from shared.models import (
@@ -45,7 +50,6 @@ from shared.protocol import (
     ANY_TOKENIZER,
     DEFAULT_MAX_MESSAGE_BYTES,
     Cancel,
-    Capabilities,
     Chunk,
     Commit,
     Done,
@@ -70,11 +74,14 @@ from shared.protocol import (
 from shared.sampling import GenerationParams, ParamError
 from shared.transport import bind_router
 from verifier_node.acceptance import check_ensemble_weight
+from verifier_node.draft_wait import DraftWait
+from verifier_node.drafters import DrafterLink, DrafterPool
 from verifier_node.session import RoundResult, Session
 
 log = logging.getLogger("pipespec.verifier")
 
-HEARTBEAT_TIMEOUT_S = 3.0
+#: How often the pool is checked for drafters that went silent.
+REAP_EVERY_S = 0.1
 
 
 @dataclass
@@ -92,23 +99,6 @@ def _state_tensors(
     tensors = {"hidden": hidden} if hidden is not None else {}
     tensors.update(kv or {})
     return tensors, sum(t.numel() * t.element_size() for t in tensors.values())
-
-
-class Drafter:
-    """The connected drafter as the verifier sees it: routing id and announced capabilities."""
-
-    def __init__(self, routing_id: bytes, drafter_type: str, capabilities: Capabilities):
-        self.routing_id = routing_id
-        self.type = drafter_type
-        self.sends_q = capabilities.sends_q
-        self.greedy_q = self.sends_q and capabilities.greedy_q
-        self.needs_hidden = capabilities.needs_hidden_states
-        self.kv_layers: list[int] = capabilities.needs_kv_layers
-        self.last_seen = time.monotonic()
-        self.dtype: str | None = None  # the drafter's model dtype, from its profile (None: unknown / no model)
-
-    def alive(self) -> bool:
-        return time.monotonic() - self.last_seen < HEARTBEAT_TIMEOUT_S
 
 
 class VerifierServer:
@@ -153,7 +143,8 @@ class VerifierServer:
         self.by_request: dict[tuple[bytes, int], int] = {}
         self.order: deque[int] = deque()
         self.next_sid = 1
-        self.drafter: Drafter | None = None
+        self.pool = DrafterPool()
+        self._next_reap = 0.0
         self.running = True
 
     # ------------------------------------------------------------------ loop
@@ -171,6 +162,7 @@ class VerifierServer:
                     self._drain(self.drafter_sock, self._on_drafter_message)
                 if self.client_sock in events:
                     self._drain(self.client_sock, self._on_client_message)
+                self._reap()  # after the drains: a long round must not make a drafter that kept talking look dead
                 session = self._next_runnable()
                 if session is not None:
                     self._run_round(session)
@@ -185,7 +177,8 @@ class VerifierServer:
             sock.close(linger=0)
 
     def _idle_timeout_ms(self) -> int:
-        waits = [s.ready_since + self.draft_timeout - time.monotonic() for s in self.sessions.values()]
+        now = time.monotonic()
+        waits = [s.ready_since + s.wait.limit_s() - now for s in self.sessions.values()]
         if not waits:
             return 200
         return max(1, min(200, int(1000 * min(waits)) + 1))
@@ -212,29 +205,36 @@ class VerifierServer:
 
     def _next_runnable(self) -> Session | None:
         now = time.monotonic()
-        live = self.drafter is not None and self.drafter.alive()
         for _ in range(len(self.order)):
             sid = self.order[0]
             self.order.rotate(-1)
             s = self.sessions[sid]
-            if not s.prefilled or s.draft is not None or not live or not s.announced or s.solo_left > 0:
-                return s
-            if now - s.ready_since >= self.draft_timeout:
+            if not self._may_wait(s, now) or now - s.ready_since >= s.wait.limit_s():
                 return s
         return None
+
+    @staticmethod
+    def _may_wait(s: Session, now: float) -> bool:
+        """The session's next round could use a draft from its drafter: prefilled, announced to a live drafter, no
+        draft yet, not in a run of rounds the drafter gave to the verifier alone."""
+        d = s.drafter
+        return (s.prefilled and s.draft is None and s.announced and s.solo_left == 0 and d is not None
+                and d.alive(now))
 
     # -------------------------------------------------------------- drafter side
     def _on_drafter_message(self, peer: bytes, msg: Message, receipt: Receipt) -> None:
         if isinstance(msg, Hello):
             self._on_hello(peer, msg)
             return
-        if self.drafter is None or peer != self.drafter.routing_id:
+        link = self.pool.get(peer)
+        if link is None:
             raise ProtocolError("say hello first: this drafter is not connected", code="not_connected")
-        self.drafter.last_seen = time.monotonic()
+        link.last_seen = time.monotonic()
         if isinstance(msg, Heartbeat):
+            self._send_to(link, encode(Heartbeat()))  # answered: the drafter notices a verifier that went away
             return
         if isinstance(msg, Draft):
-            self._on_draft(msg, receipt)
+            self._on_draft(link, msg, receipt)
             return
         raise ProtocolError(f"a drafter may not send {msg.TYPE!r}", code="unexpected")
 
@@ -247,7 +247,7 @@ class VerifierServer:
                 f"({self.tokenizer_id}); drafter type {msg.drafter_type!r} needs the target's tokenizer",
                 code="tokenizer_mismatch",
             )
-        drafter = Drafter(peer, msg.drafter_type, msg.capabilities)
+        drafter = DrafterLink(peer, msg.drafter_type, msg.capabilities, msg.host)
         if self.ensemble_weight is not None and not drafter.sends_q:
             log.error("refused drafter %r: ensemble verification needs q, it sends none", drafter.type)
             raise ProtocolError(
@@ -271,20 +271,95 @@ class VerifierServer:
                 drafter.dtype = NodeProfile.from_dict(msg.profile).dtype
             except (ValueError, TypeError) as exc:
                 raise ProtocolError(f"hello: bad cost profile: {exc}") from None
-        self.drafter = drafter
-        log.info("drafter connected: type=%s caps=%s dtype=%s", self.drafter.type, msg.capabilities, drafter.dtype)
-        self._send_drafter(encode(Welcome(target=self.model_name, vocab_size=self.vocab_size,
-                                          want_q=self.ensemble_weight is not None,
-                                          profile=self.profile.to_dict() if self.profile else None,
-                                          threads=ThreadCounts(self.threads.share, self.threads.full))))
-        for s in self.sessions.values():  # a (re)connected drafter learns every live session
-            s.announced = False
-            s.draft = None
-            if s.prefilled:
-                kv = s.lm.held_rows(self.drafter.kv_layers) if self.drafter.kv_layers else None
-                self._announce(s, kv=kv)
+        link, again = self.pool.join(drafter)
+        log.info("drafter %s %s: caps=%s dtype=%s", link.label(), "said hello again" if again else "joined",
+                 msg.capabilities, link.dtype)
+        self._send_to(link, encode(Welcome(target=self.model_name, vocab_size=self.vocab_size,
+                                           want_q=self.ensemble_weight is not None,
+                                           profile=self.profile.to_dict() if self.profile else None,
+                                           threads=ThreadCounts(self.threads.share, self.threads.full))))
+        self._on_joined(link, again)
 
-    def _lacks_q(self, params: GenerationParams, drafter: Drafter | None) -> bool:
+    # -------------------------------------------------------------- the pool
+    def _on_joined(self, link: DrafterLink, again: bool) -> None:
+        """A drafter (re)joined: it learns its own sessions afresh (a hello again: it may have lost them), and takes
+        the sessions that have no live drafter (least loaded first: two drafters joining share them)."""
+        if again:
+            for sid in sorted(link.sessions):
+                s = self.sessions[sid]
+                self._detach(s, notify=False)
+                if self._fits(s, link):
+                    self._attach(s, link)
+        for s in list(self.sessions.values()):
+            if s.drafter is None or not s.drafter.alive() or s.wait.demoted:  # a demoted one: the newcomer may draft
+                self._reassign(s)
+
+    def _fits(self, s: Session, link: DrafterLink) -> bool:
+        """``link`` may serve ``s``: the type the request asked for (if any), q where ensemble verification needs it."""
+        return (s.drafter_type is None or link.type == s.drafter_type) and not self._lacks_q(s.params, link)
+
+    def _reassign(self, s: Session) -> None:
+        """Move ``s`` to the least-loaded live drafter that fits (and was not demoted for it); keep it where it is
+        if there is none (a session without a live drafter takes plain steps)."""
+        target = self.pool.pick(lambda d: self._fits(s, d), exclude=s.tried)
+        if target is not None and target is not s.drafter:
+            self._detach(s)
+            self._attach(s, target)
+
+    def _attach(self, s: Session, link: DrafterLink) -> None:
+        s.drafter = link
+        link.sessions.add(s.sid)
+        if not s.served_by or s.served_by[-1] != link.id:
+            s.served_by.append(link.id)
+        s.wait.reset()
+        if s.prefilled:  # announced with the state the drafter needs (held K/V rows; hidden states come per commit)
+            self._announce(s, kv=s.lm.held_rows(link.kv_layers) if link.kv_layers else None)
+
+    def _detach(self, s: Session, notify: bool = True) -> None:
+        d = s.drafter
+        if d is None:
+            return
+        if notify and s.announced:
+            self._send_to(d, encode(SessionEnd(session=s.sid)))
+        d.sessions.discard(s.sid)
+        s.drafter = None
+        s.announced = False
+        s.draft = None
+        s.solo_left = 0  # that drafter's k = 0 plan
+
+    def _reap(self) -> None:
+        """Drafters that went silent: their sessions move to a live drafter that fits (else they take plain steps
+        and stay, so a drafter that was only busy resumes them); after FORGET_AFTER_S they leave the pool."""
+        now = time.monotonic()
+        if now < self._next_reap:
+            return
+        self._next_reap = now + REAP_EVERY_S
+        for link in self.pool.forget_silent(now):
+            log.warning("drafter %s removed from the pool (silent for %.0f s)", link.label(), now - link.last_seen)
+            for sid in sorted(link.sessions):
+                s = self.sessions[sid]
+                self._detach(s, notify=False)
+                self._reassign(s)
+        for link in self.pool.dead(now):
+            if not link.reported_dead:
+                link.reported_dead = True
+                log.warning("drafter %s silent for %.1f s: its %d session(s) move to a live drafter or step alone",
+                            link.label(), now - link.last_seen, len(link.sessions))
+            for sid in sorted(link.sessions):
+                self._reassign(self.sessions[sid])
+        for link in self.pool.live(now):
+            link.reported_dead = False
+
+    def _on_demoted(self, s: Session) -> None:
+        """Its drafter kept missing for ``s``: move it to another live drafter (one not demoted for it before) when
+        one fits; else it stays, taking plain steps with a probe now and then (verifier_node.draft_wait)."""
+        d = s.drafter
+        log.info("session %d: drafter %s demoted after %d misses", s.sid, d.label() if d else "?", s.wait.misses)
+        if d is not None:
+            s.tried.add(d.id)
+        self._reassign(s)
+
+    def _lacks_q(self, params: GenerationParams, drafter: DrafterLink | None) -> bool:
         """Ensemble verification of a request whose drafts would come without q (greedy, drafter without greedy_q)."""
         return (self.ensemble_weight is not None and drafter is not None and not params.do_sample
                 and not drafter.greedy_q)
@@ -292,16 +367,18 @@ class VerifierServer:
     def _announce(
         self, s: Session, hidden: torch.Tensor | None = None, kv: dict[str, torch.Tensor] | None = None
     ) -> None:
-        if self.drafter is None or self._lacks_q(s.params, self.drafter):
+        d = s.drafter
+        if d is None or self._lacks_q(s.params, d):
             return  # not announced: the session takes plain steps from the target
         tensors, size = _state_tensors(hidden, kv)
         pieces = [] if size <= self._state_budget() else split_state(tensors, len(s.tokens) - 1, self._state_budget())
-        self._send_drafter(encode(SessionStart(session=s.sid, token_ids=s.tokens, params=s.params.to_dict(),
-                                               prompt_len=s.prompt_len, tensors={} if pieces else tensors)))
+        self._send_to(d, encode(SessionStart(session=s.sid, token_ids=s.tokens, params=s.params.to_dict(),
+                                             prompt_len=s.prompt_len, tensors={} if pieces else tensors)))
         for end, part in pieces:  # a long prompt's state, in pieces that each fit the message cap
-            self._send_drafter(encode(State(session=s.sid, base_len=len(s.tokens), end=end, tensors=part)))
+            self._send_to(d, encode(State(session=s.sid, base_len=len(s.tokens), end=end, tensors=part)))
         s.announced = True
         s.ready_since = time.monotonic()
+        s.wait.ready(len(s.tokens), s.ready_since)
 
     def _state_budget(self) -> int:
         """Bytes of state tensors one message may carry (the rest of the cap is left to the header)."""
@@ -320,11 +397,15 @@ class VerifierServer:
             return {}
         return tensors
 
-    def _on_draft(self, msg: Draft, receipt: Receipt) -> None:
+    def _on_draft(self, link: DrafterLink, msg: Draft, receipt: Receipt) -> None:
         s = self.sessions.get(msg.session)
+        if s is not None and s.drafter is not link:
+            s.metrics.stale_drafts += 1
+            return  # from a drafter that no longer serves this session
         if s is None or not s.prefilled or msg.base_len != len(s.tokens):
             if s is not None:
                 s.metrics.stale_drafts += 1
+                s.wait.arrived(msg.base_len, time.monotonic(), bool(msg.tokens))  # too late: still a measured delay
             return  # stale or duplicate: harmless by design
         tokens = msg.tokens  # its length and idle_rounds were checked by decode (Draft.validate)
         if not all(0 <= t < self.vocab_size for t in tokens):
@@ -333,7 +414,9 @@ class VerifierServer:
         q = self._dense_q(msg, len(tokens)) if s.params.do_sample or ensemble else None
         if ensemble and tokens and q is None:
             raise ProtocolError("ensemble verification needs q (q_idx/q_prob or q) with every draft")
-        s.draft = {"tokens": tokens, "q": q, "idle_rounds": msg.idle_rounds, "overlap": msg.overlap}
+        now = time.monotonic()
+        s.draft = {"tokens": tokens, "q": q, "idle_rounds": msg.idle_rounds, "overlap": msg.overlap, "arrived": now}
+        s.wait.arrived(len(s.tokens), now, bool(tokens))
         s.metrics.bytes_in += receipt.nbytes
         s.metrics.message_s += receipt.decode_s
         if msg.sent_at is not None:
@@ -361,9 +444,8 @@ class VerifierServer:
             raise ProtocolError("q must hold finite, non-negative probabilities")
         return q
 
-    def _send_drafter(self, frames: list) -> None:
-        if self.drafter is not None:
-            self.drafter_sock.send_multipart([self.drafter.routing_id, *frames], copy=False)
+    def _send_to(self, link: DrafterLink, frames: list) -> None:
+        self.drafter_sock.send_multipart([link.routing_id, *frames], copy=False)
 
     # --------------------------------------------------------------- client side
     def _on_client_message(self, peer: bytes, msg: Message, receipt: Receipt) -> None:
@@ -377,10 +459,10 @@ class VerifierServer:
             if sid is not None:
                 self._finish(self.sessions[sid], "cancelled")
         elif isinstance(msg, Ping):
-            d = self.drafter
+            live = self.pool.live()
             self.client_sock.send_multipart([peer, *encode(Pong(
-                drafter_connected=bool(d and d.alive()), drafter_type=d.type if d else None,
-                target=self.model_name, sessions=len(self.sessions),
+                drafter_connected=bool(live), drafter_type=live[0].type if live else None,
+                drafters=self.pool.describe(), target=self.model_name, sessions=len(self.sessions),
             ))])
         else:
             raise ProtocolError(f"a client may not send {msg.TYPE!r}", code="unexpected")
@@ -396,11 +478,12 @@ class VerifierServer:
         params = GenerationParams.from_dict(params_in, self.vocab_size)
         if params.seed is None:
             params.seed = secrets.randbits(62)
-        d = self.drafter
-        if d is not None and d.alive() and self._lacks_q(params, d):
+        wanted = self._wanted_type(msg.drafter_type)
+        live = [d for d in self.pool.live() if wanted is None or d.type == wanted]
+        if live and all(self._lacks_q(params, d) for d in live):
             raise ParamError(
-                f"ensemble verification needs the draft distribution q; drafter type {d.type!r} sends none under "
-                "greedy decoding (use do_sample=true, or a drafter that sends q when greedy)"
+                f"ensemble verification needs the draft distribution q; drafter type {live[0].type!r} sends none "
+                "under greedy decoding (use do_sample=true, or a drafter that sends q when greedy)"
             )
         prompt = self._prompt_ids(msg)
         if self.max_positions and len(prompt) + params.max_new_tokens > self.max_positions:
@@ -410,10 +493,24 @@ class VerifierServer:
             )
         sid = self.next_sid
         self.next_sid += 1
-        s = Session(sid, self.model, self.tokenizer, prompt, params, peer, rid, self.ensemble_weight)
+        # Under ensemble verification a plain step is not equivalent (it samples from p, not from w·p + (1 − w)·q),
+        # so there the wait stays the cap; lossless sessions wait as long as their drafter's answers take.
+        wait = DraftWait(self.draft_timeout, adaptive=self.ensemble_weight is None)
+        s = Session(sid, self.model, self.tokenizer, prompt, params, peer, rid, self.ensemble_weight, wanted, wait)
         self.sessions[sid] = s
         self.by_request[(peer, rid)] = sid
         self.order.append(sid)
+        self._reassign(s)
+
+    def _wanted_type(self, value: str | None) -> str | None:
+        """``generate.drafter_type``: None (any drafter), or a type name known to pipespec or present in the pool.
+        A known type with no live drafter is not an error: the request takes plain steps until one joins."""
+        if value is None:
+            return None
+        known = set(DRAFTER_TYPES) | self.pool.types()
+        if value not in known:
+            raise ParamError(f"drafter_type must be one of {', '.join(sorted(known))}, got {value!r}")
+        return value
 
     def _prompt_ids(self, msg: Generate) -> list[int]:
         # decode checked the types and that exactly one of token_ids, prompt and messages is given
@@ -434,8 +531,9 @@ class VerifierServer:
 
     # ------------------------------------------------------------------ rounds
     def _run_round(self, s: Session) -> None:
-        want_hidden = bool(self.drafter and self.drafter.needs_hidden)
-        kv_layers = self.drafter.kv_layers if self.drafter else []
+        d = s.drafter  # what this session's own drafter needs with each commit
+        want_hidden = bool(d and d.needs_hidden)
+        kv_layers = d.kv_layers if d else []
         if not s.prefilled:
             # A prompt is one long forward: every core (a drafter that drafts prefills its own copy meanwhile, one
             # whose plan is k = 0 waits; the threads follow the plan again from the first round)
@@ -445,7 +543,12 @@ class VerifierServer:
             hidden, kv = s.prefill(want_hidden, kv_layers)
             if want_hidden or kv_layers:
                 self._announce(s, hidden, kv)
+            s.wait.ready(len(s.tokens), s.ready_since)
             return
+        now = time.monotonic()
+        could_use = self._may_wait(s, now) or (s.draft is not None and s.solo_left == 0)
+        waited = (s.draft["arrived"] if s.draft is not None else now) - s.ready_since
+        demoted = could_use and s.wait.outcome(s.draft is not None, max(0.0, waited))
         draft = s.draft or {"tokens": [], "q": None, "idle_rounds": 0, "overlap": False}
         s.draft = None
         if draft["idle_rounds"]:
@@ -453,15 +556,18 @@ class VerifierServer:
         solo = s.solo_left > 0
         s.solo_left = max(0, s.solo_left - 1)
         # Every core while the drafter idles (k = 0, a synchronous block, no drafter); the share while it pre-drafts.
-        drafter_busy = draft["tokens"] and draft["overlap"] and self.drafter is not None and self.drafter.alive()
+        drafter_busy = draft["tokens"] and draft["overlap"] and d is not None and d.alive()
         self._use_threads(self.threads.share if drafter_busy and not solo else self.threads.full)
         result = s.verify(draft["tokens"], draft["q"], want_hidden, kv_layers)
         result.threads = self._threads_now
         if solo:
             s.metrics.solo_rounds += 1
+        s.wait.ready(len(s.tokens), s.ready_since)
         self._publish(s, result)
         if s.finished:
             self._finish(s, s.finished)
+        elif demoted:
+            self._on_demoted(s)
 
     def _use_threads(self, count: int) -> None:
         if count != self._threads_now:
@@ -470,12 +576,12 @@ class VerifierServer:
 
     def _publish(self, s: Session, r: RoundResult) -> None:
         t0 = time.monotonic()
-        if s.announced and self.drafter is not None:
+        if s.announced and s.drafter is not None:
             frames = encode(Commit(session=s.sid, base_len=r.base_len, tokens=r.tokens, new_len=len(s.tokens),
                                    drafted=r.drafted, accepted=r.accepted, verify_s=r.forward_s, threads=r.threads,
                                    tensors=self._extras(s, r.hidden, r.kv)))
             s.metrics.bytes_out += sum(len(f) if isinstance(f, bytes) else f.nbytes for f in frames)
-            self._send_drafter(frames)
+            self._send_to(s.drafter, frames)
         delta = s.text.push(r.tokens)
         self.client_sock.send_multipart([s.client, *encode(Chunk(request_id=s.request_id, token_ids=r.tokens,
                                                                  text=delta))])
@@ -483,13 +589,13 @@ class VerifierServer:
 
     def _finish(self, s: Session, reason: str) -> None:
         text = self.tokenizer.decode(s.generated, skip_special_tokens=True)
+        d = s.drafter
+        metrics = {**s.summary(verifier_dtype=self.dtype, drafter_dtype=d.dtype if d else None), **s.wait.summary(),
+                   "drafter_ids": list(s.served_by), "drafter_type": d.type if d else None}
         self.client_sock.send_multipart([s.client, *encode(Done(
-            request_id=s.request_id, token_ids=s.generated, text=text,
-            metrics=s.summary(verifier_dtype=self.dtype, drafter_dtype=self.drafter.dtype if self.drafter else None),
-            finish_reason=reason,
+            request_id=s.request_id, token_ids=s.generated, text=text, metrics=metrics, finish_reason=reason,
         ))])
-        if s.announced:
-            self._send_drafter(encode(SessionEnd(session=s.sid)))
+        self._detach(s)
         del self.sessions[s.sid]
         del self.by_request[(s.client, s.request_id)]
         self.order.remove(s.sid)

@@ -16,6 +16,7 @@ from shared.kv import CachedLM
 from shared.sampling import GenerationParams, make_generator, process_block
 from verifier_node.acceptance import accept_everything, accept_greedy, accept_sampling
 from verifier_node.detokenize import IncrementalText
+from verifier_node.draft_wait import DraftWait
 
 # Test-only negative control: a verifier that accepts every draft must fail the distribution test.
 _ACCEPT_ALL = os.environ.get("PIPESPEC_UNSAFE_ACCEPT_ALL") == "1"
@@ -74,7 +75,7 @@ class Session:
 
     def __init__(
         self, sid: int, model, tokenizer, prompt: list[int], params: GenerationParams, client: bytes, request_id: int,
-        ensemble_weight: float | None = None,
+        ensemble_weight: float | None = None, drafter_type: str | None = None, wait: DraftWait | None = None,
     ):
         self.sid = sid
         self.params = params
@@ -93,6 +94,11 @@ class Session:
         self.text = IncrementalText(tokenizer)
         self.metrics = SessionMetrics()
         self.announced = False  # the current drafter knows this session
+        self.drafter = None  # the pool's DrafterLink serving this session (verifier_node.drafters); None: plain steps
+        self.drafter_type = drafter_type  # the type the request asked for (None: any)
+        self.wait = wait or DraftWait(3.0)  # how long to wait for its drafter's next draft (verifier_node.draft_wait)
+        self.served_by: list[str] = []  # ids of the drafters that served it, in order
+        self.tried: set[str] = set()  # drafters demoted for it (not chosen again when it moves)
         self.solo_left = 0  # rounds still to take alone, without waiting for a draft (the drafter chose k = 0)
 
     @property
