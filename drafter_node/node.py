@@ -18,6 +18,10 @@ block and plans again.
 
 ``threads: auto`` (CPU): the node computes with every core while the verifier waits for it (synchronous rounds and
 probes) and with its share while both work (overlap); see :mod:`drafter_node.cost_model`.
+
+Rejoin: the verifier answers heartbeats. When it says ``not_connected`` (it restarted, or it dropped this drafter
+after a long silence) or nothing at all comes from it for ``VERIFIER_SILENT_S``, the node drops its sessions, opens a
+fresh socket (a new connection: nothing queued for the old verifier is delivered to a new one) and says hello again.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 from collections import deque
@@ -43,6 +48,7 @@ from shared.costs import CostCurve, NodeProfile, measuring_alone
 from shared.models import ModelLoadError, ProfileSpec, ThreadPlan, profile_node, profile_sizes, set_threads
 from shared.protocol import (
     DEFAULT_MAX_MESSAGE_BYTES,
+    MAX_HOST_CHARS,
     Commit,
     Draft,
     Error,
@@ -64,6 +70,9 @@ log = logging.getLogger("pipespec.drafter")
 
 HEARTBEAT_S = 0.25
 HELLO_RETRY_S = 1.0
+#: No message from the verifier for this long while welcomed (it answers heartbeats): it is gone; say hello again.
+#: Generous, because a verifier computing one long prefill reads nothing meanwhile.
+VERIFIER_SILENT_S = 15.0
 
 
 class NodeSession:
@@ -243,7 +252,7 @@ class DrafterNode:
         self.endpoint = dcfg.get("verifier_endpoint") or config["verifier"]["endpoint"]
         self.max_bytes = config["verifier"].get("max_message_bytes", DEFAULT_MAX_MESSAGE_BYTES)
         self.ctx = zmq.Context.instance()
-        self.sock = connect_dealer(self.ctx, self.endpoint)
+        self.sock = self._connect()
         self.sessions: dict[int, NodeSession] = {}
         self.order: deque[int] = deque()
         self.running = True
@@ -251,7 +260,27 @@ class DrafterNode:
         self.want_q = False  # the verifier wants q with greedy drafts too (ensemble verification)
         self.last_sent = 0.0
         self._handlers = {Welcome: self._on_welcome, Error: self._on_error, SessionStart: self._on_session_start,
-                          Commit: self._on_commit, State: self._on_state, SessionEnd: self._on_session_end}
+                          Commit: self._on_commit, State: self._on_state, SessionEnd: self._on_session_end,
+                          Heartbeat: self._on_heartbeat}
+        self.last_heard = 0.0  # when the last message from the verifier came
+        self.last_hello = 0.0
+        self.rejoins = 0
+
+    def _connect(self) -> zmq.Socket:
+        return connect_dealer(self.ctx, self.endpoint)
+
+    def _rejoin(self, reason: str) -> None:
+        """The verifier lost this drafter (restart, or a silence): forget every session, reconnect, say hello."""
+        log.warning("rejoining the verifier at %s: %s", self.endpoint, reason)
+        for s in self.sessions.values():
+            s.draft.close()
+        self.sessions.clear()
+        self.order.clear()
+        self.sock.close(linger=0)
+        self.sock = self._connect()
+        self.welcomed = False
+        self.last_hello = 0.0
+        self.rejoins += 1
 
     def profile_spec(self, config: dict[str, Any]) -> ProfileSpec:
         """What this node measures of its model: one to max_draft_tokens + 1 rows, at its thread counts."""
@@ -295,28 +324,36 @@ class DrafterNode:
         self._send(encode(Hello(drafter_type=self.drafter.type_name, tokenizer_id=self.drafter.tokenizer_id,
                                 capabilities=self.drafter.capabilities,
                                 profile=self.profile.to_dict() if self.profile else None,
-                                threads=ThreadCounts(self.threads.share, self.threads.full))))
+                                threads=ThreadCounts(self.threads.share, self.threads.full),
+                                host=socket.gethostname()[:MAX_HOST_CHARS])))
 
     def _loop(self) -> int:
-        last_hello = 0.0
         while self.running:
             now = time.monotonic()
-            if not self.welcomed and now - last_hello > HELLO_RETRY_S:
+            if not self.welcomed and now - self.last_hello > HELLO_RETRY_S:
                 self._hello()
-                last_hello = now
+                self.last_hello = now
             elif self.welcomed and now - self.last_sent > HEARTBEAT_S:
                 self._send(encode(Heartbeat()))
             work = self._next_work()
             if self.sock.poll(0 if work else 50):
+                sock = self.sock
                 for _ in range(1000):
                     try:
-                        frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                        frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
                     except zmq.Again:
                         break
+                    self.last_heard = time.monotonic()
                     status = self._on_message(frames)
                     if status is not None:
                         return status
+                    if self.sock is not sock:
+                        break  # rejoined: what the old socket still holds is for a verifier that is gone
                 work = self._next_work()
+            # checked after reading, so a long step of ours never looks like a silent verifier
+            if self.welcomed and time.monotonic() - self.last_heard > VERIFIER_SILENT_S:
+                self._rejoin(f"no message from the verifier for {VERIFIER_SILENT_S:.0f} s")
+                continue
             if work is not None:
                 if work.ready_to_send():
                     self._send_block(work)
@@ -369,6 +406,7 @@ class DrafterNode:
 
     def _on_welcome(self, msg: Welcome) -> None:
         self.welcomed = True
+        self.last_heard = time.monotonic()
         self.drafter.target_vocab_size = msg.vocab_size
         threads = msg.threads or ThreadCounts()
         try:
@@ -379,7 +417,14 @@ class DrafterNode:
         self.want_q = msg.want_q and self.drafter.capabilities.greedy_q
         log.info("connected to verifier (target %s)", msg.target)
 
+    def _on_heartbeat(self, msg: Heartbeat) -> None:
+        """The verifier's answer to ours: it is there (``last_heard`` is updated for every message)."""
+
     def _on_error(self, msg: Error) -> int | None:
+        if msg.code == "not_connected":
+            if self.welcomed:  # the verifier does not know us (any more): a restarted verifier, or one that forgot us
+                self._rejoin("the verifier does not know this drafter (restarted?)")
+            return None  # not welcomed: answers to what we sent before our hello; the hello is on its way
         log.error("verifier: %s", msg.message)
         if msg.code in ("tokenizer_mismatch", "bad_version", "ensemble_needs_q", "unsupported"):
             hint = self.drafter.tokenizer_hint if msg.code == "tokenizer_mismatch" else ""
