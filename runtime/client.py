@@ -113,7 +113,7 @@ class AsyncClient:
                 queue.put_nowait(msg)
 
     async def ping(self, timeout_s: float = 5.0) -> dict[str, Any]:
-        """Ask the verifier for its state (``drafter_connected``, ``target``, ``sessions``)."""
+        """Ask the verifier for its state (``drafter_connected``, ``drafters``, ``target``, ``sessions``)."""
         while not self._pongs.empty():
             self._pongs.get_nowait()
         await self._sock.send_multipart(encode(Ping()))
@@ -130,11 +130,12 @@ class AsyncClient:
         token_ids: list[int] | None = None,
         messages: list[dict[str, str]] | None = None,
         include_result: bool = False,
+        drafter_type: str | None = None,
         **params: Any,
     ) -> AsyncIterator[Chunk | GenerationResult]:
         """Yield committed tokens as the verifier commits them. Same arguments as :meth:`generate`;
         with ``include_result=True`` the final :class:`GenerationResult` (with metrics) comes last."""
-        async for item in self._run(prompt, token_ids, messages, params):
+        async for item in self._run(prompt, token_ids, messages, params, drafter_type):
             if include_result or isinstance(item, Chunk):
                 yield item
 
@@ -144,21 +145,23 @@ class AsyncClient:
         *,
         token_ids: list[int] | None = None,
         messages: list[dict[str, str]] | None = None,
+        drafter_type: str | None = None,
         **params: Any,
     ) -> GenerationResult:
         """Generate from exactly one of ``prompt``, ``token_ids`` or ``messages`` (chat, templated by the target).
 
         Parameters: ``max_new_tokens``, ``do_sample``, ``temperature``, ``top_k``, ``top_p``,
         ``repetition_penalty``, ``min_new_tokens``, ``eos_token_ids``, ``stop_token_ids``, ``seed``.
+        ``drafter_type``: only a drafter of this type may serve the request (see the README, "Drafter pool").
         """
         result = None
-        async for item in self._run(prompt, token_ids, messages, params):
+        async for item in self._run(prompt, token_ids, messages, params, drafter_type):
             if isinstance(item, GenerationResult):
                 result = item
         assert result is not None
         return result
 
-    async def _run(self, prompt, token_ids, messages, params: dict[str, Any]):
+    async def _run(self, prompt, token_ids, messages, params: dict[str, Any], drafter_type: str | None = None):
         unknown = sorted(set(params) - set(_PARAM_NAMES))
         if unknown:
             raise TypeError(f"unknown generation parameter(s): {', '.join(unknown)}")
@@ -171,7 +174,7 @@ class AsyncClient:
         try:
             await self._sock.send_multipart(encode(Generate(
                 request_id=rid, params={k: v for k, v in params.items() if v is not None}, token_ids=token_ids,
-                prompt=prompt, messages=messages,
+                prompt=prompt, messages=messages, drafter_type=drafter_type,
             )))
             while True:
                 try:

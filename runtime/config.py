@@ -61,7 +61,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     },
     "verification": {"ensemble_weight": None},
     "client": {"endpoint": "ipc://{run_dir}/client.ipc", "timeout_s": 600},
-    "launch": {"ready_timeout_s": 900, "start_drafter": True},
+    "launch": {"ready_timeout_s": 900, "start_drafter": True, "drafters": 1},
 }
 
 MODEL_TYPES_NEEDING_MODEL = {"assistant", "early_exit", "mtp", "mtp_drafter", "universal"}
@@ -72,6 +72,8 @@ TARGET_READING_TYPES = {"mtp_drafter", "universal"}
 SELF_DRAFTING_TYPES = {"early_exit", "mtp"}
 #: Types with no draft distribution q at all: static ensemble verification is refused with them.
 TYPES_WITHOUT_Q = {"prompt_lookup"}
+#: Most drafter processes one launcher starts (``launch.drafters``).
+MAX_LAUNCHED_DRAFTERS = 16
 
 
 class ConfigError(ValueError):
@@ -238,6 +240,10 @@ def validate(config: dict[str, Any]) -> None:
     for key in ("num_draft_tokens", "max_draft_tokens"):  # longer drafts are refused by the verifier
         if d[key] > MAX_DRAFT_TOKENS:
             raise ConfigError(f"drafter.{key}: at most {MAX_DRAFT_TOKENS}, got {d[key]}")
+    _positive_int(config, "launch.drafters")
+    if config["launch"]["drafters"] > MAX_LAUNCHED_DRAFTERS:
+        raise ConfigError(f"launch.drafters: at most {MAX_LAUNCHED_DRAFTERS} drafter processes, got "
+                          f"{config['launch']['drafters']} (more can join with --role drafter)")
     if not isinstance(d["draft_schedule"], str) or d["draft_schedule"] not in SCHEDULES:
         raise ConfigError(f"drafter.draft_schedule: one of {', '.join(SCHEDULES)}, got {d['draft_schedule']!r}")
     for dotted in ("drafter.overlap", "verifier.allow_remote", "launch.start_drafter"):

@@ -79,23 +79,30 @@ class Cluster:
     def log_path(self, role: str) -> Path:
         return Path(self.run_dir) / f"{role}.log"
 
-    def start_node(self, role: str) -> subprocess.Popen:
+    def start_node(self, role: str, name: str | None = None) -> subprocess.Popen:
+        """Start one node process; ``name`` (default: the role) keys ``processes`` and names its log."""
+        name = name or role
         env = {**os.environ, **(self.env or {})}
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-        log = open(self.log_path(role), "ab")  # noqa: SIM115 - the child keeps it
+        log = open(self.log_path(name), "ab")  # noqa: SIM115 - the child keeps it
         proc = subprocess.Popen(
             [sys.executable, "-m", "runtime.launch", "--config", str(self.config_path), "--role", role],
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, cwd=REPO_ROOT,
             preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
         )
         log.close()
-        self.processes[role] = proc
+        self.processes[name] = proc
         return proc
+
+    @property
+    def drafter_count(self) -> int:
+        """Drafter processes this cluster starts: ``launch.drafters`` (0 with ``start_drafter: false``)."""
+        return self.config["launch"]["drafters"] if self.config["launch"]["start_drafter"] else 0
 
     def start(self) -> None:
         self.start_node("verifier")
-        if self.config["launch"]["start_drafter"]:
-            self.start_node("drafter")
+        for i in range(self.drafter_count):  # drafter, drafter2, drafter3, …
+            self.start_node("drafter", "drafter" if i == 0 else f"drafter{i + 1}")
 
     def log_tail(self, role: str, lines: int = 25) -> str:
         try:
@@ -116,14 +123,15 @@ class Cluster:
                 )
 
     async def wait_ready(self, client: AsyncClient) -> dict[str, Any]:
-        """Wait (bounded by ``launch.ready_timeout_s``) until the verifier answers and the drafter is connected."""
+        """Wait (bounded by ``launch.ready_timeout_s``) until the verifier answers and every drafter it started is
+        in the pool."""
         deadline = time.monotonic() + self.config["launch"]["ready_timeout_s"]
-        need_drafter = self.config["launch"]["start_drafter"]
+        need = self.drafter_count
         while True:
             self.check_alive()
             try:
                 pong = await client.ping(timeout_s=1.0)
-                if pong["drafter_connected"] or not need_drafter:
+                if sum(bool(d.get("alive")) for d in pong.get("drafters") or []) >= need:
                     return pong
             except TimeoutError:
                 pass
@@ -281,7 +289,8 @@ async def _serve(config: dict[str, Any], run_dir: str | None) -> int:
     try:
         async with AsyncClient(nodes.client_address) as client:
             pong = await nodes.wait_ready(client)
-        print(f"pipespec ready: target {pong.get('target')}, drafter {pong.get('drafter_type')}", flush=True)
+        drafters = ", ".join(f"{d['id']} {d['type']}@{d['host']}" for d in pong.get("drafters") or []) or "none"
+        print(f"pipespec ready: target {pong.get('target')}, drafters: {drafters}", flush=True)
         print(f"client address: {nodes.client_address}", flush=True)
         print(f"logs: {nodes.run_dir}  (Ctrl-C to stop)", flush=True)
         while not stop.is_set():
