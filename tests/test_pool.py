@@ -22,7 +22,7 @@ from tiny_models import reference_greedy
 from runtime.client import AsyncClient, PipespecError
 from runtime.launch import REPO_ROOT, cluster
 from shared.models import load_tokenizer, tokenizer_id
-from shared.protocol import decode, encode
+from shared.protocol import Capabilities, Heartbeat, Hello, SessionStart, decode, encode
 
 PROMPTS = [[5, 17, 33, 2, 60], [100, 101, 7], [9, 9, 9, 8], [150, 3], [77, 78, 79, 80, 81, 82], [40, 41]]
 
@@ -93,19 +93,19 @@ def test_two_drafters_share_sessions_and_a_killed_one_hands_them_over(tiny):
 async def silent_drafter(endpoint: str, tok_id: str, stop: asyncio.Event, seen: dict) -> None:
     """A peer that says hello and heartbeats, reads everything and never drafts; at its first session it says hello
     once more on the same connection (it must stay the same pool member and learn its session again)."""
-    hello = encode("hello", drafter_type="silent", tokenizer_id=tok_id, capabilities={"sends_q": False},
-                   host="nowhere")
+    hello = encode(Hello(drafter_type="silent", tokenizer_id=tok_id, capabilities=Capabilities(sends_q=False),
+                         host="nowhere"))
     async with peer_socket(endpoint) as sock:
         await sock.send_multipart(hello)
         last = time.monotonic()
         while not stop.is_set():
             if await sock.poll(50):
                 msg = decode(await sock.recv_multipart())
-                seen[msg.type] = seen.get(msg.type, 0) + 1
-                if msg.type == "session_start" and seen[msg.type] == 1:
+                seen[msg.TYPE] = seen.get(msg.TYPE, 0) + 1
+                if isinstance(msg, SessionStart) and seen[msg.TYPE] == 1:
                     await sock.send_multipart(hello)
             if time.monotonic() - last > 0.1:
-                await sock.send_multipart(encode("heartbeat"))
+                await sock.send_multipart(encode(Heartbeat()))
                 last = time.monotonic()
 
 
