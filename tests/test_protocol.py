@@ -68,7 +68,8 @@ VALID: dict[str, Message] = {
     "hello": Hello(drafter_type="assistant", tokenizer_id="qwen2.5",
                    capabilities=Capabilities(sends_q=True, greedy_q=True, needs_hidden_states=True,
                                              needs_kv_layers=[0, 3]),
-                   profile={"model": "m", "curves": {"1": {"sizes": [1]}}}, threads=ThreadCounts(share=1, full=2)),
+                   profile={"model": "m", "curves": {"1": {"sizes": [1]}}}, threads=ThreadCounts(share=1, full=2),
+                   host="box"),
     "welcome": Welcome(target="tiny", vocab_size=151936, want_q=True, profile={"dtype": "float32"},
                        threads=ThreadCounts(share=2, full=4)),
     "session_start": SessionStart(session=3, token_ids=[1, 2, 3], params={"max_new_tokens": 8, "do_sample": False},
@@ -80,13 +81,15 @@ VALID: dict[str, Message] = {
     "state": State(session=3, base_len=10, end=9),
     "session_end": SessionEnd(session=3),
     "heartbeat": Heartbeat(),
-    "generate": Generate(request_id=7, params={"temperature": 0.7, "seed": None}, token_ids=[5, 6]),
+    "generate": Generate(request_id=7, params={"temperature": 0.7, "seed": None}, token_ids=[5, 6],
+                         drafter_type="assistant"),
     "chunk": Chunk(request_id=7, token_ids=[1], text="é ✓"),
     "done": Done(request_id=7, token_ids=[1, 2], text="ok", metrics={"rounds": 2, "acceptance_rate": 0.5},
                  finish_reason="length"),
     "cancel": Cancel(request_id=7),
     "ping": Ping(),
-    "pong": Pong(drafter_connected=True, drafter_type="assistant", target="tiny", sessions=2),
+    "pong": Pong(drafter_connected=True, drafter_type="assistant", target="tiny", sessions=2,
+                 drafters=[{"id": "d1", "type": "assistant", "host": "box", "sessions": 2, "alive": True}]),
     "error": Error(message="boom", code="bad_message", request_id=7, session=4),
 }
 VARIANTS: list[Message] = [
@@ -307,9 +310,10 @@ def test_to_dict_gives_plain_values():
     assert VALID["hello"].to_dict() == {
         "drafter_type": "assistant", "tokenizer_id": "qwen2.5",
         "capabilities": {"sends_q": True, "greedy_q": True, "needs_hidden_states": True, "needs_kv_layers": [0, 3]},
-        "profile": {"model": "m", "curves": {"1": {"sizes": [1]}}}, "threads": {"share": 1, "full": 2}}
+        "profile": {"model": "m", "curves": {"1": {"sizes": [1]}}}, "threads": {"share": 1, "full": 2},
+        "host": "box"}
     assert Pong(drafter_connected=False).to_dict() == {"drafter_connected": False, "drafter_type": None,
-                                                        "target": None, "sessions": 0}
+                                                        "target": None, "sessions": 0, "drafters": []}
 
 
 @pytest.mark.parametrize("msg_type", sorted(MESSAGE_TYPES))
