@@ -225,6 +225,9 @@ BAD: list[tuple[str, Any, Any, str]] = [
      {"client.endpoint": "ipc://{run_dir}/verifier.ipc"}, "client.endpoint"),
     ("ready_timeout_s 0", "cpu.yaml", {"launch.ready_timeout_s": 0}, "launch.ready_timeout_s"),
     ("ready_timeout_s None", "cpu.yaml", {"launch.ready_timeout_s": None}, "launch.ready_timeout_s"),
+    ("drafters 0", "cpu.yaml", {"launch.drafters": 0}, "launch.drafters"),
+    ("drafters 17", "cpu.yaml", {"launch.drafters": 17}, "launch.drafters"),
+    ("drafters string", "cpu.yaml", ["launch.drafters=two"], "launch.drafters"),
 ]
 
 
