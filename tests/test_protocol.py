@@ -243,7 +243,8 @@ def test_registry_has_one_class_per_type_with_a_direction():
     assert set(MESSAGE_TYPES) == set(VALID) == {
         "hello", "welcome", "session_start", "draft", "commit", "state", "session_end", "heartbeat", "generate",
         "chunk", "done", "cancel", "ping", "pong", "error"}
-    directions = {"drafter→verifier", "verifier→drafter", "client→verifier", "verifier→client", "any"}
+    directions = {"drafter→verifier", "verifier→drafter", "drafter↔verifier", "client→verifier", "verifier→client",
+                  "any"}
     for name, cls in MESSAGE_TYPES.items():
         assert name == cls.TYPE and dataclasses.is_dataclass(cls) and issubclass(cls, Message)
         assert cls.DIRECTION in directions, cls
@@ -455,6 +456,7 @@ WRONG_VALUES: dict[Any, list[Any]] = {
     Capabilities: [[], "x", True, {"sends_q": 1}, {"greedy_q": "yes"}, {"needs_kv_layers": [True]},
                    {"needs_kv_layers": 3}],
     ThreadCounts: [[], 2, {"share": "1"}, {"full": True}, {"share": 1.0}],
+    list[dict[str, Any]]: ["x", {}, [1], [["id", "d1"]], [None]],
 }
 
 
