@@ -44,6 +44,7 @@ from drafter_node.base import Drafter, DraftSession
 from drafter_node.cost_model import CostBook
 from drafter_node.schedule import CostSchedule, DraftLengthSchedule
 from drafter_node.types import drafter_class
+from runtime import security
 from shared.costs import CostCurve, NodeProfile, measuring_alone
 from shared.models import ModelLoadError, ProfileSpec, ThreadPlan, profile_node, profile_sizes, set_threads
 from shared.protocol import (
@@ -64,7 +65,7 @@ from shared.protocol import (
     encode,
 )
 from shared.sampling import GenerationParams
-from shared.transport import connect_dealer
+from shared.transport import AuthWatch, connect_dealer
 
 log = logging.getLogger("pipespec.drafter")
 
@@ -252,6 +253,11 @@ class DrafterNode:
         self.endpoint = dcfg.get("verifier_endpoint") or config["verifier"]["endpoint"]
         self.max_bytes = config["verifier"].get("max_message_bytes", DEFAULT_MAX_MESSAGE_BYTES)
         self.ctx = zmq.Context.instance()
+        self.keys = security.drafter_keys(config)
+        self.key_name = config["security"]["drafter_key"] if self.keys else None
+        # Shown in hello where the link has no CURVE (there the verifier's key allow-list decides).
+        self.run_secret = None if self.keys else security.run_secret()
+        self.auth_watch: AuthWatch | None = None
         self.sock = self._connect()
         self.sessions: dict[int, NodeSession] = {}
         self.order: deque[int] = deque()
@@ -267,7 +273,11 @@ class DrafterNode:
         self.rejoins = 0
 
     def _connect(self) -> zmq.Socket:
-        return connect_dealer(self.ctx, self.endpoint)
+        """A fresh socket to the verifier (with this drafter's CURVE keys, watched for a refusal, where the link runs
+        CURVE)."""
+        sock = connect_dealer(self.ctx, self.endpoint, self.keys)
+        self.auth_watch = AuthWatch(sock) if self.keys else None
+        return sock
 
     def _rejoin(self, reason: str) -> None:
         """The verifier lost this drafter (restart, or a silence): forget every session, reconnect, say hello."""
@@ -276,6 +286,8 @@ class DrafterNode:
             s.draft.close()
         self.sessions.clear()
         self.order.clear()
+        if self.auth_watch is not None:
+            self.auth_watch.close()
         self.sock.close(linger=0)
         self.sock = self._connect()
         self.welcomed = False
@@ -311,6 +323,8 @@ class DrafterNode:
         try:
             return self._loop()
         finally:
+            if self.auth_watch is not None:
+                self.auth_watch.close()
             self.sock.close(linger=0)
 
     def stop(self) -> None:
@@ -325,11 +339,17 @@ class DrafterNode:
                                 capabilities=self.drafter.capabilities,
                                 profile=self.profile.to_dict() if self.profile else None,
                                 threads=ThreadCounts(self.threads.share, self.threads.full),
-                                host=socket.gethostname()[:MAX_HOST_CHARS])))
+                                host=socket.gethostname()[:MAX_HOST_CHARS], run_secret=self.run_secret)))
 
     def _loop(self) -> int:
         while self.running:
             now = time.monotonic()
+            if not self.welcomed and self.auth_watch is not None and self.auth_watch.refused():
+                print(f"pipespec drafter: the verifier at {self.endpoint} refused this drafter's CURVE key "
+                      f"(security.drafter_key {self.key_name!r}): its keys folder must hold "
+                      f"drafters/{self.key_name}.key, the public half of this key, in its drafter allow-list",
+                      file=sys.stderr)
+                return 2
             if not self.welcomed and now - self.last_hello > HELLO_RETRY_S:
                 self._hello()
                 self.last_hello = now
@@ -426,7 +446,7 @@ class DrafterNode:
                 self._rejoin("the verifier does not know this drafter (restarted?)")
             return None  # not welcomed: answers to what we sent before our hello; the hello is on its way
         log.error("verifier: %s", msg.message)
-        if msg.code in ("tokenizer_mismatch", "bad_version", "ensemble_needs_q", "unsupported"):
+        if msg.code in ("tokenizer_mismatch", "bad_version", "ensemble_needs_q", "unsupported", "unauthorized"):
             hint = self.drafter.tokenizer_hint if msg.code == "tokenizer_mismatch" else ""
             print(f"pipespec drafter: refused by the verifier: {msg.message}{hint}", file=sys.stderr)
             return 2

@@ -31,7 +31,7 @@ from shared.protocol import (
     encode,
 )
 from shared.protocol import Chunk as ChunkMessage
-from shared.transport import connect_dealer
+from shared.transport import ClientKeys, connect_dealer, is_local_endpoint
 
 
 class PipespecError(RuntimeError):
@@ -65,9 +65,13 @@ _PARAM_NAMES = (
 
 
 class AsyncClient:
-    def __init__(self, address: str, timeout_s: float = 600.0):
+    """A client of one verifier. ``curve``: the keys to connect with when the verifier's client socket runs CURVE
+    (``runtime.keys.client_keys(KEYS_DIR, NAME)``); without an allowed key such a verifier never answers."""
+
+    def __init__(self, address: str, timeout_s: float = 600.0, curve: ClientKeys | None = None):
         self.address = address
         self.timeout_s = timeout_s
+        self.curve = curve
         self._ids = itertools.count(1)
         self._queues: dict[int, asyncio.Queue] = {}
         self._pongs: asyncio.Queue = asyncio.Queue()
@@ -77,7 +81,7 @@ class AsyncClient:
 
     async def __aenter__(self) -> AsyncClient:
         self._ctx = zmq.asyncio.Context()
-        self._sock = connect_dealer(self._ctx, self.address)
+        self._sock = connect_dealer(self._ctx, self.address, self.curve)
         self._reader = asyncio.create_task(self._read())
         return self
 
@@ -112,6 +116,12 @@ class AsyncClient:
             if queue is not None:
                 queue.put_nowait(msg)
 
+    def _hint(self) -> str:
+        with contextlib.suppress(ValueError):
+            if self.curve is None and not is_local_endpoint(self.address):
+                return " (a verifier on a network address runs CURVE: pass curve=runtime.keys.client_keys(KEYS_DIR))"
+        return ""
+
     async def ping(self, timeout_s: float = 5.0) -> dict[str, Any]:
         """Ask the verifier for its state (``drafter_connected``, ``drafters``, ``target``, ``sessions``)."""
         while not self._pongs.empty():
@@ -120,7 +130,8 @@ class AsyncClient:
         try:
             msg: Pong = await asyncio.wait_for(self._pongs.get(), timeout_s)
         except asyncio.TimeoutError:
-            raise TimeoutError(f"no answer from the verifier at {self.address} within {timeout_s} s") from None
+            raise TimeoutError(f"no answer from the verifier at {self.address} within {timeout_s} s{self._hint()}") \
+                from None
         return msg.to_dict()
 
     async def stream(
@@ -182,6 +193,7 @@ class AsyncClient:
                 except asyncio.TimeoutError:
                     raise TimeoutError(
                         f"no reply from the verifier at {self.address} for {self.timeout_s} s (request {rid})"
+                        f"{self._hint()}"
                     ) from None
                 if isinstance(msg, ChunkMessage):
                     yield Chunk(msg.token_ids, msg.text)

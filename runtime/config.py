@@ -1,9 +1,10 @@
 """Config loading and validation.
 
-A config is YAML with four sections (``verifier``, ``drafter``, ``verification``, ``client``) plus an optional
-``launch`` section. Every key has a default below; an unknown key, a bad value, an unknown drafter type, a missing
-model or a device this machine lacks fails here — before any process starts — with a :class:`ConfigError` that
-names the key. ``{run_dir}`` in an endpoint is replaced by the launcher's private run folder.
+A config is YAML with four sections (``verifier``, ``drafter``, ``verification``, ``client``) plus optional
+``launch`` and ``security`` sections. Every key has a default below; an unknown key, a bad value, an unknown drafter
+type, a missing model, a device this machine lacks or missing CURVE keys fails here — before any process starts —
+with a :class:`ConfigError` that names the key. ``{run_dir}`` in an endpoint is replaced by the launcher's private
+run folder.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from drafter_node.schedule import SCHEDULES
 from drafter_node.types import DRAFTER_TYPES
 from shared.models import AUTO, DTYPES
 from shared.protocol import DEFAULT_MAX_MESSAGE_BYTES, MAX_DRAFT_TOKENS
-from shared.transport import EndpointError, check_endpoint
+from shared.transport import CURVE_MODES, EndpointError, check_endpoint, curve_wanted
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 DEFAULT_CONFIG = "cpu.yaml"
@@ -62,6 +63,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "verification": {"ensemble_weight": None},
     "client": {"endpoint": "ipc://{run_dir}/client.ipc", "timeout_s": 600},
     "launch": {"ready_timeout_s": 900, "start_drafter": True, "drafters": 1},
+    "security": {"curve": "auto", "keys_dir": None, "drafter_key": "drafter", "client_key": "client"},
 }
 
 MODEL_TYPES_NEEDING_MODEL = {"assistant", "early_exit", "mtp", "mtp_drafter", "universal"}
@@ -262,11 +264,80 @@ def validate(config: dict[str, Any]) -> None:
             raise ConfigError(f"{dotted}: {exc}") from None
     if v["endpoint"] == config["client"]["endpoint"]:
         raise ConfigError("client.endpoint: must differ from verifier.endpoint (drafters and clients are separate)")
+    _check_security(config)
     for dotted in ("launch.ready_timeout_s", "client.timeout_s"):
         section, key = dotted.split(".")
         value = config[section][key]
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
             raise ConfigError(f"{dotted}: must be a number of seconds > 0, got {value!r}")
+
+
+def _check_security(config: dict[str, Any]) -> None:
+    """The ``security`` section's values, and that every endpoint is either safe to use or refused here: CURVE
+    needs a keys folder, and listening on a network interface without CURVE needs ``allow_remote: true``."""
+    from runtime.keys import KeysError, check_name
+
+    sec = config["security"]
+    if isinstance(sec["curve"], bool):  # YAML 1.1 reads a bare on / off as true / false
+        sec["curve"] = "on" if sec["curve"] else "off"
+    if not isinstance(sec["curve"], str) or sec["curve"] not in CURVE_MODES:
+        raise ConfigError(f"security.curve: one of {', '.join(CURVE_MODES)}, got {sec['curve']!r}")
+    for key in ("drafter_key", "client_key"):
+        try:
+            check_name(sec[key])
+        except KeysError as exc:
+            raise ConfigError(f"security.{key}: {exc}") from None
+    if sec["keys_dir"] is not None and (not isinstance(sec["keys_dir"], str) or not sec["keys_dir"]):
+        raise ConfigError(f"security.keys_dir: a folder path, got {sec['keys_dir']!r}")
+    endpoints = {"verifier.endpoint": config["verifier"]["endpoint"], "client.endpoint": config["client"]["endpoint"],
+                 "drafter.verifier_endpoint": config["drafter"]["verifier_endpoint"]}
+    for dotted, endpoint in endpoints.items():
+        if endpoint is None:
+            continue
+        curve = curve_wanted(sec["curve"], endpoint)
+        if curve and sec["keys_dir"] is None:
+            why = "security.curve: on" if sec["curve"] == "on" else \
+                "security.curve: auto turns CURVE on for every non-loopback address"
+            raise ConfigError(
+                f"security.keys_dir: {dotted} {endpoint!r} needs CURVE keys ({why}): run `python -m runtime.keys "
+                "init DIR` and set security.keys_dir: DIR (or, on a private network only, security.curve: off with "
+                "verifier.allow_remote: true)"
+            )
+        if curve and not Path(sec["keys_dir"]).expanduser().is_dir():
+            raise ConfigError(f"security.keys_dir: folder {sec['keys_dir']!r} does not exist: create keys with "
+                              f"`python -m runtime.keys init {sec['keys_dir']}`")
+        if dotted != "drafter.verifier_endpoint":  # the verifier listens on these
+            try:
+                check_endpoint(endpoint.replace("{run_dir}", "/tmp/x"), config["verifier"]["allow_remote"], curve)
+            except EndpointError as exc:
+                raise ConfigError(f"{dotted}: {exc}") from None
+
+
+def check_security(config: dict[str, Any], roles: tuple[str, ...] = ("verifier", "drafter", "client")) -> None:
+    """The key files the given roles will load exist and can be read (``roles``: what this process starts: the
+    launcher's cluster all three, ``--role X`` only X); a cluster whose verifier and drafter would disagree about
+    CURVE on their link is refused."""
+    from runtime import security
+    from runtime.keys import KeysError
+
+    links = security.curve_links(config)
+    if {"verifier", "drafter"} <= set(roles) and config["launch"]["start_drafter"] \
+            and links["verifier"] != links["drafter"]:
+        raise ConfigError(
+            f"security.curve: the verifier listens on {config['verifier']['endpoint']!r} "
+            f"{'with' if links['verifier'] else 'without'} CURVE but the drafter connects to "
+            f"{security.drafter_link(config)!r} {'with' if links['drafter'] else 'without'} it (auto decides by "
+            "address): set security.curve: on, or use the same kind of address on both sides"
+        )
+    loaders = {"verifier": security.verifier_keys, "drafter": security.drafter_keys,
+               "client": security.client_keys_for}
+    for role in roles:
+        if role == "drafter" and not config["launch"]["start_drafter"] and "verifier" in roles:
+            continue  # a cluster without its own drafter: a drafter joins from elsewhere with its own keys
+        try:
+            loaders[role](config)
+        except KeysError as exc:
+            raise ConfigError(f"security.keys_dir: {exc}") from None
 
 
 def _check_ensemble(config: dict[str, Any]) -> None:

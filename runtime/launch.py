@@ -23,8 +23,10 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+from runtime import security
 from runtime.client import AsyncClient, Chunk, PipespecError
-from runtime.config import ConfigError, check_model_dependent, fill_run_dir, load_config
+from runtime.config import ConfigError, check_model_dependent, check_security, fill_run_dir, load_config
+from runtime.keys import KeysError
 from shared.models import ModelLoadError
 from shared.registry import RegistryError
 
@@ -62,12 +64,24 @@ def _die_with_parent() -> None:
 class Cluster:
     """The node processes of one config, started and supervised by this process."""
 
-    def __init__(self, config: dict[str, Any], run_dir: str | None = None, env: dict[str, str] | None = None):
+    def __init__(self, config: dict[str, Any], run_dir: str | None = None, env: dict[str, str] | None = None,
+                 prefix: dict[str, list[str]] | None = None):
+        """``prefix``: a command put before a role's node command (e.g. ``["ip", "netns", "exec", "ns1"]``)."""
+        check_security(config, ("verifier", "drafter", "client"))
         self.own_run_dir = run_dir is None  # a folder we made is removed on a clean stop
-        self.run_dir = run_dir or tempfile.mkdtemp(prefix="pipespec-")
-        os.makedirs(self.run_dir, exist_ok=True)
+        try:  # mkdtemp makes it 0700: the ipc sockets in it are ours alone
+            self.run_dir = security.private_run_dir(run_dir) if run_dir else tempfile.mkdtemp(prefix="pipespec-")
+        except (security.RunDirError, OSError) as exc:
+            raise LaunchError(str(exc)) from None
         self.config = fill_run_dir(config, self.run_dir)
         self.env = env
+        self.prefix = prefix or {}
+        # The drafter we start proves in hello that it is ours (links without CURVE); a cluster without its own
+        # drafter takes one from elsewhere, so it sets a secret only if it was given one.
+        start_drafter = self.config["launch"]["start_drafter"]
+        self.run_secret = security.run_secret() or (security.new_secret() if start_drafter else None)
+        if self.run_secret:
+            security.write_secret(self.run_dir, self.run_secret)
         self.processes: dict[str, subprocess.Popen] = {}
         self.config_path = Path(self.run_dir) / "config.json"
         self.config_path.write_text(json.dumps(self.config, indent=1))
@@ -84,9 +98,12 @@ class Cluster:
         name = name or role
         env = {**os.environ, **(self.env or {})}
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+        if self.run_secret:
+            env[security.SECRET_ENV] = self.run_secret  # the environment, not argv: ps shows argv to everyone
         log = open(self.log_path(name), "ab")  # noqa: SIM115 - the child keeps it
         proc = subprocess.Popen(
-            [sys.executable, "-m", "runtime.launch", "--config", str(self.config_path), "--role", role],
+            [*self.prefix.get(role, []), sys.executable, "-m", "runtime.launch", "--config", str(self.config_path),
+             "--role", role],
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, cwd=REPO_ROOT,
             preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
         )
@@ -163,15 +180,19 @@ async def cluster(
     *,
     env: dict[str, str] | None = None,
     timeout_s: float | None = None,
+    prefix: dict[str, list[str]] | None = None,
 ) -> AsyncIterator[AsyncClient]:
-    """Start the nodes of ``config`` as subprocesses and yield a connected client; stop them on exit."""
+    """Start the nodes of ``config`` as subprocesses and yield a connected client (with the config's client keys
+    when the client link runs CURVE); stop them on exit. ``prefix``: see :class:`Cluster`."""
     cfg = load_config(config, overrides)
+    check_security(cfg)  # before any model is fetched
     await asyncio.to_thread(prepare_models, cfg)
-    nodes = Cluster(cfg, env=env)
+    nodes = Cluster(cfg, env=env, prefix=prefix)
     nodes.start()
     failed = True
     try:
-        client = AsyncClient(nodes.client_address, timeout_s=timeout_s or cfg["client"]["timeout_s"])
+        client = AsyncClient(nodes.client_address, timeout_s=timeout_s or cfg["client"]["timeout_s"],
+                             curve=security.client_keys_for(nodes.config))
         async with client:
             await nodes.wait_ready(client)
             client.processes = nodes.processes  # type: ignore[attr-defined]
@@ -208,10 +229,16 @@ def _parser() -> argparse.ArgumentParser:
 
 def _run_role(config: dict[str, Any], role: str, run_dir: str | None) -> int:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role} %(levelname)s %(message)s")
+    check_security(config, (role,))
     if "{run_dir}" in json.dumps(config):
-        run_dir = run_dir or os.path.join(tempfile.gettempdir(), f"pipespec-{os.getuid()}")
-        os.makedirs(run_dir, exist_ok=True)
+        try:  # the default folder is ours by name: made private if an older version left it open
+            default = os.path.join(tempfile.gettempdir(), f"pipespec-{os.getuid()}")
+            run_dir = security.private_run_dir(run_dir or default, make_private=run_dir is None)
+        except (security.RunDirError, OSError) as exc:
+            raise LaunchError(str(exc)) from None
         config = fill_run_dir(config, run_dir)
+    if run_dir and not security.run_secret() and security.read_secret(run_dir):
+        os.environ[security.SECRET_ENV] = security.read_secret(run_dir)  # a launcher's run folder: join its run
     prepare_models({**config, "launch": {**config["launch"], "start_drafter": role == "drafter"}})
     if role == "verifier":
         from verifier_node.server import run
@@ -279,6 +306,7 @@ def _plans(plans: Any) -> str:
 
 
 async def _serve(config: dict[str, Any], run_dir: str | None) -> int:
+    check_security(config)  # before any model is fetched
     await asyncio.to_thread(prepare_models, config)
     nodes = Cluster(config, run_dir=run_dir)
     nodes.start()
@@ -287,7 +315,7 @@ async def _serve(config: dict[str, Any], run_dir: str | None) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     try:
-        async with AsyncClient(nodes.client_address) as client:
+        async with AsyncClient(nodes.client_address, curve=security.client_keys_for(nodes.config)) as client:
             pong = await nodes.wait_ready(client)
         drafters = ", ".join(f"{d['id']} {d['type']}@{d['host']}" for d in pong.get("drafters") or []) or "none"
         print(f"pipespec ready: target {pong.get('target')}, drafters: {drafters}", flush=True)
@@ -320,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
             return _run_role(config, args.role, args.run_dir)
         coro = _one_shot(args, config) if args.prompt is not None or args.messages else _serve(config, args.run_dir)
         return _run_async(coro)
-    except (ConfigError, LaunchError, PipespecError, TimeoutError, ModelLoadError, RegistryError) as exc:
+    except (ConfigError, LaunchError, PipespecError, TimeoutError, ModelLoadError, RegistryError, KeysError) as exc:
         print(f"pipespec: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

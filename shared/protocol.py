@@ -24,7 +24,8 @@ type               direction        fields
 =================  ===============  ============================================================================
 hello              drafter → verif  drafter_type, tokenizer_id, capabilities (:class:`Capabilities`); profile*
                                     (shared.costs NodeProfile dict, checked by the verifier), threads*
-                                    (:class:`ThreadCounts`), host* (its hostname)
+                                    (:class:`ThreadCounts`), host* (its hostname), run_secret* (the launcher's
+                                    per-run secret, on links without CURVE)
 welcome            verif → drafter  target (model name), vocab_size, want_q (send q with every draft, greedy
                                     requests included: the verifier runs ensemble verification); profile*,
                                     threads* (the verifier's cost curves and thread counts)
@@ -392,12 +393,15 @@ class Hello(Message):
     profile: dict[str, Any] | None = None  # shared.costs.NodeProfile.to_dict(); the verifier checks it
     threads: ThreadCounts | None = None
     host: str | None = None  # the drafter's hostname (shown in pong.drafters)
+    run_secret: str | None = None  # the launcher's per-run secret (links without CURVE; see runtime.security)
 
     def validate(self) -> None:
         if any(layer < 0 for layer in self.capabilities.needs_kv_layers):
             raise ProtocolError("hello: capabilities.needs_kv_layers must be layer indices ≥ 0")
         if self.host is not None and len(self.host) > MAX_HOST_CHARS:
             raise ProtocolError(f"hello: host must be at most {MAX_HOST_CHARS} characters")
+        if self.run_secret is not None and len(self.run_secret) > MAX_HOST_CHARS:
+            raise ProtocolError(f"hello: run_secret must be at most {MAX_HOST_CHARS} characters")
         if self.threads is not None:
             _non_negative(f"{self.TYPE}: threads", self.threads, "share", "full")
 

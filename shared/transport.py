@@ -1,24 +1,51 @@
 """ZeroMQ socket setup with the project's safety defaults.
 
-Loopback or ipc endpoints only unless a config says ``allow_remote: true``; a hard per-frame size cap in ZeroMQ
-itself (a frame past it drops the peer's connection before any bytes reach Python); no linger on close, so a node
-never hangs on exit waiting for a dead peer.
+A socket listens on a network interface only with CURVE (encryption and an allow-list of public keys, checked by
+pyzmq's own ``zmq.auth`` authenticator, one ZAP domain per allow-list) or, unencrypted, when a config says
+``allow_remote: true``; a hard per-frame size cap in ZeroMQ itself (a frame past it drops the peer's connection
+before any bytes reach Python); no linger on close, so a node never hangs on exit waiting for a dead peer.
 """
 
 from __future__ import annotations
 
 import ipaddress
+import logging
+from dataclasses import dataclass
+from pathlib import Path
 from urllib.parse import urlparse
 
 import zmq
+from zmq.auth.thread import ThreadAuthenticator
 
 #: ZeroMQ drops any single frame larger than this outright; the per-message cap in ``protocol.decode`` is lower
 #: and answers with an error reply instead.
 HARD_FRAME_LIMIT = 512 * 1024 * 1024
 
 
+#: ``security.curve``: ``auto`` (CURVE on every non-loopback tcp link), ``on`` (every link), ``off`` (none).
+CURVE_MODES = ("auto", "on", "off")
+
+
 class EndpointError(ValueError):
     """An endpoint string that is malformed or not allowed."""
+
+
+@dataclass(frozen=True)
+class ServerKeys:
+    """What the verifier needs for CURVE: its key pair and one allow-list folder (``*.key`` files) per ZAP domain."""
+
+    public: bytes
+    secret: bytes
+    allow: dict[str, Path]
+
+
+@dataclass(frozen=True)
+class ClientKeys:
+    """What a connecting peer (drafter or client) needs: the verifier's public key and its own key pair."""
+
+    server_public: bytes
+    public: bytes
+    secret: bytes
 
 
 def is_local_endpoint(endpoint: str) -> bool:
@@ -37,7 +64,16 @@ def is_local_endpoint(endpoint: str) -> bool:
         return False
 
 
-def check_endpoint(endpoint: str, allow_remote: bool = False) -> None:
+def curve_wanted(mode: str, endpoint: str) -> bool:
+    """Whether the link on ``endpoint`` runs CURVE under ``security.curve = mode`` (both ends decide alike)."""
+    if mode not in CURVE_MODES:
+        raise ValueError(f"security.curve must be one of {', '.join(CURVE_MODES)}, got {mode!r}")
+    return mode == "on" or (mode == "auto" and not is_local_endpoint(endpoint))
+
+
+def check_endpoint(endpoint: str, allow_remote: bool = False, curve: bool = False) -> None:
+    """Raise :class:`EndpointError` for a malformed endpoint, or a non-loopback one to listen on without CURVE
+    and without ``allow_remote``."""
     if not isinstance(endpoint, str) or "://" not in endpoint:
         raise EndpointError(f"endpoint {endpoint!r}: use ipc://PATH or tcp://HOST:PORT")
     scheme, _, rest = endpoint.partition("://")
@@ -51,10 +87,12 @@ def check_endpoint(endpoint: str, allow_remote: bool = False) -> None:
             raise EndpointError(f"endpoint {endpoint!r}: tcp needs HOST:PORT")
     elif scheme == "ipc" and not rest:
         raise EndpointError(f"endpoint {endpoint!r}: ipc needs a path")
-    if not is_local_endpoint(endpoint) and not allow_remote:
+    if not is_local_endpoint(endpoint) and not allow_remote and not curve:
         raise EndpointError(
-            f"endpoint {endpoint!r} is not loopback or ipc; set allow_remote: true in that node's config section "
-            "to listen on a network interface (traffic is unencrypted: use a private network)"
+            f"endpoint {endpoint!r} is not loopback or ipc: listening on a network interface needs CURVE "
+            "(security.curve: auto or on, with security.keys_dir from `python -m runtime.keys init DIR`) or, "
+            "unencrypted and unauthenticated, security.curve: off with allow_remote: true in that node's config "
+            "section (a private network only)"
         )
 
 
@@ -66,15 +104,105 @@ def _configure(sock: zmq.Socket) -> zmq.Socket:
     return sock
 
 
-def bind_router(ctx: zmq.Context, endpoint: str, allow_remote: bool = False) -> zmq.Socket:
-    check_endpoint(endpoint, allow_remote)
+class _ZapLog:
+    """The authenticator's logger: pyzmq reports a refused key at debug level; this shows it as a warning, once per
+    key (a refused peer retries every 100 ms)."""
+
+    def __init__(self, log: logging.Logger):
+        self._log = log
+        self._seen: set[str] = set()
+
+    def debug(self, msg: str, *args) -> None:
+        try:
+            text = msg % args if args else msg
+        except (TypeError, ValueError):
+            text = f"{msg} {args}"
+        if not text.startswith("DENIED"):
+            self._log.debug("%s", text)
+        elif text not in self._seen and len(self._seen) < 1024:
+            self._seen.add(text)
+            self._log.warning("refused a peer: %s", text)
+
+    def __getattr__(self, name: str):
+        return getattr(self._log, name)
+
+
+class Authenticator:
+    """The ZAP handler of one context: one thread, one CURVE allow-list per domain. Start it before binding (a
+    CURVE socket without a ZAP handler would accept any key) and :meth:`close` it after the sockets."""
+
+    def __init__(self, ctx: zmq.Context, keys: ServerKeys, log: logging.Logger | None = None):
+        self.keys = keys
+        self._auth: ThreadAuthenticator | None = ThreadAuthenticator(
+            ctx, log=_ZapLog(log or logging.getLogger("pipespec.auth")))
+        self._auth.start()
+        try:
+            for domain, folder in keys.allow.items():
+                self._auth.configure_curve(domain=domain, location=str(folder))
+        except BaseException:
+            self.close()
+            raise
+
+    def secure(self, sock: zmq.Socket, domain: str) -> None:
+        """Make ``sock`` a CURVE server whose peers must hold a key of ``domain``'s allow-list."""
+        if self._auth is None or domain not in self.keys.allow:
+            raise ValueError(f"no running authenticator for ZAP domain {domain!r}")
+        sock.curve_secretkey = self.keys.secret
+        sock.curve_publickey = self.keys.public
+        sock.curve_server = True
+        sock.zap_domain = domain.encode()
+
+    def close(self) -> None:
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
+
+
+def bind_router(
+    ctx: zmq.Context, endpoint: str, allow_remote: bool = False, *, auth: Authenticator | None = None,
+    domain: str = "",
+) -> zmq.Socket:
+    """A ROUTER bound to ``endpoint``; with ``auth``, a CURVE server for the keys of ``domain``."""
+    check_endpoint(endpoint, allow_remote, curve=auth is not None)
     sock = _configure(ctx.socket(zmq.ROUTER))
     sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+    if auth is not None:
+        auth.secure(sock, domain)
     sock.bind(endpoint)
     return sock
 
 
-def connect_dealer(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
+def connect_dealer(ctx: zmq.Context, endpoint: str, curve: ClientKeys | None = None) -> zmq.Socket:
+    """A DEALER connected to ``endpoint``; with ``curve``, a CURVE client that knows the verifier's public key."""
     sock = _configure(ctx.socket(zmq.DEALER))
+    if curve is not None:
+        sock.curve_serverkey = curve.server_public
+        sock.curve_publickey = curve.public
+        sock.curve_secretkey = curve.secret
     sock.connect(endpoint)
     return sock
+
+
+class AuthWatch:
+    """Tells a CURVE peer that the verifier refused its key (libzmq reports the ZAP denial as a handshake event),
+    so it can stop with a clear error instead of retrying in silence."""
+
+    def __init__(self, sock: zmq.Socket):
+        self._sock = sock
+        self._monitor: zmq.Socket | None = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+
+    def refused(self) -> bool:
+        """Whether a handshake failed on authentication since the last call (never blocks)."""
+        from zmq.utils.monitor import recv_monitor_message
+
+        while self._monitor is not None and self._monitor.poll(0):
+            if recv_monitor_message(self._monitor)["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                return True
+        return False
+
+    def close(self) -> None:
+        if self._monitor is not None:
+            if not self._sock.closed:
+                self._sock.disable_monitor()
+            self._monitor.close(linger=0)
+            self._monitor = None

@@ -30,6 +30,7 @@ import torch
 import zmq
 
 from drafter_node.types import DRAFTER_TYPES
+from runtime import security
 from shared.costs import NodeProfile, measuring_alone
 from shared.kv import CachedLM, KVRowsError
 from shared.models import (
@@ -72,7 +73,7 @@ from shared.protocol import (
     split_state,
 )
 from shared.sampling import GenerationParams, ParamError
-from shared.transport import bind_router
+from shared.transport import Authenticator, bind_router
 from verifier_node.acceptance import check_ensemble_weight
 from verifier_node.draft_wait import DraftWait
 from verifier_node.drafters import DrafterLink, DrafterPool
@@ -134,8 +135,21 @@ class VerifierServer:
         check_ensemble_weight(self.ensemble_weight)
         self.ctx = zmq.Context.instance()
         allow_remote = bool(vcfg.get("allow_remote", False))
-        self.drafter_sock = bind_router(self.ctx, vcfg["endpoint"], allow_remote)
-        self.client_sock = bind_router(self.ctx, config["client"]["endpoint"], allow_remote)
+        curve, keys = security.curve_links(config), security.verifier_keys(config)
+        self.auth = Authenticator(self.ctx, keys, log) if keys else None  # before binding: no key is let in unchecked
+        try:
+            self.drafter_sock = bind_router(self.ctx, vcfg["endpoint"], allow_remote, domain=security.DRAFTER_DOMAIN,
+                                            auth=self.auth if curve["verifier"] else None)
+            self.client_sock = bind_router(self.ctx, config["client"]["endpoint"], allow_remote,
+                                           auth=self.auth if curve["client"] else None, domain=security.CLIENT_DOMAIN)
+        except BaseException:
+            if self.auth is not None:
+                self.auth.close()
+            raise
+        log.info("CURVE: drafter link %s, client link %s", "on" if curve["verifier"] else "off",
+                 "on" if curve["client"] else "off")
+        # Without CURVE on the drafter link, a launcher-given secret is what a drafter's hello must show.
+        self.run_secret = None if curve["verifier"] else security.run_secret()
         self.poller = zmq.Poller()
         self.poller.register(self.drafter_sock, zmq.POLLIN)
         self.poller.register(self.client_sock, zmq.POLLIN)
@@ -175,6 +189,8 @@ class VerifierServer:
     def close(self) -> None:
         for sock in (self.drafter_sock, self.client_sock):
             sock.close(linger=0)
+        if self.auth is not None:
+            self.auth.close()
 
     def _idle_timeout_ms(self) -> int:
         now = time.monotonic()
@@ -239,6 +255,10 @@ class VerifierServer:
         raise ProtocolError(f"a drafter may not send {msg.TYPE!r}", code="unexpected")
 
     def _on_hello(self, peer: bytes, msg: Hello) -> None:
+        if self.run_secret is not None and not security.secret_matches(self.run_secret, msg.run_secret):
+            log.warning("refused a hello from %s: no valid run secret (not a drafter of this run)", peer.hex())
+            raise ProtocolError("unauthorized: this verifier takes drafters of its own run only (a hello must carry "
+                                f"the run secret from ${security.SECRET_ENV})", code="unauthorized")
         if msg.tokenizer_id not in (self.tokenizer_id, ANY_TOKENIZER):
             log.error("refused drafter %r: tokenizer %s != target's %s", msg.drafter_type, msg.tokenizer_id,
                       self.tokenizer_id)

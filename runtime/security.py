@@ -1,0 +1,127 @@
+"""What a config's nodes use to keep strangers out: CURVE per link (with the keys of ``security.keys_dir``), the
+launcher's private run folder, and the per-run secret its drafter shows in ``hello`` on links without CURVE.
+
+See the README's "Security" section for the setup and the threat model.
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+import secrets
+import stat
+from pathlib import Path
+from typing import Any
+
+from runtime.keys import DOMAINS, KeysError, peer_keys, server_keys
+from shared.transport import ClientKeys, ServerKeys, curve_wanted
+
+#: The environment variable that carries the per-run secret from the launcher to its nodes (not argv: ``ps``
+#: shows every user a process's arguments, while ``/proc/PID/environ`` is readable by its own user only).
+SECRET_ENV = "PIPESPEC_RUN_SECRET"
+DRAFTER_DOMAIN = DOMAINS["drafter"]
+CLIENT_DOMAIN = DOMAINS["client"]
+
+
+class RunDirError(ValueError):
+    """A run folder that other users could open."""
+
+
+def drafter_link(config: dict[str, Any]) -> str:
+    """The endpoint the drafter connects to."""
+    return config["drafter"].get("verifier_endpoint") or config["verifier"]["endpoint"]
+
+
+def curve_links(config: dict[str, Any]) -> dict[str, bool]:
+    """Which links run CURVE: ``verifier`` (the drafter socket the verifier binds), ``drafter`` (the endpoint the
+    drafter connects to) and ``client`` (the client socket)."""
+    mode = (config.get("security") or {}).get("curve", "auto")
+    return {
+        "verifier": curve_wanted(mode, config["verifier"]["endpoint"]),
+        "drafter": curve_wanted(mode, drafter_link(config)),
+        "client": curve_wanted(mode, config["client"]["endpoint"]),
+    }
+
+
+def _keys_dir(config: dict[str, Any]) -> str:
+    keys_dir = (config.get("security") or {}).get("keys_dir")
+    if not keys_dir:
+        raise KeysError("CURVE is on but security.keys_dir is not set: run `python -m runtime.keys init DIR` and set "
+                        "security.keys_dir: DIR")
+    return keys_dir
+
+
+def verifier_keys(config: dict[str, Any]) -> ServerKeys | None:
+    """The verifier's keys when either of its sockets runs CURVE (raises ``KeysError`` when they are missing)."""
+    links = curve_links(config)
+    return server_keys(_keys_dir(config)) if links["verifier"] or links["client"] else None
+
+
+def drafter_keys(config: dict[str, Any]) -> ClientKeys | None:
+    """The drafter's keys (``security.drafter_key``) when its link runs CURVE."""
+    if not curve_links(config)["drafter"]:
+        return None
+    return peer_keys(_keys_dir(config), "drafter", config["security"].get("drafter_key", "drafter"))
+
+
+def client_keys_for(config: dict[str, Any]) -> ClientKeys | None:
+    """The launcher's client keys (``security.client_key``) when the client link runs CURVE."""
+    if not curve_links(config)["client"]:
+        return None
+    return peer_keys(_keys_dir(config), "client", config["security"].get("client_key", "client"))
+
+
+# ------------------------------------------------------------------------------------------ run folder, secret
+
+
+def private_run_dir(path: str | os.PathLike, make_private: bool = False) -> str:
+    """Create ``path`` 0700 if it is missing; refuse one that is not ours (someone may have made it first, in
+    ``/tmp``) or that other users can open (its ipc sockets would then be open to them). ``make_private``: a folder
+    of ours that others can open is made 0700 instead (the launcher's own default folder)."""
+    folder = Path(path).expanduser()
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    info = folder.stat()
+    if info.st_uid != os.getuid():
+        raise RunDirError(f"run folder {str(folder)!r} belongs to another user (uid {info.st_uid}): use a folder "
+                          "of your own, or leave --run-dir out")
+    if make_private and stat.S_IMODE(info.st_mode) & 0o077:
+        os.chmod(folder, 0o700)
+        info = folder.stat()
+    if stat.S_IMODE(info.st_mode) & 0o077:
+        raise RunDirError(f"run folder {str(folder)!r} is open to other users (mode "
+                          f"{stat.S_IMODE(info.st_mode):04o}); its ipc sockets would be too: `chmod 700 {folder}`, "
+                          "or leave --run-dir out")
+    return str(folder)
+
+
+#: The launcher also keeps the secret in its run folder (0600 in a 0700 folder), so a node started later with
+#: ``--role ... --run-dir`` of the same folder can join: whoever can open the folder is already this user.
+SECRET_FILE = "run_secret"
+
+
+def new_secret() -> str:
+    return secrets.token_hex(32)
+
+
+def write_secret(run_dir: str, secret: str) -> None:
+    fd = os.open(Path(run_dir) / SECRET_FILE, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secret)
+
+
+def read_secret(run_dir: str) -> str | None:
+    """The secret a launcher left in ``run_dir``, or None."""
+    try:
+        return (Path(run_dir) / SECRET_FILE).read_text().strip() or None
+    except OSError:
+        return None
+
+
+def run_secret() -> str | None:
+    """The per-run secret this process was given (``$PIPESPEC_RUN_SECRET``), or None."""
+    return os.environ.get(SECRET_ENV) or None
+
+
+def secret_matches(expected: str, given: Any) -> bool:
+    """Constant-time comparison of a peer's ``run_secret`` with ours."""
+    return isinstance(given, str) and hmac.compare_digest(expected.encode(), given.encode())
