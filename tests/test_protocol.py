@@ -69,7 +69,7 @@ VALID: dict[str, Message] = {
                    capabilities=Capabilities(sends_q=True, greedy_q=True, needs_hidden_states=True,
                                              needs_kv_layers=[0, 3]),
                    profile={"model": "m", "curves": {"1": {"sizes": [1]}}}, threads=ThreadCounts(share=1, full=2),
-                   host="box"),
+                   host="box", run_secret="ab" * 32),
     "welcome": Welcome(target="tiny", vocab_size=151936, want_q=True, profile={"dtype": "float32"},
                        threads=ThreadCounts(share=2, full=4)),
     "session_start": SessionStart(session=3, token_ids=[1, 2, 3], params={"max_new_tokens": 8, "do_sample": False},
@@ -312,7 +312,7 @@ def test_to_dict_gives_plain_values():
         "drafter_type": "assistant", "tokenizer_id": "qwen2.5",
         "capabilities": {"sends_q": True, "greedy_q": True, "needs_hidden_states": True, "needs_kv_layers": [0, 3]},
         "profile": {"model": "m", "curves": {"1": {"sizes": [1]}}}, "threads": {"share": 1, "full": 2},
-        "host": "box"}
+        "host": "box", "run_secret": "ab" * 32}
     assert Pong(drafter_connected=False).to_dict() == {"drafter_connected": False, "drafter_type": None,
                                                         "target": None, "sessions": 0, "drafters": []}
 

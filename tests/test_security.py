@@ -344,6 +344,9 @@ def test_a_run_folder_others_can_open_is_refused(tiny, tmp_path):
     fresh = Cluster(config, run_dir=str(tmp_path / "new" / "run"))  # made 0700
     assert stat.S_IMODE(os.stat(fresh.run_dir).st_mode) == 0o700
     assert fresh.run_secret and not fresh.processes
+    kept = Path(fresh.run_dir) / security.SECRET_FILE  # for a --role drafter --run-dir joining this run later
+    assert kept.read_text() == fresh.run_secret and stat.S_IMODE(kept.stat().st_mode) == 0o600
+    assert security.read_secret(fresh.run_dir) == fresh.run_secret
 
 
 # ------------------------------------------------------------------------------------------------ config rules
