@@ -3,6 +3,14 @@
 One DEALER socket per client; a reader task routes replies to their request by ``request_id``, so any number of
 concurrent ``generate``/``stream`` calls share it. Every wait is bounded by ``timeout_s`` (no reply from the
 verifier for that long raises :class:`TimeoutError`).
+
+Liveness: while requests are in flight the client pings the verifier every ``heartbeat_s`` (the verifier cancels
+the sessions of a client it has not heard from for ``client.heartbeat_timeout_s``); if nothing at all arrives from
+the verifier for ``gone_after_s``, every in-flight request fails with ``PipespecError(code="verifier_gone")``. The
+same client works again once a verifier listens at the address (ZeroMQ reconnects; the client asks the new one for
+its limits before its next request). Before its first request the client learns the verifier's message cap (from a
+``pong``) and raises ``too_large`` locally rather than send a message the verifier would refuse. ``close()``
+cancels the requests in flight and fails their waiters with ``closed``.
 """
 
 from __future__ import annotations
@@ -10,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,6 +28,7 @@ import zmq.asyncio
 
 from shared.protocol import (
     DEFAULT_MAX_MESSAGE_BYTES,
+    MAX_HEADER_BYTES,
     Cancel,
     Done,
     Error,
@@ -64,18 +74,39 @@ _PARAM_NAMES = (
 )
 
 
+class _LocalFailure:
+    """Put in a request's queue by the client itself (verifier gone, client closed): the waiter raises it."""
+
+    def __init__(self, message: str, code: str):
+        self.message = message
+        self.code = code
+
+
 class AsyncClient:
-    """A client of one verifier. ``curve``: the keys to connect with when the verifier's client socket runs CURVE
+    """A client of one verifier. ``timeout_s`` bounds each wait for a reply; ``heartbeat_s`` is the ping period
+    while requests are in flight; ``gone_after_s`` is how long the verifier may stay silent (no reply, no pong)
+    before the requests in flight fail with ``verifier_gone``. Raise ``gone_after_s`` if one verification round
+    (a long prompt's prefill on a large model) can take longer: the verifier answers pings between rounds.
+    ``curve``: the keys to connect with when the verifier's client socket runs CURVE
     (``runtime.keys.client_keys(KEYS_DIR, NAME)``); without an allowed key such a verifier never answers."""
 
-    def __init__(self, address: str, timeout_s: float = 600.0, curve: ClientKeys | None = None):
+    def __init__(self, address: str, timeout_s: float = 600.0, curve: ClientKeys | None = None,
+                 heartbeat_s: float = 0.5, gone_after_s: float = 1.5):
+        if not 0 < heartbeat_s < gone_after_s:
+            raise ValueError(f"need 0 < heartbeat_s < gone_after_s, got {heartbeat_s} and {gone_after_s}")
         self.address = address
         self.timeout_s = timeout_s
         self.curve = curve
+        self.heartbeat_s = heartbeat_s
+        self.gone_after_s = gone_after_s
         self._ids = itertools.count(1)
         self._queues: dict[int, asyncio.Queue] = {}
-        self._pongs: asyncio.Queue = asyncio.Queue()
+        self._pong_waiters: list[asyncio.Future] = []
         self._reader: asyncio.Task | None = None
+        self._heartbeat: asyncio.Task | None = None
+        self._last_heard = 0.0
+        #: The verifier's cap on one message, from its pong (None: not asked yet, or the verifier changed).
+        self.max_message_bytes: int | None = None
         self._ctx: zmq.asyncio.Context | None = None
         self._sock = None
 
@@ -89,13 +120,23 @@ class AsyncClient:
         await self.close()
 
     async def close(self) -> None:
-        if self._reader:
-            self._reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._reader
-            self._reader = None
+        """Cancel every request in flight on the verifier, fail its waiter with ``closed``, close the socket."""
+        cancelled = False
         if self._sock is not None:
-            self._sock.close(linger=0)
+            for rid, queue in list(self._queues.items()):
+                with contextlib.suppress(zmq.ZMQError):
+                    self._sock.send_multipart(encode(Cancel(request_id=rid)), flags=zmq.NOBLOCK)
+                    cancelled = True
+                queue.put_nowait(_LocalFailure(f"the client was closed (request {rid})", "closed"))
+        for task in (self._heartbeat, self._reader):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+        self._heartbeat = self._reader = None
+        if self._sock is not None:
+            # A short linger lets the cancels leave (bounded: a dead verifier costs at most this on close).
+            self._sock.close(linger=500 if cancelled else 0)
             self._sock = None
         if self._ctx is not None:
             self._ctx.term()
@@ -104,17 +145,53 @@ class AsyncClient:
     async def _read(self) -> None:
         while True:
             frames = await self._sock.recv_multipart(copy=False)
+            self._last_heard = time.monotonic()
             try:
                 msg = decode(frames, DEFAULT_MAX_MESSAGE_BYTES)
             except ProtocolError:
                 continue
             if isinstance(msg, Pong):
-                self._pongs.put_nowait(msg)
+                self.max_message_bytes = msg.max_message_bytes or DEFAULT_MAX_MESSAGE_BYTES
+                waiters, self._pong_waiters = self._pong_waiters, []
+                for w in waiters:
+                    if not w.done():
+                        w.set_result(msg)
                 continue
             rid = getattr(msg, "request_id", None)  # chunk, done and error replies name their request
             queue = self._queues.get(rid) if rid is not None else None
             if queue is not None:
                 queue.put_nowait(msg)
+
+    async def _watch(self) -> None:
+        """While requests are in flight: ping every ``heartbeat_s``; fail them all if the verifier falls silent."""
+        self._last_heard = time.monotonic()  # silence is counted from when there is something to wait for
+        next_ping = 0.0
+        while self._queues and self._sock is not None:
+            now = time.monotonic()
+            silent = now - self._last_heard
+            if silent > self.gone_after_s and self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                # Replies are waiting unread (this event loop was blocked, not the verifier): it is alive.
+                self._last_heard, silent = now, 0.0
+            if silent > self.gone_after_s:
+                for rid, queue in list(self._queues.items()):
+                    queue.put_nowait(_LocalFailure(
+                        f"the verifier at {self.address} is gone: nothing from it for {silent:.1f} s "
+                        f"(request {rid}); the client reconnects when a verifier listens there again",
+                        "verifier_gone"))
+                self.max_message_bytes = None  # a verifier that comes back may announce other limits
+                self._queues.clear()
+                break
+            if now >= next_ping:
+                await self._sock.send_multipart(encode(Ping()))
+                next_ping = now + self.heartbeat_s
+            # Wake at the next ping or when the silence would pass the bound, whichever is first.
+            await asyncio.sleep(max(0.01, min(next_ping, self._last_heard + self.gone_after_s) - now))
+        self._heartbeat = None
+
+    def _track(self, rid: int, queue: asyncio.Queue) -> None:
+        self._queues[rid] = queue
+        if self._heartbeat is None:
+            self._heartbeat = asyncio.create_task(self._watch())
 
     def _hint(self) -> str:
         with contextlib.suppress(ValueError):
@@ -123,15 +200,21 @@ class AsyncClient:
         return ""
 
     async def ping(self, timeout_s: float = 5.0) -> dict[str, Any]:
-        """Ask the verifier for its state (``drafter_connected``, ``drafters``, ``target``, ``sessions``)."""
-        while not self._pongs.empty():
-            self._pongs.get_nowait()
-        await self._sock.send_multipart(encode(Ping()))
+        """Ask the verifier for its state (``drafter_connected``, ``drafters``, ``target``, ``sessions``,
+        ``max_message_bytes``)."""
+        if self._sock is None:
+            raise RuntimeError("use the client inside 'async with AsyncClient(address) as client:'")
+        waiter = asyncio.get_running_loop().create_future()
+        self._pong_waiters.append(waiter)
         try:
-            msg: Pong = await asyncio.wait_for(self._pongs.get(), timeout_s)
+            await self._sock.send_multipart(encode(Ping()))
+            msg: Pong = await asyncio.wait_for(waiter, timeout_s)
         except asyncio.TimeoutError:
             raise TimeoutError(f"no answer from the verifier at {self.address} within {timeout_s} s{self._hint()}") \
                 from None
+        finally:
+            with contextlib.suppress(ValueError):
+                self._pong_waiters.remove(waiter)
         return msg.to_dict()
 
     async def stream(
@@ -178,15 +261,30 @@ class AsyncClient:
             raise TypeError(f"unknown generation parameter(s): {', '.join(unknown)}")
         if self._sock is None:
             raise RuntimeError("use the client inside 'async with AsyncClient(address) as client:'")
+        if self.max_message_bytes is None:  # first request (or first since the verifier went): learn its cap
+            wait_s = min(self.timeout_s, self.gone_after_s)
+            try:
+                await self.ping(timeout_s=wait_s)
+            except TimeoutError:
+                raise PipespecError(f"no verifier answers at {self.address} (no pong within {wait_s} s){self._hint()}",
+                                    "verifier_gone") from None
         rid = next(self._ids)
-        queue: asyncio.Queue[Message] = asyncio.Queue()
-        self._queues[rid] = queue
+        frames = encode(Generate(
+            request_id=rid, params={k: v for k, v in params.items() if v is not None}, token_ids=token_ids,
+            prompt=prompt, messages=messages, drafter_type=drafter_type,
+        ))
+        size = sum(len(f) if isinstance(f, bytes) else f.nbytes for f in frames)
+        limit = self.max_message_bytes or DEFAULT_MAX_MESSAGE_BYTES
+        if size > limit or len(frames[0]) > MAX_HEADER_BYTES:
+            # Refused here: the verifier could not tell which request an over-size message belonged to.
+            raise PipespecError(
+                f"request of {size} bytes exceeds the verifier's limit ({limit} bytes per message, "
+                f"{MAX_HEADER_BYTES} per header): send a shorter prompt", "too_large")
+        queue: asyncio.Queue[Message | _LocalFailure] = asyncio.Queue()
+        self._track(rid, queue)
         finished = False
         try:
-            await self._sock.send_multipart(encode(Generate(
-                request_id=rid, params={k: v for k, v in params.items() if v is not None}, token_ids=token_ids,
-                prompt=prompt, messages=messages, drafter_type=drafter_type,
-            )))
+            await self._sock.send_multipart(frames)
             while True:
                 try:
                     msg = await asyncio.wait_for(queue.get(), self.timeout_s)
@@ -204,8 +302,12 @@ class AsyncClient:
                 elif isinstance(msg, Error):
                     finished = True
                     raise PipespecError(msg.message, msg.code)
+                elif isinstance(msg, _LocalFailure):
+                    raise PipespecError(msg.message, msg.code)
         finally:
             self._queues.pop(rid, None)
             if not finished and self._sock is not None:
-                # The caller stopped early (break, cancel, timeout): free the verifier's session.
-                await self._sock.send_multipart(encode(Cancel(request_id=rid)))
+                # The caller stopped early (break, cancel, timeout) or the verifier went: free the session (a
+                # verifier that comes back at the address gets it with anything else queued, and ignores it).
+                with contextlib.suppress(zmq.ZMQError):
+                    await self._sock.send_multipart(encode(Cancel(request_id=rid)))

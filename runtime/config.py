@@ -61,7 +61,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "max_matching_ngram_size": 2,
     },
     "verification": {"ensemble_weight": None},
-    "client": {"endpoint": "ipc://{run_dir}/client.ipc", "timeout_s": 600},
+    "client": {"endpoint": "ipc://{run_dir}/client.ipc", "timeout_s": 600, "heartbeat_timeout_s": 5.0},
     "launch": {"ready_timeout_s": 900, "start_drafter": True, "drafters": 1},
     "security": {"curve": "auto", "keys_dir": None, "drafter_key": "drafter", "client_key": "client"},
 }
@@ -265,11 +265,16 @@ def validate(config: dict[str, Any]) -> None:
     if v["endpoint"] == config["client"]["endpoint"]:
         raise ConfigError("client.endpoint: must differ from verifier.endpoint (drafters and clients are separate)")
     _check_security(config)
-    for dotted in ("launch.ready_timeout_s", "client.timeout_s"):
+    for dotted in ("launch.ready_timeout_s", "client.timeout_s", "client.heartbeat_timeout_s"):
         section, key = dotted.split(".")
         value = config[section][key]
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
             raise ConfigError(f"{dotted}: must be a number of seconds > 0, got {value!r}")
+    if config["client"]["heartbeat_timeout_s"] < 1.0:
+        raise ConfigError(
+            "client.heartbeat_timeout_s: at least 1 s (clients ping every 0.5 s while requests are in flight), got "
+            f"{config['client']['heartbeat_timeout_s']!r}"
+        )
 
 
 def _check_security(config: dict[str, Any]) -> None:

@@ -46,7 +46,10 @@ chunk              verif → client   request_id, token_ids (new committed token
 done               verif → client   request_id, token_ids (all new tokens), text, metrics, finish_reason
 cancel             client → verif   request_id
 ping / pong        client ↔ verif   pong: drafter_connected; drafter_type*, target*, sessions* (0), drafters*
-                                    ([{id, type, host, sessions, alive}])
+                                    ([{id, type, host, sessions, alive}]), max_message_bytes* (0: unknown; the
+                                    verifier's cap on one message), heartbeat_timeout_s* (0.0: unknown; silence
+                                    after which it cancels a client's sessions). Clients ping every ~0.5 s as
+                                    their heartbeat
 error              any              message; code* ("error"), request_id*, session* (when known)
 =================  ===============  ============================================================================
 
@@ -575,6 +578,8 @@ class Pong(Message):
     target: str | None = None
     sessions: int = 0
     drafters: list[dict[str, Any]] = field(default_factory=list)  # {id, type, host, sessions, alive} per drafter
+    max_message_bytes: int = 0  # the verifier's cap: a client never sends a larger message (0: not announced)
+    heartbeat_timeout_s: float = 0.0  # a client silent this long loses its sessions (0.0: not announced)
 
 
 @_message
@@ -623,7 +628,8 @@ def decode(frames: list[Any], max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Mes
     raw = [memoryview(f.buffer if hasattr(f, "buffer") else f) for f in frames]
     total = sum(r.nbytes for r in raw)
     if total > max_bytes:
-        raise ProtocolError(f"message of {total} bytes exceeds the limit of {max_bytes}", code="too_large")
+        raise ProtocolError(f"message of {total} bytes exceeds the limit of {max_bytes}", code="too_large",
+                            request_id=_peek_request_id(raw[0]))
     if raw[0].nbytes > MAX_HEADER_BYTES:
         raise ProtocolError("header frame too large", code="too_large")
     try:
@@ -662,6 +668,18 @@ def decode(frames: list[Any], max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Mes
     except (TypeError, ValueError, RuntimeError, OverflowError) as exc:  # last line of defence: never crash a node
         raise ProtocolError(f"malformed {msg_type} message: {exc}", request_id=request_id) from None
     return msg
+
+
+def _peek_request_id(header_frame: memoryview) -> int | None:
+    """The ``request_id`` of an over-size message whose header is within its own cap, so the error reaches it."""
+    if header_frame.nbytes > MAX_HEADER_BYTES:
+        return None
+    try:
+        header = msgpack.unpackb(header_frame, raw=False, strict_map_key=True)
+    except Exception:  # any malformed header: nothing to recover
+        return None
+    rid = header.get("request_id") if isinstance(header, dict) else None
+    return rid if type(rid) is int else None
 
 
 def _decode_tensors(specs: Any, buffers: list[memoryview]) -> dict[str, torch.Tensor]:

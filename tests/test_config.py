@@ -228,6 +228,11 @@ BAD: list[tuple[str, Any, Any, str]] = [
     ("drafters 0", "cpu.yaml", {"launch.drafters": 0}, "launch.drafters"),
     ("drafters 17", "cpu.yaml", {"launch.drafters": 17}, "launch.drafters"),
     ("drafters string", "cpu.yaml", ["launch.drafters=two"], "launch.drafters"),
+    ("client heartbeat_timeout_s 0", "cpu.yaml", {"client.heartbeat_timeout_s": 0}, "client.heartbeat_timeout_s"),
+    ("client heartbeat_timeout_s below a ping period", "cpu.yaml", {"client.heartbeat_timeout_s": 0.4},
+     "client.heartbeat_timeout_s"),
+    ("client heartbeat_timeout_s string", "cpu.yaml", {"client.heartbeat_timeout_s": "5"},
+     "client.heartbeat_timeout_s"),
 ]
 
 

@@ -12,7 +12,7 @@ import zmq.asyncio
 from conftest import peer_socket, tiny_config, wait_for_drafter
 from tiny_models import build_model, build_small_vocab_tokenizer, reference_greedy
 
-from runtime.client import AsyncClient, Chunk
+from runtime.client import AsyncClient, Chunk, PipespecError
 from runtime.launch import LaunchError, cluster
 from shared.models import load_tokenizer, tokenizer_id
 from shared.protocol import (
@@ -203,8 +203,9 @@ def test_drafter_with_another_tokenizer_is_refused(tiny, tmp_path):
 def test_client_times_out_instead_of_hanging(tmp_path):
     async def main():
         async with AsyncClient(f"ipc://{tmp_path}/nobody.ipc", timeout_s=0.5) as client:
-            with pytest.raises(TimeoutError):
+            with pytest.raises(PipespecError) as gone:  # no verifier answers the client's first ping
                 await client.generate(token_ids=[1, 2], max_new_tokens=2)
+            assert gone.value.code == "verifier_gone"
             with pytest.raises(TimeoutError):
                 await client.ping(timeout_s=0.3)
 

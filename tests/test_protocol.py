@@ -89,7 +89,8 @@ VALID: dict[str, Message] = {
     "cancel": Cancel(request_id=7),
     "ping": Ping(),
     "pong": Pong(drafter_connected=True, drafter_type="assistant", target="tiny", sessions=2,
-                 drafters=[{"id": "d1", "type": "assistant", "host": "box", "sessions": 2, "alive": True}]),
+                 drafters=[{"id": "d1", "type": "assistant", "host": "box", "sessions": 2, "alive": True}],
+                 max_message_bytes=4096, heartbeat_timeout_s=5.0),
     "error": Error(message="boom", code="bad_message", request_id=7, session=4),
 }
 VARIANTS: list[Message] = [
@@ -314,7 +315,8 @@ def test_to_dict_gives_plain_values():
         "profile": {"model": "m", "curves": {"1": {"sizes": [1]}}}, "threads": {"share": 1, "full": 2},
         "host": "box", "run_secret": "ab" * 32}
     assert Pong(drafter_connected=False).to_dict() == {"drafter_connected": False, "drafter_type": None,
-                                                        "target": None, "sessions": 0, "drafters": []}
+                                                        "target": None, "sessions": 0, "drafters": [],
+                                                        "max_message_bytes": 0, "heartbeat_timeout_s": 0.0}
 
 
 @pytest.mark.parametrize("msg_type", sorted(MESSAGE_TYPES))
@@ -681,7 +683,9 @@ def test_bool_request_id_is_not_carried():
 def test_errors_before_the_header_is_read_have_no_request_id():
     assert _error([]).request_id is None
     assert _error([b"\xc1"]).request_id is None
-    assert _error([_header(request_id=5), b"\x00" * 64], max_bytes=32).request_id is None
+    # an over-size message whose header is within its own cap still names its request (the error reaches it)
+    assert _error([_header(request_id=5), b"\x00" * 64], max_bytes=32).request_id == 5
+    assert _error([_header(request_id=5, pad="x" * MAX_HEADER_BYTES)], max_bytes=32).request_id is None
 
 
 # ------------------------------------------------------------- bugs: non-ProtocolError escapes from decode()

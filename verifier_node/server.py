@@ -83,6 +83,8 @@ log = logging.getLogger("pipespec.verifier")
 
 #: How often the pool is checked for drafters that went silent.
 REAP_EVERY_S = 0.1
+#: Default ``client.heartbeat_timeout_s``: clients ping every ~0.5 s while they have requests in flight.
+CLIENT_HEARTBEAT_TIMEOUT_S = 5.0
 
 
 @dataclass
@@ -109,6 +111,10 @@ class VerifierServer:
         self.draft_timeout = vcfg["draft_timeout_ms"] / 1000
         self.max_sessions = vcfg.get("max_sessions", 64)
         self.max_bytes = vcfg.get("max_message_bytes", DEFAULT_MAX_MESSAGE_BYTES)
+        # A client silent this long (no heartbeat ping, no message) has gone: its sessions are cancelled.
+        self.client_timeout = float(config.get("client", {}).get("heartbeat_timeout_s", CLIENT_HEARTBEAT_TIMEOUT_S))
+        self.client_seen: dict[bytes, float] = {}
+        self._next_sweep = 0.0
         self.threads = ThreadPlan.for_node(config, "verifier")
         set_threads(self.threads.share)
         self._threads_now = self.threads.share
@@ -177,6 +183,7 @@ class VerifierServer:
                 if self.client_sock in events:
                     self._drain(self.client_sock, self._on_client_message)
                 self._reap()  # after the drains: a long round must not make a drafter that kept talking look dead
+                self._drop_silent_clients()
                 session = self._next_runnable()
                 if session is not None:
                     self._run_round(session)
@@ -218,6 +225,23 @@ class VerifierServer:
                 handler(peer, msg, receipt)
             except ProtocolError as exc:
                 sock.send_multipart([peer, *error_frames(str(exc), exc.code, request_id=exc.request_id)])
+
+    def _drop_silent_clients(self) -> None:
+        """Cancel the sessions of clients not heard from for ``client_timeout`` (checked at most every 0.25 s;
+        after the drains, so a long round never counts against a client whose pings were waiting)."""
+        now = time.monotonic()
+        if now < self._next_sweep:
+            return
+        self._next_sweep = now + 0.25
+        for s in list(self.sessions.values()):
+            silent = now - self.client_seen.get(s.client, now)
+            if silent > self.client_timeout:
+                log.warning("session %d (request %d of client %s): cancelled, nothing from the client for %.1f s",
+                            s.sid, s.request_id, s.client.hex(), silent)
+                self._finish(s, "client_gone")
+        live = {s.client for s in self.sessions.values()}
+        for peer in [p for p in self.client_seen if p not in live and now - self.client_seen[p] > self.client_timeout]:
+            del self.client_seen[peer]  # bounded: forget peers that are gone and hold nothing
 
     def _next_runnable(self) -> Session | None:
         now = time.monotonic()
@@ -469,6 +493,7 @@ class VerifierServer:
 
     # --------------------------------------------------------------- client side
     def _on_client_message(self, peer: bytes, msg: Message, receipt: Receipt) -> None:
+        self.client_seen[peer] = time.monotonic()
         if isinstance(msg, Generate):
             try:
                 self._on_generate(peer, msg)
@@ -483,6 +508,7 @@ class VerifierServer:
             self.client_sock.send_multipart([peer, *encode(Pong(
                 drafter_connected=bool(live), drafter_type=live[0].type if live else None,
                 drafters=self.pool.describe(), target=self.model_name, sessions=len(self.sessions),
+                max_message_bytes=self.max_bytes, heartbeat_timeout_s=self.client_timeout,
             ))])
         else:
             raise ProtocolError(f"a client may not send {msg.TYPE!r}", code="unexpected")
