@@ -5,12 +5,15 @@ concurrent ``generate``/``stream`` calls share it. Every wait is bounded by ``ti
 verifier for that long raises :class:`TimeoutError`).
 
 Liveness: while requests are in flight the client pings the verifier every ``heartbeat_s`` (the verifier cancels
-the sessions of a client it has not heard from for ``client.heartbeat_timeout_s``); if nothing at all arrives from
-the verifier for ``gone_after_s``, every in-flight request fails with ``PipespecError(code="verifier_gone")``. The
-same client works again once a verifier listens at the address (ZeroMQ reconnects; the client asks the new one for
-its limits before its next request). Before its first request the client learns the verifier's message cap (from a
-``pong``) and raises ``too_large`` locally rather than send a message the verifier would refuse. ``close()``
-cancels the requests in flight and fails their waiters with ``closed``.
+the sessions of a client it has not heard from for ``client.heartbeat_timeout_s``). Whether the verifier is there
+is the connection's business, not the pings': the socket sends ZMTP heartbeats, which the verifier's ZeroMQ I/O
+thread answers even in the middle of a long forward, and a socket monitor watches the connection. When it drops (the
+verifier's process died: at once; its host went silent: after ``gone_after_s``), every in-flight request fails with
+``PipespecError(code="verifier_gone")``; a verifier that is only slow (a long prefill) is waited for, up to
+``timeout_s``. The same client works again once a verifier listens at the address (ZeroMQ reconnects; the client
+asks the new one for its limits before its next request). Before its first request the client learns the
+verifier's message cap (from a ``pong``) and raises ``too_large`` locally rather than send a message the verifier
+would refuse. ``close()`` cancels the requests in flight and fails their waiters with ``closed``.
 """
 
 from __future__ import annotations
@@ -18,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,7 +43,7 @@ from shared.protocol import (
     encode,
 )
 from shared.protocol import Chunk as ChunkMessage
-from shared.transport import ClientKeys, connect_dealer, is_local_endpoint
+from shared.transport import ClientKeys, is_local_endpoint, make_dealer
 
 
 class PipespecError(RuntimeError):
@@ -84,9 +86,9 @@ class _LocalFailure:
 
 class AsyncClient:
     """A client of one verifier. ``timeout_s`` bounds each wait for a reply; ``heartbeat_s`` is the ping period
-    while requests are in flight; ``gone_after_s`` is how long the verifier may stay silent (no reply, no pong)
-    before the requests in flight fail with ``verifier_gone``. Raise ``gone_after_s`` if one verification round
-    (a long prompt's prefill on a large model) can take longer: the verifier answers pings between rounds.
+    while requests are in flight (and the ZMTP heartbeat interval); ``gone_after_s`` is how long the connection may
+    be missing (no verifier to connect to at the first request) or unanswered at the ZeroMQ level before requests
+    fail with ``verifier_gone``. A long verification round does not count: ZeroMQ answers heartbeats meanwhile.
     ``curve``: the keys to connect with when the verifier's client socket runs CURVE
     (``runtime.keys.client_keys(KEYS_DIR, NAME)``); without an allowed key such a verifier never answers."""
 
@@ -104,7 +106,9 @@ class AsyncClient:
         self._pong_waiters: list[asyncio.Future] = []
         self._reader: asyncio.Task | None = None
         self._heartbeat: asyncio.Task | None = None
-        self._last_heard = 0.0
+        self._monitor_task: asyncio.Task | None = None
+        self._connected: asyncio.Event | None = None  # set while a handshaken connection to the verifier is up
+        self._auth_refused = False  # the verifier's CURVE authenticator refused our key
         #: The verifier's cap on one message, from its pong (None: not asked yet, or the verifier changed).
         self.max_message_bytes: int | None = None
         self._ctx: zmq.asyncio.Context | None = None
@@ -112,7 +116,14 @@ class AsyncClient:
 
     async def __aenter__(self) -> AsyncClient:
         self._ctx = zmq.asyncio.Context()
-        self._sock = connect_dealer(self._ctx, self.address, self.curve)
+        self._sock = make_dealer(self._ctx, self.curve,
+                                 heartbeat_ms=(int(1000 * self.heartbeat_s), int(1000 * self.gone_after_s)))
+        self._connected = asyncio.Event()
+        # The monitor goes on before connect(), so the first connection's events are not missed.
+        monitor = self._sock.get_monitor_socket(
+            zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+        self._sock.connect(self.address)
+        self._monitor_task = asyncio.create_task(self._watch_connection(monitor))
         self._reader = asyncio.create_task(self._read())
         return self
 
@@ -128,12 +139,12 @@ class AsyncClient:
                     self._sock.send_multipart(encode(Cancel(request_id=rid)), flags=zmq.NOBLOCK)
                     cancelled = True
                 queue.put_nowait(_LocalFailure(f"the client was closed (request {rid})", "closed"))
-        for task in (self._heartbeat, self._reader):
+        for task in (self._heartbeat, self._reader, self._monitor_task):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
-        self._heartbeat = self._reader = None
+        self._heartbeat = self._reader = self._monitor_task = None
         if self._sock is not None:
             # A short linger lets the cancels leave (bounded: a dead verifier costs at most this on close).
             self._sock.close(linger=500 if cancelled else 0)
@@ -145,7 +156,6 @@ class AsyncClient:
     async def _read(self) -> None:
         while True:
             frames = await self._sock.recv_multipart(copy=False)
-            self._last_heard = time.monotonic()
             try:
                 msg = decode(frames, DEFAULT_MAX_MESSAGE_BYTES)
             except ProtocolError:
@@ -162,30 +172,46 @@ class AsyncClient:
             if queue is not None:
                 queue.put_nowait(msg)
 
+    async def _watch_connection(self, monitor: zmq.asyncio.Socket) -> None:
+        """Follow the connection's events: up after a handshake, down when it drops (then fail what is in flight)."""
+        from zmq.utils.monitor import parse_monitor_message
+
+        try:
+            while True:
+                event = parse_monitor_message(await monitor.recv_multipart())["event"]
+                if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    self._auth_refused = False
+                    self._connected.set()
+                elif event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                    self._auth_refused = True
+                elif event == zmq.EVENT_DISCONNECTED and self._connected.is_set():
+                    self._connected.clear()
+                    self._fail_all("the connection dropped")
+        finally:
+            with contextlib.suppress(zmq.ZMQError):
+                if self._sock is not None and not self._sock.closed:
+                    self._sock.disable_monitor()
+            monitor.close(linger=0)
+
+    def _fail_all(self, why: str) -> None:
+        """The verifier is gone: every request in flight and every ping waiter fails with ``verifier_gone``."""
+        for rid, queue in list(self._queues.items()):
+            queue.put_nowait(_LocalFailure(
+                f"the verifier at {self.address} is gone: {why} (request {rid}); the client reconnects when a "
+                "verifier listens there again", "verifier_gone"))
+        self._queues.clear()
+        waiters, self._pong_waiters = self._pong_waiters, []
+        for w in waiters:
+            if not w.done():
+                w.set_exception(PipespecError(f"the verifier at {self.address} is gone: {why}", "verifier_gone"))
+        self.max_message_bytes = None  # a verifier that comes back may announce other limits
+
     async def _watch(self) -> None:
-        """While requests are in flight: ping every ``heartbeat_s``; fail them all if the verifier falls silent."""
-        self._last_heard = time.monotonic()  # silence is counted from when there is something to wait for
-        next_ping = 0.0
+        """While requests are in flight: ping every ``heartbeat_s``, so the verifier knows this client is alive."""
         while self._queues and self._sock is not None:
-            now = time.monotonic()
-            silent = now - self._last_heard
-            if silent > self.gone_after_s and self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                # Replies are waiting unread (this event loop was blocked, not the verifier): it is alive.
-                self._last_heard, silent = now, 0.0
-            if silent > self.gone_after_s:
-                for rid, queue in list(self._queues.items()):
-                    queue.put_nowait(_LocalFailure(
-                        f"the verifier at {self.address} is gone: nothing from it for {silent:.1f} s "
-                        f"(request {rid}); the client reconnects when a verifier listens there again",
-                        "verifier_gone"))
-                self.max_message_bytes = None  # a verifier that comes back may announce other limits
-                self._queues.clear()
-                break
-            if now >= next_ping:
+            with contextlib.suppress(zmq.ZMQError):
                 await self._sock.send_multipart(encode(Ping()))
-                next_ping = now + self.heartbeat_s
-            # Wake at the next ping or when the silence would pass the bound, whichever is first.
-            await asyncio.sleep(max(0.01, min(next_ping, self._last_heard + self.gone_after_s) - now))
+            await asyncio.sleep(self.heartbeat_s)
         self._heartbeat = None
 
     def _track(self, rid: int, queue: asyncio.Queue) -> None:
@@ -195,9 +221,19 @@ class AsyncClient:
 
     def _hint(self) -> str:
         with contextlib.suppress(ValueError):
+            if self._auth_refused:
+                return " (its CURVE authenticator refused this client's key: is it in the verifier's clients/ folder?)"
             if self.curve is None and not is_local_endpoint(self.address):
                 return " (a verifier on a network address runs CURVE: pass curve=runtime.keys.client_keys(KEYS_DIR))"
         return ""
+
+    async def _await_connection(self) -> None:
+        """Until a handshaken connection is up; ``verifier_gone`` if none comes within ``gone_after_s``."""
+        try:
+            await asyncio.wait_for(self._connected.wait(), self.gone_after_s)
+        except asyncio.TimeoutError:
+            raise PipespecError(f"no verifier answers at {self.address} (no connection within {self.gone_after_s} s)"
+                                f"{self._hint()}", "verifier_gone") from None
 
     async def ping(self, timeout_s: float = 5.0) -> dict[str, Any]:
         """Ask the verifier for its state (``drafter_connected``, ``drafters``, ``target``, ``sessions``,
@@ -262,11 +298,11 @@ class AsyncClient:
         if self._sock is None:
             raise RuntimeError("use the client inside 'async with AsyncClient(address) as client:'")
         if self.max_message_bytes is None:  # first request (or first since the verifier went): learn its cap
-            wait_s = min(self.timeout_s, self.gone_after_s)
-            try:
-                await self.ping(timeout_s=wait_s)
+            await self._await_connection()
+            try:  # connected: a verifier busy with a long round answers after it, so wait as long as for a reply
+                await self.ping(timeout_s=self.timeout_s)
             except TimeoutError:
-                raise PipespecError(f"no verifier answers at {self.address} (no pong within {wait_s} s){self._hint()}",
+                raise PipespecError(f"no pong from the verifier at {self.address} within {self.timeout_s} s",
                                     "verifier_gone") from None
         rid = next(self._ids)
         frames = encode(Generate(

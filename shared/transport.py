@@ -172,13 +172,26 @@ def bind_router(
     return sock
 
 
-def connect_dealer(ctx: zmq.Context, endpoint: str, curve: ClientKeys | None = None) -> zmq.Socket:
-    """A DEALER connected to ``endpoint``; with ``curve``, a CURVE client that knows the verifier's public key."""
+def make_dealer(ctx: zmq.Context, curve: ClientKeys | None = None, heartbeat_ms: tuple[int, int] | None = None
+                ) -> zmq.Socket:
+    """A DEALER, not yet connected (so a monitor can be attached first). ``curve``: a CURVE client that knows the
+    verifier's public key. ``heartbeat_ms = (interval, timeout)``: ZMTP heartbeats, answered by the peer's ZeroMQ I/O
+    thread even while its Python thread is busy, so a connection to a dead or unreachable host is dropped after
+    ``timeout`` ms (a monitor then sees ``EVENT_DISCONNECTED``) while a merely busy peer is not."""
     sock = _configure(ctx.socket(zmq.DEALER))
     if curve is not None:
         sock.curve_serverkey = curve.server_public
         sock.curve_publickey = curve.public
         sock.curve_secretkey = curve.secret
+    if heartbeat_ms is not None:
+        sock.setsockopt(zmq.HEARTBEAT_IVL, heartbeat_ms[0])
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, heartbeat_ms[1])
+    return sock
+
+
+def connect_dealer(ctx: zmq.Context, endpoint: str, curve: ClientKeys | None = None) -> zmq.Socket:
+    """A DEALER connected to ``endpoint``; with ``curve``, a CURVE client that knows the verifier's public key."""
+    sock = make_dealer(ctx, curve)
     sock.connect(endpoint)
     return sock
 

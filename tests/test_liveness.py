@@ -224,3 +224,85 @@ def test_oversize_request_raises_too_large_and_others_are_unaffected(tiny):
     assert result.token_ids == reference_greedy(target, PROMPT, 20)
     assert limit == 4096
     assert isinstance(reply, Error) and reply.code == "too_large" and reply.request_id == 77
+
+
+def test_a_verifier_busy_longer_than_gone_after_s_is_waited_for(tmp_path):
+    """A verifier whose Python thread is busy (a long prefill) still holds its connection: ZeroMQ's I/O thread
+    answers the heartbeats, so the client waits for the reply instead of calling the verifier gone."""
+    import zmq
+    import zmq.asyncio
+
+    from shared.protocol import Done, Pong
+
+    endpoint = f"ipc://{tmp_path}/busy.ipc"
+
+    async def fake_verifier(sock) -> None:
+        await asyncio.sleep(3.0)  # busy: reads nothing for 2 × gone_after_s
+        for _ in range(50):  # bounded: the ping, the heartbeat pings, the generate
+            peer, *body = await asyncio.wait_for(sock.recv_multipart(), 10)
+            msg = decode(body)
+            if isinstance(msg, Ping):
+                await sock.send_multipart([peer, *encode(Pong(drafter_connected=False))])
+            elif isinstance(msg, Generate):
+                await sock.send_multipart([peer, *encode(Done(request_id=msg.request_id, token_ids=[7], text="x",
+                                                              metrics={}, finish_reason="length"))])
+                return
+
+    async def main():
+        ctx = zmq.asyncio.Context()
+        server = ctx.socket(zmq.ROUTER)
+        server.bind(endpoint)
+        try:
+            serving = asyncio.create_task(fake_verifier(server))
+            async with AsyncClient(endpoint, timeout_s=20, gone_after_s=1.5) as client:
+                t0 = time.monotonic()
+                result = await client.generate(token_ids=PROMPT, max_new_tokens=1)
+                waited = time.monotonic() - t0
+            await serving
+        finally:
+            server.close(linger=0)
+            ctx.term()
+        return result, waited
+
+    result, waited = asyncio.run(main())
+    assert result.token_ids == [7]
+    assert waited >= 2.9  # the reply came after the busy spell, and the request was not failed meanwhile
+
+
+def test_a_verifier_gone_silent_fails_requests_within_gone_after_s(tiny, tmp_path):
+    """SIGSTOP stands in for a host that went silent (no reset, no reply: its I/O thread stops too): the ZMTP
+    heartbeats go unanswered and the requests in flight fail with ``verifier_gone``."""
+    config = tiny_config(tiny("llama"), None)
+    config["verifier"]["endpoint"] = f"ipc://{tmp_path}/v.ipc"
+    config["client"]["endpoint"] = f"ipc://{tmp_path}/c.ipc"
+    cfg = tmp_path / "verifier.yaml"
+    cfg.write_text(yaml.safe_dump(config))
+    proc = _start_verifier(cfg)
+
+    async def main():
+        async with AsyncClient(config["client"]["endpoint"], timeout_s=60, gone_after_s=1.5) as client:
+            await _until_answers(client)
+            got_chunk = asyncio.Event()
+
+            async def in_flight():
+                async for item in client.stream(token_ids=PROMPT, max_new_tokens=LONG, eos_token_ids=[]):
+                    if isinstance(item, Chunk):
+                        got_chunk.set()
+
+            task = asyncio.create_task(in_flight())
+            await asyncio.wait_for(got_chunk.wait(), 30)
+            proc.send_signal(signal.SIGSTOP)
+            stopped = time.monotonic()
+            with pytest.raises(PipespecError) as gone:
+                await asyncio.wait_for(task, 10)
+            return gone.value.code, time.monotonic() - stopped
+
+    try:
+        code, learned_s = asyncio.run(main())
+    finally:
+        proc.send_signal(signal.SIGCONT)
+        proc.kill()
+        proc.wait(10)
+    print(f"\nclient learned of the silent verifier in {learned_s:.2f} s")
+    assert code == "verifier_gone"
+    assert learned_s < 4.0
