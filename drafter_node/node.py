@@ -375,12 +375,23 @@ class DrafterNode:
                 self._rejoin(f"no message from the verifier for {VERIFIER_SILENT_S:.0f} s")
                 continue
             if work is not None:
-                if work.ready_to_send():
-                    self._send_block(work)
-                else:
-                    self._use_threads(work)
-                    work.step()
+                try:
+                    if work.ready_to_send():
+                        self._send_block(work)
+                    else:
+                        self._use_threads(work)
+                        work.step()
+                except Exception:  # one session's failure drops that session (the verifier steps alone), no more
+                    log.exception("session %d failed while drafting; dropped", work.sid)
+                    self._drop(work.sid)
         return 0
+
+    def _drop(self, sid: int) -> None:
+        s = self.sessions.pop(sid, None)
+        if s is not None:
+            self.order.remove(sid)
+            with contextlib.suppress(Exception):
+                s.draft.close()
 
     def _next_work(self) -> NodeSession | None:
         """Round-robin, by priority: a block to send, a block the verifier still waits for, then pre-drafting."""
@@ -422,7 +433,15 @@ class DrafterNode:
         if handler is None:
             log.warning("ignored unexpected message %r", msg.TYPE)
             return None
-        return handler(msg)
+        try:
+            return handler(msg)
+        except Exception:  # schema-valid but unusable (bad params, state of the wrong shape): drop that session
+            sid = getattr(msg, "session", None)
+            log.exception("could not apply a %s message%s; dropped", msg.TYPE,
+                          f" for session {sid}" if sid is not None else "")
+            if sid is not None:
+                self._drop(sid)
+            return None
 
     def _on_welcome(self, msg: Welcome) -> None:
         self.welcomed = True

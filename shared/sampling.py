@@ -19,6 +19,20 @@ class ParamError(ValueError):
     """A request parameter that is out of range or of the wrong type (reported to the client, nothing crashes)."""
 
 
+# Bounds that keep the processed scores finite in float32 (scores are processed in float32 whatever the model's
+# dtype): a logit of a real model is far below 1e4 in magnitude, and temperature and repetition penalty scale it by at
+# most 1 / MIN each, so |score| stays below 1e8 (float32 overflows at 3.4e38). Documented in the README
+# ("Generation parameters").
+MIN_TEMPERATURE = 1e-2  # when sampling; a greedy request ignores temperature (any finite value > 0 is accepted)
+MAX_TEMPERATURE = 100.0
+MIN_REPETITION_PENALTY = 1e-2
+MAX_REPETITION_PENALTY = 100.0
+MAX_NEW_TOKENS = 1_000_000
+MAX_TOP_K = 2**31 - 1
+MAX_TOKEN_ID = 2**31 - 1  # token ids fit an int32 whatever the vocabulary
+MAX_END_TOKENS = 1024  # eos_token_ids / stop_token_ids entries
+
+
 @dataclass
 class GenerationParams:
     """Per-request generation parameters (the same names as transformers' ``generate``)."""
@@ -40,7 +54,7 @@ class GenerationParams:
         if not isinstance(data, dict):
             raise ParamError("params must be a mapping")
         names = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - names)
+        unknown = sorted(repr(k) if not isinstance(k, str) else k for k in set(data) - names)  # keys may be bytes
         if unknown:
             raise ParamError(f"unknown generation parameter(s): {', '.join(unknown)}")
         params = cls(**{k: v for k, v in data.items() if v is not None or k == "seed"})
@@ -54,28 +68,38 @@ class GenerationParams:
         def is_num(v: Any) -> bool:
             return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
-        if not is_int(self.max_new_tokens) or not 1 <= self.max_new_tokens <= 1_000_000:
-            raise ParamError(f"max_new_tokens must be an integer ≥ 1, got {self.max_new_tokens!r}")
+        if not is_int(self.max_new_tokens) or not 1 <= self.max_new_tokens <= MAX_NEW_TOKENS:
+            raise ParamError(f"max_new_tokens must be an integer in [1, {MAX_NEW_TOKENS}], got {self.max_new_tokens!r}")
         if not isinstance(self.do_sample, bool):
             raise ParamError(f"do_sample must be true or false, got {self.do_sample!r}")
         if not is_num(self.temperature) or self.temperature <= 0:
-            raise ParamError(f"temperature must be a number > 0, got {self.temperature!r}")
-        if not is_int(self.top_k) or self.top_k < 0:
-            raise ParamError(f"top_k must be an integer ≥ 0 (0 = off), got {self.top_k!r}")
+            raise ParamError(f"temperature must be a finite number > 0, got {self.temperature!r}")
+        if self.do_sample and not MIN_TEMPERATURE <= self.temperature <= MAX_TEMPERATURE:
+            raise ParamError(f"temperature must be in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}] when sampling (lower "
+                             f"values overflow the scores; use do_sample=false for greedy), got {self.temperature!r}")
+        if not is_int(self.top_k) or not 0 <= self.top_k <= MAX_TOP_K:
+            raise ParamError(f"top_k must be an integer in [0, {MAX_TOP_K}] (0 = off), got {self.top_k!r}")
         if not is_num(self.top_p) or not 0 < self.top_p <= 1:
             raise ParamError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not is_num(self.repetition_penalty) or self.repetition_penalty <= 0:
-            raise ParamError(f"repetition_penalty must be a number > 0, got {self.repetition_penalty!r}")
-        if not is_int(self.min_new_tokens) or self.min_new_tokens < 0:
-            raise ParamError(f"min_new_tokens must be an integer ≥ 0, got {self.min_new_tokens!r}")
+        if not is_num(self.repetition_penalty) or not (
+            MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY
+        ):
+            raise ParamError(f"repetition_penalty must be in [{MIN_REPETITION_PENALTY}, {MAX_REPETITION_PENALTY}] "
+                             f"(1 = off), got {self.repetition_penalty!r}")
+        if not is_int(self.min_new_tokens) or not 0 <= self.min_new_tokens <= MAX_NEW_TOKENS:
+            raise ParamError(f"min_new_tokens must be an integer in [0, {MAX_NEW_TOKENS}], got {self.min_new_tokens!r}")
         if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < 2**63):
             raise ParamError(f"seed must be an integer in [0, 2^63), got {self.seed!r}")
         for name in ("eos_token_ids", "stop_token_ids"):
             ids = getattr(self, name)
-            if not isinstance(ids, list) or not all(is_int(i) and i >= 0 for i in ids):
-                raise ParamError(f"{name} must be a list of token ids")
+            if not isinstance(ids, list) or not all(is_int(i) and 0 <= i <= MAX_TOKEN_ID for i in ids):
+                raise ParamError(f"{name} must be a list of token ids (integers in [0, {MAX_TOKEN_ID}])")
+            if len(ids) > MAX_END_TOKENS:
+                raise ParamError(f"{name} may hold at most {MAX_END_TOKENS} ids, got {len(ids)}")
             if vocab_size is not None and any(i >= vocab_size for i in ids):
                 raise ParamError(f"{name} has an id outside the vocabulary (size {vocab_size})")
+        if vocab_size is not None and self.min_new_tokens and len(set(self.eos_token_ids)) >= vocab_size:
+            raise ParamError("min_new_tokens with every token an eos_token_id leaves no token to generate")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

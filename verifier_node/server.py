@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import secrets
 import signal
 import time
@@ -77,7 +78,7 @@ from shared.transport import Authenticator, bind_router
 from verifier_node.acceptance import check_ensemble_weight
 from verifier_node.draft_wait import DraftWait
 from verifier_node.drafters import DrafterLink, DrafterPool
-from verifier_node.session import RoundResult, Session
+from verifier_node.session import NumericalError, RoundResult, Session
 
 log = logging.getLogger("pipespec.verifier")
 
@@ -102,6 +103,24 @@ def _state_tensors(
     tensors = {"hidden": hidden} if hidden is not None else {}
     tensors.update(kv or {})
     return tensors, sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+_NUMERIC_STATS = ("busy_s", "blocks", "predraft_hits", "rolled_back", "idle_blocks")
+
+
+def _checked_stats(stats: dict[str, Any]) -> dict[str, Any]:
+    """A draft's ``stats`` as the request's metrics read them: numbers where numbers go, a map of plan counts, a dtype
+    name; anything else is refused here, not when the request finishes."""
+    for key in _NUMERIC_STATS:
+        v = stats.get(key, 0)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise ProtocolError(f"draft: stats.{key} must be a finite number, got {type(v).__name__}")
+    plans = stats.get("plans", {})
+    if not isinstance(plans, dict) or not all(isinstance(k, str) and type(v) is int for k, v in plans.items()):
+        raise ProtocolError("draft: stats.plans must map plan names to counts")
+    if not isinstance(stats.get("dtype", ""), (str, type(None))):
+        raise ProtocolError("draft: stats.dtype must be a string")
+    return stats
 
 
 class VerifierServer:
@@ -186,7 +205,7 @@ class VerifierServer:
                 self._drop_silent_clients()
                 session = self._next_runnable()
                 if session is not None:
-                    self._run_round(session)
+                    self._guarded_round(session)
         finally:
             self.close()
 
@@ -225,6 +244,11 @@ class VerifierServer:
                 handler(peer, msg, receipt)
             except ProtocolError as exc:
                 sock.send_multipart([peer, *error_frames(str(exc), exc.code, request_id=exc.request_id)])
+            except Exception as exc:  # last resort: a bug in a handler fails this message, never the process
+                log.exception("internal error handling a %s message from %s", msg.TYPE, peer.hex())
+                sock.send_multipart([peer, *error_frames(f"internal error handling {msg.TYPE}: {exc!r:.300}",
+                                                         "internal_error",
+                                                         request_id=getattr(msg, "request_id", None))])
 
     def _drop_silent_clients(self) -> None:
         """Cancel the sessions of clients not heard from for ``client_timeout`` (checked at most every 0.25 s;
@@ -458,6 +482,7 @@ class VerifierServer:
         q = self._dense_q(msg, len(tokens)) if s.params.do_sample or ensemble else None
         if ensemble and tokens and q is None:
             raise ProtocolError("ensemble verification needs q (q_idx/q_prob or q) with every draft")
+        stats = _checked_stats(msg.stats) if msg.stats is not None else None  # a bad field refuses the draft
         now = time.monotonic()
         s.draft = {"tokens": tokens, "q": q, "idle_rounds": msg.idle_rounds, "overlap": msg.overlap, "arrived": now}
         s.wait.arrived(len(s.tokens), now, bool(tokens))
@@ -465,8 +490,8 @@ class VerifierServer:
         s.metrics.message_s += receipt.decode_s
         if msg.sent_at is not None:
             s.metrics.transit_s += max(0.0, time.time() - msg.sent_at)
-        if msg.stats is not None:
-            s.metrics.drafter_stats = msg.stats
+        if stats is not None:
+            s.metrics.drafter_stats = stats
 
     def _dense_q(self, msg: Draft, k: int) -> torch.Tensor | None:
         """Rebuild the draft distribution rows from a sparse (q_idx, q_prob) or dense (q) encoding."""
@@ -497,6 +522,8 @@ class VerifierServer:
         if isinstance(msg, Generate):
             try:
                 self._on_generate(peer, msg)
+            except ProtocolError:
+                raise  # keeps its code (busy)
             except (ParamError, ValueError) as exc:
                 raise ProtocolError(str(exc), code="bad_request", request_id=msg.request_id) from None
         elif isinstance(msg, Cancel):
@@ -563,12 +590,18 @@ class VerifierServer:
         if msg.token_ids is not None:
             ids = msg.token_ids
         elif msg.prompt is not None:
-            ids = self.tokenizer(msg.prompt, add_special_tokens=True)["input_ids"]
+            try:
+                ids = self.tokenizer(msg.prompt, add_special_tokens=True)["input_ids"]
+            except Exception as exc:  # a tokenizer may refuse odd text (lone surrogates, …)
+                raise ParamError(f"the target's tokenizer cannot encode the prompt: {exc!r:.300}") from None
         else:
             if not getattr(self.tokenizer, "chat_template", None):
                 raise ParamError("the target's tokenizer has no chat template; send prompt or token_ids")
-            ids = self.tokenizer.apply_chat_template(msg.messages, add_generation_prompt=True, tokenize=True,
-                                                     return_dict=True)["input_ids"]
+            try:
+                ids = self.tokenizer.apply_chat_template(msg.messages, add_generation_prompt=True, tokenize=True,
+                                                         return_dict=True)["input_ids"]
+            except Exception as exc:  # the template's own raise_exception, or one that fails on these messages
+                raise ParamError(f"the target's chat template failed on these messages: {exc!r:.300}") from None
         if not ids:
             raise ParamError("the prompt is empty")
         if any(t < 0 or t >= self.vocab_size for t in ids):
@@ -576,6 +609,28 @@ class VerifierServer:
         return list(ids)
 
     # ------------------------------------------------------------------ rounds
+    def _guarded_round(self, s: Session) -> None:
+        """One round, contained: whatever fails inside it ends this session with an error, never the process."""
+        try:
+            self._run_round(s)
+        except NumericalError as exc:
+            log.error("session %d failed: %s", s.sid, exc)
+            self._fail(s, "numerical_error", str(exc))
+        except Exception as exc:
+            log.exception("session %d failed in a round", s.sid)
+            self._fail(s, "internal_error", f"the verifier failed on this request: {exc!r:.300}")
+
+    def _fail(self, s: Session, code: str, message: str) -> None:
+        """End a session with an ``error`` to its client (its request_id and ``code``) and a ``session_end`` to the
+        drafter, and free it."""
+        if self.sessions.pop(s.sid, None) is None:
+            return  # already gone
+        self.by_request.pop((s.client, s.request_id), None)
+        with contextlib.suppress(ValueError):
+            self.order.remove(s.sid)
+        self.client_sock.send_multipart([s.client, *error_frames(message, code, request_id=s.request_id)])
+        self._detach(s)  # session_end to its drafter, if it had one
+
     def _run_round(self, s: Session) -> None:
         d = s.drafter  # what this session's own drafter needs with each commit
         want_hidden = bool(d and d.needs_hidden)
@@ -634,13 +689,18 @@ class VerifierServer:
         s.metrics.message_s += time.monotonic() - t0
 
     def _finish(self, s: Session, reason: str) -> None:
-        text = self.tokenizer.decode(s.generated, skip_special_tokens=True)
-        d = s.drafter
-        metrics = {**s.summary(verifier_dtype=self.dtype, drafter_dtype=d.dtype if d else None), **s.wait.summary(),
-                   "drafter_ids": list(s.served_by), "drafter_type": d.type if d else None}
-        self.client_sock.send_multipart([s.client, *encode(Done(
-            request_id=s.request_id, token_ids=s.generated, text=text, metrics=metrics, finish_reason=reason,
-        ))])
+        try:
+            text = self.tokenizer.decode(s.generated, skip_special_tokens=True)
+            d = s.drafter
+            metrics = {**s.summary(verifier_dtype=self.dtype, drafter_dtype=d.dtype if d else None),
+                       **s.wait.summary(), "drafter_ids": list(s.served_by), "drafter_type": d.type if d else None}
+            frames = encode(Done(request_id=s.request_id, token_ids=s.generated, text=text, metrics=metrics,
+                                 finish_reason=reason))
+        except Exception as exc:  # detokenization or the metrics: the request fails, the node does not
+            log.exception("session %d failed to finish", s.sid)
+            self._fail(s, "internal_error", f"the verifier failed to finish this request: {exc!r:.300}")
+            return
+        self.client_sock.send_multipart([s.client, *frames])
         self._detach(s)
         del self.sessions[s.sid]
         del self.by_request[(s.client, s.request_id)]

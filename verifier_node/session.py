@@ -22,6 +22,11 @@ from verifier_node.draft_wait import DraftWait
 _ACCEPT_ALL = os.environ.get("PIPESPEC_UNSAFE_ACCEPT_ALL") == "1"
 
 
+class NumericalError(RuntimeError):
+    """A round's processed scores are not usable (NaN, +inf, or no finite score in a row): the session ends with an
+    error (code ``numerical_error``) instead of a draw from a broken distribution."""
+
+
 @dataclass
 class RoundResult:
     base_len: int
@@ -141,6 +146,9 @@ class Session:
         scores = process_block(
             logits, prefix, torch.tensor(draft, dtype=torch.long), self.params, base_len - self.prompt_len
         )
+        # One reduction per row: the max is NaN if any score is, +inf for an overflow, -inf when nothing is left.
+        if not torch.isfinite(scores.amax(dim=-1)).all():
+            raise NumericalError(f"session {self.sid}: the target's scores at position {base_len} are not finite")
         if _ACCEPT_ALL:
             out = accept_everything(scores, draft, q, self._generator(base_len))
         elif self.params.do_sample:
