@@ -70,7 +70,7 @@ def samples(vocab: int = 160, session: int = 1, base_len: int = 5, request_id: i
     state = {"hidden": torch.zeros(2, hidden)}
     params = generation_params()
     return [
-        Hello(drafter_type="fuzz", tokenizer_id="any", capabilities=caps, profile=None, threads=threads),
+        Hello(drafter_type="fuzz", tokenizer_id="any", capabilities=caps, profile=None, threads=threads, host="h"),
         Welcome(target="t", vocab_size=vocab, want_q=False, profile=None, threads=threads),
         SessionStart(session=session, token_ids=[5, 6, 7], params=params, prompt_len=2, tensors=state),
         Draft(session=session, base_len=base_len, epoch=1, tokens=[3, 4], idle_rounds=0, overlap=True,
@@ -87,11 +87,13 @@ def samples(vocab: int = 160, session: int = 1, base_len: int = 5, request_id: i
         Generate(request_id=request_id, params=params, token_ids=[5, 17, 33]),
         Generate(request_id=request_id, params=generation_params(False), prompt="def add(a, b):"),
         Generate(request_id=request_id, params=params, messages=[{"role": "user", "content": "hi"}]),
+        Generate(request_id=request_id, params=params, token_ids=[7, 8], drafter_type="assistant"),
         Chunk(request_id=request_id, token_ids=[1], text="a"),
         Done(request_id=request_id, token_ids=[1], text="a", metrics={"rounds": 1}, finish_reason="stop"),
         Cancel(request_id=request_id),
         Ping(),
-        Pong(drafter_connected=True, drafter_type="x", target="t", sessions=1),
+        Pong(drafter_connected=True, drafter_type="x", target="t", sessions=1,
+             drafters=[{"id": 1, "type": "x", "host": "h", "sessions": 0, "alive": True}]),
         Error(message="m", code="c", request_id=request_id, session=session),
     ]
 

@@ -6,9 +6,9 @@ Four raw DEALER peers play at once:
 
 - a *stranger* on the drafter socket (never says a valid hello): every message gets exactly the reply the local
   ``decode`` predicts (its error code, or ``not_connected`` for a schema-valid one), in order;
-- a *fake drafter* on the drafter socket that says hello (the real drafter says hello again when it finds itself
-  displaced) and sends mutated drafts built on the live sessions it is told of: codes from a known set, and every
-  message ``decode`` refuses answered with its code;
+- a *fake drafter* on the drafter socket that says hello (it joins the pool beside the real drafter, and may be
+  given sessions) and sends mutated drafts built on the live sessions it is told of: codes from a known set, and
+  every message ``decode`` refuses answered with its code;
 - a *misc client* on the client socket (every type but generate): the exact predicted replies, in order (``pong`` for
   a valid ping, nothing for a valid cancel, ``unexpected`` for a valid message of another direction);
 - a *generate client*: mutated generate requests (every field, every ``params`` key, chat turns); each gets exactly
@@ -267,7 +267,7 @@ def test_fuzz_both_sockets(tiny):
             )
             elapsed = time.monotonic() - t0
             alive = {role: p.poll() is None for role, p in client.processes.items()}
-            await wait_for_drafter(client)  # the real drafter said hello again after the fake one displaced it
+            await wait_for_drafter(client)  # a live drafter (the real one) after the fake one fell silent
             pong = await client.ping()
             after = await asyncio.wait_for(client.generate(token_ids=PROMPT, max_new_tokens=16, eos_token_ids=[]),
                                            60)
