@@ -60,7 +60,8 @@ def generation_params(sample: bool = True) -> dict[str, Any]:
             "repetition_penalty": 1.1, "min_new_tokens": 1, "eos_token_ids": [0], "stop_token_ids": [1], "seed": 7}
 
 
-def samples(vocab: int = 160, session: int = 1, base_len: int = 5, request_id: int = 1) -> list[Message]:
+def samples(vocab: int = 160, session: int = 1, base_len: int = 5, request_id: int = 1,
+            run_secret: str = "not-this-run") -> list[Message]:
     """One valid message of every type (several forms of ``generate``), optional fields set."""
     k, m, hidden = 2, 3, 64
     q_idx = torch.randint(0, vocab, (k, m))
@@ -70,7 +71,8 @@ def samples(vocab: int = 160, session: int = 1, base_len: int = 5, request_id: i
     state = {"hidden": torch.zeros(2, hidden)}
     params = generation_params()
     return [
-        Hello(drafter_type="fuzz", tokenizer_id="any", capabilities=caps, profile=None, threads=threads, host="h"),
+        Hello(drafter_type="fuzz", tokenizer_id="any", capabilities=caps, profile=None, threads=threads, host="h",
+              run_secret=run_secret),
         Welcome(target="t", vocab_size=vocab, want_q=False, profile=None, threads=threads),
         SessionStart(session=session, token_ids=[5, 6, 7], params=params, prompt_len=2, tensors=state),
         Draft(session=session, base_len=base_len, epoch=1, tokens=[3, 4], idle_rounds=0, overlap=True,

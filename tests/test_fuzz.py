@@ -4,8 +4,9 @@ was lost, and that a normal greedy request still equals transformers' ``generate
 
 Four raw DEALER peers play at once:
 
-- a *stranger* on the drafter socket (never says a valid hello): every message gets exactly the reply the local
-  ``decode`` predicts (its error code, or ``not_connected`` for a schema-valid one), in order;
+- a *stranger* on the drafter socket (its hellos lack the run secret): every message gets exactly the reply the
+  local ``decode`` predicts (its error code; ``unauthorized`` for a valid hello, ``not_connected`` for any other
+  schema-valid message), in order;
 - a *fake drafter* on the drafter socket that says hello (it joins the pool beside the real drafter, and may be
   given sessions) and sends mutated drafts built on the live sessions it is told of: codes from a known set, and
   every message ``decode`` refuses answered with its code;
@@ -124,12 +125,15 @@ async def strict_peer(endpoint: str, peer: str, make, predict, tally: Tally) -> 
             assert seen == predicted, f"{peer} batch {n}: replies differ from the prediction"
 
 
-async def fake_drafter(endpoint: str, mutator: Mutator, tok_id: str, tally: Tally, vocab: int) -> None:
+async def fake_drafter(endpoint: str, mutator: Mutator, tok_id: str, secret: str | None, tally: Tally,
+                       vocab: int) -> None:
     """Say hello, then send mutated drafter-side messages built on the sessions the verifier announces."""
     peer = "drafter"
     live: dict[int, int] = {}  # session -> committed length, as the verifier told us
-    hello = encode(Hello(drafter_type="fuzz", tokenizer_id=tok_id, capabilities=Capabilities(sends_q=True)))
-    allowed = DECODE_CODES | {"not_connected", "unexpected", "welcome", "tokenizer_mismatch", "unsupported"}
+    hello = encode(Hello(drafter_type="fuzz", tokenizer_id=tok_id, capabilities=Capabilities(sends_q=True),
+                         run_secret=secret))
+    allowed = DECODE_CODES | {"not_connected", "unexpected", "welcome", "tokenizer_mismatch", "unsupported",
+                              "unauthorized"}
 
     def keep(msg) -> bool:
         if isinstance(msg, SessionStart):
@@ -147,7 +151,8 @@ async def fake_drafter(endpoint: str, mutator: Mutator, tok_id: str, tally: Tall
             batch = []
             for _ in range(BATCH - 1):
                 sid, base = rng.choice(list(live.items())) if live else (1, 5)
-                base_msgs = [m for m in samples(vocab, sid, base) if m.TYPE in ("draft", "hello", "heartbeat")]
+                base_msgs = [m for m in samples(vocab, sid, base, run_secret=secret or "")
+                             if m.TYPE in ("draft", "hello", "heartbeat")]
                 frames, _ = mutator.mutate(rng.choice(base_msgs))
                 batch.append(frames)
             for frames in batch:
@@ -227,15 +232,14 @@ def test_fuzz_both_sockets(tiny):
     all_types = samples()
 
     def stranger_make():
-        while True:
-            frames, what = stranger_mutator.mutate(rng.choice(all_types))
-            kind, msg = expect(frames)
-            if not (kind == "valid" and isinstance(msg, Hello)):  # a valid hello would connect it: the other peer
-                return frames, what
+        return stranger_mutator.mutate(rng.choice(all_types))
 
     def stranger_predict(frames):
         kind, got = expect(frames)
-        return got if kind == "error" else "not_connected"
+        if kind == "error":
+            return got
+        # without this run's secret a hello is refused (checked first), so the stranger never connects
+        return "unauthorized" if isinstance(got, Hello) else "not_connected"
 
     others = [m for m in all_types if not isinstance(m, Generate)]
 
@@ -261,7 +265,8 @@ def test_fuzz_both_sockets(tiny):
             t0 = time.monotonic()
             await asyncio.gather(
                 strict_peer(drafter_ep, "stranger", stranger_make, stranger_predict, tally),
-                fake_drafter(drafter_ep, Mutator(SEED + 12, MAX_BYTES), tok_id, tally, 160),
+                fake_drafter(drafter_ep, Mutator(SEED + 12, MAX_BYTES), tok_id, client.cluster.run_secret, tally,
+                             160),
                 strict_peer(client_ep, "misc", misc_make, misc_predict, tally),
                 generate_client(client_ep, Mutator(SEED + 13, MAX_BYTES), tally),
             )
