@@ -169,6 +169,49 @@ def md_table(header: list[str], rows: list[list[str]], align: str) -> list[str]:
     return ["| " + " | ".join(r) + " |" for r in [header, rule, *rows]]
 
 
+def build_random_pair(root: Path, *, hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int,
+                      max_positions: int, deep_scale: float, seed: int) -> tuple[Path, Path]:
+    """Save a random Qwen2-style target and its 1-layer cut (the same embeddings, first layer, norm and LM head) with
+    the tests' tiny tokenizer into ``root``; return both folders. The target's later layers write only
+    ``deep_scale`` of their output into the residual stream (their compute is unchanged), so the cut agrees with it
+    on most tokens (α ≈ 1): a drafter whose acceptance is known, without downloading anything."""
+    import copy
+
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    if str(REPO_ROOT / "tests") not in sys.path:
+        sys.path.insert(0, str(REPO_ROOT / "tests"))
+    from tiny_models import build_tokenizer, save_tiny
+
+    tokenizer = build_tokenizer(root / "tokenizer")
+    config = Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=max_positions,
+        eos_token_id=0, pad_token_id=1, bos_token_id=None, tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    target = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for layer in target.model.layers[1:]:
+            layer.self_attn.o_proj.weight.mul_(deep_scale)
+            layer.mlp.down_proj.weight.mul_(deep_scale)
+    target_dir = save_tiny(target, tokenizer, root / "target")  # a fresh random LM head, shared with the cut
+    cut_config = copy.deepcopy(config)
+    cut_config.num_hidden_layers = 1
+    if isinstance(getattr(cut_config, "layer_types", None), list):
+        cut_config.layer_types = cut_config.layer_types[:1]
+    assistant = AutoModelForCausalLM.from_config(cut_config)
+    missing, _ = assistant.load_state_dict(target.state_dict(), strict=False)  # layers 1.. of the target are unused
+    if missing:
+        raise RuntimeError(f"the cut assistant lacks {missing}")
+    assistant.generation_config = copy.deepcopy(target.generation_config)
+    assistant_dir = root / "assistant"
+    assistant.save_pretrained(assistant_dir)
+    tokenizer.save_pretrained(assistant_dir)
+    return target_dir, assistant_dir
+
+
 def start_row(row: dict[str, Any], raw: dict[str, Any] | None) -> list[dict[str, Any]]:
     """Fill a summary row's error and totals (prompts, new tokens, time, tokens/s) from one row's raw results;
     return its per-prompt records (empty: nothing finished, and the row says so)."""

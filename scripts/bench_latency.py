@@ -39,45 +39,17 @@ sys.path.insert(0, str(SCRIPTS))
 sys.path.insert(0, str(REPO_ROOT))
 sys.path.insert(0, str(REPO_ROOT / "tests"))  # the tiny tokenizer and model saving the tests use
 
-from bench_common import header_lines, log, machine_info, utc_now  # noqa: E402
+from bench_common import build_random_pair, header_lines, log, machine_info, utc_now  # noqa: E402
 from netns import NetnsError, NetnsPair, delay_proxy, netns_pair  # noqa: E402
 
 VERIFIER_PORT, PROXY_PORT = 5555, 6555
 
 
 def build_models(root: Path, args: argparse.Namespace) -> tuple[Path, Path]:
-    """Save a random Qwen2-style target and its 1-layer cut (the same embeddings, first layer, norm and LM head)
-    into ``root``; the target's later layers write only ``--deep-scale`` of their output, so the cut agrees with it
-    on most tokens."""
-    import copy
-
-    import torch
-    from tiny_models import build_tokenizer, save_tiny
-    from transformers import AutoModelForCausalLM, Qwen2Config
-
-    tokenizer = build_tokenizer(root / "tokenizer")
-    config = Qwen2Config(
-        vocab_size=len(tokenizer), hidden_size=args.hidden, intermediate_size=args.hidden * 11 // 4,
-        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-        max_position_embeddings=1024, eos_token_id=0, pad_token_id=1, bos_token_id=None, tie_word_embeddings=False,
-    )
-    torch.manual_seed(args.seed)
-    target = AutoModelForCausalLM.from_config(config)
-    with torch.no_grad():
-        for layer in target.model.layers[1:]:
-            layer.self_attn.o_proj.weight.mul_(args.deep_scale)
-            layer.mlp.down_proj.weight.mul_(args.deep_scale)
-    target_dir = save_tiny(target, tokenizer, root / "target")  # a fresh random LM head, shared with the cut
-    cut_config = copy.deepcopy(config)
-    cut_config.num_hidden_layers = 1
-    if isinstance(getattr(cut_config, "layer_types", None), list):
-        cut_config.layer_types = cut_config.layer_types[:1]
-    assistant = AutoModelForCausalLM.from_config(cut_config)
-    assistant.load_state_dict(target.state_dict(), strict=False)  # the target's layers 1.. are not in the cut
-    assistant.generation_config = copy.deepcopy(target.generation_config)
-    assistant.save_pretrained(root / "assistant")
-    tokenizer.save_pretrained(root / "assistant")
-    return target_dir, root / "assistant"
+    """Save a random Qwen2-style target and its 1-layer cut into ``root`` (see ``bench_common.build_random_pair``)."""
+    return build_random_pair(root, hidden=args.hidden, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads,
+                             intermediate=args.hidden * 11 // 4, max_positions=1024, deep_scale=args.deep_scale,
+                             seed=args.seed)
 
 
 def random_prompts(vocab: int, args: argparse.Namespace) -> list[list[int]]:

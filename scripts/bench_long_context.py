@@ -52,6 +52,7 @@ from bench_common import (
     REPO_ROOT,
     WARMUP_TOKENS,
     DraftCounter,
+    build_random_pair,
     header_lines,
     log,
     machine_info,
@@ -72,38 +73,10 @@ CALIB_ROWS = 7  # outcome rows of a k = 6 block: k corrections + the bonus
 
 def build_models(root: Path, args: argparse.Namespace) -> tuple[Path, Path]:
     """Save the random target and its 1-layer cut into ``root`` (with the tiny tokenizer); return both folders."""
-    import torch
-    from tiny_models import build_tokenizer, save_tiny
-    from transformers import AutoModelForCausalLM, Qwen2Config
-
-    tokenizer = build_tokenizer(root / "tokenizer")
-    config = Qwen2Config(
-        vocab_size=len(tokenizer), hidden_size=args.hidden,
-        intermediate_size=args.intermediate or args.hidden * 11 // 4,
-        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-        max_position_embeddings=max(4096, 2 * max(args.lengths) + args.max_new_tokens), eos_token_id=0,
-        pad_token_id=1, bos_token_id=None, tie_word_embeddings=False,
-    )
-    torch.manual_seed(args.seed)
-    target = AutoModelForCausalLM.from_config(config)
-    with torch.no_grad():  # the layers the cut lacks write little into the residual stream: it agrees (α ≈ 1)
-        for layer in target.model.layers[1:]:
-            layer.self_attn.o_proj.weight.mul_(args.deep_scale)
-            layer.mlp.down_proj.weight.mul_(args.deep_scale)
-    target_dir = save_tiny(target, tokenizer, root / "target")  # a fresh random LM head, shared with the cut
-    cut_config = copy.deepcopy(config)
-    cut_config.num_hidden_layers = 1
-    if isinstance(getattr(cut_config, "layer_types", None), list):
-        cut_config.layer_types = cut_config.layer_types[:1]
-    assistant = AutoModelForCausalLM.from_config(cut_config)
-    missing, _ = assistant.load_state_dict(target.state_dict(), strict=False)  # layers 1.. of the target are unused
-    if missing:
-        raise RuntimeError(f"the cut assistant lacks {missing}")
-    assistant.generation_config = copy.deepcopy(target.generation_config)
-    assistant_dir = root / "assistant"
-    assistant.save_pretrained(assistant_dir)
-    tokenizer.save_pretrained(assistant_dir)
-    return target_dir, assistant_dir
+    return build_random_pair(root, hidden=args.hidden, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads,
+                             intermediate=args.intermediate or args.hidden * 11 // 4,
+                             max_positions=max(4096, 2 * max(args.lengths) + args.max_new_tokens),
+                             deep_scale=args.deep_scale, seed=args.seed)
 
 
 def random_prompts(vocab: int, length: int, count: int, seed: int) -> list[list[int]]:
