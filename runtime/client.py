@@ -104,6 +104,7 @@ class AsyncClient:
         self._ids = itertools.count(1)
         self._queues: dict[int, asyncio.Queue] = {}
         self._pong_waiters: list[asyncio.Future] = []
+        self._drop_waiters: list[asyncio.Future] = []  # pings that fail when the connection drops (first request)
         self._reader: asyncio.Task | None = None
         self._heartbeat: asyncio.Task | None = None
         self._monitor_task: asyncio.Task | None = None
@@ -200,8 +201,7 @@ class AsyncClient:
                 f"the verifier at {self.address} is gone: {why} (request {rid}); the client reconnects when a "
                 "verifier listens there again", "verifier_gone"))
         self._queues.clear()
-        waiters, self._pong_waiters = self._pong_waiters, []
-        for w in waiters:
+        for w in self._drop_waiters:  # a public ping() just waits on: the verifier may come back within its timeout
             if not w.done():
                 w.set_exception(PipespecError(f"the verifier at {self.address} is gone: {why}", "verifier_gone"))
         self.max_message_bytes = None  # a verifier that comes back may announce other limits
@@ -237,11 +237,16 @@ class AsyncClient:
 
     async def ping(self, timeout_s: float = 5.0) -> dict[str, Any]:
         """Ask the verifier for its state (``drafter_connected``, ``drafters``, ``target``, ``sessions``,
-        ``max_message_bytes``)."""
+        ``max_message_bytes``); ``TimeoutError`` when no answer comes within ``timeout_s``."""
+        return await self._ping(timeout_s)
+
+    async def _ping(self, timeout_s: float, fail_on_drop: bool = False) -> dict[str, Any]:
         if self._sock is None:
             raise RuntimeError("use the client inside 'async with AsyncClient(address) as client:'")
         waiter = asyncio.get_running_loop().create_future()
         self._pong_waiters.append(waiter)
+        if fail_on_drop:
+            self._drop_waiters.append(waiter)
         try:
             await self._sock.send_multipart(encode(Ping()))
             msg: Pong = await asyncio.wait_for(waiter, timeout_s)
@@ -249,8 +254,9 @@ class AsyncClient:
             raise TimeoutError(f"no answer from the verifier at {self.address} within {timeout_s} s{self._hint()}") \
                 from None
         finally:
-            with contextlib.suppress(ValueError):
-                self._pong_waiters.remove(waiter)
+            for waiters in (self._pong_waiters, self._drop_waiters):
+                with contextlib.suppress(ValueError):
+                    waiters.remove(waiter)
         return msg.to_dict()
 
     async def stream(
@@ -300,7 +306,7 @@ class AsyncClient:
         if self.max_message_bytes is None:  # first request (or first since the verifier went): learn its cap
             await self._await_connection()
             try:  # connected: a verifier busy with a long round answers after it, so wait as long as for a reply
-                await self.ping(timeout_s=self.timeout_s)
+                await self._ping(self.timeout_s, fail_on_drop=True)
             except TimeoutError:
                 raise PipespecError(f"no pong from the verifier at {self.address} within {self.timeout_s} s",
                                     "verifier_gone") from None
