@@ -623,13 +623,19 @@ class VerifierServer:
     def _fail(self, s: Session, code: str, message: str) -> None:
         """End a session with an ``error`` to its client (its request_id and ``code``) and a ``session_end`` to the
         drafter, and free it."""
-        if self.sessions.pop(s.sid, None) is None:
+        if s.sid not in self.sessions:
             return  # already gone
+        self.client_sock.send_multipart([s.client, *error_frames(message, code, request_id=s.request_id)])
+        self._release(s)
+
+    def _release(self, s: Session) -> None:
+        """Free an ended session: out of the tables, and a ``session_end`` to its drafter, if it had one."""
+        if self.sessions.pop(s.sid, None) is None:
+            return
         self.by_request.pop((s.client, s.request_id), None)
         with contextlib.suppress(ValueError):
             self.order.remove(s.sid)
-        self.client_sock.send_multipart([s.client, *error_frames(message, code, request_id=s.request_id)])
-        self._detach(s)  # session_end to its drafter, if it had one
+        self._detach(s)
 
     def _run_round(self, s: Session) -> None:
         d = s.drafter  # what this session's own drafter needs with each commit
@@ -701,10 +707,7 @@ class VerifierServer:
             self._fail(s, "internal_error", f"the verifier failed to finish this request: {exc!r:.300}")
             return
         self.client_sock.send_multipart([s.client, *frames])
-        self._detach(s)
-        del self.sessions[s.sid]
-        del self.by_request[(s.client, s.request_id)]
-        self.order.remove(s.sid)
+        self._release(s)
 
 
 def run(config: dict[str, Any]) -> None:
