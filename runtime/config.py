@@ -38,6 +38,9 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "max_memory": None,
         "draft_timeout_ms": 3000,
         "max_sessions": 64,
+        "batching": True,
+        "max_batch_sessions": 64,
+        "max_batch_tokens": 1024,
         "max_message_bytes": DEFAULT_MAX_MESSAGE_BYTES,
         "allow_remote": False,
     },
@@ -52,6 +55,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "draft_schedule": "cost",
         "max_draft_tokens": 16,
         "overlap": True,
+        "batching": True,
         "q_top_k": 64,
         "verifier_endpoint": None,
         "max_memory": None,
@@ -234,7 +238,8 @@ def validate(config: dict[str, Any]) -> None:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 600:
             raise ConfigError(f"{dotted}: must be a number of seconds in [0, 600] (0: no profile), got {value!r}")
     for dotted in ("drafter.num_draft_tokens", "drafter.max_draft_tokens",
-                   "verifier.max_sessions", "verifier.max_message_bytes", "verifier.draft_timeout_ms"):
+                   "verifier.max_sessions", "verifier.max_message_bytes", "verifier.draft_timeout_ms",
+                   "verifier.max_batch_sessions", "verifier.max_batch_tokens"):
         _positive_int(config, dotted)
     _positive_int(config, "drafter.q_top_k", minimum=0)
     _positive_int(config, "drafter.prompt_lookup_num_tokens")
@@ -248,7 +253,8 @@ def validate(config: dict[str, Any]) -> None:
                           f"{config['launch']['drafters']} (more can join with --role drafter)")
     if not isinstance(d["draft_schedule"], str) or d["draft_schedule"] not in SCHEDULES:
         raise ConfigError(f"drafter.draft_schedule: one of {', '.join(SCHEDULES)}, got {d['draft_schedule']!r}")
-    for dotted in ("drafter.overlap", "verifier.allow_remote", "launch.start_drafter"):
+    for dotted in ("drafter.overlap", "verifier.allow_remote", "launch.start_drafter", "verifier.batching",
+                   "drafter.batching"):
         section, key = dotted.split(".")
         if not isinstance(config[section][key], bool):
             raise ConfigError(f"{dotted}: must be true or false, got {config[section][key]!r}")

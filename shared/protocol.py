@@ -478,10 +478,13 @@ class Commit(Message):
     accepted: int = 0
     verify_s: float | None = None  # the round's target forward time
     threads: int = 0  # the verifier's torch threads in that forward (0: unknown)
+    batch_sessions: int = 1  # sessions verified in that forward (batched verification; verify_s is the whole one's)
+    batch_tokens: int = 0  # tokens that forward ran over, every row's (0: unknown, drafted + 1)
     tensors: dict[str, torch.Tensor] = _tensors()  # extras: hidden, kv.{layer} for the committed positions
 
     def validate(self) -> None:
-        _non_negative(self.TYPE, self, "base_len", "new_len", "drafted", "accepted", "verify_s", "threads")
+        _non_negative(self.TYPE, self, "base_len", "new_len", "drafted", "accepted", "verify_s", "threads",
+                      "batch_sessions", "batch_tokens")
 
 
 @_message
@@ -580,6 +583,9 @@ class Pong(Message):
     drafters: list[dict[str, Any]] = field(default_factory=list)  # {id, type, host, sessions, alive} per drafter
     max_message_bytes: int = 0  # the verifier's cap: a client never sends a larger message (0: not announced)
     heartbeat_timeout_s: float = 0.0  # a client silent this long loses its sessions (0.0: not announced)
+    forwards: int = 0  # target forwards of verification rounds so far (a batched one counts once)
+    mean_batch_sessions: float = 0.0  # sessions per such forward, on average
+    mean_batch_tokens: float = 0.0  # tokens per such forward (every row's), on average
 
 
 @_message

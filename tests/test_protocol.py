@@ -77,7 +77,7 @@ VALID: dict[str, Message] = {
     "draft": Draft(session=3, base_len=10, epoch=1, tokens=[4, 5, 6], idle_rounds=0, overlap=False,
                    sent_at=1.7e9, stats={"blocks": 2, "plans": {"k=3": 2}}),
     "commit": Commit(session=3, base_len=10, tokens=[4, 5], new_len=12, drafted=3, accepted=1, verify_s=0.25,
-                     threads=2),
+                     threads=2, batch_sessions=3, batch_tokens=9),
     "state": State(session=3, base_len=10, end=9),
     "session_end": SessionEnd(session=3),
     "heartbeat": Heartbeat(),
@@ -90,7 +90,8 @@ VALID: dict[str, Message] = {
     "ping": Ping(),
     "pong": Pong(drafter_connected=True, drafter_type="assistant", target="tiny", sessions=2,
                  drafters=[{"id": "d1", "type": "assistant", "host": "box", "sessions": 2, "alive": True}],
-                 max_message_bytes=4096, heartbeat_timeout_s=5.0),
+                 max_message_bytes=4096, heartbeat_timeout_s=5.0, forwards=9, mean_batch_sessions=2.5,
+                 mean_batch_tokens=7.5),
     "error": Error(message="boom", code="bad_message", request_id=7, session=4),
 }
 VARIANTS: list[Message] = [
@@ -316,7 +317,9 @@ def test_to_dict_gives_plain_values():
         "host": "box", "run_secret": "ab" * 32}
     assert Pong(drafter_connected=False).to_dict() == {"drafter_connected": False, "drafter_type": None,
                                                         "target": None, "sessions": 0, "drafters": [],
-                                                        "max_message_bytes": 0, "heartbeat_timeout_s": 0.0}
+                                                        "max_message_bytes": 0, "heartbeat_timeout_s": 0.0,
+                                                        "forwards": 0, "mean_batch_sessions": 0.0,
+                                                        "mean_batch_tokens": 0.0}
 
 
 @pytest.mark.parametrize("msg_type", sorted(MESSAGE_TYPES))
@@ -507,6 +510,7 @@ RANGE_ERRORS = [
     ("commit", {"drafted": -1}, "drafted"),
     ("commit", {"accepted": -1}, "accepted"),
     ("commit", {"threads": -2}, "threads"),
+    ("commit", {"batch_sessions": -1}, "batch_sessions"),
     ("commit", {"new_len": -1}, "new_len"),
     ("commit", {"verify_s": -0.5}, "verify_s"),
     ("commit", {"verify_s": float("nan")}, "verify_s"),

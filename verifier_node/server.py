@@ -32,6 +32,7 @@ import zmq
 
 from drafter_node.types import DRAFTER_TYPES
 from runtime import security
+from shared.batch import Row, can_batch, feed_rows
 from shared.costs import NodeProfile, measuring_alone
 from shared.kv import CachedLM, KVRowsError
 from shared.models import (
@@ -78,7 +79,7 @@ from shared.transport import Authenticator, bind_router
 from verifier_node.acceptance import check_ensemble_weight
 from verifier_node.draft_wait import DraftWait
 from verifier_node.drafters import DrafterLink, DrafterPool
-from verifier_node.session import NumericalError, RoundResult, Session
+from verifier_node.session import NumericalError, RoundPlan, RoundResult, Session
 
 log = logging.getLogger("pipespec.verifier")
 
@@ -86,6 +87,19 @@ log = logging.getLogger("pipespec.verifier")
 REAP_EVERY_S = 0.1
 #: Default ``client.heartbeat_timeout_s``: clients ping every ~0.5 s while they have requests in flight.
 CLIENT_HEARTBEAT_TIMEOUT_S = 5.0
+
+
+@dataclass
+class PendingRound:
+    """One session's part of a verification round between taking its draft and the target forward."""
+
+    session: Session
+    plan: RoundPlan
+    solo: bool  # a round the drafter's k = 0 plan gave to the verifier alone
+    demoted: bool  # its drafter missed once too often: move the session after this round
+    drafter_busy: bool  # its drafter pre-drafts while this round runs (the verifier keeps its thread share)
+    want_hidden: bool
+    kv_layers: list[int]
 
 
 @dataclass
@@ -105,7 +119,7 @@ def _state_tensors(
     return tensors, sum(t.numel() * t.element_size() for t in tensors.values())
 
 
-_NUMERIC_STATS = ("busy_s", "blocks", "predraft_hits", "rolled_back", "idle_blocks")
+_NUMERIC_STATS = ("busy_s", "blocks", "predraft_hits", "rolled_back", "idle_blocks", "batch_steps", "batch_rows")
 
 
 def _checked_stats(stats: dict[str, Any]) -> dict[str, Any]:
@@ -129,6 +143,10 @@ class VerifierServer:
         self.config = config
         self.draft_timeout = vcfg["draft_timeout_ms"] / 1000
         self.max_sessions = vcfg.get("max_sessions", 64)
+        # Batched verification: one target forward over every session whose round is ready (shared/batch.py).
+        self.max_batch_sessions = int(vcfg.get("max_batch_sessions", 64)) if vcfg.get("batching", True) else 1
+        self.max_batch_tokens = int(vcfg.get("max_batch_tokens", 1024))
+        self.forwards = self.batch_sessions_sum = self.batch_tokens_sum = 0
         self.max_bytes = vcfg.get("max_message_bytes", DEFAULT_MAX_MESSAGE_BYTES)
         # A client silent this long (no heartbeat ping, no message) has gone: its sessions are cancelled.
         self.client_timeout = float(config.get("client", {}).get("heartbeat_timeout_s", CLIENT_HEARTBEAT_TIMEOUT_S))
@@ -148,6 +166,10 @@ class VerifierServer:
             if spec.budget_s > 0:
                 self.profile = profile_node(self.model, vcfg["model"], vcfg["device"], spec, "verifier")
         self.dtype = model_dtype(self.model)
+        self.batching = self.max_batch_sessions > 1 and can_batch(CachedLM(self.model))
+        if self.max_batch_sessions > 1 and not self.batching:
+            log.warning("verifier: batched verification is not possible with this target (sliding-window layers or "
+                        "an attention kernel without custom masks): one forward per session")
         log.info("verifier: %s in %s, threads %d (share) / %d (full)", vcfg["model"], self.dtype, self.threads.share,
                  self.threads.full)
         self.vocab_size = logits_vocab_size(self.model)
@@ -194,8 +216,9 @@ class VerifierServer:
                  self.config["client"]["endpoint"])
         try:
             while self.running:
-                session = self._next_runnable()
-                timeout_ms = 0 if session else self._idle_timeout_ms()
+                now = time.monotonic()
+                busy = any(self._runnable(s, now) for s in self.sessions.values())
+                timeout_ms = 0 if busy else self._idle_timeout_ms()
                 events = dict(self.poller.poll(timeout_ms))
                 if self.drafter_sock in events:
                     self._drain(self.drafter_sock, self._on_drafter_message)
@@ -203,9 +226,11 @@ class VerifierServer:
                     self._drain(self.client_sock, self._on_client_message)
                 self._reap()  # after the drains: a long round must not make a drafter that kept talking look dead
                 self._drop_silent_clients()
-                session = self._next_runnable()
-                if session is not None:
-                    self._guarded_round(session)
+                work = self._next_work()
+                if isinstance(work, Session):
+                    self._guarded_prefill(work)
+                elif work:
+                    self._run_batch(work)
         finally:
             self.close()
 
@@ -267,15 +292,37 @@ class VerifierServer:
         for peer in [p for p in self.client_seen if p not in live and now - self.client_seen[p] > self.client_timeout]:
             del self.client_seen[peer]  # bounded: forget peers that are gone and hold nothing
 
-    def _next_runnable(self) -> Session | None:
+    def _runnable(self, s: Session, now: float) -> bool:
+        return not self._may_wait(s, now) or now - s.ready_since >= s.wait.limit_s()
+
+    def _next_work(self) -> Session | list[Session] | None:
+        """What to run next, round-robin: a session to prefill (a forward of its own), or the sessions whose next
+        round can run now, up to ``max_batch_sessions`` and ``max_batch_tokens`` (one session when batching is
+        off). Sessions taken move to the back of the order, so every session gets its turn."""
         now = time.monotonic()
-        for _ in range(len(self.order)):
-            sid = self.order[0]
-            self.order.rotate(-1)
+        batch: list[Session] = []
+        tokens = 0
+        for sid in list(self.order):
             s = self.sessions[sid]
-            if not self._may_wait(s, now) or now - s.ready_since >= s.wait.limit_s():
+            if not self._runnable(s, now):
+                continue
+            if not s.prefilled:
+                if batch:
+                    continue  # prefills come on their own turn
+                self.order.remove(sid)
+                self.order.append(sid)
                 return s
-        return None
+            fed = 1 + (len(s.draft["tokens"]) if s.draft is not None else 0)
+            if batch and tokens + fed > self.max_batch_tokens:
+                continue
+            batch.append(s)
+            tokens += fed
+            if len(batch) >= self.max_batch_sessions:
+                break
+        for s in batch:
+            self.order.remove(s.sid)
+            self.order.append(s.sid)
+        return batch or None
 
     @staticmethod
     def _may_wait(s: Session, now: float) -> bool:
@@ -535,7 +582,9 @@ class VerifierServer:
             self.client_sock.send_multipart([peer, *encode(Pong(
                 drafter_connected=bool(live), drafter_type=live[0].type if live else None,
                 drafters=self.pool.describe(), target=self.model_name, sessions=len(self.sessions),
-                max_message_bytes=self.max_bytes, heartbeat_timeout_s=self.client_timeout,
+                max_message_bytes=self.max_bytes, heartbeat_timeout_s=self.client_timeout, forwards=self.forwards,
+                mean_batch_sessions=self.batch_sessions_sum / self.forwards if self.forwards else 0.0,
+                mean_batch_tokens=self.batch_tokens_sum / self.forwards if self.forwards else 0.0,
             ))])
         else:
             raise ProtocolError(f"a client may not send {msg.TYPE!r}", code="unexpected")
@@ -609,16 +658,12 @@ class VerifierServer:
         return list(ids)
 
     # ------------------------------------------------------------------ rounds
-    def _guarded_round(self, s: Session) -> None:
-        """One round, contained: whatever fails inside it ends this session with an error, never the process."""
+    def _guarded_prefill(self, s: Session) -> None:
+        """A prefill, contained: whatever fails inside it ends this session with an error, never the process."""
         try:
-            self._run_round(s)
-        except NumericalError as exc:
-            log.error("session %d failed: %s", s.sid, exc)
-            self._fail(s, "numerical_error", str(exc))
+            self._prefill(s)
         except Exception as exc:
-            log.exception("session %d failed in a round", s.sid)
-            self._fail(s, "internal_error", f"the verifier failed on this request: {exc!r:.300}")
+            self._round_failed(s, exc)
 
     def _fail(self, s: Session, code: str, message: str) -> None:
         """End a session with an ``error`` to its client (its request_id and ``code``) and a ``session_end`` to the
@@ -637,21 +682,23 @@ class VerifierServer:
             self.order.remove(s.sid)
         self._detach(s)
 
-    def _run_round(self, s: Session) -> None:
-        d = s.drafter  # what this session's own drafter needs with each commit
+    def _prefill(self, s: Session) -> None:
+        d = s.drafter  # what this session's own drafter needs: hidden states or K/V rows of the prompt
         want_hidden = bool(d and d.needs_hidden)
         kv_layers = d.kv_layers if d else []
-        if not s.prefilled:
-            # A prompt is one long forward: every core (a drafter that drafts prefills its own copy meanwhile, one
-            # whose plan is k = 0 waits; the threads follow the plan again from the first round)
-            self._use_threads(self.threads.full)
-            if not (want_hidden or kv_layers):
-                self._announce(s)
-            hidden, kv = s.prefill(want_hidden, kv_layers)
-            if want_hidden or kv_layers:
-                self._announce(s, hidden, kv)
-            s.wait.ready(len(s.tokens), s.ready_since)
-            return
+        # A prompt is one long forward: every core (a drafter that drafts prefills its own copy meanwhile, one whose
+        # plan is k = 0 waits; the threads follow the plan again from the first round)
+        self._use_threads(self.threads.full)
+        if not (want_hidden or kv_layers):
+            self._announce(s)
+        hidden, kv = s.prefill(want_hidden, kv_layers)
+        if want_hidden or kv_layers:
+            self._announce(s, hidden, kv)
+        s.wait.ready(len(s.tokens), s.ready_since)
+
+    def _begin_round(self, s: Session) -> PendingRound:
+        """Take the session's draft (or none: a plain step) for this round and note what its drafter needs back."""
+        d = s.drafter
         now = time.monotonic()
         could_use = self._may_wait(s, now) or (s.draft is not None and s.solo_left == 0)
         waited = (s.draft["arrived"] if s.draft is not None else now) - s.ready_since
@@ -662,19 +709,84 @@ class VerifierServer:
             s.solo_left = draft["idle_rounds"]
         solo = s.solo_left > 0
         s.solo_left = max(0, s.solo_left - 1)
-        # Every core while the drafter idles (k = 0, a synchronous block, no drafter); the share while it pre-drafts.
-        drafter_busy = draft["tokens"] and draft["overlap"] and d is not None and d.alive()
-        self._use_threads(self.threads.share if drafter_busy and not solo else self.threads.full)
-        result = s.verify(draft["tokens"], draft["q"], want_hidden, kv_layers)
-        result.threads = self._threads_now
-        if solo:
-            s.metrics.solo_rounds += 1
-        s.wait.ready(len(s.tokens), s.ready_since)
-        self._publish(s, result)
-        if s.finished:
-            self._finish(s, s.finished)
-        elif demoted:
-            self._on_demoted(s)
+        drafter_busy = bool(draft["tokens"] and draft["overlap"] and d is not None and d.alive() and not solo)
+        return PendingRound(s, s.plan_round(draft["tokens"], draft["q"]), solo, demoted, drafter_busy,
+                            bool(d and d.needs_hidden), list(d.kv_layers) if d else [])
+
+    def _run_batch(self, batch: list[Session]) -> None:
+        """One verification round for every session of ``batch``: one target forward over all of them (batched
+        verification), each row accepted, committed and published on its own. A failure in one row ends that
+        session only."""
+        rounds = []
+        for s in batch:
+            try:
+                rounds.append(self._begin_round(s))
+            except Exception as exc:
+                self._round_failed(s, exc)
+        if not rounds:
+            return
+        # Every core while the drafters idle (k = 0, synchronous blocks, no drafter); the share while one pre-drafts.
+        self._use_threads(self.threads.share if any(r.drafter_busy for r in rounds) else self.threads.full)
+        for r, (logits, hidden, forward_s, rows, tokens) in zip(rounds, self._forward(rounds)):
+            if logits is None:
+                continue  # that row's own forward failed (already reported)
+            s = r.session
+            try:
+                result = s.finish_round(r.plan, logits, hidden, forward_s, r.kv_layers, rows, tokens)
+                result.threads = self._threads_now
+                if r.solo:
+                    s.metrics.solo_rounds += 1
+                s.wait.ready(len(s.tokens), s.ready_since)
+                self._publish(s, result)
+                if s.finished:
+                    self._finish(s, s.finished)
+                elif r.demoted:
+                    self._on_demoted(s)
+            except Exception as exc:
+                self._round_failed(s, exc)
+
+    def _forward(self, rounds: list[PendingRound]) -> list[tuple]:
+        """The target forward(s) of a round: one over every row when batching is on and the target allows it, else
+        one per row. Per row: (logits, hidden, forward seconds, sessions in its forward, tokens in its forward); a
+        row whose forward failed gets ``None`` logits."""
+        if len(rounds) > 1 and self.batching:
+            want_hidden = any(r.want_hidden for r in rounds)
+            tokens = sum(len(r.plan.fed) for r in rounds)
+            t0 = time.monotonic()
+            try:
+                outs = feed_rows(self.model, [Row(r.session.lm, r.plan.fed) for r in rounds], want_hidden)
+            except Exception:  # before any cache changed: every row gets a forward of its own instead
+                log.exception("a batched forward over %d sessions failed; running them one by one", len(rounds))
+            else:
+                forward_s = time.monotonic() - t0
+                self._count_forward(len(rounds), tokens)
+                return [(o.logits, o.hidden if r.want_hidden else None, forward_s, len(rounds), tokens)
+                        for r, o in zip(rounds, outs)]
+        results = []
+        for r in rounds:
+            t0 = time.monotonic()
+            try:
+                logits, hidden = r.session.lm.feed(r.plan.fed, want_hidden=r.want_hidden)
+            except Exception as exc:
+                self._round_failed(r.session, exc)
+                results.append((None, None, 0.0, 1, 0))
+                continue
+            self._count_forward(1, len(r.plan.fed))
+            results.append((logits, hidden, time.monotonic() - t0, 1, len(r.plan.fed)))
+        return results
+
+    def _count_forward(self, sessions: int, tokens: int) -> None:
+        self.forwards += 1
+        self.batch_sessions_sum += sessions
+        self.batch_tokens_sum += tokens
+
+    def _round_failed(self, s: Session, exc: Exception) -> None:
+        if isinstance(exc, NumericalError):
+            log.error("session %d failed: %s", s.sid, exc)
+            self._fail(s, "numerical_error", str(exc))
+        else:
+            log.error("session %d failed in a round", s.sid, exc_info=exc)
+            self._fail(s, "internal_error", f"the verifier failed on this request: {exc!r:.300}")
 
     def _use_threads(self, count: int) -> None:
         if count != self._threads_now:
@@ -686,6 +798,7 @@ class VerifierServer:
         if s.announced and s.drafter is not None:
             frames = encode(Commit(session=s.sid, base_len=r.base_len, tokens=r.tokens, new_len=len(s.tokens),
                                    drafted=r.drafted, accepted=r.accepted, verify_s=r.forward_s, threads=r.threads,
+                                   batch_sessions=r.batch_sessions, batch_tokens=r.batch_tokens,
                                    tensors=self._extras(s, r.hidden, r.kv)))
             s.metrics.bytes_out += sum(len(f) if isinstance(f, bytes) else f.nbytes for f in frames)
             self._send_to(s.drafter, frames)

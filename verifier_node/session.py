@@ -35,8 +35,23 @@ class RoundResult:
     drafted: int
     hidden: torch.Tensor | None  # last hidden states of the newly cached positions, when a drafter needs them
     kv: dict[str, torch.Tensor] | None = None  # K/V rows of the newly cached positions (``kv.{layer}``), when asked
-    forward_s: float = 0.0  # the target forward's time (a cost-curve sample of len(draft) + 1 tokens)
+    forward_s: float = 0.0  # the target forward's time (a cost-curve sample of batch_tokens over batch_sessions rows)
     threads: int = 0  # torch threads it ran with
+    batch_sessions: int = 1  # sessions in that forward
+    batch_tokens: int = 0  # tokens it ran over, every row's
+
+
+@dataclass
+class RoundPlan:
+    """One round of one session, before its forward: the committed length, the budget left, the draft it verifies
+    (cut to the budget) and its q rows."""
+
+    base_len: int
+    remaining: int
+    draft: list[int]
+    q: torch.Tensor | None
+    started: float
+    fed: list[int]  # the pending token and the draft: what the forward feeds
 
 
 @dataclass
@@ -58,6 +73,7 @@ class SessionMetrics:
     bytes_in: int = 0
     bytes_out: int = 0
     drafter_stats: dict = field(default_factory=dict)
+    verify_batch_sum: int = 0  # sessions in the target forwards of its rounds, summed (÷ rounds: verify_batch_mean)
 
     def record(self, drafted: int, accepted: int) -> None:
         self.rounds += 1
@@ -128,26 +144,41 @@ class Session:
         self.ready_since = time.monotonic()
         return hidden, kv
 
-    def verify(
-        self, draft: list[int], q: torch.Tensor | None, want_hidden: bool = False, kv_layers: list[int] = ()
-    ) -> RoundResult:
-        """Run one round on top of the committed prefix and commit its outcome. With ``want_hidden`` / ``kv_layers``
-        the result carries the hidden states / K/V rows of exactly the newly cached (committed) positions."""
-        t0 = time.monotonic()
+    def plan_round(self, draft: list[int], q: torch.Tensor | None) -> RoundPlan:
+        """What this round feeds: the pending token and the draft, cut so the round commits at most the tokens the
+        budget has left."""
         base_len = len(self.tokens)
         remaining = self.params.max_new_tokens - (base_len - self.prompt_len)
         draft = draft[: max(0, remaining - 1)]  # the round commits at most len(draft) + 1 tokens
         if q is not None:
             q = q[: len(draft)]
+        return RoundPlan(base_len, remaining, draft, q, time.monotonic(), [self.tokens[-1], *draft])
+
+    def verify(
+        self, draft: list[int], q: torch.Tensor | None, want_hidden: bool = False, kv_layers: list[int] = ()
+    ) -> RoundResult:
+        """Run one round on top of the committed prefix (a forward of its own) and commit its outcome. With
+        ``want_hidden`` / ``kv_layers`` the result carries the hidden states / K/V rows of exactly the newly cached
+        (committed) positions."""
+        plan = self.plan_round(draft, q)
         t_forward = time.monotonic()
-        logits, hidden = self.lm.feed([self.tokens[-1], *draft], want_hidden=want_hidden)
-        forward_s = time.monotonic() - t_forward
+        logits, hidden = self.lm.feed(plan.fed, want_hidden=want_hidden)
+        return self.finish_round(plan, logits, hidden, time.monotonic() - t_forward, kv_layers)
+
+    def finish_round(
+        self, plan: RoundPlan, logits: torch.Tensor, hidden: torch.Tensor | None, forward_s: float,
+        kv_layers: list[int] = (), batch_sessions: int = 1, batch_tokens: int = 0,
+    ) -> RoundResult:
+        """Accept from the target's ``logits`` over ``plan.fed`` (just appended to this session's cache, alone or in
+        a batched forward), commit, and crop the cache back to every committed token but the last."""
+        base_len, remaining, draft, q = plan.base_len, plan.remaining, plan.draft, plan.q
         prefix = torch.tensor(self.tokens, dtype=torch.long)
         scores = process_block(
             logits, prefix, torch.tensor(draft, dtype=torch.long), self.params, base_len - self.prompt_len
         )
         # One reduction per row: the max is NaN if any score is, +inf for an overflow, -inf when nothing is left.
         if not torch.isfinite(scores.amax(dim=-1)).all():
+            self.lm.crop(base_len - 1)  # the fed positions go: the session ends, but its cache stays consistent
             raise NumericalError(f"session {self.sid}: the target's scores at position {base_len} are not finite")
         if _ACCEPT_ALL:
             out = accept_everything(scores, draft, q, self._generator(base_len))
@@ -162,13 +193,15 @@ class Session:
         kv = self.lm.new_rows(list(kv_layers), len(draft) + 1, len(out)) if kv_layers else None
         self.lm.crop(len(self.tokens) - 1)
         self.metrics.record(len(draft), accepted)
-        self.metrics.verify_s += time.monotonic() - t0
+        self.metrics.verify_batch_sum += batch_sessions
+        self.metrics.verify_s += time.monotonic() - plan.started
         if self.first_token_at is None:
             self.first_token_at = time.monotonic()
         self.ready_since = time.monotonic()
         if hidden is not None:
             hidden = hidden[: len(out)]
-        return RoundResult(base_len, out, accepted, len(draft), hidden, kv, forward_s)
+        return RoundResult(base_len, out, accepted, len(draft), hidden, kv, forward_s,
+                           batch_sessions=batch_sessions, batch_tokens=batch_tokens or len(draft) + 1)
 
     def _generator(self, base_len: int) -> torch.Generator:
         return make_generator(self.params.seed or 0, base_len, stream=0)
@@ -217,6 +250,9 @@ class Session:
             "bytes_per_round": (m.bytes_in + m.bytes_out) / rounds,
             "message_overhead_ms_per_round": 1000 * m.message_s / rounds,
             "draft_transit_ms": 1000 * m.transit_s / m.drafts if m.drafts else 0.0,
+            "verify_batch_mean": m.verify_batch_sum / m.rounds if m.rounds else 0.0,
+            "draft_batch_mean": (m.drafter_stats.get("batch_rows", 0) / m.drafter_stats["batch_steps"]
+                                 if m.drafter_stats.get("batch_steps") else 0.0),
             "seed": self.params.seed,
             "ensemble_weight": self.ensemble_weight,  # not None: lossy by design (output distribution w·p + (1−w)·q)
         }

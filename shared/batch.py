@@ -1,0 +1,174 @@
+"""One forward over several sequences that each keep their own KV cache: the mechanism behind batched verification
+(many sessions' rounds in one target forward) and batched drafting (many sessions' draft steps in one drafter
+forward).
+
+Layout: every sequence keeps its own batch-1 ``DynamicCache`` (:class:`shared.kv.CachedLM`), so a session's prefill,
+rollback (``crop``), K/V rows for drafters and pre-draft rows work exactly as for one sequence. A batched forward
+stacks the rows' caches into one preallocated batch cache ``[B, heads, L_max + T, dim]`` per layer (row b's prefix in
+columns ``[0, L_b)``, zeros behind it), writes the new tokens' K/V into columns ``[L_max, L_max + T)`` in place, and
+runs the model over ``input_ids [B, T]`` (ragged rows padded to T) with each row's own position ids and a 4D additive
+mask: row b's new token t sees its own prefix columns and its own new tokens up to t — never the zero padding of a
+shorter prefix, never another row, never a padded slot. Afterwards each row's new K/V columns are appended to its own
+cache. The price is two copies of the batch's K/V per forward (the stacking and the append); next to the weights a
+forward reads that is small for short contexts, and it keeps one cache mechanism instead of two.
+
+A row may also bring its own visibility over its cached positions and new tokens (pre-draft rows flattened into one
+session's cache, :mod:`drafter_node.branches`) and its own position ids.
+
+Not for sliding-window models (their layers keep only the window) nor attention kernels that ignore a custom mask:
+:func:`can_batch` says so, and callers then run one forward per sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from shared.kv import CachedLM
+
+#: Attention implementations that take a custom 4D additive mask as given (transformers' mask builders return a 4D
+#: mask as is; eager adds it to the scores, sdpa passes it as ``attn_mask``).
+MASKABLE_ATTENTION = ("eager", "sdpa")
+
+
+def can_batch(lm: CachedLM) -> bool:
+    """Whether ``lm``'s model can run ragged batched forwards with a custom mask (no sliding-window layers, a
+    maskable attention kernel, plain dynamic cache layers)."""
+    if lm._sliding or getattr(lm.model.config, "_attn_implementation", "eager") not in MASKABLE_ATTENTION:
+        return False
+    return all(type(layer) is DynamicLayer for layer in lm.cache.layers)
+
+
+@dataclass
+class Row:
+    """One sequence's part of a batched forward: feed ``tokens`` on top of what ``lm`` caches.
+
+    ``positions``: position ids of the new tokens (default ``lm.length + i``). ``visible``: bool ``[T, lm.length +
+    T]``, which cached positions and new tokens each new token attends to (default: every cached position and the new
+    tokens up to itself, the causal rule)."""
+
+    lm: CachedLM
+    tokens: list[int]
+    positions: list[int] | None = None
+    visible: torch.Tensor | None = None
+
+
+@dataclass
+class RowOutput:
+    logits: torch.Tensor  # float32 [T, vocab]
+    hidden: torch.Tensor | None  # last hidden states [T, hidden] (when asked)
+
+
+class _FilledLayer(DynamicLayer):
+    """A batch cache layer whose prefix columns are already stacked in a tensor with room for the new tokens: the
+    forward's ``update`` writes them in place (no concatenation of the whole batch's K/V)."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, prefix_len: int):
+        super().__init__()
+        self.device = keys.device
+        self.keys, self.values = keys, values
+        self.prefix_len = prefix_len
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        end = self.prefix_len + key_states.shape[-2]
+        self.keys[:, :, self.prefix_len : end] = key_states
+        self.values[:, :, self.prefix_len : end] = value_states
+        return self.keys[:, :, :end], self.values[:, :, :end]
+
+    def get_seq_length(self) -> int:
+        return self.prefix_len
+
+
+def _layer_shapes(rows: list[Row], layer: int, new: int) -> tuple[tuple[int, ...], tuple[int, ...], torch.dtype]:
+    """Shapes of one layer's stacked keys and values (they may differ: MLA caches keys and values of other widths)."""
+    for row in rows:
+        held = row.lm.cache.layers[layer]
+        if row.lm.length and getattr(held, "keys", None) is not None:
+            k, v = held.keys, held.values
+            return (k.shape[1], k.shape[3]), (v.shape[1], v.shape[3]), k.dtype
+    raise ValueError("no row holds cached positions")
+
+
+def _stacked_cache(model, rows: list[Row], prefix: int, new: int) -> DynamicCache:
+    """A batch cache holding each row's cached positions in columns [0, L_b) and room for ``new`` tokens."""
+    cache = DynamicCache(config=model.config)
+    layers = []
+    for index in range(len(cache.layers)):
+        (kh, kd), (vh, vd), dtype = _layer_shapes(rows, index, new)
+        device = rows[0].lm._device
+        keys = torch.zeros(len(rows), kh, prefix + new, kd, dtype=dtype, device=device)
+        values = torch.zeros(len(rows), vh, prefix + new, vd, dtype=dtype, device=device)
+        for b, row in enumerate(rows):
+            if row.lm.length:
+                held = row.lm.cache.layers[index]
+                keys[b, :, : row.lm.length] = held.keys[0]
+                values[b, :, : row.lm.length] = held.values[0]
+        layers.append(_FilledLayer(keys, values, prefix))
+    cache.layers = layers
+    return cache
+
+
+def _mask_and_positions(rows: list[Row], prefix: int, new: int, dtype: torch.dtype) -> tuple[torch.Tensor,
+                                                                                             torch.Tensor]:
+    """The additive mask [B, 1, T, prefix + T] and position ids [B, T] of a batched forward."""
+    visible = torch.zeros(len(rows), new, prefix + new, dtype=torch.bool)
+    positions = torch.zeros(len(rows), new, dtype=torch.long)
+    causal = torch.ones(new, new, dtype=torch.bool).tril()
+    for b, row in enumerate(rows):
+        length, count = row.lm.length, len(row.tokens)
+        if row.visible is not None:
+            visible[b, :count, :length] = row.visible[:, :length]
+            visible[b, :count, prefix : prefix + count] = row.visible[:, length:]
+        else:
+            visible[b, :count, :length] = True
+            visible[b, :count, prefix : prefix + count] = causal[:count, :count]
+        # Padded slots see their own earlier slots: finite, ignored, and they never see a real row's columns.
+        visible[b, count:, prefix : prefix + new] = causal[count:]
+        pos = torch.tensor(row.positions, dtype=torch.long) if row.positions is not None else \
+            torch.arange(length, length + count)
+        positions[b, :count] = pos
+        positions[b, count:] = pos[-1] if count else length
+    mask = torch.zeros(visible.shape, dtype=dtype)
+    mask.masked_fill_(~visible, torch.finfo(dtype).min)
+    return mask[:, None], positions
+
+
+@torch.inference_mode()
+def feed_rows(model, rows: list[Row], want_hidden: bool = False) -> list[RowOutput]:
+    """Feed every row's tokens in one forward of ``model`` (all rows' ``lm`` share it); each row's cache gains its
+    new positions, as ``CachedLM.feed`` would. One row with the default causal rule is exactly ``CachedLM.feed``."""
+    if not rows:
+        return []
+    if any(not row.tokens for row in rows):
+        raise ValueError("every row must feed at least one token")
+    if len(rows) == 1 and rows[0].positions is None and rows[0].visible is None:
+        logits, hidden = rows[0].lm.feed(rows[0].tokens, want_hidden=want_hidden)
+        return [RowOutput(logits, hidden)]
+    lm0 = rows[0].lm
+    prefix = max(row.lm.length for row in rows)
+    new = max(len(row.tokens) for row in rows)
+    dtype = next(model.parameters()).dtype
+    device = lm0._device
+    ids = torch.zeros(len(rows), new, dtype=torch.long)
+    for b, row in enumerate(rows):
+        ids[b, : len(row.tokens)] = torch.tensor(row.tokens, dtype=torch.long)
+    mask, positions = _mask_and_positions(rows, prefix, new, dtype)
+    cache = _stacked_cache(model, rows, prefix, new) if prefix else DynamicCache(config=model.config)
+    out = model(input_ids=ids.to(device), attention_mask=mask.to(device), position_ids=positions.to(device),
+                cache=cache, use_cache=True, output_hidden_states=want_hidden)
+    results = []
+    for b, row in enumerate(rows):
+        count = len(row.tokens)
+        for index, layer in enumerate(cache.layers):
+            k = layer.keys[b : b + 1, :, prefix : prefix + count]
+            v = layer.values[b : b + 1, :, prefix : prefix + count]
+            row.lm.cache.update(k, v, index)  # a copy (cat): the batch cache is dropped after this forward
+        row.lm.length += count
+        row.lm.last_fed = count
+        hidden = out.hidden_states[-1][b, :count] if want_hidden else None
+        results.append(RowOutput(out.logits[b, :count].float(), hidden))
+    return results
