@@ -34,9 +34,10 @@ def exact_joint(model_or_folder, prompt: list[int] = PROMPT) -> torch.Tensor:
 
 
 async def sample_pairs(config, env=None, prompt: list[int] = PROMPT) -> torch.Tensor:
-    """Empirical joint of the first two tokens over N seeded requests (50 in flight at a time)."""
+    """Empirical joint of the first two tokens over N seeded requests (50 in flight at a time, so rounds are verified
+    in batches)."""
     counts = torch.zeros(VOCAB, VOCAB)
-    drafts = 0
+    drafts, batched = 0, 0.0
     async with cluster(config, env=env) as client:
         for start in range(0, N, 50):
             results = await asyncio.gather(*(
@@ -46,7 +47,10 @@ async def sample_pairs(config, env=None, prompt: list[int] = PROMPT) -> torch.Te
             for r in results:
                 counts[r.token_ids[0], r.token_ids[1]] += 1
                 drafts += r.metrics["drafts"]
+                batched = max(batched, r.metrics["verify_batch_mean"])
     assert drafts > 0, "the drafter never contributed: the check would test nothing"
+    if config["verifier"].get("batching", True):  # 50 requests in flight: the check covers batched verification
+        assert batched > 1.0, "no request shared a target forward with another"
     return counts / N
 
 
