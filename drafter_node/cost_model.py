@@ -19,6 +19,15 @@ token in that outcome (its top-1 after a full block, its next-best token at a re
 
 V and D are the cost curves of the verifier and the drafter (seconds per forward over n new tokens), measured at
 start-up and refined from the rounds that run; ``o`` is the round trip minus the verifier's forward.
+
+**Batches.** When B sessions run their rounds together (batched verification, batched drafting), one verifier
+forward covers every session's k + 1 tokens and one drafter step every session's rows, so each curve is read at B
+times its argument: V(B·(k+1)), D(B·R) (a drafter that does not batch runs B forwards: B·D(R)), plus B rows'
+context terms. Every plan's rate above is then one session's share of its batch's, and the comparison holds for the
+batch as a whole: the planner speculates at batch B only where E(k) / T_B(k) beats plain batched decoding,
+1 / V_full(B) — a per-batch-size choice of k (vLLM's static ``num_speculative_tokens_per_batch_size``, here from the
+measured curves; :meth:`CostBook.plans_by_batch` prints the table). B is the verifier's recent batch size, which
+every commit reports.
 """
 
 from __future__ import annotations
@@ -169,6 +178,8 @@ class CostBook:
         self.verify_threads = {"share": 0, "full": 0}
         self.draft_threads = {"share": 0, "full": 0}
         self.overhead_s: float | None = None
+        self.batch_sessions = 1.0  # sessions per verifier forward, recently (from the commits; EMA)
+        self.draft_batched = True  # the drafter advances all its sessions in one forward per step
 
     def session_acceptance(self) -> Acceptance:
         """A new session's acceptance estimate: the node's so far, with little weight, so the session's own text
@@ -239,12 +250,44 @@ class CostBook:
         seconds = max(0.0, seconds)
         self.overhead_s = seconds if self.overhead_s is None else 0.8 * self.overhead_s + 0.2 * seconds
 
-    def costs(self, context: int) -> Costs:
-        def at(curve) -> Curve:
-            return lambda n: curve.cost(n, context)
+    def observe_batch(self, sessions: int) -> None:
+        """A commit's verifier forward covered ``sessions`` sessions."""
+        if sessions >= 1:
+            self.batch_sessions = 0.8 * self.batch_sessions + 0.2 * float(sessions)
 
+    @property
+    def batch(self) -> int:
+        """The batch size plans are made for: the recent mean number of sessions per verifier forward."""
+        return max(1, round(self.batch_sessions))
+
+    def costs(self, context: int, batch: int | None = None) -> Costs:
+        """One session's round costs at ``batch`` sessions per forward (default: :attr:`batch`)."""
+        b = self.batch if batch is None else max(1, int(batch))
+
+        def together(curve) -> Curve:  # one forward over every session's n tokens, each row with its own context
+            if b == 1:
+                return lambda n: curve.cost(n, context)
+            return lambda n: curve.cost(b * n, context) + (b - 1) * max(0.0, curve.cost(n, context)
+                                                                       - curve.cost(n))
+
+        def one_by_one(curve) -> Curve:  # a drafter that does not batch: one forward per session
+            return lambda n: b * curve.cost(n, context)
+
+        drafting = together if self.draft_batched else one_by_one
         vs = self.verify.get("share") or self.verify.get("full")
         vf = self.verify.get("full") or vs
         ds = self.draft.get("share") or self.draft.get("full")
         df = self.draft.get("full") or ds
-        return Costs(at(vs), at(vf), at(ds), at(df), self.overhead_s or 0.0)
+        return Costs(together(vs), together(vf), drafting(ds), drafting(df), self.overhead_s or 0.0)
+
+    def plans_by_batch(self, acc: Acceptance, max_k: int, rows_ok: bool, context: int,
+                       batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64), overlap: bool = True) -> list[dict]:
+        """Per batch size: the plan the model picks and the batch's expected tokens/s with it and without drafting
+        (the table that replaces a static per-batch-size k)."""
+        table = []
+        for b in batches:
+            costs = self.costs(context, b)
+            plan = best_plan(acc, costs, max_k, rows_ok, allow_overlap=overlap)
+            table.append({"batch": b, "k": plan.k, "overlap": plan.overlap, "rows": plan.rows,
+                          "tokens_per_s": b * plan.rate, "plain_tokens_per_s": b / max(costs.verify_full(1), 1e-9)})
+        return table

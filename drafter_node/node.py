@@ -180,9 +180,11 @@ class NodeSession:
         return tokens, tensors, idle_rounds
 
     def on_commit(self, tokens: list[int], drafted: int, accepted: int, extras: dict[str, torch.Tensor],
-                  verify_s: float | None = None, verifier_threads: int = 0) -> None:
+                  verify_s: float | None = None, verifier_threads: int = 0, batch_sessions: int = 1,
+                  batch_tokens: int = 0) -> None:
         """Apply a commit; ``drafted`` is how many of our block's tokens the verifier checked (0: not used);
-        ``verify_s``: the verifier's forward time of the round (with ``verifier_threads`` threads)."""
+        ``verify_s``: the verifier's forward time of the round (with ``verifier_threads`` threads), a forward over
+        ``batch_tokens`` tokens of ``batch_sessions`` sessions (batched verification)."""
         t0 = time.monotonic()
         verified_ours = drafted > 0 and self.sent_base == self.base_len
         if verified_ours and accepted < len(tokens) and accepted < len(self.sent_guesses):
@@ -190,7 +192,8 @@ class NodeSession:
             if guess is not None:
                 self.schedule.observe_guess(bonus=accepted == drafted, correct=guess == tokens[accepted])
         if self.book is not None and verify_s is not None and verify_s > 0:
-            self.book.observe_verify(drafted + 1, verify_s, verifier_threads, self.base_len)
+            self.book.observe_verify(batch_tokens or drafted + 1, verify_s, verifier_threads, self.base_len)
+            self.book.observe_batch(batch_sessions)
             if verified_ours:
                 self.book.observe_overhead(time.monotonic() - self.sent_at - verify_s)
         chain_before = len(self.draft.chain)
@@ -246,6 +249,7 @@ class DrafterNode:
         self.book.set_drafter(self.profile, self.threads.share, self.threads.full)
         if self.drafter.free_drafting:  # no model: nothing to measure, and no step to learn a curve from
             self.book.set_free_drafter()
+        self.book.draft_batched = bool(dcfg.get("batching", True))
         self._fixed_costs = test_costs()
         if self._fixed_costs:
             self.book.fix_curves(*self._fixed_costs)
@@ -455,6 +459,11 @@ class DrafterNode:
             log.warning("ignored the verifier's cost profile: %s", exc)
         self.want_q = msg.want_q and self.drafter.capabilities.greedy_q
         log.info("connected to verifier (target %s)", msg.target)
+        if self.book.ready and self.dcfg.get("draft_schedule") == "cost":
+            for row in self.book.plans_by_batch(self.book.session_acceptance(), self.max_k, True, 0,
+                                                overlap=bool(self.dcfg.get("overlap", True))):
+                log.info("plan at batch %(batch)d (prior acceptance): k=%(k)d overlap=%(overlap)s rows=%(rows)d, "
+                         "%(tokens_per_s).1f tok/s vs %(plain_tokens_per_s).1f plain", row)
 
     def _on_heartbeat(self, msg: Heartbeat) -> None:
         """The verifier's answer to ours: it is there (``last_heard`` is updated for every message)."""
@@ -500,7 +509,8 @@ class DrafterNode:
         s = self.sessions.get(msg.session)
         if s is None or msg.base_len != s.base_len:
             return  # a duplicate or a commit for a session we no longer hold
-        s.on_commit(msg.tokens, msg.drafted, msg.accepted, msg.tensors, msg.verify_s, msg.threads)
+        s.on_commit(msg.tokens, msg.drafted, msg.accepted, msg.tensors, msg.verify_s, msg.threads, msg.batch_sessions,
+                    msg.batch_tokens)
 
     def _on_state(self, msg: State) -> None:
         s = self.sessions.get(msg.session)

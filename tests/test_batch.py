@@ -134,8 +134,8 @@ def test_batched_rounds_commit_what_each_session_commits_alone(tiny):
             done = len(s.generated)
             right = (truth_eos if s.sid == 3 else truth.get(s.sid, []))[done:]
             kind = (s.sid + rnd) % 4
-            drafts[s.sid] = sampled_draft(rnd) if s.sid == 4 else (right[:4] if kind == 0 else right[:2] + [3, 4, 5] if kind == 1
-                             else [7, 7, 7, 7, 7, 7] if kind == 2 else [])
+            mixed = [right[:4], [*right[:2], 3, 4, 5], [7, 7, 7, 7, 7, 7], []][kind]  # right, half, wrong, none
+            drafts[s.sid] = sampled_draft(rnd) if s.sid == 4 else mixed
         _batched_round(model, live, drafts)
         rnd += 1
         assert rnd < 60

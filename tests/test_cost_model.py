@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from drafter_node.cost_model import Acceptance, CostBook, Costs, best_plan, plans
 from drafter_node.schedule import SOLO_ROUNDS_MAX, SOLO_ROUNDS_MIN, CostSchedule
 from shared.costs import CostCurve, NodeProfile
@@ -137,3 +139,64 @@ def test_no_probes_where_not_even_a_perfect_drafter_could_pay():
         s.update(0, 0)
         assert s.k == 0 and not s.probing
     assert s.solo_period == period + 4  # each run alone ends in another one (a new idle block), never a probe
+
+
+def _batch_book(verify, draft) -> CostBook:
+    book = CostBook(8)
+    book.fix_curves(CostCurve(sizes=[1, 512], seconds=[verify(1), verify(512)], prefix_len=0),
+                    CostCurve(sizes=[1, 512], seconds=[draft(1), draft(512)], prefix_len=0))
+    return book
+
+
+def _good_acceptance(alpha: float = 0.6) -> Acceptance:
+    """α = ``alpha`` at every position (E(k) = (1 − α^(k+1)) / (1 − α)), with guesses right half the time."""
+    acc = Acceptance(8)
+    for beta in (*acc.positions, acc.bonus_guess, acc.correction_guess):
+        beta.successes = (alpha if beta in acc.positions else 0.5) * beta.trials
+    return acc
+
+
+def test_plans_by_batch_speculate_at_small_batches_and_step_plainly_at_large_ones():
+    """A memory-bound verifier (a large fixed cost per forward, a small one per token): speculation pays at batch 1,
+    where a forward of k + 1 tokens costs about one of 1; at batch 64 a forward already carries 64 tokens, so k + 1
+    tokens per session cost (k + 1) times more and plain batched decoding wins. The chosen plan is never slower than
+    plain decoding of the same batch."""
+    book = _batch_book(lambda n: 0.05 + 0.002 * n, lambda n: 0.004 + 0.0005 * n)
+    table = book.plans_by_batch(_good_acceptance(), 8, rows_ok=True, context=0)
+    by_batch = {row["batch"]: row for row in table}
+    assert by_batch[1]["k"] > 0 and by_batch[64]["k"] == 0
+    assert by_batch[1]["tokens_per_s"] > 1.5 * by_batch[1]["plain_tokens_per_s"]
+    for row in table:
+        assert row["tokens_per_s"] >= row["plain_tokens_per_s"] * (1 - 1e-9)
+    ks = [row["k"] for row in table]
+    assert ks == sorted(ks, reverse=True), "speculation shrinks as the batch grows"
+
+
+def test_flat_verifier_costs_keep_speculating_at_every_batch():
+    """A verifier whose forward costs the same up to 512 tokens (a large GPU): drafting pays at every batch size."""
+    book = _batch_book(lambda n: 0.05, lambda n: 0.004)
+    assert all(row["k"] > 0 for row in book.plans_by_batch(_good_acceptance(), 8, False, 0))
+
+
+def test_the_schedule_plans_for_the_batch_the_commits_report():
+    """Commits that report 64 sessions per forward turn the cost schedule to plain steps (k = 0); with one session
+    per forward the same curves and acceptance draft."""
+    book = _batch_book(lambda n: 0.05 + 0.002 * n, lambda n: 0.004 + 0.0005 * n)
+    book.acceptance = _good_acceptance()
+    alone = CostSchedule(4, 8, book, lambda: 0, overlap=False, rows_ok=False)
+    assert alone.k > 0
+    for _ in range(40):
+        book.observe_batch(64)
+    assert book.batch == 64
+    batched = CostSchedule(4, 8, book, lambda: 0, overlap=False, rows_ok=False)
+    assert batched.k == 0
+
+
+def test_a_drafter_that_does_not_batch_pays_per_session():
+    book = _batch_book(lambda n: 0.05, lambda n: 0.004)
+    together = book.costs(0, batch=16)
+    book.draft_batched = False
+    apart = book.costs(0, batch=16)
+    assert apart.draft_full(1) == pytest.approx(16 * 0.004)
+    assert together.draft_full(1) == pytest.approx(0.004)
+    assert together.verify_full(2) == pytest.approx(0.05)
