@@ -1,19 +1,30 @@
 """Batched drafting: many sessions' drafter steps (chain tokens and pre-draft rows) in one forward draft exactly
 what each session's own steps draft — greedy and sampled, after rollbacks (rows of several tokens), with pre-draft
-rows of several sessions in one forward, and after adopting a pre-drafted row.
+rows of several sessions in one forward, and after adopting a pre-drafted row; the node's batched loop gives
+greedy output identical to transformers' ``generate``, and the request metrics count the sessions per forward.
 
 Tokens must be identical; probabilities agree to float32 rounding (a batched forward pads and stacks, so its
 matmuls are not bit-identical to a batch-1 forward's)."""
 
 from __future__ import annotations
 
+import asyncio
+import copy
+
 import pytest
 import torch
+from conftest import tiny_config
+from tiny_models import reference_greedy
 from transformers import AutoModelForCausalLM
 
+import drafter_node.node
 from drafter_node.base import BatchStep, DraftToken
 from drafter_node.lm_drafter import LMDraftSession
+from drafter_node.node import DrafterNode
+from runtime.config import ConfigError, load_config
+from runtime.launch import cluster
 from shared.batch import feed_rows
+from shared.protocol import SessionStart
 from shared.sampling import GenerationParams
 
 PROMPTS = [[5, 17, 33], [100, 101, 7, 9, 9, 9, 9], [42] * 12 + [9, 8], list(range(3, 40))]
@@ -169,3 +180,142 @@ def test_sessions_that_cannot_batch_step_alone(tiny, model_dir, tokenizer_dir):
     session = LMDraftSession(model, PROMPTS[0], 3, GREEDY, 0, model.config.vocab_size)
     assert session.batch_step() is None  # sliding-window layers: no stacked cache
     assert session.propose(1) == 1
+
+
+def test_config_max_batch_sessions(tiny):
+    config = load_config(tiny_config(tiny("llama"), None))
+    assert config["drafter"]["max_batch_sessions"] == 64 and config["drafter"]["batching"] is True
+    for bad in (0, -1, 2.5, True, "8"):
+        with pytest.raises(ConfigError, match=r"drafter\.max_batch_sessions"):
+            load_config(tiny_config(tiny("llama"), None, max_batch_sessions=bad))
+
+
+# ---------------------------------------------------------------------------------------------------- the node
+@pytest.fixture
+def node_for(tiny, tmp_path):
+    """``node_for(**drafter_keys)`` → a DrafterNode over the tiny random llama with one session per prompt, all
+    wanting a step (no verifier: the loop's parts are called by hand)."""
+    nodes = []
+
+    def make(**keys):
+        config = load_config(tiny_config(tiny("llama"), tiny("llama", "random"), num_draft_tokens=4, **keys))
+        config["verifier"]["endpoint"] = f"ipc://{tmp_path}/nobody.ipc"
+        node = DrafterNode(config)
+        nodes.append(node)
+        for sid, prompt in enumerate(PROMPTS):
+            node._on_session_start(SessionStart(session=sid, token_ids=prompt, params=GREEDY.to_dict()))
+        return node
+
+    yield make
+    for node in nodes:
+        node.sock.close(linger=0)
+
+
+def reference_chains(node, steps: int) -> list[list[int]]:
+    model = node.drafter.model
+    out = []
+    for prompt in PROMPTS:
+        s = LMDraftSession(model, prompt, len(prompt), GREEDY, 0, model.config.vocab_size)
+        s.propose(steps)
+        out.append(s.chain_tokens)
+    return out
+
+
+def test_node_batches_every_session_that_wants_a_step_up_to_the_cap(node_for):
+    node = node_for(max_batch_sessions=3)
+    s0, s1, s2, s3 = (node.sessions[sid] for sid in range(4))
+    # Prompts not cached yet: rows of 3, 7, 14 and 37 tokens. A row longer than max_draft_tokens + 1 (a prefill, a
+    # long catch-up) steps alone; others join only with rows no longer than the work's (a forward pads to its
+    # longest row), or 2 tokens.
+    assert node._gather_steps(s3) is None
+    assert [s.sid for s, _ in node._gather_steps(s1)] == [1, 0]
+    for s in (s0, s1, s2, s3):
+        s.step()
+    assert [(s.stats["batch_steps"], s.stats["batch_rows"]) for s in (s0, s1, s2, s3)] == [(1, 1)] * 4
+    batch = node._gather_steps(s1)
+    assert [s.sid for s, _ in batch] == [1, 0, 2]  # the work first, then round-robin order, up to the cap
+    node._run_steps(batch)
+    batch = node._gather_steps(s3)
+    assert [s.sid for s, _ in batch] == [3, 0, 1]
+    node._run_steps(batch)
+    stats = [(s.stats["batch_steps"], s.stats["batch_rows"]) for s in (s0, s1, s2, s3)]
+    assert stats == [(3, 7), (3, 7), (2, 4), (2, 4)]
+    reference = reference_chains(node, 3)
+    for s in (s0, s1, s2, s3):
+        assert s.draft.chain_tokens == reference[s.sid][: len(s.draft.chain)]
+    assert [len(s.draft.chain) for s in (s0, s1, s2, s3)] == [3, 3, 2, 2]
+
+
+def test_node_without_batching_steps_one_session(node_for):
+    node = node_for(batching=False)
+    assert node.max_batch_sessions == 1 and node._gather_steps(node.sessions[0]) is None
+
+
+def prefilled(node):
+    for s in node.sessions.values():
+        s.step()
+    return node
+
+
+def test_a_failing_batched_forward_steps_each_session_alone(node_for, monkeypatch):
+    node = prefilled(node_for())
+    batch = node._gather_steps(node.sessions[0])
+    assert len(batch) == len(PROMPTS)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no batched forward today")
+
+    monkeypatch.setattr(drafter_node.node, "feed_rows", broken)
+    node._run_steps(batch)
+    reference = reference_chains(node, 2)
+    assert [s.draft.chain_tokens for s in node.sessions.values()] == reference
+    assert all(s.stats["batch_steps"] == s.stats["batch_rows"] == 2 for s in node.sessions.values())
+
+
+def test_a_session_whose_finish_fails_is_dropped_alone(node_for, monkeypatch):
+    node = prefilled(node_for())
+    batch = node._gather_steps(node.sessions[0])
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("bad state")
+
+    monkeypatch.setattr(node.sessions[2].draft, "pick", broken)
+    node._run_steps(batch)
+    assert sorted(node.sessions) == [0, 1, 3] and list(node.order) == [0, 1, 3]
+    reference = reference_chains(node, 2)
+    assert [node.sessions[sid].draft.chain_tokens for sid in (0, 1, 3)] == [reference[i] for i in (0, 1, 3)]
+    assert all(s.stats["batch_rows"] == 1 + len(PROMPTS) for s in node.sessions.values())
+
+
+# ---------------------------------------------------------------------------------------------------- end to end
+E2E_PROMPTS = [[5, 17, 33, 2, 60], [100, 101, 7], [42] * 12 + [9, 8], list(range(3, 30)), [9, 9], [70, 71, 72, 73]]
+E2E_NEW = [30, 24, 28, 20, 32, 26]
+
+
+@pytest.mark.parametrize(("drafter", "batching"), [("random", True), ("target", True), ("random", False)],
+                         ids=["batched-rejecting", "batched-predrafting", "one-by-one"])
+def test_concurrent_greedy_requests_match_transformers(tiny, drafter, batching):
+    """A random drafter (mostly rejected: chain steps after rollbacks, the verifier waiting) and the target itself
+    (everything accepted: pre-draft rows of several sessions in one forward)."""
+    target = tiny("llama")
+    config = tiny_config(target, tiny("llama", drafter), num_draft_tokens=3, batching=batching)
+    expected = [reference_greedy(target, p, n) for p, n in zip(E2E_PROMPTS, E2E_NEW)]
+
+    async def main():
+        async with cluster(copy.deepcopy(config)) as client:
+            return await asyncio.gather(*(client.generate(token_ids=p, max_new_tokens=n, eos_token_ids=[])
+                                          for p, n in zip(E2E_PROMPTS, E2E_NEW)))
+
+    results = asyncio.run(main())
+    for prompt, result, want in zip(E2E_PROMPTS, results, expected):
+        assert result.token_ids == want, f"prompt {prompt}"
+    means = [r.metrics["draft_batch_mean"] for r in results]
+    assert all(r.metrics["drafts"] > 0 for r in results)
+    if drafter == "target":
+        assert all(r.metrics["acceptance_rate"] == 1.0 for r in results)
+        assert sum(r.metrics["predraft_hits"] for r in results) > 0
+    if batching:
+        assert max(means) > 1, means
+        assert all(m >= 1 for m in means), means
+    else:
+        assert means == [1.0] * len(results), means
