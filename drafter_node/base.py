@@ -10,16 +10,23 @@ beyond them. The node calls three things:
 * ``rollback(keep)`` — cut the chain to its first ``keep`` tokens and undo any state built on the dropped ones.
 
 Types differ only in how ``propose`` chooses tokens and what ``_truncate`` must undo (a KV cache, nothing, …).
+
+Batched drafting: a type whose step is one forward of a causal LM over its own :class:`~shared.kv.CachedLM` may
+also express that step as :meth:`DraftSession.batch_step` — the rows it feeds plus a ``finish`` that applies their
+outputs — so the node runs many sessions' steps as one :func:`shared.batch.feed_rows` forward. Types that cannot
+(no model, target state, several forwards per step) return None and step alone.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
+from shared.batch import Row, RowOutput
 from shared.protocol import Capabilities
 from shared.sampling import GenerationParams
 
@@ -32,6 +39,32 @@ class DraftToken:
     alt_prob: float | None = None  # … and of ``alt``: together they rank a block's outcomes (drafter_node/branches)
     q_idx: torch.Tensor | None = None  # support of q: the distribution it was drawn from (sampling), or the
     q_prob: torch.Tensor | None = None  # drafter's top-m softmax, not renormalised (greedy, when ``want_q``)
+
+
+@dataclass
+class BatchStep:
+    """One session's next drafter step as part of a batched forward: the ``rows`` it feeds (on its own caches) and
+    ``finish(outputs)``, which applies their outputs (one :class:`~shared.batch.RowOutput` per row, in order) as the
+    session's own step would. Until ``finish`` the session's drafting state is unchanged (its cache is at most cropped
+    to what the step feeds on top of), so a step that is not run, or whose forward failed, may be taken alone."""
+
+    rows: list[Row]
+    finish: Callable[[list[RowOutput]], None]
+
+    @property
+    def model(self):
+        """The model every row runs on: steps batch together only over the same one."""
+        return self.rows[0].lm.model
+
+    @property
+    def tokens(self) -> int:
+        """New tokens over all rows (the step's size: pre-draft rows, or the chain tokens it feeds)."""
+        return sum(len(row.tokens) for row in self.rows)
+
+    @property
+    def width(self) -> int:
+        """The longest row: a batched forward pads every row to its longest."""
+        return max(len(row.tokens) for row in self.rows)
 
 
 class DraftSession(ABC):
@@ -67,6 +100,11 @@ class DraftSession(ABC):
     @abstractmethod
     def propose(self, n: int) -> int:
         """Extend the chain by up to ``n`` tokens; return how many were added (0: nothing to propose now)."""
+
+    def batch_step(self) -> BatchStep | None:
+        """The next step the node would take (``speculate_step`` while speculating, else ``propose(1)``) as rows of a
+        batched forward, or None: this session cannot join a batch now and steps alone."""
+        return None
 
     def observe_commit(self, tokens: list[int], extras: dict[str, torch.Tensor] | None = None) -> int:
         """Apply a commit. Returns how many chain tokens it confirmed (all of ``tokens`` matched = a hit)."""

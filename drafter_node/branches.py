@@ -10,7 +10,9 @@ The rows are never copied out of the session's cache. Each step feeds the R rows
 forward of R new tokens onto the cache of ``committed + block``, with explicit position ids (row r at depth j sits
 at position ``committed + r + j``) and a 4D mask in which a token sees the committed prefix, its row's kept drafts
 ``block[:r]``, and its own row's earlier slots — not the dropped drafts, not other rows. So the cache grows by R
-slots per step (step-major: step j holds one slot per row) and nothing of the context is copied or repeated.
+slots per step (step-major: step j holds one slot per row) and nothing of the context is copied or repeated. The
+cache's ``length`` counts those slots too, so a step can also run as one row of a batched forward over several
+sessions (:meth:`Branches.batch_step`, :func:`shared.batch.feed_rows`: the same tokens, positions and visibility).
 
 When the commit arrives, the row it confirms is moved in place to directly after ``committed + block[:r]`` (an
 ``index_select`` of its few slots and a write into the tail) and the cache is cropped behind it: adoption is
@@ -26,7 +28,8 @@ from collections.abc import Callable
 import torch
 from transformers.cache_utils import DynamicLayer
 
-from drafter_node.base import DraftToken
+from drafter_node.base import BatchStep, DraftToken
+from shared.batch import Row
 from shared.kv import CachedLM
 
 #: Attention implementations that take a custom 4D additive mask as given (transformers' ``create_causal_mask``
@@ -99,16 +102,23 @@ class Branches:
         weights."""
         return None if self.weights is None else sum(self.weights)
 
-    def _mask(self) -> torch.Tensor:
-        """The additive mask [1, 1, R, cached + R] for the next step's R tokens."""
+    def _visible(self) -> torch.Tensor:
+        """Which of the cached slots and the next step's R tokens each of those tokens sees: bool [R, cached + R]."""
         rows, depth = len(self.rows), self.depth
         prefix = torch.arange(self.base + self.k)[None, :] < self._cuts[:, None]
         # Tail slots are step-major: slot j * R + i is row i's token at depth j; a row sees only its own.
         tail = torch.arange(rows * (depth + 1))[None, :] % rows == torch.arange(rows)[:, None]
-        visible = torch.cat([prefix, tail], dim=1)
+        return torch.cat([prefix, tail], dim=1)
+
+    def _mask(self) -> torch.Tensor:
+        """The additive mask [1, 1, R, cached + R] for the next step's R tokens."""
+        visible = self._visible()
         mask = torch.zeros(visible.shape, dtype=self._dtype)
         mask.masked_fill_(~visible, torch.finfo(self._dtype).min)
         return mask[None, None]
+
+    def _positions(self) -> torch.Tensor:
+        return self._cuts + self.depth  # row r at depth j: base + r + j
 
     @torch.inference_mode()
     def step(self, choose_rows: Callable[[torch.Tensor, list[list[int]]], list[DraftToken]]) -> None:
@@ -117,11 +127,22 @@ class Branches:
         out = self.lm.model(
             input_ids=torch.tensor([self.pending], dtype=torch.long, device=device),
             attention_mask=self._mask().to(device),
-            position_ids=(self._cuts + self.depth)[None].to(device),  # row r at depth j: base + r + j
+            position_ids=self._positions()[None].to(device),
             cache=self.lm.cache,
             use_cache=True,
         )
-        nxt = choose_rows(out.logits[0].float(), [self.context(i) for i in range(len(self.rows))])
+        self.lm.length += len(self.rows)  # the cache holds every slot: a batched step stacks it from ``length``
+        self.lm.last_fed = len(self.rows)
+        self._advance(out.logits[0].float(), choose_rows)
+
+    def batch_step(self, choose_rows: Callable[[torch.Tensor, list[list[int]]], list[DraftToken]]) -> BatchStep:
+        """The next :meth:`step` as one row of a batched forward (:func:`shared.batch.feed_rows`): the R pending
+        tokens with their positions and visibility over this cache; ``finish`` picks the next tokens as ``step``."""
+        row = Row(self.lm, list(self.pending), positions=self._positions().tolist(), visible=self._visible())
+        return BatchStep([row], lambda outputs: self._advance(outputs[0].logits, choose_rows))
+
+    def _advance(self, logits: torch.Tensor, choose_rows) -> None:
+        nxt = choose_rows(logits, [self.context(i) for i in range(len(self.rows))])
         for drafted, token in zip(self.drafted, nxt):
             drafted.append(token)
         self.pending = [t.token for t in nxt]

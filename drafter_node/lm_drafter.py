@@ -8,14 +8,18 @@ uses the very distribution the token was drawn from.
 Under greedy decoding a session with ``want_q`` (ensemble verification) also keeps q with each token: the
 drafter's softmax over its processed scores, truncated to its top-m tokens and *not* renormalised, so every value
 sent is exactly the drafter's probability and a token left out counts as q = 0 (m = 0 sends the full row).
+
+``batch_step`` gives the node the same step (a chain token, or a step of the pre-draft rows) as rows of a batched
+forward over many sessions; ``propose`` runs the very same chain step alone (the LM head over the last token only).
 """
 
 from __future__ import annotations
 
 import torch
 
-from drafter_node.base import DraftSession, DraftToken
+from drafter_node.base import BatchStep, DraftSession, DraftToken
 from drafter_node.branches import Branches, rank_outcomes, supports_flat_rows
+from shared.batch import Row, RowOutput, can_batch
 from shared.kv import CachedLM
 from shared.sampling import GenerationParams, make_generator, process_logits
 
@@ -81,10 +85,28 @@ class LMDraftSession(DraftSession):
         self._drop_branches()  # drafting the single chain needs the cache to end at committed + chain again
         added = 0
         while added < n and not self.ended:
-            ids = self.committed + self.chain_tokens
-            self.chain.append(self.pick(self.lm.next_logits(ids), ids))
+            step = self._chain_step()
+            row = step.rows[0]
+            logits, _ = row.lm.feed(row.tokens, last_logits_only=True)  # alone: the LM head over the last one only
+            step.finish([RowOutput(logits, None)])
             added += 1
         return added
+
+    def _chain_step(self) -> BatchStep:
+        """The next chain token's step: feed what the cache lacks of committed + chain, pick from the last logits."""
+        ids = self.committed + self.chain_tokens
+        return BatchStep([Row(self.lm, self.lm.uncached(ids))],
+                         lambda outputs: self.chain.append(self.pick(outputs[0].logits[-1], ids)))
+
+    def batch_step(self) -> BatchStep | None:
+        """``speculate_step`` (the pre-draft rows) while speculating, else ``propose(1)``, as a batched forward's
+        rows; None where the model cannot run batched forwards (sliding-window layers, a kernel without masks) or
+        the chain ended (``propose`` has nothing to add)."""
+        if not can_batch(self.lm):
+            return None
+        if self.branches is not None:
+            return self.branches.batch_step(self._choose_rows)
+        return None if self.ended else self._chain_step()
 
     def _truncate(self, length: int) -> None:
         self._drop_branches()
@@ -140,10 +162,11 @@ class LMDraftSession(DraftSession):
 
     def speculate_step(self) -> None:
         assert self.branches is not None
-        prefix = self.committed
-        self.branches.step(lambda logits, contexts: [
-            self.pick(row, prefix + ctx) for row, ctx in zip(logits, contexts)
-        ])
+        self.branches.step(self._choose_rows)
+
+    def _choose_rows(self, logits: torch.Tensor, contexts: list[list[int]]) -> list[DraftToken]:
+        """Each pre-draft row's next token from its logits (``contexts``: the rows' tokens after the committed)."""
+        return [self.pick(row, self.committed + ctx) for row, ctx in zip(logits, contexts)]
 
     def observe_commit(self, tokens: list[int], extras: dict[str, torch.Tensor] | None = None) -> int:
         branches = self.branches

@@ -4,6 +4,12 @@ verification.
 Loop: drain messages (session starts, commits, ends), then do one unit of work for one session, round-robin. A unit
 is either sending a ready block or one drafter step (one token), so a commit is noticed within one step.
 
+Batched drafting (``batching: true``, the default): when the unit is a step, every other session that wants one
+(whose block the verifier waits for first, then pre-drafting ones) joins it, up to ``max_batch_sessions``, and one
+drafter forward (:func:`shared.batch.feed_rows`) advances all their chains and pre-draft rows at once — for types
+whose sessions express a step as rows of such a forward (``DraftSession.batch_step``: model-based types over their
+own cache); the others step alone.
+
 Overlap (``overlap: true``): after sending a block, the session pre-drafts what comes after it while it is
 verified. Types that support it (``DraftSession.begin_speculation``; model-based drafters on greedy requests)
 extend every outcome of the block at once (see :mod:`drafter_node.branches`); others extend the single chain on the
@@ -40,11 +46,12 @@ from typing import Any
 import torch
 import zmq
 
-from drafter_node.base import Drafter, DraftSession
+from drafter_node.base import BatchStep, Drafter, DraftSession
 from drafter_node.cost_model import CostBook
 from drafter_node.schedule import CostSchedule, DraftLengthSchedule
 from drafter_node.types import drafter_class
 from runtime import security
+from shared.batch import feed_rows
 from shared.costs import CostCurve, NodeProfile, measuring_alone
 from shared.models import ModelLoadError, ProfileSpec, ThreadPlan, profile_node, profile_sizes, set_threads
 from shared.protocol import (
@@ -91,7 +98,9 @@ class NodeSession:
         self.exhausted = False  # propose() had nothing more to give on this base
         self.idle_period_sent = 0  # the schedule's k = 0 run whose idle block went out
         self.threads = 0  # torch threads of the last step (0: not set by the node)
-        self.stats = {"busy_s": 0.0, "blocks": 0, "predraft_hits": 0, "rolled_back": 0, "idle_blocks": 0}
+        # batch_steps: steps that advanced this session; batch_rows: the sessions in each of their forwards, summed
+        self.stats = {"busy_s": 0.0, "blocks": 0, "predraft_hits": 0, "rolled_back": 0, "idle_blocks": 0,
+                      "batch_steps": 0, "batch_rows": 0}
 
     @property
     def solo_wait(self) -> bool:
@@ -137,16 +146,27 @@ class NodeSession:
         return not self.draft.ended and len(self.draft.chain) < self.speculation_targets()
 
     def step(self) -> None:
+        """One step of this session alone (one drafter forward, or a cheap type's whole block)."""
         t0 = time.monotonic()
+        advanced = True
         if self.draft.speculation_depth is not None:
             self.draft.speculate_step()
         elif self.draft.propose(self._step_size()) == 0:
             self.exhausted = True
+            advanced = False
         spent = time.monotonic() - t0
-        self.schedule.observe_step(spent)
+        self.stepped(spent, 1 if advanced else 0)
         if self.book is not None and not self.draft.cheap_steps:
             self.book.observe_draft(self.draft.forward_size, spent, self.threads, self.base_len)
+
+    def stepped(self, spent: float, sessions: int) -> None:
+        """A step of ``spent`` seconds advanced this session in a forward over ``sessions`` sessions (0: it added
+        nothing)."""
+        self.schedule.observe_step(spent)
         self.stats["busy_s"] += spent
+        if sessions:
+            self.stats["batch_steps"] += 1
+            self.stats["batch_rows"] += sessions
 
     def _step_size(self) -> int:
         if not self.draft.cheap_steps:
@@ -240,6 +260,8 @@ class DrafterNode:
         self.dcfg = dcfg
         self.threads = ThreadPlan.for_node(config, "drafter")
         self.max_k = int(dcfg["max_draft_tokens"])
+        # Batched drafting: one drafter forward advances every session that wants a step (drafter.batching).
+        self.max_batch_sessions = int(dcfg.get("max_batch_sessions", 64)) if dcfg.get("batching", True) else 1
         set_threads(self.threads.share)
         # Load and measure while no other node on this machine does (the verifier starts at the same time).
         with measuring_alone(dcfg["device"]) if dcfg["profile_s"] > 0 else contextlib.nullcontext():
@@ -312,14 +334,15 @@ class DrafterNode:
         profile = profile_node(model, source, self.dcfg["device"], spec, "drafter")
         return profile
 
-    def _use_threads(self, s: NodeSession) -> None:
-        """Every core while the verifier waits for this session's block (synchronous rounds, probes, a pre-draft
-        miss); the node's share while the verifier works on the block in flight (pre-drafting)."""
-        wanted = self.threads.full if s.block_pending() else self.threads.share
+    def _use_threads(self, *sessions: NodeSession) -> None:
+        """Every core while the verifier waits for a block of these sessions (synchronous rounds, probes, a pre-draft
+        miss); the node's share while the verifier works on their blocks in flight (pre-drafting)."""
+        wanted = self.threads.full if any(s.block_pending() for s in sessions) else self.threads.share
         if wanted != self._threads_now:
             set_threads(wanted)
             self._threads_now = wanted
-        s.threads = wanted
+        for s in sessions:
+            s.threads = wanted
 
     def serve(self) -> int:
         signal.signal(signal.SIGTERM, lambda *_: self.stop())
@@ -383,12 +406,91 @@ class DrafterNode:
                     if work.ready_to_send():
                         self._send_block(work)
                     else:
-                        self._use_threads(work)
-                        work.step()
+                        batch = self._gather_steps(work)
+                        if batch is None:
+                            self._use_threads(work)
+                            work.step()
+                        else:
+                            self._run_steps(batch)
                 except Exception:  # one session's failure drops that session (the verifier steps alone), no more
                     log.exception("session %d failed while drafting; dropped", work.sid)
                     self._drop(work.sid)
         return 0
+
+    def _gather_steps(self, work: NodeSession) -> list[tuple[NodeSession, BatchStep]] | None:
+        """The sessions whose steps run with ``work``'s as one batched forward (``work`` first), or None: ``work``
+        steps alone (batching off, a type that cannot batch, a long catch-up or prefill, nobody to batch with).
+
+        Candidates: every other session that wants a step, those whose block the verifier waits for first, each in
+        round-robin order, up to ``max_batch_sessions``; only over the same model, and only rows no longer than
+        ``work``'s (or 2 tokens: a chain step after a rejection), since a batched forward pads every row to its
+        longest."""
+        if self.max_batch_sessions <= 1 or work.draft.cheap_steps:
+            return None
+        first = work.draft.batch_step()
+        if first is None or first.width > self.max_k + 1:
+            return None
+        batch = [(work, first)]
+        limit = max(first.width, 2)
+        others = [self.sessions[sid] for sid in self.order if sid != work.sid]
+        others.sort(key=lambda s: not s.block_pending())  # stable: round-robin order within each priority
+        for s in others:
+            if len(batch) >= self.max_batch_sessions:
+                break
+            if s.draft.cheap_steps or s.ready_to_send() or not s.wants_step():
+                continue
+            try:
+                step = s.draft.batch_step()
+            except Exception:
+                log.exception("session %d failed while drafting; dropped", s.sid)
+                self._drop(s.sid)
+                continue
+            if step is not None and step.model is first.model and step.width <= limit:
+                batch.append((s, step))
+        return batch if len(batch) > 1 else None
+
+    def _run_steps(self, batch: list[tuple[NodeSession, BatchStep]]) -> None:
+        """One drafter forward over the steps of ``batch``, then each session's ``finish``. A session whose finish
+        fails is dropped alone; a failing forward (nothing cached yet) falls back to one step per session."""
+        sessions = [s for s, _ in batch]
+        self._use_threads(*sessions)
+        rows = [row for _, step in batch for row in step.rows]
+        t0 = time.monotonic()
+        try:
+            outputs = feed_rows(batch[0][1].model, rows)
+        except Exception:
+            log.exception("a batched drafter forward over %d sessions failed; stepping them one by one", len(batch))
+            self._step_each(sessions)
+            return
+        done, start = [], 0
+        for s, step in batch:
+            count = len(step.rows)
+            try:
+                step.finish(outputs[start : start + count])
+            except Exception:
+                log.exception("session %d failed while drafting; dropped", s.sid)
+                self._drop(s.sid)
+            else:
+                done.append(s)
+            start += count
+        spent = time.monotonic() - t0
+        for s in done:
+            s.stepped(spent, len(batch))
+        # One cost-curve sample at the forward's total rows (pre-draft rows and chain tokens of every session); its
+        # context is the longest, to which the forward stacks every cache.
+        self.book.observe_draft(sum(step.tokens for _, step in batch), spent, self._threads_now,
+                                max(s.base_len for s in sessions))
+
+    def _step_each(self, sessions: list[NodeSession]) -> None:
+        for s in sessions:
+            if s.sid not in self.sessions:
+                continue
+            try:
+                self._use_threads(s)
+                s.step()
+            except Exception:
+                log.exception("session %d failed while drafting; dropped", s.sid)
+                self._drop(s.sid)
 
     def _drop(self, sid: int) -> None:
         s = self.sessions.pop(sid, None)

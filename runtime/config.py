@@ -56,6 +56,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "max_draft_tokens": 16,
         "overlap": True,
         "batching": True,
+        "max_batch_sessions": 64,
         "q_top_k": 64,
         "verifier_endpoint": None,
         "max_memory": None,
@@ -239,7 +240,7 @@ def validate(config: dict[str, Any]) -> None:
             raise ConfigError(f"{dotted}: must be a number of seconds in [0, 600] (0: no profile), got {value!r}")
     for dotted in ("drafter.num_draft_tokens", "drafter.max_draft_tokens",
                    "verifier.max_sessions", "verifier.max_message_bytes", "verifier.draft_timeout_ms",
-                   "verifier.max_batch_sessions", "verifier.max_batch_tokens"):
+                   "verifier.max_batch_sessions", "verifier.max_batch_tokens", "drafter.max_batch_sessions"):
         _positive_int(config, dotted)
     _positive_int(config, "drafter.q_top_k", minimum=0)
     _positive_int(config, "drafter.prompt_lookup_num_tokens")

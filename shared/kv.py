@@ -48,10 +48,16 @@ class CachedLM:
     def next_logits(self, ids: list[int]) -> torch.Tensor:
         """Logits for the token after the sequence ``ids`` (whose first ``length`` tokens are cached), feeding
         whatever the cache does not hold yet."""
+        logits, _ = self.feed(self.uncached(ids), last_logits_only=True)
+        return logits[-1]
+
+    def uncached(self, ids: list[int]) -> list[int]:
+        """The tokens of ``ids`` (whose first ``length`` tokens are cached) to feed for the logits after its last
+        one: what the cache does not hold yet, at least the last token (the cache is cropped before it if need
+        be). What :meth:`next_logits` feeds, and a batched drafter step's row (:mod:`shared.batch`)."""
         if self.length >= len(ids):
             self.crop(len(ids) - 1)  # need at least the last token's forward to get its logits
-        logits, _ = self.feed(ids[self.length :], last_logits_only=True)
-        return logits[-1]
+        return ids[self.length :]
 
     def crop(self, keep: int) -> None:
         """Drop cached positions beyond ``keep`` (rollback after a rejection); trim sliding layers to their window."""
