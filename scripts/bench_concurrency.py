@@ -381,7 +381,8 @@ def write_markdown(path: Path, report: dict[str, Any]) -> None:
         "request's rounds) and `draft_batch_mean` (rows per batched drafter step; 0 when the drafter reported no "
         "batched steps), averaged over the requests. forwards, mean batch sessions / tokens: the verifier's "
         "verification forwards during the level and their mean sessions / tokens, from its `ping()` before and "
-        "after the level.",
+        "after the level. The first is a mean over requests' rounds, the second over forwards, so a few large "
+        "batches raise the first more (a forward of 4 sessions counts once in the second, in 4 rounds in the first).",
         "- mismatches: requests whose greedy tokens differ from the transformers batched row's for the same prompt "
         "(same dtype). Left padding changes a batched row's arithmetic (other shapes and kernels), so in bfloat16 a "
         "near-tie can come out the other way in either row; the counts are reported as measured.",
