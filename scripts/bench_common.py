@@ -657,9 +657,11 @@ def worker_main(spec_json: str) -> int:
 
     Requests: ``ready``; ``generate`` (``ids``, ``max_new_tokens``, ``strategy``: ``{"kind": "target" | "assistant"
     | "universal" | "early_exit" | "prompt_lookup", ...}``) → ``token_ids``, ``time_s`` (around ``generate`` only),
-    ``stats``, ``generator``, ``settings``; ``curve`` (``model``: ``"target"`` or a path, ``sizes``, ``prefix_len``,
-    ``budget_s``, ``repeats``) → ``sizes``, ``seconds``, ``prefix_len``; ``quit``. A failing request answers
-    ``{"error": ...}`` and the worker goes on.
+    ``stats``, ``generator``, ``settings``; ``generate_batch`` (``ids``: a list of prompts, ``max_new_tokens``): the
+    target alone on all of them left-padded into one batch, greedy → ``token_ids`` (one list per prompt, cut after
+    its first end token, so no padding), ``time_s``, ``width`` (the padded prompt length); ``curve`` (``model``:
+    ``"target"`` or a path, ``sizes``, ``prefix_len``, ``budget_s``, ``repeats``) → ``sizes``, ``seconds``,
+    ``prefix_len``; ``quit``. A failing request answers ``{"error": ...}`` and the worker goes on.
     """
     global _START
     spec = json.loads(spec_json)
@@ -731,6 +733,8 @@ def worker_main(spec_json: str) -> int:
                 elapsed = time.perf_counter() - t0
             return {"token_ids": tokens, "time_s": elapsed, "stats": counter.stats(), "generator": counter.generator,
                     "settings": counter.settings}
+        if op == "generate_batch":
+            return generate_batch(target, req["ids"], req["max_new_tokens"])
         raise ValueError(f"unknown request {op!r}")
 
     while line := sys.stdin.readline():
@@ -743,6 +747,35 @@ def worker_main(spec_json: str) -> int:
         if req["op"] == "quit":
             break
     return 0
+
+
+def generate_batch(model: Any, prompts: list[list[int]], max_new_tokens: int) -> dict[str, Any]:
+    """Greedy ``generate`` on ``prompts`` left-padded into one batch (with the attention mask): the new tokens of each
+    prompt, cut after its first end token (rows that end early are padded by ``generate`` until the batch ends)."""
+    import torch
+
+    from shared.models import input_device
+
+    if not prompts or not all(prompts):
+        raise ValueError("generate_batch needs at least one prompt, none of them empty")
+    config = model.generation_config
+    eos = config.eos_token_id
+    eos = [] if eos is None else [int(e) for e in eos] if isinstance(eos, (list, tuple)) else [int(eos)]
+    pad = config.pad_token_id if config.pad_token_id is not None else (eos[0] if eos else 0)
+    width = max(len(p) for p in prompts)
+    device = input_device(model)
+    ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompts], dtype=torch.long, device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], dtype=torch.long, device=device)
+    t0 = time.perf_counter()
+    out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens,
+                         pad_token_id=pad)
+    rows = out[:, width:].tolist()  # .tolist() waits for a GPU too
+    elapsed = time.perf_counter() - t0
+    token_ids = []
+    for row in rows:
+        end = next((i for i, t in enumerate(row) if t in eos), None)
+        token_ids.append(row if end is None else row[: end + 1])
+    return {"token_ids": token_ids, "time_s": elapsed, "width": width}
 
 
 # ---------------------------------------------------------------------------------------------- the interleaved run
