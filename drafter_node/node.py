@@ -404,7 +404,7 @@ class DrafterNode:
             if work is not None:
                 try:
                     if work.ready_to_send():
-                        self._send_block(work)
+                        self._send_ready(work)
                     else:
                         batch = self._gather_steps(work)
                         if batch is None:
@@ -416,6 +416,20 @@ class DrafterNode:
                     log.exception("session %d failed while drafting; dropped", work.sid)
                     self._drop(work.sid)
         return 0
+
+    def _send_ready(self, work: NodeSession) -> None:
+        """Send ``work``'s block and every other block that is ready, back to back: the blocks of one batched step
+        reach the verifier together and are verified in one forward."""
+        self._send_block(work)
+        for sid in list(self.order):
+            s = self.sessions.get(sid)
+            if s is None or s is work or not s.ready_to_send():
+                continue
+            try:
+                self._send_block(s)
+            except Exception:  # that session alone is dropped
+                log.exception("session %d failed while sending its block; dropped", s.sid)
+                self._drop(s.sid)
 
     def _gather_steps(self, work: NodeSession) -> list[tuple[NodeSession, BatchStep]] | None:
         """The sessions whose steps run with ``work``'s as one batched forward (``work`` first), or None: ``work``

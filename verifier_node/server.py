@@ -83,6 +83,8 @@ from verifier_node.session import NumericalError, RoundPlan, RoundResult, Sessio
 
 log = logging.getLogger("pipespec.verifier")
 
+#: Longest wait for drafts on their way before a batched round runs without them (a tenth of a forward, at most).
+GATHER_MAX_S = 0.005
 #: How often the pool is checked for drafters that went silent.
 REAP_EVERY_S = 0.1
 #: Default ``client.heartbeat_timeout_s``: clients ping every ~0.5 s while they have requests in flight.
@@ -147,6 +149,7 @@ class VerifierServer:
         self.max_batch_sessions = int(vcfg.get("max_batch_sessions", 64)) if vcfg.get("batching", True) else 1
         self.max_batch_tokens = int(vcfg.get("max_batch_tokens", 1024))
         self.forwards = self.batch_sessions_sum = self.batch_tokens_sum = 0
+        self.forward_s_ema = 0.0  # recent verification forward time (bounds the wait for drafts on their way)
         self.max_bytes = vcfg.get("max_message_bytes", DEFAULT_MAX_MESSAGE_BYTES)
         # A client silent this long (no heartbeat ping, no message) has gone: its sessions are cancelled.
         self.client_timeout = float(config.get("client", {}).get("heartbeat_timeout_s", CLIENT_HEARTBEAT_TIMEOUT_S))
@@ -227,6 +230,8 @@ class VerifierServer:
                 self._reap()  # after the drains: a long round must not make a drafter that kept talking look dead
                 self._drop_silent_clients()
                 work = self._next_work()
+                if isinstance(work, list) and self._gather(work):
+                    work = self._next_work()
                 if isinstance(work, Session):
                     self._guarded_prefill(work)
                 elif work:
@@ -291,6 +296,26 @@ class VerifierServer:
         live = {s.client for s in self.sessions.values()}
         for peer in [p for p in self.client_seen if p not in live and now - self.client_seen[p] > self.client_timeout]:
             del self.client_seen[peer]  # bounded: forget peers that are gone and hold nothing
+
+    def _gather(self, batch: list[Session]) -> bool:
+        """Let drafts on their way join this round: a drafter sends one batched step's blocks back to back, and a
+        round started on the first would leave the rest for a forward of their own. While sessions outside ``batch``
+        still wait for a draft, read the drafter socket for up to a tenth of a recent forward (≤ GATHER_MAX_S).
+        True if anything arrived."""
+        if not self.batching or len(batch) >= self.max_batch_sessions:
+            return False
+        deadline = time.monotonic() + min(GATHER_MAX_S, 0.1 * self.forward_s_ema)
+        members = {s.sid for s in batch}
+        got = False
+        while True:
+            now = time.monotonic()
+            if now >= deadline or not any(sid not in members and self._may_wait(s, now)
+                                          for sid, s in self.sessions.items()):
+                return got
+            if not self.drafter_sock.poll(max(1, int(1000 * (deadline - now)))):
+                return got
+            self._drain(self.drafter_sock, self._on_drafter_message)
+            got = True
 
     def _runnable(self, s: Session, now: float) -> bool:
         return not self._may_wait(s, now) or now - s.ready_since >= s.wait.limit_s()
@@ -759,7 +784,7 @@ class VerifierServer:
                 log.exception("a batched forward over %d sessions failed; running them one by one", len(rounds))
             else:
                 forward_s = time.monotonic() - t0
-                self._count_forward(len(rounds), tokens)
+                self._count_forward(len(rounds), tokens, forward_s)
                 return [(o.logits, o.hidden if r.want_hidden else None, forward_s, len(rounds), tokens)
                         for r, o in zip(rounds, outs)]
         results = []
@@ -771,11 +796,13 @@ class VerifierServer:
                 self._round_failed(r.session, exc)
                 results.append((None, None, 0.0, 1, 0))
                 continue
-            self._count_forward(1, len(r.plan.fed))
-            results.append((logits, hidden, time.monotonic() - t0, 1, len(r.plan.fed)))
+            forward_s = time.monotonic() - t0
+            self._count_forward(1, len(r.plan.fed), forward_s)
+            results.append((logits, hidden, forward_s, 1, len(r.plan.fed)))
         return results
 
-    def _count_forward(self, sessions: int, tokens: int) -> None:
+    def _count_forward(self, sessions: int, tokens: int, seconds: float) -> None:
+        self.forward_s_ema = 0.8 * self.forward_s_ema + 0.2 * seconds
         self.forwards += 1
         self.batch_sessions_sum += sessions
         self.batch_tokens_sum += tokens
