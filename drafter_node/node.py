@@ -564,6 +564,7 @@ class DrafterNode:
             return None
 
     def _on_welcome(self, msg: Welcome) -> None:
+        first = not self.welcomed  # hellos queued while the verifier started are each welcomed
         self.welcomed = True
         self.last_heard = time.monotonic()
         self.drafter.target_vocab_size = msg.vocab_size
@@ -575,7 +576,7 @@ class DrafterNode:
             log.warning("ignored the verifier's cost profile: %s", exc)
         self.want_q = msg.want_q and self.drafter.capabilities.greedy_q
         log.info("connected to verifier (target %s)", msg.target)
-        if self.book.ready and self.dcfg.get("draft_schedule") == "cost":
+        if first and self.book.ready and self.dcfg.get("draft_schedule") == "cost":
             for row in self.book.plans_by_batch(self.book.session_acceptance(), self.max_k, True, 0,
                                                 overlap=bool(self.dcfg.get("overlap", True))):
                 log.info("plan at batch %(batch)d (prior acceptance): k=%(k)d overlap=%(overlap)s rows=%(rows)d, "
