@@ -169,3 +169,40 @@ def test_prompt_lookup_is_planned_too_and_stops_drafting_where_verifying_costs(t
     (result,) = run(config, {"PIPESPEC_TEST_COSTS": LINEAR_VERIFY}, [(prompt, 30)])
     assert result.token_ids == reference_greedy(target, prompt, 30)
     assert result.metrics["solo_rounds"] >= 20
+
+
+# Speculation pays for a session alone, not at batch 4+: the drafter's step grows with the rows it carries (4 sessions
+# cost 4 rows), so past 4 sessions its k steps cost more than the verifier saves (see drafter_node/cost_model.py).
+BATCH_BOUND = json.dumps({"verify": {"1": 0.011, "17": 0.027, "128": 0.138}, "draft": {"1": 0.005, "128": 0.64}})
+
+
+def test_the_plan_follows_the_batch_size_without_splitting_batches(tiny):
+    """One request alone drafts; six at once step plainly (k = 0: the batch makes drafting cost more than it saves)
+    and stay in one forward per round while the plans switch; alone again, drafting comes back. Every output equals
+    ``generate``."""
+    target = tiny("llama")
+    config = tiny_config(target, target, num_draft_tokens=3, draft_schedule="cost", max_draft_tokens=8)
+    prompts = [[5, 17, 33, 2, 60], [100, 101, 7], [9, 8, 7, 6], [40, 41], [3, 4, 5, 6, 7, 8, 9], [60, 61, 62]]
+
+    async def main():
+        async with cluster(config, env={"PIPESPEC_TEST_COSTS": BATCH_BOUND}) as client:
+            await wait_for_drafter(client)
+            first = await client.generate(token_ids=prompts[0], max_new_tokens=30, eos_token_ids=[])
+            before = await client.ping()
+            crowd = await asyncio.gather(*(client.generate(token_ids=p, max_new_tokens=40, eos_token_ids=[])
+                                           for p in prompts))
+            after = await client.ping()
+            last = await client.generate(token_ids=prompts[1], max_new_tokens=60, eos_token_ids=[])
+        return first, crowd, last, before, after
+
+    first, crowd, last, before, after = asyncio.run(main())
+    assert first.token_ids == reference_greedy(target, prompts[0], 30)
+    for p, r in zip(prompts, crowd):
+        assert r.token_ids == reference_greedy(target, p, 40)
+    assert last.token_ids == reference_greedy(target, prompts[1], 60)
+    assert first.metrics["drafts"] > 0 and first.metrics["solo_rounds"] == 0
+    assert sum(r.metrics["solo_rounds"] for r in crowd) > sum(r.metrics["rounds"] for r in crowd) / 2
+    forwards = after["forwards"] - before["forwards"]
+    sessions = after["mean_batch_sessions"] * after["forwards"] - before["mean_batch_sessions"] * before["forwards"]
+    assert sessions / forwards >= 3.0, "the six requests' rounds were split over many forwards"
+    assert last.metrics["drafts"] > 0, "alone again, drafting did not come back"
