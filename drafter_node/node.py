@@ -322,7 +322,9 @@ class DrafterNode:
 
     def profile_spec(self, config: dict[str, Any]) -> ProfileSpec:
         """What this node measures of its model: one to max_draft_tokens + 1 rows, at its thread counts."""
-        variant = f"early_exit:{self.dcfg['assistant_early_exit']}" if self.dcfg["type"] == "early_exit" else ""
+        from drafter_node.types import drafter_spec
+
+        variant = drafter_spec(self.dcfg["type"]).profile_variant(self.dcfg)
         return ProfileSpec(self.threads.counts(), profile_sizes(config), float(self.dcfg["profile_s"]), variant)
 
     def _profile(self, config: dict[str, Any]) -> NodeProfile | None:

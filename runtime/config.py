@@ -5,6 +5,10 @@ A config is YAML with four sections (``verifier``, ``drafter``, ``verification``
 type, a missing model, a device this machine lacks or missing CURVE keys fails here — before any process starts —
 with a :class:`ConfigError` that names the key. ``{run_dir}`` in an endpoint is replaced by the launcher's private
 run folder.
+
+Nothing here names a drafter type: the ``drafter`` section holds the keys every type has (below) plus every
+registered type's own keys, and what a type needs (a model, the target's checkpoint, its own checks) comes from its
+declaration (:class:`drafter_node.spec.DrafterSpec`, listed in ``drafter_node/types.py``).
 """
 
 from __future__ import annotations
@@ -19,13 +23,46 @@ from typing import Any
 import yaml
 
 from drafter_node.schedule import SCHEDULES
-from drafter_node.types import DRAFTER_TYPES
+from drafter_node.spec import DrafterSpec
+from drafter_node.types import DEFAULT_DRAFTER_TYPE, DRAFTER_TYPES, drafter_spec, drafter_specs
 from shared.models import AUTO, DTYPES
 from shared.protocol import DEFAULT_MAX_MESSAGE_BYTES, MAX_DRAFT_TOKENS
 from shared.transport import CURVE_MODES, EndpointError, check_endpoint, curve_wanted
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 DEFAULT_CONFIG = "cpu.yaml"
+
+#: The ``drafter`` keys every type has; each type's own keys and their defaults are in its spec.
+DRAFTER_COMMON: dict[str, Any] = {
+    "type": DEFAULT_DRAFTER_TYPE,
+    "model": None,  # required by types with needs_model (some default it to verifier.model)
+    "device": "cpu",
+    "dtype": "auto",
+    "threads": "auto",
+    "profile_s": 20,
+    "num_draft_tokens": 5,
+    "draft_schedule": "cost",
+    "max_draft_tokens": 16,
+    "overlap": True,
+    "batching": True,
+    "max_batch_sessions": 64,
+    "q_top_k": 64,  # read by types that send q
+    "verifier_endpoint": None,
+    "max_memory": None,
+    "target_model": None,  # read by types with reads_target: defaults to verifier.model
+}
+
+
+def type_keys() -> dict[str, Any]:
+    """Every registered drafter type's own keys with their defaults (a key two types declare: the first one's)."""
+    keys: dict[str, Any] = {}
+    for spec in drafter_specs():
+        for key, default in spec.keys.items():
+            if key in DRAFTER_COMMON:
+                raise TypeError(f"drafter type {spec.name!r} declares drafter.{key}, a key every type has")
+            keys.setdefault(key, default)
+    return keys
+
 
 DEFAULTS: dict[str, dict[str, Any]] = {
     "verifier": {
@@ -44,41 +81,14 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "max_message_bytes": DEFAULT_MAX_MESSAGE_BYTES,
         "allow_remote": False,
     },
-    "drafter": {
-        "type": "assistant",
-        "model": None,
-        "device": "cpu",
-        "dtype": "auto",
-        "threads": "auto",
-        "profile_s": 20,
-        "num_draft_tokens": 5,
-        "draft_schedule": "cost",
-        "max_draft_tokens": 16,
-        "overlap": True,
-        "batching": True,
-        "max_batch_sessions": 64,
-        "q_top_k": 64,
-        "verifier_endpoint": None,
-        "max_memory": None,
-        "assistant_early_exit": None,
-        "target_model": None,
-        "prompt_lookup_num_tokens": 10,
-        "max_matching_ngram_size": 2,
-    },
+    # The keys a config may hold (the registered types' own keys as of import; load_config asks the registry).
+    "drafter": {**DRAFTER_COMMON, **type_keys()},
     "verification": {"ensemble_weight": None},
     "client": {"endpoint": "ipc://{run_dir}/client.ipc", "timeout_s": 600, "heartbeat_timeout_s": 5.0},
     "launch": {"ready_timeout_s": 900, "start_drafter": True, "drafters": 1},
     "security": {"curve": "auto", "keys_dir": None, "drafter_key": "drafter", "client_key": "client"},
 }
 
-MODEL_TYPES_NEEDING_MODEL = {"assistant", "early_exit", "mtp", "mtp_drafter", "universal"}
-#: Types that read part of the target checkpoint besides their own: ``drafter.target_model`` defaults to
-#: ``verifier.model`` (a drafter on another host may name its own copy).
-TARGET_READING_TYPES = {"mtp_drafter", "universal"}
-#: Types that draft with the target checkpoint itself: ``drafter.model`` defaults to ``verifier.model``.
-SELF_DRAFTING_TYPES = {"early_exit", "mtp"}
-#: Types with no draft distribution q at all: static ensemble verification is refused with them.
-TYPES_WITHOUT_Q = {"prompt_lookup"}
 #: Most drafter processes one launcher starts (``launch.drafters``).
 MAX_LAUNCHED_DRAFTERS = 16
 
@@ -125,7 +135,10 @@ def load_config(
 
 
 def merge_defaults(raw: dict[str, Any]) -> dict[str, Any]:
+    """The defaults with ``raw``'s values over them; the drafter types' own keys stay unset until
+    :func:`validate` knows the type (its spec's defaults then fill them)."""
     config = copy.deepcopy(DEFAULTS)
+    config["drafter"] = copy.deepcopy(DRAFTER_COMMON)
     for section, values in raw.items():
         if section not in DEFAULTS:
             raise ConfigError(f"{section}: unknown config section (known: {', '.join(DEFAULTS)})")
@@ -157,8 +170,9 @@ def set_key(config: dict[str, Any], dotted: str, value: Any) -> None:
     section, _, key = dotted.partition(".")
     if section not in DEFAULTS:
         raise ConfigError(f"{dotted}: unknown config section {section!r} (known: {', '.join(DEFAULTS)})")
-    if key not in DEFAULTS[section]:
-        raise ConfigError(f"{dotted}: unknown key (known in {section}: {', '.join(DEFAULTS[section])})")
+    known = {**DRAFTER_COMMON, **type_keys()} if section == "drafter" else DEFAULTS[section]
+    if key not in known:
+        raise ConfigError(f"{dotted}: unknown key (known in {section}: {', '.join(known)})")
     config[section][key] = value
 
 
@@ -212,16 +226,17 @@ def validate(config: dict[str, Any]) -> None:
     _check_device("verifier.device", v["device"], hint)
     if not isinstance(d["type"], str) or d["type"] not in DRAFTER_TYPES:
         raise ConfigError(f"drafter.type: unknown drafter type {d['type']!r} (known: {', '.join(DRAFTER_TYPES)})")
-    if d["type"] in SELF_DRAFTING_TYPES and d["model"] is None:
+    spec = drafter_spec(d["type"])
+    _fill_type_keys(d, spec)
+    if spec.model_defaults_to_target and d["model"] is None:
         d["model"] = v["model"]
-    if d["type"] in MODEL_TYPES_NEEDING_MODEL:
+    if spec.needs_model:
         _check_model("drafter.model", d["model"])
-    if d["type"] in TARGET_READING_TYPES:
+    if spec.reads_target:
         if d["target_model"] is None:
             d["target_model"] = v["model"]
         _check_model("drafter.target_model", d["target_model"])
-    if d["type"] == "early_exit":
-        _positive_int(config, "drafter.assistant_early_exit")
+    _run_hook(spec.check, config)
     check_model_dependent(config)
     _check_device("drafter.device", d["device"], hint)
     for dotted in ("verifier.dtype", "drafter.dtype"):
@@ -243,8 +258,6 @@ def validate(config: dict[str, Any]) -> None:
                    "verifier.max_batch_sessions", "verifier.max_batch_tokens", "drafter.max_batch_sessions"):
         _positive_int(config, dotted)
     _positive_int(config, "drafter.q_top_k", minimum=0)
-    _positive_int(config, "drafter.prompt_lookup_num_tokens")
-    _positive_int(config, "drafter.max_matching_ngram_size")
     for key in ("num_draft_tokens", "max_draft_tokens"):  # longer drafts are refused by the verifier
         if d[key] > MAX_DRAFT_TOKENS:
             raise ConfigError(f"drafter.{key}: at most {MAX_DRAFT_TOKENS}, got {d[key]}")
@@ -362,56 +375,44 @@ def _check_ensemble(config: dict[str, Any]) -> None:
             "leave it unset (null) for standard, lossless verification"
         )
     kind = config["drafter"]["type"]
-    if kind in TYPES_WITHOUT_Q:
+    spec = drafter_spec(kind)
+    if not spec.sends_q:
         raise ConfigError(
             "verification.ensemble_weight: static ensemble verification requires the draft distribution q from a "
-            f"drafter model. It is not supported with prompt lookup decoding (drafter.type: {kind})."
+            f"drafter model. It is not supported with {spec.title} (drafter.type: {kind})."
         )
 
 
 def check_model_dependent(config: dict[str, Any]) -> None:
-    """Checks that need the model's own config.json; skipped while a named model is not converted yet (the launcher
-    calls this again after converting) and for hub ids (the drafter then checks when it starts)."""
+    """The drafter type's checks that need the model's own config.json (its spec's ``check_model``); a model that
+    is not a local folder yet is skipped: a named model not converted yet (the launcher calls this again after
+    converting) or a hub id (the drafter then checks when it starts)."""
     from shared import registry
 
-    d = config["drafter"]
-    if d["type"] not in ("early_exit", "mtp", "mtp_drafter"):
-        return
-
-    def local(name: str) -> Path | None:
+    def local(name: Any) -> Path | None:
+        if not isinstance(name, str) or not name:
+            return None
         folder = Path(registry.model_dir(name) if registry.is_named_model(name) else Path(name).expanduser())
         return folder if (folder / "config.json").exists() else None
 
-    from transformers import AutoConfig
+    _run_hook(drafter_spec(config["drafter"]["type"]).check_model, config, local)
 
-    if d["type"] == "mtp_drafter":
-        from drafter_node.mtp_drafter import MTPDrafterError, kv_layers_for
 
-        target, assistant = local(d["target_model"]), local(d["model"])
-        if target is None or assistant is None:
-            return
-        try:
-            kv_layers_for(AutoConfig.from_pretrained(str(target)), AutoConfig.from_pretrained(str(assistant)))
-        except (MTPDrafterError, ValueError) as exc:
-            raise ConfigError(str(exc)) from None
-        return
-    folder = local(d["model"])
-    if folder is None:
-        return
-    if d["type"] == "mtp":
-        from drafter_node.mtp import MTPError, check_mtp_checkpoint
+def _fill_type_keys(d: dict[str, Any], spec: DrafterSpec) -> None:
+    """Every type's own keys present (so code may read any of them), unset ones at their default: the configured
+    type's own default where it declares the key. Keys stay in the order of :data:`DEFAULTS`."""
+    filled = {**DRAFTER_COMMON, **type_keys(), **spec.keys, **d}
+    d.clear()
+    d.update(copy.deepcopy(filled))
 
-        try:
-            check_mtp_checkpoint(str(folder))
-        except MTPError as exc:
-            raise ConfigError(str(exc)) from None
-        return
 
-    from drafter_node.early_exit import EarlyExitError, check_exit_layer
-
+def _run_hook(hook, *args: Any) -> None:
+    """A drafter type's check; its ValueError (the message names the key) becomes a :class:`ConfigError`."""
     try:
-        check_exit_layer(AutoConfig.from_pretrained(str(folder)), d["assistant_early_exit"])
-    except EarlyExitError as exc:
+        hook(*args)
+    except ConfigError:
+        raise
+    except ValueError as exc:
         raise ConfigError(str(exc)) from None
 
 

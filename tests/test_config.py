@@ -8,12 +8,15 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from drafter_node.spec import DrafterSpec, positive_int
+from drafter_node.types import DRAFTER_TYPES, drafter_class, drafter_spec
 from runtime.config import (
     CONFIG_DIR,
     DEFAULTS,
@@ -399,3 +402,111 @@ def test_cli_subprocess_config_error_is_one_line_and_exit_2():
     assert lines[0].startswith("pipespec: error: ") and "drafter.type" in lines[0]
     assert proc.stdout == ""
     assert elapsed < 60, f"a config error took {elapsed:.1f} s to report"
+
+
+# ------------------------------------------------------------------------------------------------ drafter types
+
+
+def _register(monkeypatch, spec: DrafterSpec, **attrs: Any) -> None:
+    """Register ``spec`` the way a new type is: a module declaring SPEC, and one registry line naming it."""
+    module = types.ModuleType(f"toy_type_{spec.name}")
+    module.SPEC = spec
+    for name, value in attrs.items():
+        setattr(module, name, value)
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    monkeypatch.setitem(DRAFTER_TYPES, spec.name, module.__name__)
+
+
+def test_a_new_drafter_type_is_one_spec_and_one_registry_line(monkeypatch, tmp_path):
+    checked: list[Any] = []
+    looked_up: list[Any] = []
+
+    def check(config):
+        checked.append(config["drafter"]["toy_width"])
+        positive_int(config, "toy_width")
+
+    def check_model(config, local):
+        looked_up.append(local(config["drafter"]["model"]))
+        if config["drafter"]["toy_width"] > 100:
+            raise ValueError(f"drafter.toy_width: at most 100 for this model, got {config['drafter']['toy_width']}")
+
+    class ToyDrafter:
+        pass
+
+    spec = DrafterSpec(name="toy", cls="toy_type_toy:ToyDrafter", title="toy drafting",
+                       keys={"toy_width": 3, "max_matching_ngram_size": 5}, sends_q=False,
+                       check=check, check_model=check_model, profile_variant=lambda dcfg: f"toy:{dcfg['toy_width']}")
+    _register(monkeypatch, spec, ToyDrafter=ToyDrafter)
+    (tmp_path / "config.json").write_text("{}")
+    toy = {"drafter.type": "toy", "drafter.model": str(tmp_path)}
+
+    config = load_config("cpu.yaml", toy)
+    d = config["drafter"]
+    assert d["toy_width"] == 3 and checked == [3] and looked_up == [tmp_path]
+    assert d["max_matching_ngram_size"] == 5  # a key two types declare: the configured type's default
+    assert d["prompt_lookup_num_tokens"] == 10  # every other type's keys are present, at their defaults
+    assert drafter_spec("toy").profile_variant(d) == "toy:3"
+    assert drafter_class("toy") is ToyDrafter
+    assert load_config("cpu.yaml", {**toy, "drafter.toy_width": 7})["drafter"]["toy_width"] == 7
+    assert checked == [3, 7] and looked_up == [tmp_path, tmp_path]
+    message = _config_error("cpu.yaml", {**toy, "drafter.toy_width": 0})  # the check hook's error, as ConfigError
+    assert message.startswith("drafter.toy_width: must be an integer ≥ 1, got 0")
+    assert "drafter.toy_width: at most 100" in _config_error("cpu.yaml", {**toy, "drafter.toy_width": 101})
+    message = _config_error("cpu.yaml", {**toy, "verification.ensemble_weight": 0.5})  # sends_q=False
+    assert "verification.ensemble_weight" in message and "toy drafting (drafter.type: toy)" in message
+    assert "drafter.model" in _config_error("cpu.yaml", {**toy, "drafter.model": None})  # needs_model (default)
+    assert "toy" in _config_error("cpu.yaml", {"drafter.type": "nope"})  # listed among the known types
+
+    calls = len(checked), len(looked_up)
+    other = load_config("cpu.yaml")["drafter"]  # the key exists under every type, at its default
+    assert other["toy_width"] == 3 and other["max_matching_ngram_size"] == 2  # the first declaring type's default
+    assert load_config("cpu.yaml", {"drafter.toy_width": 0})["drafter"]["toy_width"] == 0  # checked only for toy
+    assert (len(checked), len(looked_up)) == calls  # the hooks run for their own type only
+
+
+def test_a_spec_that_does_not_match_its_registry_line_is_refused(monkeypatch):
+    _register(monkeypatch, DrafterSpec(name="toy", cls="x:Y", title="toy"))
+    monkeypatch.setitem(DRAFTER_TYPES, "other_toy", "toy_type_toy")
+    with pytest.raises(TypeError, match="other_toy"):
+        drafter_spec("other_toy")
+    monkeypatch.delitem(DRAFTER_TYPES, "other_toy")
+    with pytest.raises(ValueError, match="module:Class"):
+        DrafterSpec(name="toy", cls="no_class", title="toy")
+    _register(monkeypatch, DrafterSpec(name="toy", cls="x:Y", title="toy", keys={"num_draft_tokens": 1}))
+    with pytest.raises(TypeError, match=r"drafter\.num_draft_tokens"):
+        load_config("cpu.yaml")
+
+
+def test_every_registered_type_declares_a_consistent_spec():
+    for name in DRAFTER_TYPES:
+        spec = drafter_spec(name)
+        assert spec.name == name and drafter_class(name).type_name == name
+        assert not set(spec.keys) & {"type", "model", "target_model", "q_top_k", "num_draft_tokens"}
+        assert spec.needs_model or not spec.model_defaults_to_target
+        assert DEFAULTS["drafter"].keys() >= spec.keys.keys()
+    assert drafter_spec("early_exit").profile_variant({"assistant_early_exit": 8}) == "early_exit:8"
+    assert all(drafter_spec(name).profile_variant({}) == "" for name in DRAFTER_TYPES if name != "early_exit")
+    assert [name for name in DRAFTER_TYPES if not drafter_spec(name).sends_q] == ["prompt_lookup"]
+    assert [name for name in DRAFTER_TYPES if not drafter_spec(name).needs_model] == ["prompt_lookup"]
+
+
+def test_config_module_names_no_drafter_type():
+    """runtime/config.py learns every type from its spec: no type name appears in it, not even in a comment."""
+    import runtime.config
+
+    text = Path(runtime.config.__file__).read_text(encoding="utf-8").lower()
+    names = {*DRAFTER_TYPES, "assistant", "early_exit", "early exit", "prompt_lookup", "prompt lookup", "mtp",
+             "universal"}
+    assert [name for name in sorted(names) if name in text] == []
+
+
+def test_loading_a_config_imports_no_model_code():
+    """The config loader imports every type's spec module, never a type's implementation or transformers (slow to
+    import: the type modules pull it in through drafter_node.base)."""
+    heavy = sorted({drafter_spec(name).cls.partition(":")[0] for name in DRAFTER_TYPES} | {"drafter_node.base"})
+    code = ("import sys, runtime.config as c; c.load_config('cpu.yaml'); c.load_config('prompt_lookup.yaml'); "
+            f"print(sorted(m for m in sys.modules if m.split('.')[0] == 'transformers' or m in {heavy!r}))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
+                          stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]", "a drafter spec module imports model code at module scope"

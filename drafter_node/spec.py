@@ -1,0 +1,81 @@
+"""What describes one drafter type: its name, its class, its own config keys and how its config is checked.
+
+Each type's ``SPEC = DrafterSpec(...)`` lives in ``drafter_node/type_specs/<name>.py`` and ``drafter_node/types.py``
+lists that module; the config loader (``runtime/config.py``) reads nothing else about a type. The loader imports
+every registered spec module, so those stay light: at module scope they import this module only, and their hooks
+import the type's implementation (torch, transformers) when they run.
+
+Hooks raise :class:`ValueError` (any subclass) whose message starts with the offending key
+(``drafter.KEY: ...``); the config loader turns it into its ``ConfigError``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+#: ``local(name)``: the local folder (with a config.json) a model name stands for, or None (a named model not
+#: converted yet, a hub id): a ``check_model`` hook then skips its check (the drafter checks when it starts).
+LocalFolder = Callable[[str], Path | None]
+
+
+class SpecError(ValueError):
+    """A drafter type's config check failed; the message names the key."""
+
+
+def _no_check(config: dict[str, Any]) -> None:
+    return None
+
+
+def _no_model_check(config: dict[str, Any], local: LocalFolder) -> None:
+    return None
+
+
+def _no_variant(dcfg: dict[str, Any]) -> str:
+    return ""
+
+
+@dataclass(frozen=True)
+class DrafterSpec:
+    """One drafter type, as the config loader and the node see it."""
+
+    #: ``drafter.type`` value (the key of this type's line in ``drafter_node/types.py``).
+    name: str
+    #: The implementing class, ``"module:Class"``, imported only when a drafter of this type is built.
+    cls: str
+    #: What the type is called in messages ("prompt lookup decoding").
+    title: str
+    #: The type's own ``drafter.*`` keys and their defaults (the keys every type shares live in runtime/config.py).
+    keys: Mapping[str, Any] = field(default_factory=dict)
+    #: ``drafter.model`` must name a model.
+    needs_model: bool = True
+    #: The drafter drafts with the target checkpoint itself: ``drafter.model`` defaults to ``verifier.model``.
+    model_defaults_to_target: bool = False
+    #: The drafter reads part of the target checkpoint: ``drafter.target_model`` defaults to ``verifier.model``.
+    reads_target: bool = False
+    #: The drafter sends a draft distribution q (without it, static ensemble verification is refused).
+    sends_q: bool = True
+    #: Config-time checks of the type's own keys (``check(config)``; no files are read).
+    check: Callable[[dict[str, Any]], None] = _no_check
+    #: Checks that need the model's config.json: ``check_model(config, local)``, see :data:`LocalFolder`.
+    check_model: Callable[[dict[str, Any], LocalFolder], None] = _no_model_check
+    #: What distinguishes this type's cost profile from another's on the same model ("" when nothing does).
+    profile_variant: Callable[[dict[str, Any]], str] = _no_variant
+
+    def __post_init__(self) -> None:
+        module, sep, cls = self.cls.partition(":")
+        if not (module and sep and cls):
+            raise ValueError(f"drafter type {self.name!r}: cls must be 'module:Class', got {self.cls!r}")
+        if self.model_defaults_to_target and not self.needs_model:
+            raise ValueError(f"drafter type {self.name!r}: model_defaults_to_target needs needs_model")
+        object.__setattr__(self, "keys", MappingProxyType(dict(self.keys)))
+
+
+def positive_int(config: dict[str, Any], key: str, minimum: int = 1) -> None:
+    """``drafter.KEY`` is an integer ≥ ``minimum`` (a bool is not), else :class:`SpecError` naming it."""
+    value = config["drafter"][key]
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise SpecError(f"drafter.{key}: must be an integer ≥ {minimum}, got {value!r}")

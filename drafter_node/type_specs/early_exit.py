@@ -1,0 +1,31 @@
+"""``early_exit``: the target checkpoint's own first E layers draft (``drafter_node/early_exit.py``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from drafter_node.spec import DrafterSpec, LocalFolder, positive_int
+
+
+def _check_model(config: dict[str, Any], local: LocalFolder) -> None:
+    folder = local(config["drafter"]["model"])
+    if folder is None:
+        return
+    from transformers import AutoConfig
+
+    from drafter_node.early_exit import check_exit_layer
+
+    check_exit_layer(AutoConfig.from_pretrained(str(folder)), config["drafter"]["assistant_early_exit"])
+
+
+SPEC = DrafterSpec(
+    name="early_exit",
+    cls="drafter_node.early_exit:EarlyExitDrafter",
+    title="early-exit self-speculative drafting",
+    keys={"assistant_early_exit": None},  # target layers the drafter runs (1..layers-1): required
+    model_defaults_to_target=True,
+    check=lambda config: positive_int(config, "assistant_early_exit"),
+    check_model=_check_model,
+    # E layers of a model cost differently from the whole model: their profile is their own
+    profile_variant=lambda dcfg: f"early_exit:{dcfg['assistant_early_exit']}",
+)

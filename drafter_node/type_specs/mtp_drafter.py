@@ -1,0 +1,28 @@
+"""``mtp_drafter``: a drafter checkpoint that reads the target's state, Gemma 4 ``-assistant``
+(``drafter_node/mtp_drafter.py``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from drafter_node.spec import DrafterSpec, LocalFolder
+
+
+def _check_model(config: dict[str, Any], local: LocalFolder) -> None:
+    target, assistant = local(config["drafter"]["target_model"]), local(config["drafter"]["model"])
+    if target is None or assistant is None:
+        return
+    from transformers import AutoConfig
+
+    from drafter_node.mtp_drafter import kv_layers_for
+
+    kv_layers_for(AutoConfig.from_pretrained(str(target)), AutoConfig.from_pretrained(str(assistant)))
+
+
+SPEC = DrafterSpec(
+    name="mtp_drafter",
+    cls="drafter_node.mtp_drafter:AssistantMTPDrafter",
+    title="an MTP drafter checkpoint",
+    reads_target=True,  # the target's config and input embeddings
+    check_model=_check_model,
+)

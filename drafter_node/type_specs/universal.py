@@ -1,0 +1,10 @@
+"""``universal``: any small causal LM with its own tokenizer (``drafter_node/universal.py``)."""
+
+from drafter_node.spec import DrafterSpec
+
+SPEC = DrafterSpec(
+    name="universal",
+    cls="drafter_node.universal:UniversalDrafter",
+    title="universal assisted decoding",
+    reads_target=True,  # the target's tokenizer (files only)
+)
