@@ -583,6 +583,7 @@ class Pong(Message):
     drafters: list[dict[str, Any]] = field(default_factory=list)  # {id, type, host, sessions, alive} per drafter
     max_message_bytes: int = 0  # the verifier's cap: a client never sends a larger message (0: not announced)
     heartbeat_timeout_s: float = 0.0  # a client silent this long loses its sessions (0.0: not announced)
+    batching: bool = False  # the verifier verifies ready sessions in one forward (config on and the target allows it)
     forwards: int = 0  # target forwards of verification rounds so far (a batched one counts once)
     mean_batch_sessions: float = 0.0  # sessions per such forward, on average
     mean_batch_tokens: float = 0.0  # tokens per such forward (every row's), on average

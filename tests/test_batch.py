@@ -193,7 +193,7 @@ def test_cluster_batches_concurrent_requests_exactly(tiny, batching):
     assert len(results[len(cases)].token_ids) == 20
     assert results[len(cases) + 1] == "left"
     means = [r.metrics["verify_batch_mean"] for r in greedy]
-    assert pong["forwards"] > 0
+    assert pong["forwards"] > 0 and pong["batching"] is batching
     if batching:
         assert max(means) > 1.0 and pong["mean_batch_sessions"] > 1.0
         assert pong["mean_batch_tokens"] > pong["mean_batch_sessions"]

@@ -90,7 +90,7 @@ VALID: dict[str, Message] = {
     "ping": Ping(),
     "pong": Pong(drafter_connected=True, drafter_type="assistant", target="tiny", sessions=2,
                  drafters=[{"id": "d1", "type": "assistant", "host": "box", "sessions": 2, "alive": True}],
-                 max_message_bytes=4096, heartbeat_timeout_s=5.0, forwards=9, mean_batch_sessions=2.5,
+                 max_message_bytes=4096, heartbeat_timeout_s=5.0, batching=True, forwards=9, mean_batch_sessions=2.5,
                  mean_batch_tokens=7.5),
     "error": Error(message="boom", code="bad_message", request_id=7, session=4),
 }
@@ -318,7 +318,8 @@ def test_to_dict_gives_plain_values():
     assert Pong(drafter_connected=False).to_dict() == {"drafter_connected": False, "drafter_type": None,
                                                         "target": None, "sessions": 0, "drafters": [],
                                                         "max_message_bytes": 0, "heartbeat_timeout_s": 0.0,
-                                                        "forwards": 0, "mean_batch_sessions": 0.0,
+                                                        "batching": False, "forwards": 0,
+                                                        "mean_batch_sessions": 0.0,
                                                         "mean_batch_tokens": 0.0}
 
 

@@ -607,7 +607,8 @@ class VerifierServer:
             self.client_sock.send_multipart([peer, *encode(Pong(
                 drafter_connected=bool(live), drafter_type=live[0].type if live else None,
                 drafters=self.pool.describe(), target=self.model_name, sessions=len(self.sessions),
-                max_message_bytes=self.max_bytes, heartbeat_timeout_s=self.client_timeout, forwards=self.forwards,
+                max_message_bytes=self.max_bytes, heartbeat_timeout_s=self.client_timeout, batching=self.batching,
+                forwards=self.forwards,
                 mean_batch_sessions=self.batch_sessions_sum / self.forwards if self.forwards else 0.0,
                 mean_batch_tokens=self.batch_tokens_sum / self.forwards if self.forwards else 0.0,
             ))])
