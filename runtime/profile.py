@@ -95,10 +95,11 @@ def plan_nodes(config: dict[str, Any]) -> tuple[list[Node], str | None]:
                 d.get("max_memory"))
     if kind == "early_exit":
         from drafter_node.early_exit import exit_config
+        from drafter_node.types import drafter_spec
 
         exit_layer = d["assistant_early_exit"]
         node.model_config = exit_config(path, exit_layer)
-        node.variant = f"early_exit:{exit_layer}"
+        node.variant = drafter_spec(kind).profile_variant(d)  # the node's own cache key (drafter_node/type_specs)
         node.label = f"{_label(d['model'])} (first {exit_layer} layers)"
     elif kind not in PLAIN_MODEL_TYPES:
         return nodes, f"{kind} is not a type this tool knows how to profile"
