@@ -271,7 +271,7 @@ class DrafterNode:
         self.book.set_drafter(self.profile, self.threads.share, self.threads.full)
         if self.drafter.free_drafting:  # no model: nothing to measure, and no step to learn a curve from
             self.book.set_free_drafter()
-        self.book.draft_batched = bool(dcfg.get("batching", True))
+        self.book.draft_batched = self.max_batch_sessions > 1  # what the cost model assumes of our steps
         self._fixed_costs = test_costs()
         if self._fixed_costs:
             self.book.fix_curves(*self._fixed_costs)
