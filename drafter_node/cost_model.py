@@ -178,7 +178,7 @@ class CostBook:
         self.verify_threads = {"share": 0, "full": 0}
         self.draft_threads = {"share": 0, "full": 0}
         self.overhead_s: float | None = None
-        self.batch_sessions = 1.0  # sessions per verifier forward, recently (from the commits; EMA)
+        self.batch_sessions = 1.0  # sessions that share a verifier forward, recently (the commits' decoding; EMA)
         self.draft_batched = True  # the drafter advances all its sessions in one forward per step
 
     def session_acceptance(self) -> Acceptance:
@@ -251,13 +251,13 @@ class CostBook:
         self.overhead_s = seconds if self.overhead_s is None else 0.8 * self.overhead_s + 0.2 * seconds
 
     def observe_batch(self, sessions: int) -> None:
-        """A commit's verifier forward covered ``sessions`` sessions."""
+        """A commit reports ``sessions`` sessions sharing the verifier's forwards (its ``decoding``)."""
         if sessions >= 1:
             self.batch_sessions = 0.8 * self.batch_sessions + 0.2 * float(sessions)
 
     @property
     def batch(self) -> int:
-        """The batch size plans are made for: the recent mean number of sessions per verifier forward."""
+        """The batch size plans are made for: the recent number of sessions that share a verifier forward."""
         return max(1, round(self.batch_sessions))
 
     def costs(self, context: int, batch: int | None = None) -> Costs:

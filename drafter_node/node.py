@@ -201,10 +201,11 @@ class NodeSession:
 
     def on_commit(self, tokens: list[int], drafted: int, accepted: int, extras: dict[str, torch.Tensor],
                   verify_s: float | None = None, verifier_threads: int = 0, batch_sessions: int = 1,
-                  batch_tokens: int = 0) -> None:
+                  batch_tokens: int = 0, decoding: int = 0) -> None:
         """Apply a commit; ``drafted`` is how many of our block's tokens the verifier checked (0: not used);
         ``verify_s``: the verifier's forward time of the round (with ``verifier_threads`` threads), a forward over
-        ``batch_tokens`` tokens of ``batch_sessions`` sessions (batched verification)."""
+        ``batch_tokens`` tokens of ``batch_sessions`` sessions (batched verification); ``decoding``: how many
+        sessions would share a forward if all stepped now (the batch to plan for; 0: unknown)."""
         t0 = time.monotonic()
         verified_ours = drafted > 0 and self.sent_base == self.base_len
         if verified_ours and accepted < len(tokens) and accepted < len(self.sent_guesses):
@@ -213,7 +214,7 @@ class NodeSession:
                 self.schedule.observe_guess(bonus=accepted == drafted, correct=guess == tokens[accepted])
         if self.book is not None and verify_s is not None and verify_s > 0:
             self.book.observe_verify(batch_tokens or drafted + 1, verify_s, verifier_threads, self.base_len)
-            self.book.observe_batch(batch_sessions)
+            self.book.observe_batch(decoding or batch_sessions)
             if verified_ours:
                 self.book.observe_overhead(time.monotonic() - self.sent_at - verify_s)
         chain_before = len(self.draft.chain)
@@ -629,7 +630,7 @@ class DrafterNode:
         if s is None or msg.base_len != s.base_len:
             return  # a duplicate or a commit for a session we no longer hold
         s.on_commit(msg.tokens, msg.drafted, msg.accepted, msg.tensors, msg.verify_s, msg.threads, msg.batch_sessions,
-                    msg.batch_tokens)
+                    msg.batch_tokens, msg.decoding)
 
     def _on_state(self, msg: State) -> None:
         s = self.sessions.get(msg.session)

@@ -480,11 +480,15 @@ class Commit(Message):
     threads: int = 0  # the verifier's torch threads in that forward (0: unknown)
     batch_sessions: int = 1  # sessions verified in that forward (batched verification; verify_s is the whole one's)
     batch_tokens: int = 0  # tokens that forward ran over, every row's (0: unknown, drafted + 1)
+    # Sessions that would share a forward if every one stepped now: the verifier's decoding sessions, capped at its
+    # max_batch_sessions (1 when it does not batch; 0: unknown, use batch_sessions). The batch the cost model plans
+    # for: the forwards' own batch_sessions shrink while drafts arrive out of step, which would keep drafting chosen.
+    decoding: int = 0
     tensors: dict[str, torch.Tensor] = _tensors()  # extras: hidden, kv.{layer} for the committed positions
 
     def validate(self) -> None:
         _non_negative(self.TYPE, self, "base_len", "new_len", "drafted", "accepted", "verify_s", "threads",
-                      "batch_sessions", "batch_tokens")
+                      "batch_sessions", "batch_tokens", "decoding")
 
 
 @_message

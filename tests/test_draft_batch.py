@@ -296,13 +296,15 @@ E2E_NEW = [30, 24, 28, 20, 32, 26]
                          ids=["batched-rejecting", "batched-predrafting", "one-by-one"])
 def test_concurrent_greedy_requests_match_transformers(tiny, drafter, batching):
     """A random drafter (mostly rejected: chain steps after rollbacks, the verifier waiting) and the target itself
-    (everything accepted: pre-draft rows of several sessions in one forward)."""
+    (everything accepted: pre-draft rows of several sessions in one forward; the verifier's forwards are slowed so
+    that the drafter, as fast as the verifier on these tiny models, gets ahead however loaded the machine is)."""
     target = tiny("llama")
     config = tiny_config(target, tiny("llama", drafter), num_draft_tokens=3, batching=batching)
     expected = [reference_greedy(target, p, n) for p, n in zip(E2E_PROMPTS, E2E_NEW)]
+    env = {"PIPESPEC_TEST_FORWARD_DELAY_S": "0.05"} if drafter == "target" else None
 
     async def main():
-        async with cluster(copy.deepcopy(config)) as client:
+        async with cluster(copy.deepcopy(config), env=env) as client:
             return await asyncio.gather(*(client.generate(token_ids=p, max_new_tokens=n, eos_token_ids=[])
                                           for p, n in zip(E2E_PROMPTS, E2E_NEW)))
 

@@ -77,7 +77,7 @@ VALID: dict[str, Message] = {
     "draft": Draft(session=3, base_len=10, epoch=1, tokens=[4, 5, 6], idle_rounds=0, overlap=False,
                    sent_at=1.7e9, stats={"blocks": 2, "plans": {"k=3": 2}}),
     "commit": Commit(session=3, base_len=10, tokens=[4, 5], new_len=12, drafted=3, accepted=1, verify_s=0.25,
-                     threads=2, batch_sessions=3, batch_tokens=9),
+                     threads=2, batch_sessions=3, batch_tokens=9, decoding=5),
     "state": State(session=3, base_len=10, end=9),
     "session_end": SessionEnd(session=3),
     "heartbeat": Heartbeat(),

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 import secrets
 import signal
 import time
@@ -149,6 +150,9 @@ class VerifierServer:
         self.max_batch_sessions = int(vcfg.get("max_batch_sessions", 64)) if vcfg.get("batching", True) else 1
         self.max_batch_tokens = int(vcfg.get("max_batch_tokens", 1024))
         self.forwards = self.batch_sessions_sum = self.batch_tokens_sum = 0
+        # Test-only (PIPESPEC_TEST_FORWARD_DELAY_S): seconds added before each round's target forward, so a test on
+        # tiny models (whose forwards take about as long as a drafter's step) can rely on drafts made ahead.
+        self.test_forward_delay_s = float(os.environ.get("PIPESPEC_TEST_FORWARD_DELAY_S", "0") or 0)
         self.forward_s_ema = 0.0  # recent verification forward time (bounds the wait for drafts on their way)
         self.max_bytes = vcfg.get("max_message_bytes", DEFAULT_MAX_MESSAGE_BYTES)
         # A client silent this long (no heartbeat ping, no message) has gone: its sessions are cancelled.
@@ -753,6 +757,7 @@ class VerifierServer:
             return
         # Every core while the drafters idle (k = 0, synchronous blocks, no drafter); the share while one pre-drafts.
         self._use_threads(self.threads.share if any(r.drafter_busy for r in rounds) else self.threads.full)
+        decoding = self._decoding()
         for r, (logits, hidden, forward_s, rows, tokens) in zip(rounds, self._forward(rounds)):
             if logits is None:
                 continue  # that row's own forward failed (already reported)
@@ -763,7 +768,7 @@ class VerifierServer:
                 if r.solo:
                     s.metrics.solo_rounds += 1
                 s.wait.ready(len(s.tokens), s.ready_since)
-                self._publish(s, result)
+                self._publish(s, result, decoding)
                 if s.finished:
                     self._finish(s, s.finished)
                 elif r.demoted:
@@ -775,6 +780,8 @@ class VerifierServer:
         """The target forward(s) of a round: one over every row when batching is on and the target allows it, else
         one per row. Per row: (logits, hidden, forward seconds, sessions in its forward, tokens in its forward); a
         row whose forward failed gets ``None`` logits."""
+        if self.test_forward_delay_s:
+            time.sleep(self.test_forward_delay_s)  # test-only: a target slow enough that drafters get ahead
         if len(rounds) > 1 and self.batching:
             want_hidden = any(r.want_hidden for r in rounds)
             tokens = sum(len(r.plan.fed) for r in rounds)
@@ -821,13 +828,20 @@ class VerifierServer:
             set_threads(count)
             self._threads_now = count
 
-    def _publish(self, s: Session, r: RoundResult) -> None:
+    def _decoding(self) -> int:
+        """How many sessions would share a forward if every one stepped now (what the drafters' cost models plan
+        for): the prefilled sessions, up to ``max_batch_sessions``; 1 when this verifier does not batch."""
+        if not self.batching:
+            return 1
+        return max(1, min(self.max_batch_sessions, sum(1 for s in self.sessions.values() if s.prefilled)))
+
+    def _publish(self, s: Session, r: RoundResult, decoding: int = 1) -> None:
         t0 = time.monotonic()
         if s.announced and s.drafter is not None:
             frames = encode(Commit(session=s.sid, base_len=r.base_len, tokens=r.tokens, new_len=len(s.tokens),
                                    drafted=r.drafted, accepted=r.accepted, verify_s=r.forward_s, threads=r.threads,
                                    batch_sessions=r.batch_sessions, batch_tokens=r.batch_tokens,
-                                   tensors=self._extras(s, r.hidden, r.kv)))
+                                   decoding=decoding, tensors=self._extras(s, r.hidden, r.kv)))
             s.metrics.bytes_out += sum(len(f) if isinstance(f, bytes) else f.nbytes for f in frames)
             self._send_to(s.drafter, frames)
         delta = s.text.push(r.tokens)
