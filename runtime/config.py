@@ -78,6 +78,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "batching": True,
         "max_batch_sessions": 64,
         "max_batch_tokens": 1024,
+        "max_prefill_tokens": 2048,
         "max_message_bytes": DEFAULT_MAX_MESSAGE_BYTES,
         "allow_remote": False,
     },
@@ -255,7 +256,8 @@ def validate(config: dict[str, Any]) -> None:
             raise ConfigError(f"{dotted}: must be a number of seconds in [0, 600] (0: no profile), got {value!r}")
     for dotted in ("drafter.num_draft_tokens", "drafter.max_draft_tokens",
                    "verifier.max_sessions", "verifier.max_message_bytes", "verifier.draft_timeout_ms",
-                   "verifier.max_batch_sessions", "verifier.max_batch_tokens", "drafter.max_batch_sessions"):
+                   "verifier.max_batch_sessions", "verifier.max_batch_tokens", "verifier.max_prefill_tokens",
+                   "drafter.max_batch_sessions"):
         _positive_int(config, dotted)
     _positive_int(config, "drafter.q_top_k", minimum=0)
     for key in ("num_draft_tokens", "max_draft_tokens"):  # longer drafts are refused by the verifier

@@ -58,7 +58,7 @@ class Row:
 
 @dataclass
 class RowOutput:
-    logits: torch.Tensor  # float32 [T, vocab]
+    logits: torch.Tensor | None  # float32 [T, vocab] (None when the forward was asked for no logits)
     hidden: torch.Tensor | None  # last hidden states [T, hidden] (when asked)
 
 
@@ -138,16 +138,18 @@ def _mask_and_positions(rows: list[Row], prefix: int, new: int, dtype: torch.dty
 
 
 @torch.inference_mode()
-def feed_rows(model, rows: list[Row], want_hidden: bool = False) -> list[RowOutput]:
+def feed_rows(model, rows: list[Row], want_hidden: bool = False, logits: bool = True) -> list[RowOutput]:
     """Feed every row's tokens in one forward of ``model`` (all rows' ``lm`` share it); each row's cache gains its
-    new positions, as ``CachedLM.feed`` would. One row with the default causal rule is exactly ``CachedLM.feed``."""
+    new positions, as ``CachedLM.feed`` would. One row with the default causal rule is exactly ``CachedLM.feed``.
+    ``logits=False`` (prompts' prefill) skips the LM head but for one column: over every prompt position of a batch
+    of prompts it would cost a large share of the forward and B·T·vocab floats of memory."""
     if not rows:
         return []
     if any(not row.tokens for row in rows):
         raise ValueError("every row must feed at least one token")
     if len(rows) == 1 and rows[0].positions is None and rows[0].visible is None:
-        logits, hidden = rows[0].lm.feed(rows[0].tokens, want_hidden=want_hidden)
-        return [RowOutput(logits, hidden)]
+        out, hidden = rows[0].lm.feed(rows[0].tokens, want_hidden=want_hidden, last_logits_only=not logits)
+        return [RowOutput(out if logits else None, hidden)]
     lm0 = rows[0].lm
     prefix = max(row.lm.length for row in rows)
     new = max(len(row.tokens) for row in rows)
@@ -158,8 +160,9 @@ def feed_rows(model, rows: list[Row], want_hidden: bool = False) -> list[RowOutp
         ids[b, : len(row.tokens)] = torch.tensor(row.tokens, dtype=torch.long)
     mask, positions = _mask_and_positions(rows, prefix, new, dtype)
     cache = _stacked_cache(model, rows, prefix, new) if prefix else DynamicCache(config=model.config)
+    extra = {} if logits or not lm0._keeps_logits else {"logits_to_keep": 1}
     out = model(input_ids=ids.to(device), attention_mask=mask.to(device), position_ids=positions.to(device),
-                cache=cache, use_cache=True, output_hidden_states=want_hidden)
+                cache=cache, use_cache=True, output_hidden_states=want_hidden, **extra)
     results = []
     for b, row in enumerate(rows):
         count = len(row.tokens)
@@ -170,5 +173,5 @@ def feed_rows(model, rows: list[Row], want_hidden: bool = False) -> list[RowOutp
         row.lm.length += count
         row.lm.last_fed = count
         hidden = out.hidden_states[-1][b, :count] if want_hidden else None
-        results.append(RowOutput(out.logits[b, :count].float(), hidden))
+        results.append(RowOutput(out.logits[b, :count].float() if logits else None, hidden))
     return results

@@ -591,6 +591,8 @@ class Pong(Message):
     forwards: int = 0  # target forwards of verification rounds so far (a batched one counts once)
     mean_batch_sessions: float = 0.0  # sessions per such forward, on average
     mean_batch_tokens: float = 0.0  # tokens per such forward (every row's), on average
+    prefill_forwards: int = 0  # target forwards that cached prompts (a batched one over several counts once)
+    mean_prefill_sessions: float = 0.0  # prompts per such forward, on average
 
 
 @_message

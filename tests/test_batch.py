@@ -59,6 +59,26 @@ def test_feed_rows_equals_one_forward_per_sequence(tiny, arch):
                 assert torch.allclose(la.keys, lb.keys, atol=1e-5) and torch.allclose(la.values, lb.values, atol=1e-5)
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_prompts_fed_in_one_forward_without_logits_equal_their_own_prefills(tiny, arch):
+    """The batched prefill: prompts of 1, 7, 12 and 3 tokens from empty caches, LM head skipped; the caches and hidden
+    states equal each prompt's own forward, and the next forward on top of them gives the same logits."""
+    model = _load(tiny(arch))
+    prompts = [_ids(30, 1), _ids(31, 7), _ids(32, 12), _ids(33, 3)]
+    alone, batched = [CachedLM(model) for _ in prompts], [CachedLM(model) for _ in prompts]
+    outs = feed_rows(model, [Row(lm, p) for lm, p in zip(batched, prompts)], want_hidden=True, logits=False)
+    for lm, p, out in zip(alone, prompts, outs):
+        _, hidden = lm.feed(p, want_hidden=True, last_logits_only=True)
+        assert out.logits is None
+        assert torch.allclose(out.hidden, hidden, atol=1e-4)
+    for a, b, p in zip(alone, batched, prompts):
+        assert a.length == b.length == len(p)
+        nxt = _ids(40 + len(p), 2)
+        assert torch.allclose(a.feed(nxt)[0], b.feed(nxt)[0], atol=1e-4)
+    (single,) = feed_rows(model, [Row(CachedLM(model), prompts[1])], logits=False)
+    assert single.logits is None
+
+
 def test_feed_rows_custom_positions_and_visibility(tiny):
     """A row with its own visibility (the token skips one cached position) and positions equals the same forward
     alone with the same 4D mask; the other row of the batch is unaffected by it."""
@@ -206,3 +226,24 @@ async def _enumerate(aiter):
     async for item in aiter:
         yield i, item
         i += 1
+
+
+def test_prompts_arriving_together_are_prefilled_in_shared_forwards(tiny):
+    """Six requests at once (prompts of 1 to 27 tokens): their prompts are cached in fewer forwards than prompts
+    (each forward is slowed so that they arrive while one runs), and every greedy output equals ``generate``."""
+    target = tiny("llama")
+    prompts = [[5, 17, 33, 2, 60], [100], list(range(3, 30)), [9, 9], [70, 71, 72, 73], [42] * 12 + [9, 8]]
+    config = tiny_config(target, tiny("llama", "random"), num_draft_tokens=2)
+
+    async def main():
+        async with cluster(config, env={"PIPESPEC_TEST_FORWARD_DELAY_S": "0.05"}) as client:
+            await wait_for_drafter(client)
+            results = await asyncio.gather(*(client.generate(token_ids=p, max_new_tokens=12, eos_token_ids=[])
+                                             for p in prompts))
+            return results, await client.ping()
+
+    results, pong = asyncio.run(main())
+    for prompt, result in zip(prompts, results):
+        assert result.token_ids == reference_greedy(target, prompt, 12), prompt
+    assert 1 <= pong["prefill_forwards"] < len(prompts) - 1  # the 1-token prompt needs none
+    assert pong["mean_prefill_sessions"] > 1

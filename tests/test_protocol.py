@@ -91,7 +91,7 @@ VALID: dict[str, Message] = {
     "pong": Pong(drafter_connected=True, drafter_type="assistant", target="tiny", sessions=2,
                  drafters=[{"id": "d1", "type": "assistant", "host": "box", "sessions": 2, "alive": True}],
                  max_message_bytes=4096, heartbeat_timeout_s=5.0, batching=True, forwards=9, mean_batch_sessions=2.5,
-                 mean_batch_tokens=7.5),
+                 mean_batch_tokens=7.5, prefill_forwards=3, mean_prefill_sessions=1.5),
     "error": Error(message="boom", code="bad_message", request_id=7, session=4),
 }
 VARIANTS: list[Message] = [
@@ -320,7 +320,8 @@ def test_to_dict_gives_plain_values():
                                                         "max_message_bytes": 0, "heartbeat_timeout_s": 0.0,
                                                         "batching": False, "forwards": 0,
                                                         "mean_batch_sessions": 0.0,
-                                                        "mean_batch_tokens": 0.0}
+                                                        "mean_batch_tokens": 0.0, "prefill_forwards": 0,
+                                                        "mean_prefill_sessions": 0.0}
 
 
 @pytest.mark.parametrize("msg_type", sorted(MESSAGE_TYPES))

@@ -106,6 +106,13 @@ class PendingRound:
 
 
 @dataclass
+class Prefills:
+    """Prompts to cache in the next forward (several in one when batching)."""
+
+    sessions: list[Session]
+
+
+@dataclass
 class Receipt:
     """How a message arrived: its bytes on the wire and the time its decoding took (for the session's metrics)."""
 
@@ -150,8 +157,11 @@ class VerifierServer:
         self.max_batch_sessions = int(vcfg.get("max_batch_sessions", 64)) if vcfg.get("batching", True) else 1
         self.max_batch_tokens = int(vcfg.get("max_batch_tokens", 1024))
         self.forwards = self.batch_sessions_sum = self.batch_tokens_sum = 0
-        # Test-only (PIPESPEC_TEST_FORWARD_DELAY_S): seconds added before each round's target forward, so a test on
-        # tiny models (whose forwards take about as long as a drafter's step) can rely on drafts made ahead.
+        self.max_prefill_tokens = int(vcfg.get("max_prefill_tokens", 2048))
+        self.prefill_forwards = self.prefill_sessions_sum = 0
+        # Test-only (PIPESPEC_TEST_FORWARD_DELAY_S): seconds added before each target forward (rounds and prompts), so
+        # a test on tiny models (whose forwards take about as long as a drafter's step or a message) can rely on
+        # drafts made ahead and on requests arriving while a forward runs.
         self.test_forward_delay_s = float(os.environ.get("PIPESPEC_TEST_FORWARD_DELAY_S", "0") or 0)
         self.forward_s_ema = 0.0  # recent verification forward time (bounds the wait for drafts on their way)
         self.max_bytes = vcfg.get("max_message_bytes", DEFAULT_MAX_MESSAGE_BYTES)
@@ -236,8 +246,8 @@ class VerifierServer:
                 work = self._next_work()
                 if isinstance(work, list) and self._gather(work):
                     work = self._next_work()
-                if isinstance(work, Session):
-                    self._guarded_prefill(work)
+                if isinstance(work, Prefills):
+                    self._prefill_batch(work.sessions)
                 elif work:
                     self._run_batch(work)
         finally:
@@ -324,9 +334,9 @@ class VerifierServer:
     def _runnable(self, s: Session, now: float) -> bool:
         return not self._may_wait(s, now) or now - s.ready_since >= s.wait.limit_s()
 
-    def _next_work(self) -> Session | list[Session] | None:
-        """What to run next, round-robin: a session to prefill (a forward of its own), or the sessions whose next
-        round can run now, up to ``max_batch_sessions`` and ``max_batch_tokens`` (one session when batching is
+    def _next_work(self) -> Prefills | list[Session] | None:
+        """What to run next, round-robin: prompts to prefill (a forward of their own turn), or the sessions whose
+        next round can run now, up to ``max_batch_sessions`` and ``max_batch_tokens`` (one session when batching is
         off). Sessions taken move to the back of the order, so every session gets its turn."""
         now = time.monotonic()
         batch: list[Session] = []
@@ -338,9 +348,11 @@ class VerifierServer:
             if not s.prefilled:
                 if batch:
                     continue  # prefills come on their own turn
-                self.order.remove(sid)
-                self.order.append(sid)
-                return s
+                prefills = self._prompts_to_prefill(s, now)
+                for p in prefills.sessions:
+                    self.order.remove(p.sid)
+                    self.order.append(p.sid)
+                return prefills
             fed = 1 + (len(s.draft["tokens"]) if s.draft is not None else 0)
             if batch and tokens + fed > self.max_batch_tokens:
                 continue
@@ -352,6 +364,26 @@ class VerifierServer:
             self.order.remove(s.sid)
             self.order.append(s.sid)
         return batch or None
+
+    def _prompts_to_prefill(self, first: Session, now: float) -> Prefills:
+        """``first`` and, when batching, the other prompts waiting, in order, while the padded forward (rows × the
+        longest prompt) stays within ``max_prefill_tokens`` and the rows within ``max_batch_sessions``."""
+        chosen = [first]
+        if not self.batching:
+            return Prefills(chosen)
+        longest = len(first.prompt_to_cache)
+        for sid in self.order:
+            s = self.sessions[sid]
+            if s is first or s.prefilled or not self._runnable(s, now):
+                continue
+            if len(chosen) >= self.max_batch_sessions:
+                break
+            wider = max(longest, len(s.prompt_to_cache))
+            if wider * (len(chosen) + 1) > self.max_prefill_tokens:
+                continue
+            chosen.append(s)
+            longest = wider
+        return Prefills(chosen)
 
     @staticmethod
     def _may_wait(s: Session, now: float) -> bool:
@@ -615,6 +647,9 @@ class VerifierServer:
                 forwards=self.forwards,
                 mean_batch_sessions=self.batch_sessions_sum / self.forwards if self.forwards else 0.0,
                 mean_batch_tokens=self.batch_tokens_sum / self.forwards if self.forwards else 0.0,
+                prefill_forwards=self.prefill_forwards,
+                mean_prefill_sessions=(self.prefill_sessions_sum / self.prefill_forwards if self.prefill_forwards
+                                       else 0.0),
             ))])
         else:
             raise ProtocolError(f"a client may not send {msg.TYPE!r}", code="unexpected")
@@ -688,13 +723,6 @@ class VerifierServer:
         return list(ids)
 
     # ------------------------------------------------------------------ rounds
-    def _guarded_prefill(self, s: Session) -> None:
-        """A prefill, contained: whatever fails inside it ends this session with an error, never the process."""
-        try:
-            self._prefill(s)
-        except Exception as exc:
-            self._round_failed(s, exc)
-
     def _fail(self, s: Session, code: str, message: str) -> None:
         """End a session with an ``error`` to its client (its request_id and ``code``) and a ``session_end`` to the
         drafter, and free it."""
@@ -712,19 +740,68 @@ class VerifierServer:
             self.order.remove(s.sid)
         self._detach(s)
 
-    def _prefill(self, s: Session) -> None:
-        d = s.drafter  # what this session's own drafter needs: hidden states or K/V rows of the prompt
-        want_hidden = bool(d and d.needs_hidden)
-        kv_layers = d.kv_layers if d else []
+    def _prefill_batch(self, sessions: list[Session]) -> None:
+        """Cache the prompts of ``sessions`` (one forward over all of them when there are several) and announce
+        each to its drafter. A failure ends only the session it belongs to."""
         # A prompt is one long forward: every core (a drafter that drafts prefills its own copy meanwhile, one whose
         # plan is k = 0 waits; the threads follow the plan again from the first round)
         self._use_threads(self.threads.full)
-        if not (want_hidden or kv_layers):
-            self._announce(s)
-        hidden, kv = s.prefill(want_hidden, kv_layers)
-        if want_hidden or kv_layers:
-            self._announce(s, hidden, kv)
-        s.wait.ready(len(s.tokens), s.ready_since)
+        needs = []  # what each session's own drafter needs: hidden states or K/V rows of the prompt
+        for s in list(sessions):
+            d = s.drafter
+            want_hidden, kv_layers = bool(d and d.needs_hidden), list(d.kv_layers) if d else []
+            try:
+                if not (want_hidden or kv_layers):
+                    self._announce(s)  # early: its drafter prefills its own copy while we do
+            except Exception as exc:
+                self._round_failed(s, exc)
+                sessions.remove(s)
+                continue
+            needs.append((want_hidden, kv_layers))
+        fed = self._prompt_forward(sessions, [w for w, _ in needs])
+        for s, (want_hidden, kv_layers), done in zip(sessions, needs, fed):
+            if done is None:
+                continue  # its forward failed (reported)
+            try:
+                hidden, kv = s.prefilled_with(done[0] if want_hidden else None, kv_layers, done[1])
+                if want_hidden or kv_layers:
+                    self._announce(s, hidden, kv)
+                s.wait.ready(len(s.tokens), s.ready_since)
+            except Exception as exc:
+                self._round_failed(s, exc)
+
+    def _prompt_forward(self, sessions: list[Session], want_hidden: list[bool]) -> list[tuple | None]:
+        """The prompts' forward: one over every prompt when batching allows it, else one each. Per session:
+        (hidden states or None, forward seconds), or None where its forward failed (the session ended)."""
+        self._test_delay()
+        rows = [i for i, s in enumerate(sessions) if s.prompt_to_cache]
+        if len(rows) > 1 and self.batching:
+            t0 = time.monotonic()
+            try:
+                outs = feed_rows(self.model, [Row(sessions[i].lm, sessions[i].prompt_to_cache) for i in rows],
+                                 want_hidden=any(want_hidden[i] for i in rows), logits=False)
+            except Exception:  # before any cache changed: every prompt gets a forward of its own instead
+                log.exception("a batched prefill of %d prompts failed; running them one by one", len(rows))
+            else:
+                seconds = time.monotonic() - t0
+                self.prefill_forwards += 1
+                self.prefill_sessions_sum += len(rows)
+                hidden = {i: o.hidden for i, o in zip(rows, outs)}
+                return [(hidden.get(i), seconds) for i in range(len(sessions))]
+        results: list[tuple | None] = []
+        for s, want in zip(sessions, want_hidden):
+            t0 = time.monotonic()
+            try:
+                hidden = s.feed_prompt(want)
+            except Exception as exc:
+                self._round_failed(s, exc)
+                results.append(None)
+                continue
+            if s.prompt_to_cache:
+                self.prefill_forwards += 1
+                self.prefill_sessions_sum += 1
+            results.append((hidden, time.monotonic() - t0))
+        return results
 
     def _begin_round(self, s: Session) -> PendingRound:
         """Take the session's draft (or none: a plain step) for this round and note what its drafter needs back."""
@@ -780,8 +857,7 @@ class VerifierServer:
         """The target forward(s) of a round: one over every row when batching is on and the target allows it, else
         one per row. Per row: (logits, hidden, forward seconds, sessions in its forward, tokens in its forward); a
         row whose forward failed gets ``None`` logits."""
-        if self.test_forward_delay_s:
-            time.sleep(self.test_forward_delay_s)  # test-only: a target slow enough that drafters get ahead
+        self._test_delay()
         if len(rounds) > 1 and self.batching:
             want_hidden = any(r.want_hidden for r in rounds)
             tokens = sum(len(r.plan.fed) for r in rounds)
@@ -808,6 +884,10 @@ class VerifierServer:
             self._count_forward(1, len(r.plan.fed), forward_s)
             results.append((logits, hidden, forward_s, 1, len(r.plan.fed)))
         return results
+
+    def _test_delay(self) -> None:
+        if self.test_forward_delay_s:
+            time.sleep(self.test_forward_delay_s)  # test-only: a target slow enough that other work gets ahead
 
     def _count_forward(self, sessions: int, tokens: int, seconds: float) -> None:
         self.forward_s_ema = 0.8 * self.forward_s_ema + 0.2 * seconds

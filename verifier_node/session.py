@@ -126,20 +126,38 @@ class Session:
     def generated(self) -> list[int]:
         return self.tokens[self.prompt_len :]
 
+    @property
+    def prompt_to_cache(self) -> list[int]:
+        """What the prefill feeds: every prompt token but the last (the first round feeds that one)."""
+        return self.tokens[: self.prompt_len - 1] if self.prompt_len > 1 else []
+
     def prefill(
         self, want_hidden: bool = False, kv_layers: list[int] = ()
     ) -> tuple[torch.Tensor | None, dict[str, torch.Tensor] | None]:
-        """Cache every prompt token but the last; return the hidden states and K/V rows of the cached positions when
-        asked (``kv_layers``: target layer indices)."""
-        hidden = kv = None
-        if self.prompt_len > 1:
-            t0 = time.monotonic()
-            fed = self.prompt_len - 1
-            _, hidden = self.lm.feed(self.tokens[:-1], want_hidden=want_hidden, last_logits_only=True)
-            if kv_layers:
-                kv = self.lm.new_rows(list(kv_layers), fed, fed)
+        """Cache every prompt token but the last, in a forward of its own; return the hidden states and K/V rows of
+        the cached positions when asked (``kv_layers``: target layer indices)."""
+        t0 = time.monotonic()
+        hidden = self.feed_prompt(want_hidden)
+        return self.prefilled_with(hidden, kv_layers, time.monotonic() - t0)
+
+    def feed_prompt(self, want_hidden: bool = False) -> torch.Tensor | None:
+        """The prompt's forward alone (no logits); its last hidden states when asked."""
+        fed = self.prompt_to_cache
+        if not fed:
+            return None
+        _, hidden = self.lm.feed(fed, want_hidden=want_hidden, last_logits_only=True)
+        return hidden
+
+    def prefilled_with(
+        self, hidden: torch.Tensor | None, kv_layers: list[int] = (), forward_s: float = 0.0
+    ) -> tuple[torch.Tensor | None, dict[str, torch.Tensor] | None]:
+        """After the prompt's forward (its own, or a batch's of several prompts that took ``forward_s``): the K/V rows
+        the drafter needs, and the session ready for rounds."""
+        fed = len(self.prompt_to_cache)
+        kv = self.lm.new_rows(list(kv_layers), fed, fed) if fed and kv_layers else None
+        if fed:
             self.lm.crop(fed)
-            self.metrics.verify_s += time.monotonic() - t0
+        self.metrics.verify_s += forward_s
         self.prefilled = True
         self.ready_since = time.monotonic()
         return hidden, kv
