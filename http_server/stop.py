@@ -6,7 +6,7 @@ from __future__ import annotations
 
 class StopMatcher:
     """Feed text with :meth:`push`; it returns what may be shown now and whether a stop string matched (then the
-    text before the earliest match is the last output, the stop string itself is not included).
+    text before the match that completes first is the last output, the stop string itself is not included).
     :meth:`flush` releases what is held back once the generation ends without a match."""
 
     def __init__(self, stops: list[str] | tuple[str, ...] = ()):
@@ -23,11 +23,13 @@ class StopMatcher:
         if not self.stops:
             self._held = ""
             return buffer, False
-        # The earliest match wins (held text never holds a whole stop: it would have matched on an earlier push).
+        # The stop that completes first wins (then the one that starts first): the same cut however the text is
+        # split into pieces, and what a server checking after every token does. Held text never holds a whole stop
+        # (it would have matched on an earlier push), so every match ends in the new text.
         best = None
         for stop in self.stops:
             at = buffer.find(stop)
-            if at >= 0 and (best is None or at < best[0]):
+            if at >= 0 and (best is None or (at + len(stop), at) < (best[0] + len(best[1]), best[0])):
                 best = (at, stop)
         if best is not None:
             self._held = ""
