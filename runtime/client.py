@@ -45,6 +45,9 @@ from shared.protocol import (
 from shared.protocol import Chunk as ChunkMessage
 from shared.transport import ClientKeys, is_local_endpoint, make_dealer
 
+#: How long a stream whose ``cancel`` event was set waits for the verifier's final result.
+CANCEL_WAIT_S = 10.0
+
 
 class PipespecError(RuntimeError):
     """The verifier refused or failed a request; ``code`` says why (``bad_request``, ``busy``, …)."""
@@ -267,11 +270,16 @@ class AsyncClient:
         messages: list[dict[str, str]] | None = None,
         include_result: bool = False,
         drafter_type: str | None = None,
+        cancel: asyncio.Event | None = None,
         **params: Any,
     ) -> AsyncIterator[Chunk | GenerationResult]:
         """Yield committed tokens as the verifier commits them. Same arguments as :meth:`generate`;
-        with ``include_result=True`` the final :class:`GenerationResult` (with metrics) comes last."""
-        async for item in self._run(prompt, token_ids, messages, params, drafter_type):
+        with ``include_result=True`` the final :class:`GenerationResult` (with metrics) comes last.
+
+        ``cancel``: set it (between two items) to end the request early *and still get its result*: the client
+        sends a cancel, drops the chunks that follow, and the result comes with ``finish_reason == "cancelled"`` and
+        the metrics of what ran (within :data:`CANCEL_WAIT_S`; a stream closed early instead gets no result)."""
+        async for item in self._run(prompt, token_ids, messages, params, drafter_type, cancel):
             if include_result or isinstance(item, Chunk):
                 yield item
 
@@ -297,7 +305,8 @@ class AsyncClient:
         assert result is not None
         return result
 
-    async def _run(self, prompt, token_ids, messages, params: dict[str, Any], drafter_type: str | None = None):
+    async def _run(self, prompt, token_ids, messages, params: dict[str, Any], drafter_type: str | None = None,
+                   cancel: asyncio.Event | None = None):
         unknown = sorted(set(params) - set(_PARAM_NAMES))
         if unknown:
             raise TypeError(f"unknown generation parameter(s): {', '.join(unknown)}")
@@ -325,18 +334,24 @@ class AsyncClient:
         queue: asyncio.Queue[Message | _LocalFailure] = asyncio.Queue()
         self._track(rid, queue)
         finished = False
+        cancel_sent = False
         try:
             await self._sock.send_multipart(frames)
             while True:
+                if cancel is not None and cancel.is_set() and not cancel_sent:
+                    await self._sock.send_multipart(encode(Cancel(request_id=rid)))
+                    cancel_sent = True
+                wait_s = min(self.timeout_s, CANCEL_WAIT_S) if cancel_sent else self.timeout_s
                 try:
-                    msg = await asyncio.wait_for(queue.get(), self.timeout_s)
+                    msg = await asyncio.wait_for(queue.get(), wait_s)
                 except asyncio.TimeoutError:
                     raise TimeoutError(
-                        f"no reply from the verifier at {self.address} for {self.timeout_s} s (request {rid})"
+                        f"no reply from the verifier at {self.address} for {wait_s} s (request {rid})"
                         f"{self._hint()}"
                     ) from None
                 if isinstance(msg, ChunkMessage):
-                    yield Chunk(msg.token_ids, msg.text)
+                    if not cancel_sent:  # chunks already on their way when the cancel left are dropped
+                        yield Chunk(msg.token_ids, msg.text)
                 elif isinstance(msg, Done):
                     finished = True
                     yield GenerationResult(msg.text, msg.token_ids, msg.metrics, msg.finish_reason)

@@ -1,10 +1,10 @@
 """Config loading and validation.
 
 A config is YAML with four sections (``verifier``, ``drafter``, ``verification``, ``client``) plus optional
-``launch`` and ``security`` sections. Every key has a default below; an unknown key, a bad value, an unknown drafter
-type, a missing model, a device this machine lacks or missing CURVE keys fails here — before any process starts —
-with a :class:`ConfigError` that names the key. ``{run_dir}`` in an endpoint is replaced by the launcher's private
-run folder.
+``launch``, ``security`` and ``http`` sections. Every key has a default below; an unknown key, a bad value, an unknown
+drafter type, a missing model, a device this machine lacks or missing CURVE keys fails here — before any process
+starts — with a :class:`ConfigError` that names the key. ``{run_dir}`` in an endpoint is replaced by the launcher's
+private run folder.
 
 Nothing here names a drafter type: the ``drafter`` section holds the keys every type has (below) plus every
 registered type's own keys, and what a type needs (a model, the target's checkpoint, its own checks) comes from its
@@ -14,6 +14,7 @@ declaration (:class:`drafter_node.spec.DrafterSpec`, listed in ``drafter_node/ty
 from __future__ import annotations
 
 import copy
+import ipaddress
 import math
 import os
 import re
@@ -27,6 +28,7 @@ from drafter_node.spec import DrafterSpec
 from drafter_node.types import DEFAULT_DRAFTER_TYPE, DRAFTER_TYPES, drafter_spec, drafter_specs
 from shared.models import AUTO, DTYPES
 from shared.protocol import DEFAULT_MAX_MESSAGE_BYTES, MAX_DRAFT_TOKENS
+from shared.sampling import MAX_NEW_TOKENS
 from shared.transport import CURVE_MODES, EndpointError, check_endpoint, curve_wanted
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -88,7 +90,15 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "client": {"endpoint": "ipc://{run_dir}/client.ipc", "timeout_s": 600, "heartbeat_timeout_s": 5.0},
     "launch": {"ready_timeout_s": 900, "start_drafter": True, "drafters": 1},
     "security": {"curve": "auto", "keys_dir": None, "drafter_key": "drafter", "client_key": "client"},
+    # The OpenAI-compatible HTTP server (http_server/): off while host is null (`--http HOST:PORT` sets both).
+    "http": {"host": None, "port": 8000, "api_key": None, "allow_remote": False, "model_name": None,
+             "default_max_tokens": 256, "max_body_bytes": 4 * 1024 * 1024, "scrape_timeout_s": 1.0},
 }
+
+#: Read when ``http.api_key`` is null: a key kept out of config files and argv (``ps`` shows argv to everyone).
+HTTP_API_KEY_ENV = "PIPESPEC_HTTP_API_KEY"
+#: Shortest ``http.api_key`` accepted (a guessable key on a network address protects nothing).
+MIN_API_KEY_CHARS = 16
 
 #: Most drafter processes one launcher starts (``launch.drafters``).
 MAX_LAUNCHED_DRAFTERS = 16
@@ -287,6 +297,7 @@ def validate(config: dict[str, Any]) -> None:
     if v["endpoint"] == config["client"]["endpoint"]:
         raise ConfigError("client.endpoint: must differ from verifier.endpoint (drafters and clients are separate)")
     _check_security(config)
+    _check_http(config)
     for dotted in ("launch.ready_timeout_s", "client.timeout_s", "client.heartbeat_timeout_s"):
         section, key = dotted.split(".")
         value = config[section][key]
@@ -338,6 +349,55 @@ def _check_security(config: dict[str, Any]) -> None:
                 check_endpoint(endpoint.replace("{run_dir}", "/tmp/x"), config["verifier"]["allow_remote"], curve)
             except EndpointError as exc:
                 raise ConfigError(f"{dotted}: {exc}") from None
+
+
+def _check_http(config: dict[str, Any]) -> None:
+    """The ``http`` section: a loopback address by default; any other address needs both an ``api_key`` (Bearer
+    token) and ``http.allow_remote: true`` — the same rule as the nodes' ``allow_remote``, plus the key, since HTTP
+    has no CURVE."""
+    h = config["http"]
+    if h["api_key"] is None and os.environ.get(HTTP_API_KEY_ENV):
+        h["api_key"] = os.environ[HTTP_API_KEY_ENV]
+    if h["api_key"] is not None and (not isinstance(h["api_key"], str) or len(h["api_key"]) < MIN_API_KEY_CHARS
+                                     or not h["api_key"].isprintable() or " " in h["api_key"]):
+        raise ConfigError(f"http.api_key: a string of at least {MIN_API_KEY_CHARS} printable characters without "
+                          f"spaces (e.g. `python -c 'import secrets; print(secrets.token_urlsafe(32))'`), or null")
+    if not isinstance(h["allow_remote"], bool):
+        raise ConfigError(f"http.allow_remote: must be true or false, got {h['allow_remote']!r}")
+    port = h["port"]
+    if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+        raise ConfigError(f"http.port: must be an integer in [1, 65535], got {port!r}")
+    for dotted, bounds in (("http.default_max_tokens", (1, MAX_NEW_TOKENS)),
+                           ("http.max_body_bytes", (1024, 1 << 30))):
+        value = h[dotted.split(".")[1]]
+        if isinstance(value, bool) or not isinstance(value, int) or not bounds[0] <= value <= bounds[1]:
+            raise ConfigError(f"{dotted}: must be an integer in [{bounds[0]}, {bounds[1]}], got {value!r}")
+    value = h["scrape_timeout_s"]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 60:
+        raise ConfigError(f"http.scrape_timeout_s: must be a number of seconds in (0, 60], got {value!r}")
+    if h["model_name"] is not None and (not isinstance(h["model_name"], str) or not h["model_name"]
+                                        or len(h["model_name"]) > 256):
+        raise ConfigError(f"http.model_name: a non-empty name (at most 256 characters), or null for the target's "
+                          f"name, got {h['model_name']!r}")
+    host = h["host"]
+    if host is None:
+        return
+    if not isinstance(host, str) or not host:
+        raise ConfigError(f"http.host: an IP address or localhost, got {host!r}")
+    if host != "localhost":
+        try:
+            address = ipaddress.ip_address(host)
+        except ValueError:
+            raise ConfigError(f"http.host: {host!r} is not an IP address or localhost (name the interface's "
+                              "address, e.g. 127.0.0.1 or 0.0.0.0)") from None
+        if not address.is_loopback:
+            missing = [what for what, ok in (("http.api_key (a Bearer token clients must send)", h["api_key"]),
+                                             ("http.allow_remote: true", h["allow_remote"])) if not ok]
+            if missing:
+                raise ConfigError(
+                    f"http.host: {host!r} is not a loopback address: serving HTTP on a network interface needs "
+                    f"{' and '.join(missing)}; plain HTTP is not encrypted, so put a TLS proxy in front of it "
+                    "beyond a private network (or use --http 127.0.0.1:PORT)")
 
 
 def check_security(config: dict[str, Any], roles: tuple[str, ...] = ("verifier", "drafter", "client")) -> None:

@@ -3,6 +3,8 @@ until both are ready, and serves (or runs one generation with ``--prompt``); ``-
 
 From Python: ``async with runtime.launch.cluster("cpu.yaml", overrides={...}) as client:`` does the same with real
 subprocesses and yields an :class:`~runtime.client.AsyncClient` (with ``.processes`` and ``.config``).
+``--http HOST:PORT`` (or the config's ``http`` section) also serves an OpenAI-compatible HTTP API on that client
+(:func:`serve_http`, package ``http_server``).
 """
 
 from __future__ import annotations
@@ -25,7 +27,14 @@ from typing import Any
 
 from runtime import security
 from runtime.client import AsyncClient, Chunk, PipespecError
-from runtime.config import ConfigError, check_model_dependent, check_security, fill_run_dir, load_config
+from runtime.config import (
+    ConfigError,
+    check_model_dependent,
+    check_security,
+    fill_run_dir,
+    load_config,
+    parse_overrides,
+)
 from runtime.keys import KeysError
 from shared.models import ModelLoadError
 from shared.registry import RegistryError
@@ -224,7 +233,21 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float)
     p.add_argument("--seed", type=int)
     p.add_argument("--run-dir", help="folder for ipc sockets and logs (default: a new temporary folder)")
+    p.add_argument("--http", metavar="HOST:PORT",
+                   help="also serve an OpenAI-compatible HTTP API there (e.g. 127.0.0.1:8000; sets http.host and "
+                        "http.port; a non-loopback host needs http.api_key and http.allow_remote: true)")
     return p
+
+
+def parse_http_address(text: str) -> dict[str, Any]:
+    """``HOST:PORT``, ``[V6]:PORT`` or a bare ``PORT`` (loopback) → ``{"http.host": …, "http.port": …}``."""
+    host, sep, port = text.rpartition(":")
+    if not sep:
+        host, port = "127.0.0.1", text
+    host = host.strip("[]") or "127.0.0.1"
+    if not port.isdigit():
+        raise ConfigError(f"--http {text!r}: use HOST:PORT, e.g. --http 127.0.0.1:8000")
+    return {"http.host": host, "http.port": int(port)}
 
 
 def _run_role(config: dict[str, Any], role: str, run_dir: str | None) -> int:
@@ -315,21 +338,43 @@ async def _serve(config: dict[str, Any], run_dir: str | None) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     try:
-        async with AsyncClient(nodes.client_address, curve=security.client_keys_for(nodes.config)) as client:
+        async with AsyncClient(nodes.client_address, timeout_s=config["client"]["timeout_s"],
+                               curve=security.client_keys_for(nodes.config)) as client:
             pong = await nodes.wait_ready(client)
-        drafters = ", ".join(f"{d['id']} {d['type']}@{d['host']}" for d in pong.get("drafters") or []) or "none"
-        print(f"pipespec ready: target {pong.get('target')}, drafters: {drafters}", flush=True)
-        print(f"client address: {nodes.client_address}", flush=True)
-        print(f"logs: {nodes.run_dir}  (Ctrl-C to stop)", flush=True)
-        while not stop.is_set():
-            try:
-                await asyncio.wait_for(stop.wait(), 1.0)
-            except asyncio.TimeoutError:
-                nodes.check_alive(["verifier"])
+            drafters = ", ".join(f"{d['id']} {d['type']}@{d['host']}" for d in pong.get("drafters") or []) or "none"
+            print(f"pipespec ready: target {pong.get('target')}, drafters: {drafters}", flush=True)
+            print(f"client address: {nodes.client_address}", flush=True)
+            async with contextlib.AsyncExitStack() as stack:
+                if config["http"]["host"] is not None:
+                    server = await stack.enter_async_context(serve_http(client, config, pong))
+                    _progress(f"serving OpenAI-compatible HTTP on {server.url} (model {server.model_name})")
+                print(f"logs: {nodes.run_dir}  (Ctrl-C to stop)", flush=True)
+                while not stop.is_set():
+                    try:
+                        await asyncio.wait_for(stop.wait(), 1.0)
+                    except asyncio.TimeoutError:
+                        nodes.check_alive(["verifier"])
     finally:
         nodes.stop()
         print("pipespec stopped", file=sys.stderr)
     return 0
+
+
+@contextlib.asynccontextmanager
+async def serve_http(client: AsyncClient, config: dict[str, Any], pong: dict[str, Any] | None = None):
+    """Serve ``config["http"]`` (host and port set) over ``client`` until the block ends; yields the
+    :class:`http_server.serve.HttpServer` (``.url``, ``.model_name``). The model's id is ``http.model_name`` or the
+    target's name from the verifier's pong."""
+    from http_server.serve import HttpServer, HttpStartError
+
+    pong = pong or await client.ping()
+    try:
+        server = HttpServer(client, config["http"], model_name=str(pong.get("target") or config["verifier"]["model"]),
+                            max_sessions=config["verifier"]["max_sessions"])
+        async with server:
+            yield server
+    except HttpStartError as exc:
+        raise LaunchError(str(exc)) from None
 
 
 def _run_async(coro) -> int:
@@ -343,7 +388,12 @@ def _run_async(coro) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        config = load_config(args.config, args.set)
+        overrides = parse_overrides(args.set)
+        if args.http is not None:
+            if args.role or args.prompt is not None or args.messages:
+                raise ConfigError("--http serves the cluster's API: it goes without --role, --prompt and --messages")
+            overrides.update(parse_http_address(args.http))
+        config = load_config(args.config, overrides)
         if args.role:
             return _run_role(config, args.role, args.run_dir)
         coro = _one_shot(args, config) if args.prompt is not None or args.messages else _serve(config, args.run_dir)

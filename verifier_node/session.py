@@ -251,6 +251,9 @@ class Session:
             "acceptance_rate": m.accepted_tokens / m.draft_tokens if m.draft_tokens else 0.0,
             "mean_accepted_length": 1 + m.accepted_tokens / m.drafts if m.drafts else 1.0,
             "per_position_acceptance": [a / d for a, d in zip(m.per_position_accepted, m.per_position_drafted)],
+            # the counts behind the rates (summable across requests: the HTTP server's Prometheus counters)
+            "per_position_accepted": list(m.per_position_accepted),
+            "per_position_drafted": list(m.per_position_drafted),
             "fallback_rounds": m.fallback_rounds - m.solo_rounds,
             "solo_rounds": m.solo_rounds,
             "plans": m.drafter_stats.get("plans", {}),

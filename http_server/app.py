@@ -1,0 +1,243 @@
+"""The FastAPI app: OpenAI's ``/v1/completions``, ``/v1/chat/completions`` and ``/v1/models``, plus ``/health``
+and ``/metrics``, served from one :class:`~runtime.client.AsyncClient`. Every error leaves as an OpenAI-shaped JSON
+body (``{"error": {"message", "type", "param", "code"}}``), never as a traceback."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from http_server.errors import OpenAIError, error_body, from_pipespec
+from http_server.generation import Generation
+from http_server.metrics import CONTENT_TYPE, HttpMetrics
+from http_server.schemas import ChatRequest, CompletionRequest, check_supported
+from http_server.sse import BodyLimit, sse
+from runtime.client import AsyncClient, PipespecError
+
+log = logging.getLogger("pipespec.http")
+T = TypeVar("T")
+
+#: How often a non-streamed request checks whether its caller is still there.
+DISCONNECT_POLL_S = 0.25
+
+
+class ClientGone(Exception):
+    """The HTTP caller went away; its request was cancelled on the verifier."""
+
+
+class _Format:
+    """How completions (``text``) and chat (``message`` / ``delta``) spell their choices; the rest is shared."""
+
+    def __init__(self, chat: bool):
+        self.chat = chat
+        self.object = "chat.completion" if chat else "text_completion"
+        self.chunk_object = "chat.completion.chunk" if chat else "text_completion"
+        self.id_prefix = "chatcmpl-" if chat else "cmpl-"
+
+    def _choice(self, finish_reason: str | None, **body: Any) -> dict[str, Any]:
+        return {"index": 0, **body, "logprobs": None, "finish_reason": finish_reason}
+
+    def piece(self, text: str) -> dict[str, Any]:
+        return self._choice(None, delta={"content": text}) if self.chat else self._choice(None, text=text)
+
+    def opening(self) -> dict[str, Any] | None:
+        return self._choice(None, delta={"role": "assistant", "content": ""}) if self.chat else None
+
+    def finish(self, finish_reason: str) -> dict[str, Any]:
+        return self._choice(finish_reason, delta={}) if self.chat else self._choice(finish_reason, text="")
+
+    def whole(self, text: str, finish_reason: str) -> dict[str, Any]:
+        if self.chat:
+            return self._choice(finish_reason, message={"role": "assistant", "content": text, "refusal": None})
+        return self._choice(finish_reason, text=text)
+
+
+def create_app(client: AsyncClient, model_name: str, *, api_key: str | None = None, default_max_tokens: int = 256,
+               max_body_bytes: int = 4 * 1024 * 1024, scrape_timeout_s: float = 1.0) -> FastAPI:
+    """The app. ``model_name``: the id ``/v1/models`` lists and requests may name; ``api_key``: when set, ``/v1/*``
+    and ``/metrics`` need ``Authorization: Bearer <api_key>`` (``/health`` stays open)."""
+    app = FastAPI(title="pipespec", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    metrics = HttpMetrics()
+    app.state.metrics = metrics
+    created = int(time.time())
+    expected = api_key.encode() if api_key else None
+
+    async def authorize(request: Request) -> None:
+        if expected is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        # compare_digest: the time taken says nothing about how much of the key matched
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), expected):
+            raise OpenAIError(401, "Incorrect API key provided: send Authorization: Bearer <http.api_key>",
+                              code="invalid_api_key")
+
+    guarded = [Depends(authorize)]
+
+    # ------------------------------------------------------------------------------------------ errors
+    @app.exception_handler(OpenAIError)
+    async def _openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        # a body that is not JSON at all names no field (its loc is a character offset)
+        param = None if first.get("type") == "json_invalid" else ".".join(loc) or None
+        message = f"{param + ': ' if param else ''}{first.get('msg', 'invalid request')}"
+        if len(errors) > 1:
+            message += f" (and {len(errors) - 1} more problem(s))"
+        return JSONResponse(error_body(message, param=param, code="invalid_value"), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return JSONResponse(error_body(str(exc.detail), kind, code=str(exc.status_code)), status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unexpected error in the HTTP server")
+        return JSONResponse(error_body(f"internal error: {type(exc).__name__}", "server_error",
+                                       code="internal_error"), status_code=500)
+
+    # ------------------------------------------------------------------------------------------ helpers
+    def check(req: CompletionRequest | ChatRequest) -> None:
+        check_supported(req)
+        if req.model is not None and req.model != model_name:
+            raise OpenAIError(404, f"The model {req.model!r} does not exist: this server serves {model_name!r} "
+                              "(see GET /v1/models)", param="model", code="model_not_found")
+
+    async def until_disconnect(request: Request, awaitable: Awaitable[T]) -> T:
+        """Await ``awaitable``, cancelling it (and so its request on the verifier) if the caller disconnects."""
+        task = asyncio.ensure_future(awaitable)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+                if done:
+                    return task.result()
+                if await request.is_disconnected():
+                    raise ClientGone
+        finally:
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+
+    def base(fmt: _Format, rid: str) -> dict[str, Any]:
+        return {"id": rid, "object": fmt.chunk_object, "created": int(time.time()), "model": model_name}
+
+    async def run(request: Request, req: CompletionRequest | ChatRequest, fmt: _Format) -> Response:
+        check(req)
+        gen = Generation(client, req, default_max_tokens)
+        pieces = gen.pieces()
+        rid = fmt.id_prefix + secrets.token_hex(12)
+        try:
+            # the first step runs here, not in the stream: a refused request gets its real status, not a 200
+            first = await until_disconnect(request, anext_or_none(pieces))
+            if not req.stream and first is not None:
+                await until_disconnect(request, drain(pieces))
+        except (PipespecError, TimeoutError) as exc:
+            await pieces.aclose()
+            error = from_pipespec(exc)
+            metrics.record_error(error.code)
+            raise error from None
+        except (ClientGone, asyncio.CancelledError):
+            await pieces.aclose()
+            metrics.record_error("client_gone")
+            raise
+        if not req.stream:
+            out = gen.outcome
+            metrics.record(out.finish_reason, out.result.metrics if out.result else None, out.ttft_s,
+                           time.monotonic() - out.started)
+            return JSONResponse({**base(fmt, rid), "object": fmt.object,
+                                 "choices": [fmt.whole(out.text, out.finish_reason)], "usage": out.usage(),
+                                 "metrics": out.metrics()})
+        return StreamingResponse(sse(stream_events(gen, pieces, first, fmt, rid, req.include_usage())),
+                                 media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def stream_events(gen: Generation, pieces: AsyncIterator[str], first: str | None, fmt: _Format, rid: str,
+                            include_usage: bool) -> AsyncIterator[dict[str, Any]]:
+        head = base(fmt, rid)
+        extra = {"usage": None} if include_usage else {}
+        finished = False
+        try:
+            opening = fmt.opening()
+            if opening is not None:
+                yield {**head, "choices": [opening], **extra}
+            if first:
+                yield {**head, "choices": [fmt.piece(first)], **extra}
+            if first is not None:
+                async for piece in pieces:
+                    if piece:
+                        yield {**head, "choices": [fmt.piece(piece)], **extra}
+            out = gen.outcome
+            finished = True
+            metrics.record(out.finish_reason, out.result.metrics if out.result else None, out.ttft_s,
+                           time.monotonic() - out.started)
+            yield {**head, "choices": [fmt.finish(out.finish_reason)], **extra, "metrics": out.metrics()}
+            if include_usage:
+                yield {**head, "choices": [], "usage": out.usage()}
+        except (PipespecError, TimeoutError) as exc:  # after the 200: the error travels as an event
+            error = from_pipespec(exc)
+            metrics.record_error(error.code)
+            yield error.body()
+        finally:
+            if not finished:
+                await pieces.aclose()  # the caller left (or an error): cancel the request on the verifier
+                if gen.outcome.result is None:
+                    metrics.record_error("client_gone")
+
+    # ------------------------------------------------------------------------------------------ routes
+    @app.post("/v1/completions", dependencies=guarded)
+    async def completions(request: Request, req: CompletionRequest) -> Response:
+        return await run(request, req, _Format(chat=False))
+
+    @app.post("/v1/chat/completions", dependencies=guarded)
+    async def chat_completions(request: Request, req: ChatRequest) -> Response:
+        return await run(request, req, _Format(chat=True))
+
+    @app.get("/v1/models", dependencies=guarded)
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
+                                            "owned_by": "pipespec"}]}
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        try:
+            pong = await asyncio.wait_for(client.ping(timeout_s=scrape_timeout_s), scrape_timeout_s + 0.5)
+        except Exception:  # a health check answers, whatever the verifier does
+            return JSONResponse({"status": "unavailable", "verifier": False}, status_code=503)
+        live = sum(bool(d.get("alive")) for d in pong.get("drafters") or [])
+        return JSONResponse({"status": "ok", "verifier": True, "drafters": live, "sessions": pong.get("sessions")})
+
+    @app.get("/metrics", dependencies=guarded)
+    async def prometheus() -> Response:
+        return Response(await metrics.render(client, scrape_timeout_s), media_type=CONTENT_TYPE)
+
+    return app
+
+
+async def anext_or_none(pieces: AsyncIterator[str]) -> str | None:
+    """The first piece (None: the run ended without one)."""
+    try:
+        return await pieces.__anext__()
+    except StopAsyncIteration:
+        return None
+
+
+async def drain(pieces: AsyncIterator[str]) -> None:
+    async for _ in pieces:
+        pass

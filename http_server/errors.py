@@ -1,0 +1,56 @@
+"""OpenAI-shaped errors: ``{"error": {"message", "type", "param", "code"}}`` with an HTTP status, and how the
+verifier's :class:`~runtime.client.PipespecError` codes map onto statuses."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from runtime.client import PipespecError
+
+#: PipespecError code → (HTTP status, OpenAI error type). Anything not listed is a 500.
+_STATUS_BY_CODE: dict[str, tuple[int, str]] = {
+    "bad_request": (400, "invalid_request_error"),
+    "unsupported": (400, "invalid_request_error"),
+    "ensemble_needs_q": (400, "invalid_request_error"),
+    "too_large": (413, "invalid_request_error"),
+    "busy": (429, "rate_limit_error"),  # the verifier is at verifier.max_sessions: retry later
+    "closed": (503, "server_error"),
+    "verifier_gone": (503, "server_error"),
+    "numerical_error": (500, "server_error"),
+    "internal_error": (500, "server_error"),
+}
+
+
+class OpenAIError(Exception):
+    """An error to send as an OpenAI-shaped body with ``status``."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> OpenAIError:
+    return OpenAIError(400, message, param=param, code=code)
+
+
+def from_pipespec(exc: PipespecError | TimeoutError) -> OpenAIError:
+    """The HTTP face of a verifier-side failure (a timeout waiting for the verifier is a 504)."""
+    if isinstance(exc, TimeoutError):
+        return OpenAIError(504, f"the verifier did not answer in time: {exc}", type="server_error", code="timeout")
+    status, kind = _STATUS_BY_CODE.get(exc.code, (500, "server_error"))
+    headers = {"Retry-After": "1"} if status in (429, 503) else None
+    return OpenAIError(status, str(exc), type=kind, code=exc.code, headers=headers)

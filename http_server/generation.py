@@ -1,0 +1,124 @@
+"""One request's run on the verifier, shared by completions and chat: OpenAI fields → pipespec parameters, the
+stream of committed text with stop strings applied, and what the response reports at the end (finish reason,
+usage, speculative-decoding metrics)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from http_server.schemas import ChatRequest, CompletionRequest
+from http_server.stop import StopMatcher
+from runtime.client import AsyncClient, Chunk, GenerationResult
+
+
+def generation_params(req: CompletionRequest | ChatRequest, default_max_tokens: int) -> dict[str, Any]:
+    """pipespec's parameters for a request. Temperature follows OpenAI: absent means 1.0 (sampling); 0 means
+    greedy (``do_sample=False``), the one setting whose output equals ``AsyncClient.generate``'s default."""
+    temperature = 1.0 if req.temperature is None else req.temperature
+    params: dict[str, Any] = {
+        "max_new_tokens": req.max_completion_tokens or req.max_tokens or default_max_tokens,
+        "do_sample": temperature > 0,
+        "seed": req.seed,
+    }
+    if temperature > 0:
+        params["temperature"] = temperature
+        params["top_p"] = req.top_p
+        params["top_k"] = req.top_k if req.top_k and req.top_k > 0 else None
+    params["repetition_penalty"] = req.repetition_penalty
+    return {k: v for k, v in params.items() if v is not None}
+
+
+def prompt_inputs(req: CompletionRequest | ChatRequest) -> dict[str, Any]:
+    """``prompt=`` / ``token_ids=`` / ``messages=`` for :meth:`AsyncClient.stream` (the verifier templates chat)."""
+    if isinstance(req, ChatRequest):
+        return {"messages": [m.as_template_input() for m in req.messages]}
+    prompt = req.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a list of one prompt (check_supported refused longer lists)
+    if isinstance(prompt, list):
+        return {"token_ids": list(prompt)}
+    return {"prompt": prompt}
+
+
+@dataclass
+class Outcome:
+    """What a finished run reports."""
+
+    text: str = ""
+    finish_reason: str = "stop"
+    result: GenerationResult | None = None
+    ttft_s: float | None = None
+    started: float = field(default_factory=time.monotonic)
+
+    def usage(self) -> dict[str, int]:
+        m = self.result.metrics if self.result else {}
+        prompt, completion = int(m.get("prompt_tokens") or 0), int(m.get("new_tokens") or 0)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    def metrics(self) -> dict[str, Any]:
+        """pipespec's own block of the response (``metrics``): speculative decoding and timing."""
+        m = self.result.metrics if self.result else {}
+        return {
+            "speculative_decoding": {
+                "acceptance_rate": m.get("acceptance_rate"),
+                "mean_accepted_length": m.get("mean_accepted_length"),
+                "num_drafts": m.get("drafts"),
+                "num_draft_tokens": m.get("draft_tokens"),
+                "num_accepted_tokens": m.get("accepted_tokens"),
+                "per_position_acceptance": m.get("per_position_acceptance"),
+            },
+            "time_to_first_token_s": m.get("time_to_first_token_s"),
+            "elapsed_s": m.get("elapsed_s"),
+            "tokens_per_second": m.get("tokens_per_second"),
+            "rounds": m.get("rounds"),
+            "drafter_type": m.get("drafter_type"),
+        }
+
+
+class Generation:
+    """Run one request: iterate :meth:`pieces` for the text to show (possibly empty pieces: one per verifier
+    round), then read :attr:`outcome`. A stop string ends the text and cancels the request on the verifier (its
+    result still comes, with the metrics of what ran); closing the iterator early cancels it too."""
+
+    def __init__(self, client: AsyncClient, req: CompletionRequest | ChatRequest, default_max_tokens: int):
+        self.client = client
+        self.inputs = prompt_inputs(req)
+        self.params = generation_params(req, default_max_tokens)
+        self.stops = StopMatcher(req.stop_strings())
+        self.outcome = Outcome()
+
+    async def pieces(self) -> AsyncIterator[str]:
+        cancel = asyncio.Event()
+        received = ""  # the verifier's text so far (what the stop matcher has seen)
+        out = self.outcome
+        stream = self.client.stream(**self.inputs, include_result=True, cancel=cancel, **self.params)
+        async with contextlib.aclosing(stream):
+            async for item in stream:
+                if isinstance(item, Chunk):
+                    if out.ttft_s is None:
+                        out.ttft_s = time.monotonic() - out.started
+                    received += item.text
+                    piece, hit = self.stops.push(item.text)
+                    if hit:
+                        cancel.set()  # the next step of the stream sends the cancel and waits for the result
+                    out.text += piece
+                    yield piece
+                else:
+                    out.result = item
+        result = out.result
+        if self.stops.matched is not None:
+            out.finish_reason = "stop"
+            return
+        # the stream holds back a trailing half character: the final text has all of it
+        tail = result.text[len(received):] if result.text.startswith(received) else ""
+        piece, hit = self.stops.push(tail)
+        piece += "" if hit else self.stops.flush()
+        out.text += piece
+        out.finish_reason = "stop" if hit or result.finish_reason == "stop" else result.finish_reason
+        if piece:
+            yield piece

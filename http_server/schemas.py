@@ -1,0 +1,136 @@
+"""Request bodies of ``/v1/completions`` and ``/v1/chat/completions`` (pydantic), and the check that turns the
+OpenAI fields pipespec does not implement into a 400 instead of silently ignoring them.
+
+Field policy (documented in the README, "Serving over HTTP"):
+
+- implemented: ``model``, ``prompt`` / ``messages``, ``max_tokens`` / ``max_completion_tokens``, ``temperature``,
+  ``top_p``, ``seed``, ``stop``, ``stream``, ``stream_options.include_usage``, and pipespec's own ``top_k`` and
+  ``repetition_penalty``;
+- accepted when they ask for nothing (their default): ``n: 1``, ``best_of: 1``, ``echo: false``, ``logprobs``
+  false / null, ``presence_penalty`` / ``frequency_penalty`` 0, ``logit_bias`` empty, ``response_format`` of type
+  text; accepted and ignored: ``user``, ``metadata``, ``store``, ``service_tier``;
+- anything else — a known OpenAI field pipespec lacks (``tools``, ``suffix``, …) or an unknown name (a typo) — is a
+  400 naming the field: a request is never served with part of it dropped.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
+
+from http_server.errors import bad_request
+from shared.sampling import MAX_NEW_TOKENS, MAX_REPETITION_PENALTY, MAX_TEMPERATURE, MIN_REPETITION_PENALTY
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 1000
+MAX_MESSAGES = 4096
+
+Tokens = Annotated[StrictInt, Field(ge=1, le=MAX_NEW_TOKENS)]
+StopText = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+TokenId = Annotated[StrictInt, Field(ge=0, lt=2**31)]
+
+#: Fields accepted and ignored (bookkeeping of the caller's own).
+IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier"})
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: StrictBool = False
+
+
+class _Request(BaseModel):
+    """What completions and chat share. Extra fields are kept (``extra="allow"``) so :func:`check_supported` can
+    name them in a 400 rather than pydantic's generic message."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = Field(default=None, max_length=1024)
+    max_tokens: Tokens | None = None
+    max_completion_tokens: Tokens | None = None
+    temperature: Annotated[float, Field(ge=0, le=MAX_TEMPERATURE, allow_inf_nan=False)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] | None = None
+    top_k: Annotated[StrictInt, Field(ge=-1, lt=2**31)] | None = None  # -1 and 0: off (-1 as in vLLM)
+    repetition_penalty: Annotated[float, Field(ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY,
+                                               allow_inf_nan=False)] | None = None
+    seed: Annotated[StrictInt, Field(ge=0, lt=2**63)] | None = None
+    stop: StopText | Annotated[list[StopText], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    # OpenAI fields accepted only at the value that asks for nothing (checked in check_supported)
+    n: StrictInt | None = None
+    best_of: StrictInt | None = None
+    echo: StrictBool | None = None
+    logprobs: Any = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_Request):
+    # one prompt: text, or token ids; a list of several prompts is refused (n > 1 alike) in check_supported
+    prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+    name: str | None = Field(default=None, max_length=256)
+
+    def as_template_input(self) -> dict[str, str]:
+        """``{role, content}`` for the target's chat template (text parts joined; ``developer`` is a system turn,
+        which every template knows)."""
+        parts = self.content if isinstance(self.content, list) else [TextPart(type="text", text=self.content or "")]
+        text = "".join(part.text for part in parts)
+        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+
+
+class ChatRequest(_Request):
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
+
+
+#: field → the value that asks for nothing (a request may send it; any other value is a 400)
+_ONLY_DEFAULT: dict[str, tuple[Any, ...]] = {
+    "n": (None, 1), "best_of": (None, 1), "echo": (None, False), "logprobs": (None, False),
+    "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
+}
+
+
+def check_supported(req: _Request) -> None:
+    """Raise a 400 (OpenAI-shaped, ``param`` naming the field) for anything pipespec would otherwise ignore."""
+    for name, allowed in _ONLY_DEFAULT.items():
+        value = getattr(req, name)
+        if not any(value is a or (value == a and type(value) is type(a)) for a in allowed):
+            raise bad_request(f"{name}={value!r} is not supported by pipespec (only {allowed[-1]!r})", param=name,
+                              code="unsupported_parameter")
+    if req.logit_bias:
+        raise bad_request("logit_bias is not supported by pipespec", param="logit_bias", code="unsupported_parameter")
+    if req.response_format is not None and req.response_format.get("type") != "text":
+        raise bad_request("response_format: only {\"type\": \"text\"} is supported by pipespec",
+                          param="response_format", code="unsupported_parameter")
+    for name in sorted(set(req.model_extra or {}) - IGNORED_FIELDS):
+        raise bad_request(f"{name} is not supported by pipespec (unknown or unimplemented field)", param=name,
+                          code="unsupported_parameter")
+    if isinstance(req, CompletionRequest) and isinstance(req.prompt, list) and req.prompt \
+            and isinstance(req.prompt[0], (str, list)) and len(req.prompt) != 1:
+        raise bad_request("one prompt per request (a list of several prompts is not supported)", param="prompt",
+                          code="unsupported_parameter")

@@ -1,0 +1,96 @@
+"""Run the app with uvicorn inside an event loop the caller owns (the launcher's): the socket is bound first, so a
+port in use is a clear error, and uvicorn's own signal handling stays off (the launcher handles Ctrl-C)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from typing import Any
+
+import uvicorn
+
+from http_server.app import create_app
+from runtime.client import AsyncClient
+
+#: Open connections uvicorn serves at once (more get a 503): a bound per verifier session, with room for scrapes.
+CONNECTIONS_PER_SESSION = 2
+START_TIMEOUT_S = 30.0
+STOP_TIMEOUT_S = 10.0
+
+
+class HttpStartError(RuntimeError):
+    """The HTTP server could not start (the port is taken, the address is not this host's, …)."""
+
+
+class _EmbeddedServer(uvicorn.Server):
+    """uvicorn without its signal handlers: the process that embeds it decides when to stop."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):  # newer uvicorn
+        yield
+
+    def install_signal_handlers(self) -> None:  # older uvicorn
+        pass
+
+
+class HttpServer:
+    """``async with HttpServer(client, config) as server:`` serves ``config["http"]`` until the block ends."""
+
+    def __init__(self, client: AsyncClient, http: dict[str, Any], model_name: str, max_sessions: int = 64):
+        self.host, self.port = http["host"], http["port"]
+        self.model_name = http.get("model_name") or model_name
+        self.app = create_app(client, self.model_name, api_key=http.get("api_key"),
+                              default_max_tokens=http["default_max_tokens"], max_body_bytes=http["max_body_bytes"],
+                              scrape_timeout_s=http["scrape_timeout_s"])
+        self._config = uvicorn.Config(self.app, loop="none", lifespan="off", log_level="warning", access_log=False,
+                                      timeout_keep_alive=5, timeout_graceful_shutdown=STOP_TIMEOUT_S / 2,
+                                      limit_concurrency=max(64, CONNECTIONS_PER_SESSION * max_sessions + 16))
+        self._server = _EmbeddedServer(self._config)
+        self._task: asyncio.Task | None = None
+        self._sock: socket.socket | None = None
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    async def __aenter__(self) -> HttpServer:
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((self.host, self.port))
+        except OSError as exc:
+            sock.close()
+            raise HttpStartError(f"cannot serve HTTP on {self.host}:{self.port}: {exc.strerror or exc}") from None
+        sock.set_inheritable(True)
+        self._sock = sock
+        self._task = asyncio.create_task(self._server.serve(sockets=[sock]))
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + START_TIMEOUT_S
+        while not self._server.started:
+            if self._task.done():
+                await self._close_socket()
+                raise HttpStartError(f"the HTTP server on {self.url} stopped during start-up")
+            if loop.time() > deadline:
+                await self.__aexit__()
+                raise HttpStartError(f"the HTTP server on {self.url} did not start within {START_TIMEOUT_S} s")
+            await asyncio.sleep(0.02)
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        self._server.should_exit = True
+        if self._task is not None:
+            try:
+                await asyncio.wait_for(self._task, STOP_TIMEOUT_S)
+            except (asyncio.TimeoutError, Exception):
+                self._task.cancel()
+                await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+        await self._close_socket()
+
+    async def _close_socket(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
