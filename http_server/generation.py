@@ -54,10 +54,13 @@ class Outcome:
     result: GenerationResult | None = None
     ttft_s: float | None = None
     started: float = field(default_factory=time.monotonic)
+    stop_tokens: int | None = None  # tokens up to the one that completed a stop string (the ones shown for)
 
     def usage(self) -> dict[str, int]:
         m = self.result.metrics if self.result else {}
         prompt, completion = int(m.get("prompt_tokens") or 0), int(m.get("new_tokens") or 0)
+        if self.stop_tokens is not None:  # not the tokens the verifier made before the cancel reached it
+            completion = min(completion, self.stop_tokens) if completion else self.stop_tokens
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
     def metrics(self) -> dict[str, Any]:
@@ -95,6 +98,7 @@ class Generation:
     async def pieces(self) -> AsyncIterator[str]:
         cancel = asyncio.Event()
         received = ""  # the verifier's text so far (what the stop matcher has seen)
+        tokens = 0  # the verifier's tokens so far
         out = self.outcome
         stream = self.client.stream(**self.inputs, include_result=True, cancel=cancel, **self.params)
         async with contextlib.aclosing(stream):
@@ -103,8 +107,11 @@ class Generation:
                     if out.ttft_s is None:
                         out.ttft_s = time.monotonic() - out.started
                     received += item.text
+                    tokens += len(item.token_ids)
                     piece, hit = self.stops.push(item.text)
-                    if hit:
+                    if hit and out.stop_tokens is None:
+                        # a chunk is a verifier round's tokens: counted whole (the stop may end inside it)
+                        out.stop_tokens = tokens
                         cancel.set()  # the next step of the stream sends the cancel and waits for the result
                     out.text += piece
                     yield piece
@@ -117,6 +124,8 @@ class Generation:
         # the stream holds back a trailing half character: the final text has all of it
         tail = result.text[len(received):] if result.text.startswith(received) else ""
         piece, hit = self.stops.push(tail)
+        if hit:
+            out.stop_tokens = len(result.token_ids)
         piece += "" if hit else self.stops.flush()
         out.text += piece
         out.finish_reason = "stop" if hit or result.finish_reason == "stop" else result.finish_reason
