@@ -63,6 +63,17 @@ def prepare_models(config: dict[str, Any]) -> None:
     check_model_dependent(config)
 
 
+def stop_process(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
+    """SIGTERM, then SIGKILL if ``proc`` is still there after ``grace_s`` (a launcher or a helper process)."""
+    if proc.poll() is None:
+        proc.terminate()
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(5)
+
+
 def _die_with_parent() -> None:
     """In the child, before exec: get SIGTERM when the launcher dies, so no node outlives it (Linux)."""
     import ctypes

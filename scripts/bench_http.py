@@ -45,6 +45,7 @@ sys.path.insert(0, str(REPO_ROOT))
 from bench_common import build_random_pair, header_lines, log, machine_info, md_table, utc_now  # noqa: E402
 
 from runtime.client import AsyncClient, Chunk  # noqa: E402
+from runtime.launch import stop_process  # noqa: E402
 
 PROMPT = "def fibonacci(n):\n    "
 
@@ -78,17 +79,8 @@ def start_launcher(config_path: Path, port: int, timeout_s: float = 600.0) -> tu
             address = line.split(":", 1)[1].strip()
         if "serving OpenAI-compatible HTTP on" in line and address:
             return proc, address, line.strip()
-    stop_launcher(proc)
+    stop_process(proc)
     raise RuntimeError("the launcher did not start HTTP in time:\n" + "".join(seen[-40:]))
-
-
-def stop_launcher(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(5)
 
 
 class HttpPath:
@@ -300,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
             model = ready.rsplit("(model ", 1)[1].rstrip(")")
             results = asyncio.run(measure(address, port, model, args))
         finally:
-            stop_launcher(proc)
+            stop_process(proc)
     v, d = cfg["verifier"], cfg["drafter"]
     meta = {"start": start, "end": utc_now(), "machine": machine_info(), "reps": args.reps,
             "max_tokens": args.max_tokens, "tiny": args.tiny,

@@ -23,6 +23,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from runtime.launch import stop_process
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PREFIX = "pipespec-"
 _counter = itertools.count()
@@ -129,9 +131,4 @@ def delay_proxy(net: NetnsPair, side: str, listen: str, connect: str, delay_ms: 
             raise NetnsError(f"the delay proxy failed: {line}{proc.stdout.read()}")
         yield
     finally:
-        proc.terminate()
-        try:
-            proc.wait(5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
+        stop_process(proc, 5)

@@ -8,15 +8,14 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
-import queue
 import shutil
 import socket
 import subprocess
 import sys
-import threading
 import time
 import types
 import urllib.request
+from pathlib import Path
 
 import openai
 import pytest
@@ -26,20 +25,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from runtime.client import AsyncClient, Chunk
 from runtime.config import load_config
-from runtime.launch import REPO_ROOT, serve_http
+from runtime.launch import serve_http, stop_process
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+from bench_http import free_port, start_launcher  # the benchmark starts its launcher the same way
 
 START_TIMEOUT_S = 150
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _pump(stream, lines: queue.Queue) -> None:
-    for line in stream:
-        lines.put(line)
 
 
 @pytest.fixture(scope="module")
@@ -49,37 +40,14 @@ def server(tiny, tmp_path_factory):
     config["http"] = {"max_body_bytes": 65536}
     path = tmp_path_factory.mktemp("http") / "http.yaml"
     path.write_text(yaml.safe_dump(config))
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "runtime.launch", "--config", str(path), "--http",
-                             f"127.0.0.1:{port}"], cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
-    lines: queue.Queue = queue.Queue()
-    threading.Thread(target=_pump, args=(proc.stdout, lines), daemon=True).start()
-    seen, address, ready = [], None, None
-    deadline = time.monotonic() + START_TIMEOUT_S
+    port = free_port()
+    proc, address, ready = start_launcher(path, port, timeout_s=START_TIMEOUT_S)  # as a user starts it
     try:
-        while ready is None:
-            try:
-                line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
-            except queue.Empty:
-                pytest.fail("the launcher printed no serving line in time:\n" + "".join(seen))
-            seen.append(line)
-            if line.startswith("client address:"):
-                address = line.split(":", 1)[1].strip()
-            if "serving OpenAI-compatible HTTP on" in line:
-                ready = line
-            if proc.poll() is not None and lines.empty():
-                pytest.fail("the launcher exited:\n" + "".join(seen))
-        assert ready.strip() == f"[pipespec] serving OpenAI-compatible HTTP on http://127.0.0.1:{port} (model {target})"
+        assert ready == f"[pipespec] serving OpenAI-compatible HTTP on http://127.0.0.1:{port} (model {target})"
         yield types.SimpleNamespace(port=port, base_url=f"http://127.0.0.1:{port}/v1", address=address,
                                     model=str(target), config_path=path, proc=proc)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
+        stop_process(proc)
 
 
 def _http(server, method: str, path: str, body: bytes | None = None, headers: dict | None = None,
@@ -359,7 +327,7 @@ def test_metrics_counters_move_as_requests_run(server):
 def test_api_key_through_the_launchers_serve_http(server):
     """The launcher's own serve_http with an api_key (here in-process, on the module's cluster)."""
     key = "k" * 24
-    port = _free_port()
+    port = free_port()
     config = load_config(str(server.config_path), {"http.host": "127.0.0.1", "http.port": port,
                                                    "http.api_key": key})
 

@@ -86,6 +86,8 @@ log = logging.getLogger("pipespec.verifier")
 
 #: Longest wait for drafts on their way before a batched round runs without them (a tenth of a forward, at most).
 GATHER_MAX_S = 0.005
+#: Most padding a batched prefill may add, as a fraction of its prompts' own tokens.
+PREFILL_PADDING = 0.25
 #: How often the pool is checked for drafters that went silent.
 REAP_EVERY_S = 0.1
 #: Default ``client.heartbeat_timeout_s``: clients ping every ~0.5 s while they have requests in flight.
@@ -367,22 +369,27 @@ class VerifierServer:
 
     def _prompts_to_prefill(self, first: Session, now: float) -> Prefills:
         """``first`` and, when batching, the other prompts waiting, in order, while the padded forward (rows × the
-        longest prompt) stays within ``max_prefill_tokens`` and the rows within ``max_batch_sessions``."""
+        longest prompt) stays within ``max_prefill_tokens``, the rows within ``max_batch_sessions``, and padding
+        adds at most PREFILL_PADDING of the prompts' own tokens (padded positions are computed like real ones: a
+        long prompt among short ones would cost more than it saves, so it waits for a turn with prompts like it)."""
         chosen = [first]
         if not self.batching:
             return Prefills(chosen)
-        longest = len(first.prompt_to_cache)
+        longest = real = len(first.prompt_to_cache)
+        rows = 1 if real else 0  # a one-token prompt caches nothing: no row
         for sid in self.order:
             s = self.sessions[sid]
             if s is first or s.prefilled or not self._runnable(s, now):
                 continue
             if len(chosen) >= self.max_batch_sessions:
                 break
-            wider = max(longest, len(s.prompt_to_cache))
-            if wider * (len(chosen) + 1) > self.max_prefill_tokens:
-                continue
+            n = len(s.prompt_to_cache)
+            if n:
+                padded = max(longest, n) * (rows + 1)
+                if padded > self.max_prefill_tokens or padded > (1 + PREFILL_PADDING) * (real + n):
+                    continue
+                longest, real, rows = max(longest, n), real + n, rows + 1
             chosen.append(s)
-            longest = wider
         return Prefills(chosen)
 
     @staticmethod
