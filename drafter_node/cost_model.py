@@ -255,6 +255,12 @@ class CostBook:
         if sessions >= 1:
             self.batch_sessions = 0.8 * self.batch_sessions + 0.2 * float(sessions)
 
+    def start_batch(self, sessions: int) -> None:
+        """A new session will share forwards with ``sessions - 1`` others (its start's ``decoding``): an exact
+        count, so the average jumps to it and the session's first plan is for the batch it joins."""
+        if sessions >= 1:
+            self.batch_sessions = float(sessions)
+
     @property
     def batch(self) -> int:
         """The batch size plans are made for: the recent number of sessions that share a verifier forward."""

@@ -610,6 +610,7 @@ class DrafterNode:
         prompt_len = len(msg.token_ids) if msg.prompt_len is None else msg.prompt_len
         draft = self.drafter.open_session(msg.token_ids, prompt_len, params, msg.tensors)
         draft.want_q = self.want_q
+        self.book.start_batch(msg.decoding)  # before the schedule's first plan
         self.sessions[sid] = NodeSession(sid, draft, self._schedule_for(draft), self.book)
         self.order.append(sid)
 

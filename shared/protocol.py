@@ -436,11 +436,15 @@ class SessionStart(Message):
     token_ids: list[int]
     params: dict[str, Any]  # shared.sampling.GenerationParams.to_dict()
     prompt_len: int | None = None  # None: all of token_ids is the prompt
+    # Sessions that will share a verifier forward once this one is cached, this one included (as Commit.decoding;
+    # 0: unknown): the new session's first plan is made for that batch, not for the one before it arrived.
+    decoding: int = 0
     tensors: dict[str, torch.Tensor] = _tensors()
 
     def validate(self) -> None:
         if self.prompt_len is not None and not 0 <= self.prompt_len <= len(self.token_ids):
             raise ProtocolError(f"session_start: prompt_len must be in [0, {len(self.token_ids)}]")
+        _non_negative(self.TYPE, self, "decoding")
 
 
 @_message

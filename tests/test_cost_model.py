@@ -192,6 +192,20 @@ def test_the_schedule_plans_for_the_batch_the_commits_report():
     assert batched.k == 0
 
 
+def test_a_session_start_plans_its_first_block_for_the_batch_it_joins():
+    """A session that joins 63 others plans plain steps from its first block (its start's ``decoding``), instead of
+    drafting for the batch of one the average still remembers; a later start with fewer sessions lowers it again."""
+    book = _batch_book(lambda n: 0.05 + 0.002 * n, lambda n: 0.004 + 0.0005 * n)
+    book.acceptance = _good_acceptance()
+    book.start_batch(64)
+    assert book.batch == 64
+    assert CostSchedule(4, 8, book, lambda: 0, overlap=False, rows_ok=False).k == 0
+    book.start_batch(1)
+    assert CostSchedule(4, 8, book, lambda: 0, overlap=False, rows_ok=False).k > 0
+    book.start_batch(0)  # unknown (an older verifier): the average stays
+    assert book.batch == 1
+
+
 def test_a_drafter_that_does_not_batch_pays_per_session():
     book = _batch_book(lambda n: 0.05, lambda n: 0.004)
     together = book.costs(0, batch=16)

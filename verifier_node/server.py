@@ -556,7 +556,8 @@ class VerifierServer:
         tensors, size = _state_tensors(hidden, kv)
         pieces = [] if size <= self._state_budget() else split_state(tensors, len(s.tokens) - 1, self._state_budget())
         self._send_to(d, encode(SessionStart(session=s.sid, token_ids=s.tokens, params=s.params.to_dict(),
-                                             prompt_len=s.prompt_len, tensors={} if pieces else tensors)))
+                                             prompt_len=s.prompt_len, decoding=self._decoding(waiting=True),
+                                             tensors={} if pieces else tensors)))
         for end, part in pieces:  # a long prompt's state, in pieces that each fit the message cap
             self._send_to(d, encode(State(session=s.sid, base_len=len(s.tokens), end=end, tensors=part)))
         s.announced = True
@@ -915,12 +916,14 @@ class VerifierServer:
             set_threads(count)
             self._threads_now = count
 
-    def _decoding(self) -> int:
+    def _decoding(self, waiting: bool = False) -> int:
         """How many sessions would share a forward if every one stepped now (what the drafters' cost models plan
-        for): the prefilled sessions, up to ``max_batch_sessions``; 1 when this verifier does not batch."""
+        for): the prefilled sessions (``waiting``: and those whose prompts wait, as a new session's own will),
+        up to ``max_batch_sessions``; 1 when this verifier does not batch."""
         if not self.batching:
             return 1
-        return max(1, min(self.max_batch_sessions, sum(1 for s in self.sessions.values() if s.prefilled)))
+        count = sum(1 for s in self.sessions.values() if waiting or s.prefilled)
+        return max(1, min(self.max_batch_sessions, count))
 
     def _publish(self, s: Session, r: RoundResult, decoding: int = 1) -> None:
         t0 = time.monotonic()
