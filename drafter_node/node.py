@@ -339,8 +339,13 @@ class DrafterNode:
 
     def _use_threads(self, *sessions: NodeSession) -> None:
         """Every core while the verifier waits for a block of these sessions (synchronous rounds, probes, a pre-draft
-        miss); the node's share while the verifier works on their blocks in flight (pre-drafting)."""
-        wanted = self.threads.full if any(s.block_pending() for s in sessions) else self.threads.share
+        miss) and has nothing else to run; the node's share while the verifier works on their blocks in flight
+        (pre-drafting) or on other sessions' rounds (a batching verifier does not wait for one session's block while
+        others are ready: both nodes at every core would oversubscribe a shared machine)."""
+        waited_on = sum(1 for s in self.sessions.values() if s.block_pending() and not s.solo_wait)
+        verifier_idle = waited_on >= self.book.batch  # every session it would batch waits on us (batch 1: this one)
+        pending = any(s.block_pending() for s in sessions)
+        wanted = self.threads.full if pending and verifier_idle else self.threads.share
         if wanted != self._threads_now:
             set_threads(wanted)
             self._threads_now = wanted

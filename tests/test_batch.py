@@ -278,3 +278,30 @@ def test_prompts_arriving_together_are_prefilled_in_shared_forwards(tiny):
         assert result.token_ids == reference_greedy(target, prompt, 12), prompt
     assert 1 <= pong["prefill_forwards"] <= 3  # at best two: the four short ones together, the long one alone
     assert pong["mean_prefill_sessions"] > 1
+
+
+def test_a_burst_of_requests_shares_one_prefill(tiny):
+    """Six requests sent 5 ms apart (a client's burst): the verifier reads the burst before its first prefill, so
+    the six prompts (8 tokens each) share one or two forwards instead of the first ones being prefilled alone (with
+    the gather off: 3 to 5 forwards); outputs equal ``generate``."""
+    target = tiny("llama")
+    prompts = [[5 + i, 17, 33, 2, 60, 6, 7, 8] for i in range(6)]
+    config = tiny_config(target, tiny("llama", "random"), num_draft_tokens=2)
+
+    async def main():
+        async with cluster(config) as client:
+            await wait_for_drafter(client)
+            before = await client.ping()
+
+            async def send(i: int, prompt: list[int]):
+                await asyncio.sleep(0.005 * i)  # arrivals spread over 25 ms
+                return await client.generate(token_ids=prompt, max_new_tokens=6, eos_token_ids=[])
+
+            results = await asyncio.gather(*(send(i, p) for i, p in enumerate(prompts)))
+            return results, before, await client.ping()
+
+    results, before, after = asyncio.run(main())
+    for prompt, result in zip(prompts, results):
+        assert result.token_ids == reference_greedy(target, prompt, 6), prompt
+    forwards = after["prefill_forwards"] - before["prefill_forwards"]
+    assert forwards <= 2, f"{forwards} prefill forwards for a burst of six prompts"

@@ -86,6 +86,11 @@ log = logging.getLogger("pipespec.verifier")
 
 #: Longest wait for drafts on their way before a batched round runs without them (a tenth of a forward, at most).
 GATHER_MAX_S = 0.005
+#: Requests sent together (one client's burst) arrive a few ms apart: before prefilling a prompt that arrived less
+#: than PROMPT_GATHER_S ago, the client socket is read for more, each arrival extending the wait by as much, up to
+#: PROMPT_GATHER_MAX_S in all, so a burst shares one forward instead of its first prompt taking one alone.
+PROMPT_GATHER_S = 0.01
+PROMPT_GATHER_MAX_S = 0.05
 #: Most padding a batched prefill may add, as a fraction of its prompts' own tokens.
 PREFILL_PADDING = 0.25
 #: How often the pool is checked for drafters that went silent.
@@ -248,6 +253,10 @@ class VerifierServer:
                 work = self._next_work()
                 if isinstance(work, list) and self._gather(work):
                     work = self._next_work()
+                elif isinstance(work, Prefills) and self._gather_prompts():
+                    first = work.sessions[0]  # the prompt whose turn it is, unless the burst's messages ended it
+                    work = (self._take_prefills(first, time.monotonic()) if first.sid in self.sessions
+                            else self._next_work())
                 if isinstance(work, Prefills):
                     self._prefill_batch(work.sessions)
                 elif work:
@@ -321,12 +330,10 @@ class VerifierServer:
         if not self.batching or len(batch) >= self.max_batch_sessions:
             return False
         deadline = time.monotonic() + min(GATHER_MAX_S, 0.1 * self.forward_s_ema)
-        members = {s.sid for s in batch}
         got = False
         while True:
             now = time.monotonic()
-            if now >= deadline or not any(sid not in members and self._may_wait(s, now)
-                                          for sid, s in self.sessions.items()):
+            if now >= deadline or not self._drafting_elsewhere(batch, now):
                 return got
             if not self.drafter_sock.poll(max(1, int(1000 * (deadline - now)))):
                 return got
@@ -350,11 +357,7 @@ class VerifierServer:
             if not s.prefilled:
                 if batch:
                     continue  # prefills come on their own turn
-                prefills = self._prompts_to_prefill(s, now)
-                for p in prefills.sessions:
-                    self.order.remove(p.sid)
-                    self.order.append(p.sid)
-                return prefills
+                return self._take_prefills(s, now)
             fed = 1 + (len(s.draft["tokens"]) if s.draft is not None else 0)
             if batch and tokens + fed > self.max_batch_tokens:
                 continue
@@ -366,6 +369,33 @@ class VerifierServer:
             self.order.remove(s.sid)
             self.order.append(s.sid)
         return batch or None
+
+    def _take_prefills(self, first: Session, now: float) -> Prefills:
+        """The prompts to prefill with ``first``, moved to the back of the order."""
+        prefills = self._prompts_to_prefill(first, now)
+        for p in prefills.sessions:
+            self.order.remove(p.sid)
+            self.order.append(p.sid)
+        return prefills
+
+    def _gather_prompts(self) -> bool:
+        """Before a prefill, read the requests of a burst still arriving (see PROMPT_GATHER_S). True if anything
+        arrived."""
+        if not self.batching:
+            return False
+        deadline = time.monotonic() + PROMPT_GATHER_MAX_S
+        got = False
+        while True:
+            now = time.monotonic()
+            waiting = [s.started for s in self.sessions.values() if not s.prefilled]
+            if len(waiting) >= self.max_batch_sessions:
+                break
+            until = min(deadline, max(waiting, default=0.0) + PROMPT_GATHER_S)
+            if now >= until or not self.client_sock.poll(max(1, int(1000 * (until - now)))):
+                break
+            self._drain(self.client_sock, self._on_client_message)
+            got = True
+        return got
 
     def _prompts_to_prefill(self, first: Session, now: float) -> Prefills:
         """``first`` and, when batching, the other prompts waiting, in order, while the padded forward (rows × the
@@ -840,8 +870,10 @@ class VerifierServer:
                 self._round_failed(s, exc)
         if not rounds:
             return
-        # Every core while the drafters idle (k = 0, synchronous blocks, no drafter); the share while one pre-drafts.
-        self._use_threads(self.threads.share if any(r.drafter_busy for r in rounds) else self.threads.full)
+        # Every core while the drafters idle (k = 0, synchronous blocks, no drafter); the share while one pre-drafts
+        # for a row of this round or drafts a block for a session left out of it (its drafter computes meanwhile).
+        busy = any(r.drafter_busy for r in rounds) or self._drafting_elsewhere(batch, time.monotonic())
+        self._use_threads(self.threads.share if busy else self.threads.full)
         decoding = self._decoding()
         for r, (logits, hidden, forward_s, rows, tokens) in zip(rounds, self._forward(rounds)):
             if logits is None:
@@ -860,6 +892,11 @@ class VerifierServer:
                     self._on_demoted(s)
             except Exception as exc:
                 self._round_failed(s, exc)
+
+    def _drafting_elsewhere(self, batch: list[Session], now: float) -> bool:
+        """A session outside ``batch`` waits for a block its drafter is drafting now."""
+        members = {s.sid for s in batch}
+        return any(sid not in members and self._may_wait(s, now) for sid, s in self.sessions.items())
 
     def _forward(self, rounds: list[PendingRound]) -> list[tuple]:
         """The target forward(s) of a round: one over every row when batching is on and the target allows it, else
