@@ -25,6 +25,7 @@ import secrets
 import signal
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -813,32 +814,44 @@ class VerifierServer:
         (hidden states or None, forward seconds), or None where its forward failed (the session ended)."""
         self._test_delay()
         rows = [i for i, s in enumerate(sessions) if s.prompt_to_cache]
-        if len(rows) > 1 and self.batching:
+
+        def together() -> list[tuple]:
             t0 = time.monotonic()
-            try:
-                outs = feed_rows(self.model, [Row(sessions[i].lm, sessions[i].prompt_to_cache) for i in rows],
-                                 want_hidden=any(want_hidden[i] for i in rows), logits=False)
-            except Exception:  # before any cache changed: every prompt gets a forward of its own instead
-                log.exception("a batched prefill of %d prompts failed; running them one by one", len(rows))
-            else:
-                seconds = time.monotonic() - t0
-                self.prefill_forwards += 1
-                self.prefill_sessions_sum += len(rows)
-                hidden = {i: o.hidden for i, o in zip(rows, outs)}
-                return [(hidden.get(i), seconds) for i in range(len(sessions))]
-        results: list[tuple | None] = []
-        for s, want in zip(sessions, want_hidden):
-            t0 = time.monotonic()
-            try:
-                hidden = s.feed_prompt(want)
-            except Exception as exc:
-                self._round_failed(s, exc)
-                results.append(None)
-                continue
+            outs = feed_rows(self.model, [Row(sessions[i].lm, sessions[i].prompt_to_cache) for i in rows],
+                             want_hidden=any(want_hidden[i] for i in rows), logits=False)
+            seconds = time.monotonic() - t0
+            self.prefill_forwards += 1
+            self.prefill_sessions_sum += len(rows)
+            hidden = {i: o.hidden for i, o in zip(rows, outs)}
+            return [(hidden.get(i), seconds) for i in range(len(sessions))]
+
+        def alone(i: int) -> tuple:
+            s, t0 = sessions[i], time.monotonic()
+            hidden = s.feed_prompt(want_hidden[i])
             if s.prompt_to_cache:
                 self.prefill_forwards += 1
                 self.prefill_sessions_sum += 1
-            results.append((hidden, time.monotonic() - t0))
+            return hidden, time.monotonic() - t0
+
+        return self._together_or_each("prefill", len(rows), sessions, together, alone)
+
+    def _together_or_each(self, what: str, rows: int, sessions: list[Session], together: Callable[[], list],
+                          alone: Callable[[int], Any]) -> list:
+        """``together()``: one batched forward's per-session results, when batching is on and there are several
+        ``rows``; if it raises (before any cache changed) or does not apply, ``alone(i)`` for each session, where a
+        failure ends that session only and gives None."""
+        if rows > 1 and self.batching:
+            try:
+                return together()
+            except Exception:  # every session gets a forward of its own instead
+                log.exception("a batched %s over %d sessions failed; running them one by one", what, rows)
+        results = []
+        for i, s in enumerate(sessions):
+            try:
+                results.append(alone(i))
+            except Exception as exc:
+                self._round_failed(s, exc)
+                results.append(None)
         return results
 
     def _begin_round(self, s: Session) -> PendingRound:
@@ -903,32 +916,26 @@ class VerifierServer:
         one per row. Per row: (logits, hidden, forward seconds, sessions in its forward, tokens in its forward); a
         row whose forward failed gets ``None`` logits."""
         self._test_delay()
-        if len(rounds) > 1 and self.batching:
-            want_hidden = any(r.want_hidden for r in rounds)
+
+        def together() -> list[tuple]:
             tokens = sum(len(r.plan.fed) for r in rounds)
             t0 = time.monotonic()
-            try:
-                outs = feed_rows(self.model, [Row(r.session.lm, r.plan.fed) for r in rounds], want_hidden)
-            except Exception:  # before any cache changed: every row gets a forward of its own instead
-                log.exception("a batched forward over %d sessions failed; running them one by one", len(rounds))
-            else:
-                forward_s = time.monotonic() - t0
-                self._count_forward(len(rounds), tokens, forward_s)
-                return [(o.logits, o.hidden if r.want_hidden else None, forward_s, len(rounds), tokens)
-                        for r, o in zip(rounds, outs)]
-        results = []
-        for r in rounds:
-            t0 = time.monotonic()
-            try:
-                logits, hidden = r.session.lm.feed(r.plan.fed, want_hidden=r.want_hidden)
-            except Exception as exc:
-                self._round_failed(r.session, exc)
-                results.append((None, None, 0.0, 1, 0))
-                continue
+            outs = feed_rows(self.model, [Row(r.session.lm, r.plan.fed) for r in rounds],
+                             any(r.want_hidden for r in rounds))
+            forward_s = time.monotonic() - t0
+            self._count_forward(len(rounds), tokens, forward_s)
+            return [(o.logits, o.hidden if r.want_hidden else None, forward_s, len(rounds), tokens)
+                    for r, o in zip(rounds, outs)]
+
+        def alone(i: int) -> tuple:
+            r, t0 = rounds[i], time.monotonic()
+            logits, hidden = r.session.lm.feed(r.plan.fed, want_hidden=r.want_hidden)
             forward_s = time.monotonic() - t0
             self._count_forward(1, len(r.plan.fed), forward_s)
-            results.append((logits, hidden, forward_s, 1, len(r.plan.fed)))
-        return results
+            return logits, hidden, forward_s, 1, len(r.plan.fed)
+
+        results = self._together_or_each("forward", len(rounds), [r.session for r in rounds], together, alone)
+        return [(None, None, 0.0, 1, 0) if out is None else out for out in results]
 
     def _test_delay(self) -> None:
         if self.test_forward_delay_s:
