@@ -22,6 +22,9 @@ from runtime.launch import cluster
 
 PROMPTS = [[5, 17, 33, 2, 60], [100, 101, 7]]
 FLAT_VERIFY = json.dumps({"verify": {"1": 0.010, "9": 0.012, "17": 0.014}, "draft": {"1": 0.001, "17": 0.004}})
+# Flat up to 1024 tokens (a large GPU): drafting pays at every batch size, 50 sessions sharing a forward included.
+FLAT_TO_1024 = json.dumps({"verify": {"1": 0.010, "17": 0.014, "1024": 0.016},
+                           "draft": {"1": 0.001, "17": 0.004, "1024": 0.006}})
 # A verifier whose cost grows with every token (emulated bf16 on a CPU): drafting cannot pay, whatever α.
 LINEAR_VERIFY = json.dumps({"verify": {"1": 0.010, "17": 0.170}, "draft": {"1": 0.003, "17": 0.05}})
 
@@ -69,7 +72,7 @@ def test_linear_verify_costs_switch_drafting_off_even_for_a_perfect_drafter(tiny
 
 def test_sampling_stays_exact_with_the_cost_schedule(sharp_pair, monkeypatch):
     target, drafter = sharp_pair
-    monkeypatch.setenv("PIPESPEC_TEST_COSTS", FLAT_VERIFY)
+    monkeypatch.setenv("PIPESPEC_TEST_COSTS", FLAT_TO_1024)  # its 50 requests at once start planned at batch 50
     config = tiny_config(target, drafter, num_draft_tokens=3, q_top_k=0, draft_schedule="cost")
     check_lossless_sampling(config, exact_joint(target))
 
