@@ -342,10 +342,11 @@ class DrafterNode:
         miss) and has nothing else to run; the node's share while the verifier works on their blocks in flight
         (pre-drafting) or on other sessions' rounds (a batching verifier does not wait for one session's block while
         others are ready: both nodes at every core would oversubscribe a shared machine)."""
-        waited_on = sum(1 for s in self.sessions.values() if s.block_pending() and not s.solo_wait)
-        verifier_idle = waited_on >= self.book.batch  # every session it would batch waits on us (batch 1: this one)
-        pending = any(s.block_pending() for s in sessions)
-        wanted = self.threads.full if pending and verifier_idle else self.threads.share
+        wanted = self.threads.share
+        if any(s.block_pending() for s in sessions):  # only then count, on this per-step path
+            waited_on = sum(1 for s in self.sessions.values() if s.block_pending() and not s.solo_wait)
+            if waited_on >= self.book.batch:  # every session the verifier would batch waits on us (batch 1: this one)
+                wanted = self.threads.full
         if wanted != self._threads_now:
             set_threads(wanted)
             self._threads_now = wanted
