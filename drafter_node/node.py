@@ -41,6 +41,7 @@ import socket
 import sys
 import time
 from collections import deque
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -411,7 +412,7 @@ class DrafterNode:
                 self._rejoin(f"no message from the verifier for {VERIFIER_SILENT_S:.0f} s")
                 continue
             if work is not None:
-                try:
+                with self._dropped_on_failure(work.sid):
                     if work.ready_to_send():
                         self._send_ready(work)
                     else:
@@ -421,10 +422,17 @@ class DrafterNode:
                             work.step()
                         else:
                             self._run_steps(batch)
-                except Exception:  # one session's failure drops that session (the verifier steps alone), no more
-                    log.exception("session %d failed while drafting; dropped", work.sid)
-                    self._drop(work.sid)
         return 0
+
+    @contextlib.contextmanager
+    def _dropped_on_failure(self, sid: int, doing: str = "drafting") -> Iterator[None]:
+        """Whatever fails inside drops session ``sid`` alone (the verifier steps it without drafts), never the node;
+        the code after the block runs either way."""
+        try:
+            yield
+        except Exception:
+            log.exception("session %d failed while %s; dropped", sid, doing)
+            self._drop(sid)
 
     def _send_ready(self, work: NodeSession) -> None:
         """Send ``work``'s block and every other block that is ready, back to back: the blocks of one batched step
@@ -434,11 +442,8 @@ class DrafterNode:
             s = self.sessions.get(sid)
             if s is None or s is work or not s.ready_to_send():
                 continue
-            try:
+            with self._dropped_on_failure(s.sid, "sending its block"):
                 self._send_block(s)
-            except Exception:  # that session alone is dropped
-                log.exception("session %d failed while sending its block; dropped", s.sid)
-                self._drop(s.sid)
 
     def _gather_steps(self, work: NodeSession) -> list[tuple[NodeSession, BatchStep]] | None:
         """The sessions whose steps run with ``work``'s as one batched forward (``work`` first), or None: ``work``
@@ -462,12 +467,9 @@ class DrafterNode:
                 break
             if s.draft.cheap_steps or s.ready_to_send() or not s.wants_step():
                 continue
-            try:
+            step = None
+            with self._dropped_on_failure(s.sid):
                 step = s.draft.batch_step()
-            except Exception:
-                log.exception("session %d failed while drafting; dropped", s.sid)
-                self._drop(s.sid)
-                continue
             if step is not None and step.model is first.model and step.width <= limit:
                 batch.append((s, step))
         return batch if len(batch) > 1 else None
@@ -488,12 +490,8 @@ class DrafterNode:
         done, start = [], 0
         for s, step in batch:
             count = len(step.rows)
-            try:
+            with self._dropped_on_failure(s.sid):
                 step.finish(outputs[start : start + count])
-            except Exception:
-                log.exception("session %d failed while drafting; dropped", s.sid)
-                self._drop(s.sid)
-            else:
                 done.append(s)
             start += count
         spent = time.monotonic() - t0
@@ -508,12 +506,9 @@ class DrafterNode:
         for s in sessions:
             if s.sid not in self.sessions:
                 continue
-            try:
+            with self._dropped_on_failure(s.sid):
                 self._use_threads(s)
                 s.step()
-            except Exception:
-                log.exception("session %d failed while drafting; dropped", s.sid)
-                self._drop(s.sid)
 
     def _drop(self, sid: int) -> None:
         s = self.sessions.pop(sid, None)

@@ -287,6 +287,17 @@ def test_a_session_whose_finish_fails_is_dropped_alone(node_for, monkeypatch):
     assert all(s.stats["batch_rows"] == 1 + len(PROMPTS) for s in node.sessions.values())
 
 
+def test_a_session_whose_batch_step_fails_is_dropped_and_the_others_still_batch(node_for, monkeypatch):
+    node = prefilled(node_for())
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("bad state")
+
+    monkeypatch.setattr(node.sessions[1].draft, "batch_step", broken)
+    batch = node._gather_steps(node.sessions[0])
+    assert [s.sid for s, _ in batch] == [0, 2, 3] and sorted(node.sessions) == [0, 2, 3]
+
+
 # ---------------------------------------------------------------------------------------------------- end to end
 E2E_PROMPTS = [[5, 17, 33, 2, 60], [100, 101, 7], [42] * 12 + [9, 8], list(range(3, 30)), [9, 9], [70, 71, 72, 73]]
 E2E_NEW = [30, 24, 28, 20, 32, 26]
