@@ -91,6 +91,10 @@ ROW_DEFS: dict[str, dict[str, Any]] = {
     "hf-batched": {"label": "transformers batched generate", "kind": "hf_batched"},
     "hf-assisted": {"label": "transformers assisted", "kind": "hf_assisted"},
 }
+#: Rows run in one pass when both are asked for (see :func:`pass_units`): the headline ratio's two rows. (Host
+#: speed on a shared VM drifts by 15-30 % over tens of minutes; rows in separate passes were measured up to 40
+#: minutes apart.)
+PAIRED = (("pipespec-batched", "hf-batched"),)
 RATIOS = {"batched_vs_hf_batched": ("pipespec-batched", "hf-batched"),
           "batched_vs_unbatched": ("pipespec-batched", "pipespec-unbatched")}
 
@@ -486,7 +490,7 @@ class Bench:
             async def start(skey: str) -> None:
                 t0 = time.perf_counter()
                 try:
-                    handles[skey] = await self.open(skey, stack)
+                    handles[skey] = await self.open(skey, stack, keys)
                 except Exception as exc:  # a setup that does not start fails its rows, not the run
                     message = f"{type(exc).__name__}: {exc}"
                     log(f"{skey} failed to start: {message.splitlines()[0][:300]}")
@@ -541,7 +545,8 @@ class Bench:
                 pids = [handle.proc.pid] if isinstance(handle, Worker) else [q.pid for q in handle.processes.values()]
                 self.meta["peak_rss_gib"][skey] = sum(peak_rss_gib(pid) or 0.0 for pid in pids)
 
-    async def open(self, skey: str, stack: contextlib.AsyncExitStack) -> Any:
+    async def open(self, skey: str, stack: contextlib.AsyncExitStack, keys: list[str]) -> Any:
+        """Start setup ``skey`` for the rows ``keys`` of this pass and warm it up."""
         args, setup = self.args, self.setups[skey]
         first = self.prompts[0]
         if isinstance(setup, HFSetup):
@@ -555,7 +560,7 @@ class Bench:
             await worker_call(worker, args.level_timeout_s, "generate_batch",
                               ids=[first["ids"], self.prompts[-1]["ids"]], max_new_tokens=WARMUP_TOKENS)
             if self.assistant and any(self.rows[k].setup == skey and ROW_DEFS[k]["kind"] == "hf_assisted"
-                                      for k in self.rows):
+                                      for k in keys):  # the assistant loads only in a pass that uses it
                 await worker_call(worker, args.level_timeout_s, "generate", ids=first["ids"],
                                   max_new_tokens=WARMUP_TOKENS, strategy={"kind": "assistant",
                                                                           "model": self.assistant})
@@ -640,6 +645,19 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def pass_units(keys: list[str]) -> list[list[str]]:
+    """The rows that must share a pass (``bench_common.plan_passes``): each ratio the aims name is only as good as
+    the host stays steady between its two rows, so the rows of each pair in ``PAIRED`` run in one pass, level by
+    level in rotated order, whenever both are asked for; the other rows go wherever they fit (at worst a pass of
+    their own, the transformers worker started again there)."""
+    units, placed = [], set()
+    for pair in PAIRED:
+        if all(k in keys for k in pair) and not placed & set(pair):
+            units.append(list(pair))
+            placed |= set(pair)
+    return units + [[k] for k in keys if k not in placed]
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.replot:
@@ -703,7 +721,7 @@ def run(args: argparse.Namespace, keys: list[str], source: str | dict[str, Any])
             models = {"drafter": model_gib(assistant, setups[HF_SETUP].dtype)} if k == "hf-assisted" and assistant \
                 else {}
             rows[k] = Row(k, ROW_DEFS[k]["label"], HF_SETUP, models=models)
-    units = [[k] for k in keys if ROW_DEFS[k]["kind"] == "pipespec"] + ([hf_rows] if hf_rows else [])
+    units = pass_units(keys)
     budget = memory_budget_gib(args.memory_gib)
     passes = plan_passes(units, rows, setups, budget)
 

@@ -118,6 +118,26 @@ def test_generate_batch_left_pads_like_unpadded_greedy(tiny):
 # ---------------------------------------------------------------------------------------------- end to end
 
 
+def test_the_headline_pair_shares_a_pass_when_the_setups_do_not_all_fit():
+    from bench_common import ClusterSetup, HFSetup, Row, plan_passes
+
+    keys = list(bc.ROW_DEFS)
+    assert bc.pass_units(keys) == [["pipespec-batched", "hf-batched"], ["pipespec-unbatched"], ["hf-assisted"]]
+    assert bc.pass_units(["hf-batched", "hf-assisted"]) == [["hf-batched"], ["hf-assisted"]]
+    # The GiB of the real fp32 run: a cluster 10.9 (two processes), the worker 7.8 with the target, 10.4 with both.
+    setups = {k: ClusterSetup(k, "cpu.yaml", {}, {"verifier": 6.9, "drafter": 3.0})
+              for k in ("pipespec-batched", "pipespec-unbatched")}
+    setups[bc.HF_SETUP] = HFSetup(bc.HF_SETUP, "float32", 2, "cpu", "-", 7.3)
+    rows = {k: Row(k, k, k) for k in ("pipespec-batched", "pipespec-unbatched")}
+    rows["hf-batched"] = Row("hf-batched", "b", bc.HF_SETUP)
+    rows["hf-assisted"] = Row("hf-assisted", "a", bc.HF_SETUP, models={"drafter": 2.6})
+    passes = plan_passes(bc.pass_units(keys), rows, setups, budget_gib=20.5)
+    assert [sorted(p.rows) for p in passes] == [["hf-batched", "pipespec-batched"], ["pipespec-unbatched"],
+                                                ["hf-assisted"]]
+    assert [p.rows for p in plan_passes(bc.pass_units(keys), rows, setups, budget_gib=100.0)] == [
+        ["pipespec-batched", "hf-batched", "pipespec-unbatched", "hf-assisted"]]
+
+
 def test_end_to_end_random_pair(tmp_path):
     out = tmp_path / "results"
     code = bc.main(["--random", "--concurrency", "1,2", "--max-new-tokens", "4", "--out", str(out),
