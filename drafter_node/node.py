@@ -579,7 +579,8 @@ class DrafterNode:
         except (ValueError, TypeError) as exc:
             log.warning("ignored the verifier's cost profile: %s", exc)
         self.want_q = msg.want_q and self.drafter.capabilities.greedy_q
-        log.info("connected to verifier (target %s)", msg.target)
+        if first:  # the welcomes of the other queued hellos change nothing worth a line each
+            log.info("connected to verifier (target %s)", msg.target)
         if first and self.book.ready and self.dcfg.get("draft_schedule") == "cost":
             for row in self.book.plans_by_batch(self.book.session_acceptance(), self.max_k, True, 0,
                                                 overlap=bool(self.dcfg.get("overlap", True))):

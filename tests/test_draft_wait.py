@@ -53,6 +53,20 @@ def test_misses_demote_probes_and_a_draft_in_time_promotes():
     assert w.limit_s() == CAP and not w.demoted
 
 
+def test_empty_blocks_leave_the_first_real_block_the_whole_cap():
+    # k = 0 plans are answered at once; the drafter prefills its copy only at its first drafting step (a probe after
+    # rounds alone), so that block may still take the cap. Before, any round that used a draft (an empty block
+    # included) spent it: the probe got the floor, missed while the drafter prefilled, and never landed.
+    w = DraftWait(CAP)
+    for length in range(10, 20):
+        w.ready(length, float(length))
+        w.arrived(length, float(length), has_tokens=False)
+        assert not w.outcome(True, 0.0)
+    assert w.limit_s() == CAP and not w.delays
+    assert not w.outcome(False, CAP)  # waited the cap and missed: now the floor, as before
+    assert w.limit_s() == FLOOR_S
+
+
 def test_ensemble_sessions_always_wait_the_cap():
     w = DraftWait(CAP, adaptive=False)
     w.ready(3, 0.0)

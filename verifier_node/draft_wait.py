@@ -4,8 +4,10 @@ A fixed wait per round made a drafter that heartbeats but never drafts cost ``dr
 each session measures how long its drafter takes to answer a commit (the *arrival delay*: from the moment a
 committed length became ready to the moment a draft built on it arrived; a draft that came too late still counts)
 and waits at most ``WAIT_FACTOR`` × the largest of the last ``WINDOW`` delays, never less than ``FLOOR_S`` and never
-more than the cap (``verifier.draft_timeout_ms``). The first draft after a session is announced includes the
-drafter's own prefill of the prompt, so, with no delay measured yet, that one may take the whole cap.
+more than the cap (``verifier.draft_timeout_ms``). The first block with tokens includes the drafter's own prefill of
+the prompt (a drafter prefills lazily, at its first drafting step, which may come after rounds planned at k = 0: a
+probe), so until one has been timed the wait may take the whole cap; empty blocks (k = 0 plans, answered at once)
+do not use that up, only a round that waited the cap and missed does.
 
 A round that finds no draft when the wait runs out is a *miss* (the verifier takes a plain step: the same output).
 After ``DEMOTE_AFTER`` misses in a row the drafter is *demoted* for that session: the next ``probe_gap`` rounds
@@ -46,7 +48,7 @@ class DraftWait:
         self.misses_in_row = 0
         self.plain_left = 0  # rounds still to take without waiting (demoted)
         self.probe_gap = PROBE_GAP_MIN
-        self.waited_before = False  # a round already waited for this drafter (the first one may take the cap)
+        self.cap_missed = False  # a round waited the cap for this drafter's first block with tokens, in vain
         # totals for the request's metrics
         self.waited_s = 0.0
         self.misses = 0
@@ -59,7 +61,7 @@ class DraftWait:
         self.misses_in_row = 0
         self.plain_left = 0
         self.probe_gap = PROBE_GAP_MIN
-        self.waited_before = False
+        self.cap_missed = False
 
     @property
     def demoted(self) -> bool:
@@ -73,9 +75,10 @@ class DraftWait:
             return 0.0
         if self.delays:
             return min(self.cap_s, max(FLOOR_S, WAIT_FACTOR * max(self.delays)))
-        # Nothing measured: the first draft may take the cap (it includes the drafter's prefill); after a miss with
-        # nothing measured the drafter has not answered within the cap even once, so a probe costs the floor only.
-        return self.cap_s if not self.waited_before else min(self.cap_s, FLOOR_S)
+        # Nothing measured: the first block with tokens may take the cap (it includes the drafter's prefill); after a
+        # miss with nothing measured the drafter has not answered within the cap even once, so a probe costs the
+        # floor only.
+        return self.cap_s if not self.cap_missed else min(self.cap_s, FLOOR_S)
 
     def ready(self, length: int, now: float) -> None:
         """The session's committed length became ``length`` at ``now`` (after a prefill, a round, an announce)."""
@@ -97,7 +100,6 @@ class DraftWait:
         self.waited_s += waited_s
         demoted = False
         if not self.adaptive:
-            self.waited_before = True
             return False
         if got_draft:
             self.misses_in_row = 0
@@ -109,10 +111,10 @@ class DraftWait:
         else:
             self.misses += 1
             self.misses_in_row += 1
+            self.cap_missed = True
             if self.misses_in_row >= DEMOTE_AFTER:
                 self.demote()
                 demoted = True
-        self.waited_before = True
         return demoted
 
     def demote(self) -> None:
