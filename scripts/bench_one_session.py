@@ -32,6 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     import torch
+    from bench_common import chat_prompts  # the benchmarks' templating, as the verifier templates messages
 
     from shared.kv import CachedLM
     from shared.models import load_causal_lm, load_tokenizer, resolve_model, set_threads
@@ -42,9 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     path = resolve_model(args.model)
     tok = load_tokenizer(path)
     model = load_causal_lm(path, "cpu", args.dtype)
-    messages = json.loads(Path(args.prompt_file).read_text())[0]["messages"]
-    ids = tok.apply_chat_template(messages, add_generation_prompt=True)
-    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    ids = chat_prompts(tok, [json.loads(Path(args.prompt_file).read_text())[0]["messages"]])[0]["ids"]
     n = args.max_new_tokens
     print(f"{args.model} {args.dtype}, {torch.get_num_threads()} threads, attention "
           f"{model.config._attn_implementation}, prompt {len(ids)} tokens, {n} new tokens", flush=True)
