@@ -81,6 +81,14 @@ def _die_with_parent() -> None:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
+#: Set for every node process unless the environment sets it already. libgomp (torch's OpenMP on Linux) lets a
+#: worker thread spin for 300,000 iterations after each parallel region before it sleeps; two nodes on one machine
+#: then steal each other's cores at every hand-off (the node that just finished spins while the other starts), which
+#: made a synchronous round's publish 5 ms and its forwards 2x slower on a 2-core machine. 10,000 still covers the
+#: gaps between the regions of one forward.
+NODE_ENV = {"GOMP_SPINCOUNT": "10000"}
+
+
 class Cluster:
     """The node processes of one config, started and supervised by this process."""
 
@@ -116,7 +124,7 @@ class Cluster:
     def start_node(self, role: str, name: str | None = None) -> subprocess.Popen:
         """Start one node process; ``name`` (default: the role) keys ``processes`` and names its log."""
         name = name or role
-        env = {**os.environ, **(self.env or {})}
+        env = {**NODE_ENV, **os.environ, **(self.env or {})}
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
         if self.run_secret:
             env[security.SECRET_ENV] = self.run_secret  # the environment, not argv: ps shows argv to everyone
