@@ -65,6 +65,8 @@ MAX_THREADS_KEY = 1024
 MAX_NAME = 512
 #: The context term may lower a cost to this fraction of the base at most (a noisy slope must not zero it).
 CONTEXT_FLOOR = 0.5
+#: CostCurve.observe: a sample slower than this multiple of the current estimate counts as this multiple.
+OUTLIER_FACTOR = 2.0
 #: Size ladder for :func:`sizes_up_to`: dense where verification costs change most, sparse beyond.
 SIZE_LADDER = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 
@@ -170,10 +172,18 @@ class CostCurve:
             base = seconds
         base = min(MAX_SECONDS, base)
         i = bisect.bisect_left(self.sizes, n)
+        # A slow sample counts as at most OUTLIER_FACTOR × the estimate: one forward that shared the cores with a
+        # prefill, a page fault or another job must not turn a plan around; a lasting slowdown still moves the
+        # curve (by up to weight × (factor − 1) per sample). Fast samples are taken as they are (a forward cannot
+        # be faster than the hardware allows). A full-weight sample replaces the estimate as it is.
         if i < len(self.sizes) and self.sizes[i] == n:
+            if weight < 1.0:
+                base = min(base, OUTLIER_FACTOR * self.seconds[i])
             self.seconds[i] += weight * (base - self.seconds[i])
             return
         start = self.base_cost(n)
+        if weight < 1.0:
+            base = min(base, OUTLIER_FACTOR * start)
         while len(self.sizes) >= MAX_OBSERVED_POINTS:
             self._drop_flattest_point()
         i = bisect.bisect_left(self.sizes, n)
@@ -233,6 +243,8 @@ class NodeProfile:
     measured_s: float = 0.0
     cached: bool = False
     candidates: dict[str, float] = field(default_factory=dict)  # dtype -> score of the auto choice (empty: explicit)
+    quiet: bool = True  # nothing else used the CPU while it was measured (a busy profile is re-measured next start)
+    key: str = ""  # its cache key on this machine (not sent to peers)
 
     def curve(self, threads: int) -> CostCurve:
         """The curve for ``threads`` (exact key, else the nearest one; a tie goes to the fewer threads)."""
@@ -245,7 +257,8 @@ class NodeProfile:
     def to_dict(self) -> dict:
         return {"model": self.model, "device": self.device, "dtype": self.dtype,
                 "curves": {str(t): c.to_dict() for t, c in sorted(self.curves.items())},
-                "measured_s": self.measured_s, "cached": self.cached, "candidates": dict(self.candidates)}
+                "measured_s": self.measured_s, "cached": self.cached, "candidates": dict(self.candidates),
+                "quiet": self.quiet}
 
     @classmethod
     def from_dict(cls, d: Any) -> NodeProfile:
@@ -281,7 +294,10 @@ class NodeProfile:
                 raise ValueError(f"node profile: candidate dtype must be one of {', '.join(PROFILE_DTYPES)}, "
                                  f"got {_short(name)}")
             candidates[name] = _check_seconds(f"node profile: candidates[{name}]", score)
-        return cls(model, device, dtype, curves, measured, cached, candidates)
+        quiet = d.get("quiet", True)
+        if not isinstance(quiet, bool):
+            raise ValueError(f"node profile: quiet must be true or false, got {_short(quiet)}")
+        return cls(model, device, dtype, curves, measured, cached, candidates, quiet)
 
 
 def profile_score(profile: NodeProfile, sizes: list[int]) -> float:
@@ -424,7 +440,8 @@ def profile_key(model_path: str, device: str, dtype: str, threads: list[int], si
 
 
 def _read_cached(key: str) -> NodeProfile | None:
-    """The cached profile under ``key``, or None when there is none or it cannot be read (then it is re-measured)."""
+    """The cached profile under ``key``, or None when there is none, it cannot be read, or it was measured on a busy
+    machine or found wrong by a node's rounds (``quiet`` false, see :func:`mark_stale`): then it is re-measured."""
     path = profile_cache_dir() / f"{key}.json"
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
@@ -433,8 +450,24 @@ def _read_cached(key: str) -> NodeProfile | None:
         profile = NodeProfile.from_dict(data.get("profile"))
     except (OSError, ValueError, UnicodeDecodeError):
         return None
+    if not profile.quiet:
+        return None
     profile.cached = True
+    profile.key = key
     return profile
+
+
+def mark_stale(key: str) -> bool:
+    """Flag the cached profile under ``key`` for re-measuring at its node's next start (its numbers disagree with
+    the forwards the node times while it serves). True if a cached file was flagged."""
+    path = profile_cache_dir() / f"{key}.json"
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        profile = NodeProfile.from_dict(data.get("profile"))
+    except (OSError, ValueError, UnicodeDecodeError, AttributeError):
+        return False
+    profile.quiet = False
+    return _write_cached(key, profile)
 
 
 def _write_cached(key: str, profile: NodeProfile) -> bool:
@@ -656,15 +689,96 @@ def load_or_measure(model, model_path: str, device: str, dtype: str, threads: li
     if progress:
         progress(f"profiling {name} {dtype} at {where} (budget {budget_s:.1f} s) ...")
     with measuring_alone(device, progress):
-        curves = measure_curves(model, sizes, keys, budget_s=budget_s)
+        curves, quiet = measure_quietly(model, sizes, keys, budget_s, device, progress)
     if progress:
         for t, curve in curves.items():
             progress(f"profiling {name} {dtype} {t or device}{' threads' if t else ''}: {_describe(curve)}")
     profile = NodeProfile(model=name, device=device, dtype=dtype, curves=curves,
-                          measured_s=time.perf_counter() - started)
+                          measured_s=time.perf_counter() - started, quiet=quiet, key=key)
     if not _write_cached(key, profile) and progress:
         progress(f"cannot write the profile cache in {profile_cache_dir()} (measuring again next time)")
     return profile
+
+
+#: A profile is *quiet* when other processes used at most this many cores on average while it was measured.
+QUIET_MAX_CORES = 0.25
+#: How long to let a busy machine settle before measuring again.
+BUSY_RETRY_PAUSE_S = 1.0
+
+
+def _cpu_times() -> tuple[float, float] | None:
+    """(seconds of CPU every process used, seconds this process used) so far; None where /proc is not there."""
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+        ticks = os.sysconf("SC_CLK_TCK")
+        busy = sum(int(v) for i, v in enumerate(fields[:8]) if i not in (3, 4))  # all but idle and iowait
+    except (OSError, ValueError, IndexError):
+        return None
+    own = os.times()
+    return busy / ticks, own.user + own.system
+
+
+def others_cores(before: tuple[float, float] | None, after: tuple[float, float] | None, wall_s: float) -> float:
+    """Cores other processes kept busy on average between two :func:`_cpu_times` readings (0 when unknown)."""
+    if before is None or after is None or wall_s <= 0:
+        return 0.0
+    return max(0.0, (after[0] - before[0]) - (after[1] - before[1])) / wall_s
+
+
+def measure_quietly(model, sizes: list[int], keys: list[int], budget_s: float, device: str,
+                    progress: ProgressFn | None = None) -> tuple[dict[int, CostCurve], bool]:
+    """:func:`measure_curves`, checked for a quiet machine: when other processes kept more than QUIET_MAX_CORES
+    busy meanwhile (CPU only), measure once more after a pause and keep each point's minimum of both. Returns the
+    curves and whether either measurement was quiet (a busy profile is used, but re-measured at the next start)."""
+    t0, before = time.perf_counter(), _cpu_times()
+    curves = measure_curves(model, sizes, keys, budget_s=budget_s)
+    busy = others_cores(before, _cpu_times(), time.perf_counter() - t0) if _is_cpu(device) else 0.0
+    if busy <= QUIET_MAX_CORES:
+        return curves, True
+    if progress:
+        progress(f"the machine was busy while profiling (other processes used {busy:.1f} cores): measuring again")
+    time.sleep(BUSY_RETRY_PAUSE_S)
+    t0, before = time.perf_counter(), _cpu_times()
+    again = measure_curves(model, sizes, keys, budget_s=budget_s)
+    busy_again = others_cores(before, _cpu_times(), time.perf_counter() - t0)
+    for t, curve in curves.items():
+        other = again.get(t)
+        if other is not None and other.sizes == curve.sizes:
+            curve.seconds = [min(a, b) for a, b in zip(curve.seconds, other.seconds)]
+    quiet = busy_again <= QUIET_MAX_CORES
+    if not quiet and progress:
+        progress(f"still busy ({busy_again:.1f} cores used by others): using the faster of both measurements now "
+                 "and measuring again at the next start")
+    return curves, quiet
+
+
+class CurveCheck:
+    """Whether a node's own forwards, timed while it serves, still match its profile: the median ratio of measured
+    to predicted time over the last WINDOW forwards (taken while the other node idles, so both are timed alone).
+    Off by more than MARGIN either way, the profile is wrong for this machine now (measured while it was busy, or
+    the machine changed): :func:`mark_stale` re-measures it at the next start."""
+
+    WINDOW = 32
+    MIN_SAMPLES = 16
+    MARGIN = 1.3
+
+    def __init__(self) -> None:
+        self.ratios: list[float] = []
+        self.flagged = False
+
+    def observe(self, predicted_s: float, measured_s: float) -> float | None:
+        """Add one forward; return the median ratio once it is off by more than MARGIN (once), else None."""
+        if self.flagged or predicted_s <= 0 or measured_s <= 0:
+            return None
+        self.ratios.append(measured_s / predicted_s)
+        del self.ratios[: -self.WINDOW]
+        if len(self.ratios) < self.MIN_SAMPLES:
+            return None
+        median = sorted(self.ratios)[len(self.ratios) // 2]
+        if median > self.MARGIN or median < 1 / self.MARGIN:
+            self.flagged = True
+            return median
+        return None
 
 
 #: Longest wait for another node's measurement on this machine before measuring anyway.

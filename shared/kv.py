@@ -27,6 +27,7 @@ class CachedLM:
         self.model = model
         self.length = 0
         self.last_fed = 0  # tokens of the last forward (a cost-curve sample's size)
+        self.fed_total = 0  # tokens of every forward so far (a step that ran more than one forward is no sample)
         self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
         self._device = input_device(model)
         self.reset()
@@ -39,6 +40,7 @@ class CachedLM:
         hidden states."""
         ids = torch.tensor([token_ids], dtype=torch.long, device=self._device)
         self.last_fed = len(token_ids)
+        self.fed_total += len(token_ids)
         extra = {"logits_to_keep": 1} if last_logits_only and self._keeps_logits else {}
         out = self.model(input_ids=ids, cache=self.cache, use_cache=True, output_hidden_states=want_hidden, **extra)
         self.length += len(token_ids)

@@ -32,6 +32,13 @@ def cache_dir(tmp_path, monkeypatch) -> Path:
     return tmp_path / "cache" / "profiles"
 
 
+@pytest.fixture(autouse=True)
+def quiet_machine(monkeypatch):
+    """Profiles measured here count as taken on a quiet machine (other jobs may run beside the tests; the one test
+    of a busy machine sets its own readings)."""
+    monkeypatch.setattr(costs, "_cpu_times", lambda: (0.0, 0.0))
+
+
 def curve(sizes=(1, 4, 8), seconds=(0.010, 0.020, 0.040), prefix=64, slope=0.0) -> CostCurve:
     return CostCurve(list(sizes), list(seconds), prefix, slope)
 
@@ -422,3 +429,49 @@ def test_a_thread_count_the_budget_cut_short_takes_the_shape_of_the_richest():
     costs.fill_from_richest(measured)
     assert measured[2] == {1: 0.3, 9: 0.3 * 3.0 / 0.4}
     assert measured[1] == {1: 0.4, 9: 3.0}
+
+
+def test_observe_counts_one_slow_sample_as_at_most_twice_the_estimate():
+    c = curve()
+    c.observe(4, 1.0)  # 50x the 0.02 s estimate: a forward that shared the cores with a prefill
+    assert c.seconds[1] == pytest.approx(0.020 + 0.2 * (2 * 0.020 - 0.020))
+    for _ in range(30):  # a lasting slowdown still moves it all the way
+        c.observe(4, 0.1)
+    assert c.seconds[1] == pytest.approx(0.1, rel=0.01)
+
+
+def test_a_busy_measurement_is_repeated_and_not_reused_from_the_cache(llama, cache_dir, monkeypatch):
+    path, model = llama
+    readings = {"others": 0.0}
+
+    def busy_times():  # between any two readings other processes used a core-second more than this one
+        readings["others"] += 1.0
+        return readings["others"] + 1e6, 0.0
+
+    def measure(progress=None):
+        return costs.load_or_measure(model, str(path), "cpu", "float32", [1], [1, 2], budget_s=0.5, progress=progress)
+
+    monkeypatch.setattr(costs, "_cpu_times", busy_times)
+    monkeypatch.setattr(costs, "BUSY_RETRY_PAUSE_S", 0.0)
+    lines: list[str] = []
+    busy = measure(lines.append)
+    assert not busy.quiet and any("busy" in line for line in lines) and any("next start" in line for line in lines)
+    assert not measure().cached, "a busy profile is measured again at the next start"
+    monkeypatch.setattr(costs, "_cpu_times", lambda: (0.0, 0.0))  # a quiet machine
+    quiet = measure()
+    assert quiet.quiet and not quiet.cached
+    cached = measure()
+    assert cached.cached and cached.key == quiet.key
+    assert costs.mark_stale(cached.key)  # a node's rounds found it wrong: measured again next time
+    assert not measure().cached
+
+
+def test_curve_check_flags_a_profile_its_forwards_keep_missing():
+    from shared.costs import CurveCheck
+
+    ok = CurveCheck()
+    assert all(ok.observe(0.010, 0.011) is None for _ in range(64))
+    off = CurveCheck()
+    verdicts = [off.observe(0.010, 0.020 if i % 4 else 0.010) for i in range(40)]
+    flagged = [v for v in verdicts if v is not None]
+    assert len(flagged) == 1 and flagged[0] == pytest.approx(2.0)  # once, with the median ratio
