@@ -33,6 +33,8 @@ every commit reports.
 from __future__ import annotations
 
 import copy
+import math
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -40,6 +42,8 @@ from dataclasses import dataclass
 DECAY = 0.95
 #: Prior pseudo-observations per position: a mildly optimistic start (α = 0.6) so drafting is tried.
 PRIOR_N, PRIOR_ALPHA = 2.0, 0.6
+#: Round-trip overhead samples the estimate is the median of.
+OVERHEAD_WINDOW = 16
 
 
 @dataclass
@@ -71,6 +75,13 @@ class Beta:
     def value(self) -> float:
         return self.successes / self.trials
 
+    def optimistic(self, z: float, trials: float | None = None) -> float:
+        """An upper confidence bound: the estimate plus ``z`` standard errors of ``trials`` (default: its own
+        decayed evidence). Thin evidence (a prior, one rejected block) leaves room above the mean; many
+        observations leave little."""
+        v, n = self.value, max(self.trials if trials is None else trials, 1e-9)
+        return min(1.0, v + z * math.sqrt(max(v * (1 - v), 0.05) / n))
+
     def shrink(self, weight: float) -> None:
         """Keep the estimate but at most ``weight`` observations of evidence, so the next ones move it quickly."""
         if self.trials > weight:
@@ -96,6 +107,39 @@ class Acceptance:
         """Before a run of k = 0 rounds: the rare probe blocks that follow must be able to bring drafting back."""
         for beta in self.positions:
             beta.shrink(weight)
+
+    def optimistic(self, z: float = 1.0, evidence: Acceptance | None = None) -> Acceptance:
+        """A copy whose α_i are :meth:`Beta.optimistic` bounds (the guesses' rates as they are): the acceptance
+        the evidence cannot yet rule out. Used to decide whether k = 0 may be chosen at all. ``evidence``: an
+        estimate with more observations behind it (the node's, across sessions), whose counts bound the margin
+        where they exceed this one's (a new session's estimate is shrunk on purpose, not uncertain)."""
+        acc = copy.deepcopy(self)
+        for i, beta in enumerate(acc.positions):
+            trials = beta.trials
+            if evidence is not None and i < len(evidence.positions):
+                trials = max(trials, evidence.positions[i].trials)
+            beta.successes = beta.optimistic(z, trials) * beta.trials
+        return acc
+
+    def to_dict(self) -> dict:
+        """The per-position rates and the guesses' (what a node remembers of a pair between runs)."""
+        return {"alpha": [b.value for b in self.positions], "bonus_guess": self.bonus_guess.value,
+                "correction_guess": self.correction_guess.value}
+
+    @classmethod
+    def from_memory(cls, max_k: int, memory: dict, weight: float = PRIOR_N) -> Acceptance:
+        """A fresh estimate whose prior is ``memory`` (from :meth:`to_dict`) at ``weight`` observations per rate."""
+        acc = cls(max_k)
+        alpha = [float(a) for a in memory.get("alpha", [])][: len(acc.positions)]
+        pairs = [*zip(acc.positions, alpha), (acc.bonus_guess, memory.get("bonus_guess")),
+                 (acc.correction_guess, memory.get("correction_guess"))]
+        for beta, value in pairs:
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and 0.0 <= value <= 1.0:
+                beta.successes, beta.trials = float(value) * weight, weight
+        if alpha:  # positions past those remembered start from the last one remembered (α decays along a block)
+            for beta in acc.positions[len(alpha):]:
+                beta.successes, beta.trials = alpha[-1] * weight, weight
+        return acc
 
     def alpha(self, i: int) -> float:
         return self.positions[min(i, len(self.positions) - 1)].value
@@ -178,6 +222,7 @@ class CostBook:
         self.verify_threads = {"share": 0, "full": 0}
         self.draft_threads = {"share": 0, "full": 0}
         self.overhead_s: float | None = None
+        self._overheads: deque[float] = deque(maxlen=OVERHEAD_WINDOW)
         self.batch_sessions = 1.0  # sessions that share a verifier forward, recently (the commits' decoding; EMA)
         self.draft_batched = True  # the drafter advances all its sessions in one forward per step
 
@@ -244,11 +289,14 @@ class CostBook:
         self._observe(self.draft, self.draft_threads, rows, seconds, threads, context)
 
     def observe_overhead(self, seconds: float) -> None:
-        """Round trip (block sent → commit received) minus the verifier's forward: transit, queueing, decoding."""
+        """Round trip (block sent → commit received) minus the verifier's forward: transit, queueing, decoding.
+        The estimate is the median of the last OVERHEAD_WINDOW samples (the smallest while there are fewer than
+        three): one round that waited behind a prefill or another session's forward must not stop drafting."""
         if self.frozen:
             return
-        seconds = max(0.0, seconds)
-        self.overhead_s = seconds if self.overhead_s is None else 0.8 * self.overhead_s + 0.2 * seconds
+        self._overheads.append(max(0.0, seconds))
+        ordered = sorted(self._overheads)
+        self.overhead_s = ordered[len(ordered) // 2] if len(ordered) >= 3 else ordered[0]
 
     def observe_batch(self, sessions: int) -> None:
         """A commit reports ``sessions`` sessions sharing the verifier's forwards (its ``decoding``)."""

@@ -22,12 +22,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from drafter_node.cost_model import Acceptance, CostBook, Plan, best_plan
+from drafter_node.cost_model import Acceptance, CostBook, Plan, best_plan, plans
 
 SCHEDULES = ("cost", "pipeline", "adaptive", "heuristic", "constant")
 
 #: k = 0 is kept for this many verifier rounds before a probe block; doubled after each probe that confirms k = 0.
-SOLO_ROUNDS_MIN, SOLO_ROUNDS_MAX = 8, 128
+SOLO_ROUNDS_MIN, SOLO_ROUNDS_MAX = 8, 64
+#: k = 0 is chosen only if drafting loses even at the acceptance this many standard errors above the estimate
+#: (Acceptance.optimistic): one rejected block or a pessimistic prior cannot switch drafting off; many can.
+EXPLORE_Z = 1.0
 #: A probe is sent only if a perfect drafter (every draft accepted) would beat k = 0 by this factor: where even
 #: that cannot pay (e.g. a verifier whose cost grows with every token), probing would be pure overhead.
 PROBE_MARGIN = 1.05
@@ -137,6 +140,7 @@ class CostSchedule(DraftLengthSchedule):
         self.solo_left = 0  # verifier rounds still to be taken alone
         self.solo_span = SOLO_ROUNDS_MIN
         self.probing = False
+        self.explored = 0  # plans that drafted although the estimate alone would have chosen k = 0
         self.plans = {"solo": 0, "sync": 0, "overlap": 0}
         self.replan()
 
@@ -188,8 +192,18 @@ class CostSchedule(DraftLengthSchedule):
     def replan(self, allow_solo: bool = True, was_probe: bool = False) -> None:
         if not self.book.ready:
             return
-        plan = best_plan(self.acc, self.book.costs(self.context()), self.max_k, self.rows_ok, allow_solo=allow_solo,
-                         allow_overlap=self.overlap and allow_solo)
+        costs = self.book.costs(self.context())
+        allowed = {"allow_overlap": self.overlap and allow_solo}
+        plan = best_plan(self.acc, costs, self.max_k, self.rows_ok, allow_solo=allow_solo, **allowed)
+        if plan.solo:
+            # Explore: k = 0 only where drafting loses even at the acceptance the evidence cannot rule out; else
+            # the plan that would win at that acceptance, with the rate the estimate itself predicts for it.
+            hopeful = best_plan(self.acc.optimistic(EXPLORE_Z, self.book.acceptance), costs, self.max_k,
+                                self.rows_ok, allow_solo=False, **allowed)
+            if hopeful.rate > plan.rate:
+                plan = next(p for p in plans(self.acc, costs, self.max_k, self.rows_ok, allow_solo=False, **allowed)
+                            if (p.k, p.overlap, p.rows) == (hopeful.k, hopeful.overlap, hopeful.rows))
+                self.explored += 1
         self.plan, self.k = plan, plan.k
         self.plans["solo" if plan.solo else "overlap" if plan.overlap else "sync"] += 1
         if plan.solo:

@@ -46,6 +46,7 @@ DRAFTER_COMMON: dict[str, Any] = {
     "draft_schedule": "cost",
     "max_draft_tokens": 16,
     "overlap": True,
+    "remember_acceptance": True,  # start the cost schedule from this pair's acceptance in earlier runs
     "batching": True,
     "max_batch_sessions": 64,
     "q_top_k": 64,  # read by types that send q
@@ -280,7 +281,7 @@ def validate(config: dict[str, Any]) -> None:
     if not isinstance(d["draft_schedule"], str) or d["draft_schedule"] not in SCHEDULES:
         raise ConfigError(f"drafter.draft_schedule: one of {', '.join(SCHEDULES)}, got {d['draft_schedule']!r}")
     for dotted in ("drafter.overlap", "verifier.allow_remote", "launch.start_drafter", "verifier.batching",
-                   "drafter.batching"):
+                   "drafter.batching", "drafter.remember_acceptance"):
         section, key = dotted.split(".")
         if not isinstance(config[section][key], bool):
             raise ConfigError(f"{dotted}: must be true or false, got {config[section][key]!r}")
