@@ -47,13 +47,14 @@ from typing import Any
 import torch
 import zmq
 
+from drafter_node import pair_memory
 from drafter_node.base import BatchStep, Drafter, DraftSession
 from drafter_node.cost_model import CostBook
 from drafter_node.schedule import CostSchedule, DraftLengthSchedule
 from drafter_node.types import drafter_class
 from runtime import security
 from shared.batch import feed_rows
-from shared.costs import CostCurve, NodeProfile, measuring_alone
+from shared.costs import CostCurve, CurveCheck, NodeProfile, mark_stale, measuring_alone
 from shared.models import ModelLoadError, ProfileSpec, ThreadPlan, profile_node, profile_sizes, set_threads
 from shared.protocol import (
     DEFAULT_MAX_MESSAGE_BYTES,
@@ -99,9 +100,20 @@ class NodeSession:
         self.exhausted = False  # propose() had nothing more to give on this base
         self.idle_period_sent = 0  # the schedule's k = 0 run whose idle block went out
         self.threads = 0  # torch threads of the last step (0: not set by the node)
+        self.timed_block = False  # a block of ours was verified (later round trips are overhead samples)
+        self.last_step: tuple[int, float] | None = None  # (forward size, seconds) of its last one-forward step
         # batch_steps: steps that advanced this session; batch_rows: the sessions in each of their forwards, summed
         self.stats = {"busy_s": 0.0, "blocks": 0, "predraft_hits": 0, "rolled_back": 0, "idle_blocks": 0,
                       "batch_steps": 0, "batch_rows": 0}
+        # Where this session's drafter time went, summed (the request's metrics show it per block): drafter forwards
+        # (``step``, pre-drafting included), encoding and sending blocks, applying commits, and the round trips
+        # (block sent → its commit applied: verification as the drafter sees it).
+        self.timing = {"step_s": 0.0, "send_s": 0.0, "commit_s": 0.0, "roundtrip_s": 0.0, "roundtrips": 0}
+        # Per plan used (``solo``, ``sync k=4``, ``overlap k=5 rows=3``, or the schedule's k): [rounds, committed
+        # tokens, seconds between commits, the predicted tokens/s summed] — what the cost model expected against
+        # what the rounds gave.
+        self.plan_rates: dict[str, list[float]] = {}
+        self.last_commit_at: float | None = None
 
     @property
     def solo_wait(self) -> bool:
@@ -148,6 +160,8 @@ class NodeSession:
 
     def step(self) -> None:
         """One step of this session alone (one drafter forward, or a cheap type's whole block)."""
+        lm = getattr(self.draft, "lm", None)
+        fed_before = getattr(lm, "fed_total", 0)
         t0 = time.monotonic()
         advanced = True
         if self.draft.speculation_depth is not None:
@@ -157,7 +171,11 @@ class NodeSession:
             advanced = False
         spent = time.monotonic() - t0
         self.stepped(spent, 1 if advanced else 0)
-        if self.book is not None and not self.draft.cheap_steps:
+        # A step that also caught up on the prompt or a commit (more tokens fed than its last forward's) is not a
+        # sample of one forward's cost.
+        one_forward = getattr(lm, "fed_total", 0) - fed_before <= max(1, self.draft.forward_size)
+        self.last_step = (self.draft.forward_size, spent) if one_forward and not self.draft.cheap_steps else None
+        if self.book is not None and self.last_step is not None:
             self.book.observe_draft(self.draft.forward_size, spent, self.threads, self.base_len)
 
     def stepped(self, spent: float, sessions: int) -> None:
@@ -165,6 +183,7 @@ class NodeSession:
         nothing)."""
         self.schedule.observe_step(spent)
         self.stats["busy_s"] += spent
+        self.timing["step_s"] += spent
         if sessions:
             self.stats["batch_steps"] += 1
             self.stats["batch_rows"] += sessions
@@ -216,19 +235,59 @@ class NodeSession:
         if self.book is not None and verify_s is not None and verify_s > 0:
             self.book.observe_verify(batch_tokens or drafted + 1, verify_s, verifier_threads, self.base_len)
             self.book.observe_batch(decoding or batch_sessions)
-            if verified_ours:
+            if verified_ours and self.timed_block:  # the first block's trip overlaps the verifier's prefill
                 self.book.observe_overhead(time.monotonic() - self.sent_at - verify_s)
+            self.timed_block = self.timed_block or verified_ours
+        self._count_plan_round(len(tokens), t0)
         chain_before = len(self.draft.chain)
         matched = self.draft.observe_commit(tokens, extras)
         if matched < len(tokens):
             self.stats["rolled_back"] += chain_before - matched
         if verified_ours:
-            self.schedule.observe_roundtrip(time.monotonic() - self.sent_at)
+            self.schedule.observe_roundtrip(t0 - self.sent_at)
+            self.timing["roundtrip_s"] += t0 - self.sent_at
+            self.timing["roundtrips"] += 1
         self.schedule.update(drafted, accepted)
         self.exhausted = False
         if self.overlap and matched == len(tokens) and self.draft.chain:
             self.stats["predraft_hits"] += 1  # the next block's start was drafted before the commit came
-        self.stats["busy_s"] += time.monotonic() - t0
+        spent = time.monotonic() - t0
+        self.stats["busy_s"] += spent
+        self.timing["commit_s"] += spent
+
+
+    def _count_plan_round(self, committed: int, now: float) -> None:
+        """One round of the plan in force (the one its block was sent under) gave ``committed`` tokens since the
+        previous commit. The session's first commit is not counted: its interval includes both prefills."""
+        since, self.last_commit_at = self.last_commit_at, now
+        if since is None:
+            return
+        label, predicted = plan_label(self.schedule)
+        if label not in self.plan_rates and len(self.plan_rates) >= MAX_PLAN_LABELS:
+            label = "other"
+        row = self.plan_rates.setdefault(label, [0, 0, 0.0, 0.0])
+        row[0] += 1
+        row[1] += committed
+        row[2] += now - since
+        row[3] += predicted
+
+
+#: Distinct plans one session reports (the rest are summed as ``other``).
+MAX_PLAN_LABELS = 24
+
+
+def plan_label(schedule: DraftLengthSchedule) -> tuple[str, float]:
+    """The name of the plan ``schedule`` is running and the tokens/s its cost model predicted (0: no model)."""
+    plan = getattr(schedule, "plan", None)
+    if isinstance(schedule, CostSchedule) and plan is not None:
+        if plan.solo:
+            name = "solo"
+        elif plan.overlap and not schedule.probing:
+            name = f"overlap k={plan.k} rows={plan.rows}"
+        else:
+            name = f"sync k={plan.k}"
+        return name, plan.rate
+    return f"{schedule.mode} k={schedule.k}", 0.0
 
 
 def test_costs() -> tuple[CostCurve, CostCurve] | None:
@@ -299,6 +358,8 @@ class DrafterNode:
         self.last_heard = 0.0  # when the last message from the verifier came
         self.last_hello = 0.0
         self.rejoins = 0
+        self.memory: pair_memory.PairMemory | None = None  # this pair's remembered acceptance (set at the welcome)
+        self.curve_check = CurveCheck()
 
     def _connect(self) -> zmq.Socket:
         """A fresh socket to the verifier (with this drafter's CURVE keys, watched for a refusal, where the link runs
@@ -360,6 +421,8 @@ class DrafterNode:
         try:
             return self._loop()
         finally:
+            if self.memory is not None:
+                self.memory.save(self.book.acceptance)
             if self.auth_watch is not None:
                 self.auth_watch.close()
             self.sock.close(linger=0)
@@ -419,7 +482,10 @@ class DrafterNode:
                         batch = self._gather_steps(work)
                         if batch is None:
                             self._use_threads(work)
+                            waited_on = work.block_pending()
                             work.step()
+                            if waited_on:  # the verifier waits for this block: our forward ran alone
+                                self._check_profile(work)
                         else:
                             self._run_steps(batch)
         return 0
@@ -533,11 +599,14 @@ class DrafterNode:
         return None
 
     def _send_block(self, s: NodeSession) -> None:
+        t0 = time.monotonic()
         tokens, tensors, idle_rounds = s.block()
-        stats = {**s.stats, "plans": dict(s.schedule.plans), "dtype": self.dtype_name}
+        stats = {**s.stats, "plans": dict(s.schedule.plans), "dtype": self.dtype_name, "timing": dict(s.timing),
+                 "plan_rates": {k: list(v) for k, v in s.plan_rates.items()}}
         self._send(encode(Draft(session=s.sid, base_len=s.sent_base, epoch=s.stats["blocks"], tokens=tokens,
                                 idle_rounds=idle_rounds, overlap=s.overlap, sent_at=time.time(), stats=stats,
                                 tensors=tensors)))
+        s.timing["send_s"] += time.monotonic() - t0
         s.after_send()
 
     @property
@@ -581,11 +650,37 @@ class DrafterNode:
         self.want_q = msg.want_q and self.drafter.capabilities.greedy_q
         if first:  # the welcomes of the other queued hellos change nothing worth a line each
             log.info("connected to verifier (target %s)", msg.target)
+            self._recall_pair(msg.target)
         if first and self.book.ready and self.dcfg.get("draft_schedule") == "cost":
             for row in self.book.plans_by_batch(self.book.session_acceptance(), self.max_k, True, 0,
                                                 overlap=bool(self.dcfg.get("overlap", True))):
                 log.info("plan at batch %(batch)d (prior acceptance): k=%(k)d overlap=%(overlap)s rows=%(rows)d, "
                          "%(tokens_per_s).1f tok/s vs %(plain_tokens_per_s).1f plain", row)
+
+    def _check_profile(self, s: NodeSession) -> None:
+        """Compare a step timed alone with the profile; a profile that keeps missing is re-measured next start."""
+        if self.profile is None or s.last_step is None or not self.profile.key:
+            return
+        n, spent = s.last_step
+        ratio = self.curve_check.observe(self.profile.curve(s.threads or self.threads.share).cost(n, s.base_len),
+                                         spent)
+        if ratio is not None:
+            log.warning("drafter: steps take %.2fx what the cached profile says (measured on a busy machine, or the "
+                        "machine changed); plans follow the measured steps now, and the profile is measured again "
+                        "at the next start", ratio)
+            mark_stale(self.profile.key)
+
+    def _recall_pair(self, target: str) -> None:
+        """Start the cost schedule from what earlier runs of this pair accepted (``drafter.remember_acceptance``)."""
+        if not self.dcfg.get("remember_acceptance", True) or self._fixed_costs:
+            return
+        path = pair_memory.memory_path(self.drafter.type_name, self.dcfg.get("model"), target)
+        remembered = pair_memory.load(path, self.max_k)
+        self.memory = pair_memory.PairMemory(path, remembered[1] if remembered else 0)
+        if remembered is not None:
+            self.book.acceptance = remembered[0]
+            log.info("acceptance prior from %d earlier request(s) of this pair: α = %s", remembered[1],
+                     " ".join(f"{remembered[0].alpha(i):.2f}" for i in range(min(self.max_k, 8))))
 
     def _on_heartbeat(self, msg: Heartbeat) -> None:
         """The verifier's answer to ours: it is there (``last_heard`` is updated for every message)."""
@@ -646,6 +741,8 @@ class DrafterNode:
         if s is not None:
             self.order.remove(s.sid)
             s.draft.close()
+            if self.memory is not None and s.stats["blocks"] > s.stats["idle_blocks"]:
+                self.memory.session_ended(self.book.acceptance)
 
 
 def run(config: dict[str, Any]) -> int:

@@ -52,6 +52,18 @@ def test_greedy_identity_with_the_cost_schedule(tiny, arch, drafter, overlap):
     m = results[0].metrics
     assert m["drafts"] > 0
     assert m["verifier_dtype"] == "float32" and m["drafter_dtype"] == "float32"
+    # where the round's time went, and per plan what the cost model predicted against what the rounds gave
+    timing = m["round_timing"]
+    assert timing["rounds"] == m["rounds"] and timing["ms_per_round"]["forward"] > 0
+    parts = sum(timing["ms_per_round"].values())
+    assert parts == pytest.approx(timing["wall_ms_per_round"], rel=0.01, abs=0.01)
+    assert timing["overhead_ms_per_round"] < timing["wall_ms_per_round"]
+    assert m["drafter_timing"]["step_ms_per_block"] > 0 and m["drafter_timing"]["roundtrip_ms"] > 0
+    rates = m["plan_rates"]
+    # counted up to the last block the drafter sent (its stats travel with its blocks): every drafted round but
+    # the first (its interval includes the prefills) and the last, and the rounds taken alone in between
+    assert m["drafts"] - 2 <= sum(r["rounds"] for r in rates.values()) <= m["rounds"]
+    assert all(r["predicted_tokens_per_s"] > 0 and r["realised_tokens_per_s"] > 0 for r in rates.values())
     if drafter == "random":
         # acceptance falls to about 0: the plan goes to k = 0 (the verifier alone) and probes now and then
         assert m["solo_rounds"] > 0 and m["plans"]["solo"] > 0

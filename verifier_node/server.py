@@ -35,7 +35,7 @@ import zmq
 from drafter_node.types import DRAFTER_TYPES
 from runtime import security
 from shared.batch import Row, can_batch, feed_rows
-from shared.costs import NodeProfile, measuring_alone
+from shared.costs import CurveCheck, NodeProfile, mark_stale, measuring_alone
 from shared.kv import CachedLM, KVRowsError
 from shared.models import (
     ProfileSpec,
@@ -111,6 +111,8 @@ class PendingRound:
     drafter_busy: bool  # its drafter pre-drafts while this round runs (the verifier keeps its thread share)
     want_hidden: bool
     kv_layers: list[int]
+    timed_from: float = 0.0  # when the session's previous round was published (the round's wall time starts)
+    draft_wait_s: float = 0.0  # of that, waiting for its drafter's block
 
 
 @dataclass
@@ -152,6 +154,17 @@ def _checked_stats(stats: dict[str, Any]) -> dict[str, Any]:
         raise ProtocolError("draft: stats.plans must map plan names to counts")
     if not isinstance(stats.get("dtype", ""), (str, type(None))):
         raise ProtocolError("draft: stats.dtype must be a string")
+    timing = stats.get("timing", {})
+    if not isinstance(timing, dict) or len(timing) > 16 or not all(
+            isinstance(k, str) and not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
+            for k, v in timing.items()):
+        raise ProtocolError("draft: stats.timing must map at most 16 names to finite numbers")
+    rates = stats.get("plan_rates", {})
+    if not isinstance(rates, dict) or len(rates) > 32 or not all(
+            isinstance(k, str) and len(k) <= 64 and isinstance(v, list) and len(v) == 4
+            and all(not isinstance(x, bool) and isinstance(x, (int, float)) and math.isfinite(x) and x >= 0
+                    for x in v) for k, v in rates.items()):
+        raise ProtocolError("draft: stats.plan_rates must map at most 32 plan names to 4 non-negative numbers")
     return stats
 
 
@@ -184,6 +197,7 @@ class VerifierServer:
         self.tokenizer = tokenizer or load_tokenizer(path)
         spec = ProfileSpec(self.threads.counts(), profile_sizes(config), float(vcfg["profile_s"]), role="verifier")
         self.profile: NodeProfile | None = None
+        self.curve_check = CurveCheck()
         # Load and measure while no other node on this machine does (the drafter starts at the same time).
         with measuring_alone(vcfg["device"]) if spec.budget_s > 0 else contextlib.nullcontext():
             self.model = model or load_causal_lm(path, vcfg["device"], vcfg["dtype"], vcfg.get("max_memory"),
@@ -868,8 +882,10 @@ class VerifierServer:
         solo = s.solo_left > 0
         s.solo_left = max(0, s.solo_left - 1)
         drafter_busy = bool(draft["tokens"] and draft["overlap"] and d is not None and d.alive() and not solo)
+        gap = max(0.0, now - s.timed_from)
+        draft_wait = min(gap, max(0.0, waited)) if could_use else 0.0
         return PendingRound(s, s.plan_round(draft["tokens"], draft["q"]), solo, demoted, drafter_busy,
-                            bool(d and d.needs_hidden), list(d.kv_layers) if d else [])
+                            bool(d and d.needs_hidden), list(d.kv_layers) if d else [], s.timed_from, draft_wait)
 
     def _run_batch(self, batch: list[Session]) -> None:
         """One verification round for every session of ``batch``: one target forward over all of them (batched
@@ -888,23 +904,42 @@ class VerifierServer:
         busy = any(r.drafter_busy for r in rounds) or self._drafting_elsewhere(batch, time.monotonic())
         self._use_threads(self.threads.share if busy else self.threads.full)
         decoding = self._decoding()
-        for r, (logits, hidden, forward_s, rows, tokens) in zip(rounds, self._forward(rounds)):
+        forwards = self._forward(rounds)
+        if not busy and len(rounds) == 1 and forwards[0][0] is not None:  # timed alone: a sample of the profile
+            self._check_profile(forwards[0][4], forwards[0][2], len(rounds[0].session.tokens))
+        for r, (logits, hidden, forward_s, rows, tokens) in zip(rounds, forwards):
             if logits is None:
                 continue  # that row's own forward failed (already reported)
             s = r.session
             try:
+                t_accept = time.monotonic()
                 result = s.finish_round(r.plan, logits, hidden, forward_s, r.kv_layers, rows, tokens)
                 result.threads = self._threads_now
                 if r.solo:
                     s.metrics.solo_rounds += 1
                 s.wait.ready(len(s.tokens), s.ready_since)
+                t_publish = time.monotonic()
                 self._publish(s, result, decoding)
+                s.timed_from = done = time.monotonic()
+                s.metrics.timing.add(done - r.timed_from, r.draft_wait_s, forward_s, t_publish - t_accept,
+                                     done - t_publish)
                 if s.finished:
                     self._finish(s, s.finished)
                 elif r.demoted:
                     self._on_demoted(s)
             except Exception as exc:
                 self._round_failed(s, exc)
+
+    def _check_profile(self, tokens: int, seconds: float, context: int) -> None:
+        """Compare a forward timed alone with the profile; a profile that keeps missing is re-measured next start
+        (the drafters' plans follow the measured forwards meanwhile: every commit carries its forward's time)."""
+        if self.profile is None or not self.profile.key:
+            return
+        ratio = self.curve_check.observe(self.profile.curve(self._threads_now).cost(tokens, context), seconds)
+        if ratio is not None:
+            log.warning("verifier: forwards take %.2fx what the cached profile says (measured on a busy machine, or "
+                        "the machine changed); the profile is measured again at the next start", ratio)
+            mark_stale(self.profile.key)
 
     def _drafting_elsewhere(self, batch: list[Session], now: float) -> bool:
         """A session outside ``batch`` waits for a block its drafter is drafting now."""

@@ -54,6 +54,51 @@ class RoundPlan:
     fed: list[int]  # the pending token and the draft: what the forward feeds
 
 
+#: The parts of a round's wall time (``RoundTiming``), in the order the metrics list them.
+ROUND_PARTS = ("draft_wait", "forward", "accept", "publish", "other")
+
+
+@dataclass
+class RoundTiming:
+    """Where one session's decoding time went, summed over its rounds. A round's wall time runs from the moment
+    its previous round was published (or its prefill done) to the moment this one's commit and chunk were sent:
+
+    * ``draft_wait``: waiting for its drafter's block (the drafter's steps and the message's transit);
+    * ``forward``: the target forward (a batched forward's whole time: the session waited that long);
+    * ``accept``: scores, the acceptance rule, cache crop (``finish_round``);
+    * ``publish``: encoding and sending the commit and the chunk;
+    * ``other``: the rest — the loop, reading and decoding messages, other sessions' rounds and prefills.
+
+    ``overhead`` (all but the forward and the draft wait) is what the runtime adds to the bare forward."""
+
+    rounds: int = 0
+    wall_s: float = 0.0
+    draft_wait_s: float = 0.0
+    forward_s: float = 0.0
+    accept_s: float = 0.0
+    publish_s: float = 0.0
+
+    def add(self, wall_s: float, draft_wait_s: float, forward_s: float, accept_s: float, publish_s: float) -> None:
+        self.rounds += 1
+        self.wall_s += wall_s
+        self.draft_wait_s += draft_wait_s
+        self.forward_s += forward_s
+        self.accept_s += accept_s
+        self.publish_s += publish_s
+
+    @property
+    def other_s(self) -> float:
+        return max(0.0, self.wall_s - self.draft_wait_s - self.forward_s - self.accept_s - self.publish_s)
+
+    def summary(self) -> dict:
+        n = max(self.rounds, 1)
+        parts = {"draft_wait": self.draft_wait_s, "forward": self.forward_s, "accept": self.accept_s,
+                 "publish": self.publish_s, "other": self.other_s}
+        return {"rounds": self.rounds, "ms_per_round": {k: round(1000 * parts[k] / n, 3) for k in ROUND_PARTS},
+                "wall_ms_per_round": round(1000 * self.wall_s / n, 3),
+                "overhead_ms_per_round": round(1000 * (self.accept_s + self.publish_s + self.other_s) / n, 3)}
+
+
 @dataclass
 class SessionMetrics:
     """Counters in vLLM's terms plus the pipeline's own (see the README, "Metrics")."""
@@ -74,6 +119,7 @@ class SessionMetrics:
     bytes_out: int = 0
     drafter_stats: dict = field(default_factory=dict)
     verify_batch_sum: int = 0  # sessions in the target forwards of its rounds, summed (÷ rounds: verify_batch_mean)
+    timing: RoundTiming = field(default_factory=RoundTiming)
 
     def record(self, drafted: int, accepted: int) -> None:
         self.rounds += 1
@@ -89,6 +135,27 @@ class SessionMetrics:
         for i in range(drafted):
             self.per_position_drafted[i] += 1
             self.per_position_accepted[i] += int(i < accepted)
+
+
+def _drafter_timing(stats: dict) -> dict:
+    """The drafter's own timing sums (``stats.timing``), per block sent, in ms."""
+    timing, blocks = stats.get("timing") or {}, max(int(stats.get("blocks", 0) or 0), 1)
+    out = {f"{k.removesuffix('_s')}_ms_per_block": round(1000 * v / blocks, 3)
+           for k, v in timing.items() if k.endswith("_s") and k != "roundtrip_s"}
+    if timing.get("roundtrips"):
+        out["roundtrip_ms"] = round(1000 * timing.get("roundtrip_s", 0.0) / timing["roundtrips"], 3)
+    return out
+
+
+def _plan_rates(stats: dict) -> dict:
+    """Per plan the drafter used: rounds, the tokens/s its cost model predicted (mean over the rounds) and the
+    tokens/s the rounds gave (committed tokens over the time between commits)."""
+    out = {}
+    for name, (rounds, tokens, seconds, predicted) in (stats.get("plan_rates") or {}).items():
+        if rounds:
+            out[name] = {"rounds": int(rounds), "predicted_tokens_per_s": round(predicted / rounds, 3),
+                         "realised_tokens_per_s": round(tokens / seconds, 3) if seconds > 0 else None}
+    return out
 
 
 class Session:
@@ -108,6 +175,7 @@ class Session:
         self.lm = CachedLM(model)
         self.prefilled = False
         self.ready_since = time.monotonic()
+        self.timed_from = self.ready_since  # the end of its last round's publish (RoundTiming's clock)
         self.draft: dict | None = None  # the draft waiting for this round, if any
         self.started = time.monotonic()
         self.first_token_at: float | None = None
@@ -159,7 +227,7 @@ class Session:
             self.lm.crop(fed)
         self.metrics.verify_s += forward_s
         self.prefilled = True
-        self.ready_since = time.monotonic()
+        self.ready_since = self.timed_from = time.monotonic()
         return hidden, kv
 
     def plan_round(self, draft: list[int], q: torch.Tensor | None) -> RoundPlan:
@@ -274,6 +342,9 @@ class Session:
             "verify_batch_mean": m.verify_batch_sum / m.rounds if m.rounds else 0.0,
             "draft_batch_mean": (m.drafter_stats.get("batch_rows", 0) / m.drafter_stats["batch_steps"]
                                  if m.drafter_stats.get("batch_steps") else 0.0),
+            "round_timing": m.timing.summary(),
+            "drafter_timing": _drafter_timing(m.drafter_stats),
+            "plan_rates": _plan_rates(m.drafter_stats),
             "seed": self.params.seed,
             "ensemble_weight": self.ensemble_weight,  # not None: lossy by design (output distribution w·p + (1−w)·q)
         }
