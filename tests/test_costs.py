@@ -475,3 +475,8 @@ def test_curve_check_flags_a_profile_its_forwards_keep_missing():
     verdicts = [off.observe(0.010, 0.020 if i % 4 else 0.010) for i in range(40)]
     flagged = [v for v in verdicts if v is not None]
     assert len(flagged) == 1 and flagged[0] == pytest.approx(2.0)  # once, with the median ratio
+
+
+def test_measured_points_never_fall_with_more_tokens():
+    assert costs.nondecreasing([0.258, 0.290, 0.691, 0.302]) == [0.258, 0.290, 0.302, 0.302]
+    assert costs.nondecreasing([0.1, 0.2, 0.3]) == [0.1, 0.2, 0.3]
