@@ -28,6 +28,7 @@ from verifier_node.tree import (
     accept_tree_greedy,
     accept_tree_sampling,
     keep_path,
+    kept_rows,
     process_tree,
     tree_forward,
     tree_row,
@@ -120,7 +121,7 @@ def test_tree_logits_and_kept_path_equal_fresh_forwards(tiny, arch, attn):
     for path in ([], [0], tree.path(5), tree.path(8), tree.path(7)):
         lm = CachedLM(model)
         lm.feed(prefix)
-        logits, _ = tree_forward(lm, pending, tree)
+        logits, hidden = tree_forward(lm, pending, tree, want_hidden=True)
         assert lm.length == len(prefix) + 1 + len(tree)
         if not path:  # check every node once
             assert torch.allclose(logits[0], scratch_logits(model, [*prefix, pending]), atol=1e-4)
@@ -129,14 +130,31 @@ def test_tree_logits_and_kept_path_equal_fresh_forwards(tiny, arch, attn):
                 assert torch.allclose(logits[1 + i], scratch_logits(model, ids), atol=1e-4), i
             other = CachedLM(model)
             other.feed(prefix)
-            batched = feed_rows(model, [tree_row(other, pending, tree)])[0].logits  # the batched-forward route
-            assert torch.allclose(batched, logits, atol=1e-4)
+            batched = feed_rows(model, [tree_row(other, pending, tree)], want_hidden=True)[0]  # the batched route
+            assert torch.allclose(batched.logits, logits, atol=1e-4)
+            assert torch.allclose(batched.hidden, hidden, atol=1e-4)
         keep_path(lm, len(tree), path)
         committed = [*prefix, pending, *(tree.tokens[i] for i in path)]
         assert lm.length == len(committed) == lm.cache.layers[0].keys.shape[-2]
         nxt = 31
         after, _ = lm.feed([nxt])
         assert torch.allclose(after[-1], scratch_logits(model, [*committed, nxt]), atol=1e-4), path
+
+
+def test_tree_round_on_an_empty_cache(tiny):
+    """A one-token prompt: the round's forward is the first one (nothing cached under the pending token)."""
+    model = load(tiny("llama"))
+    tree = DraftTree(distinct_tokens(PARENTS, 2), PARENTS)
+    lm = CachedLM(model)
+    logits, _ = tree_forward(lm, 9, tree)
+    for i in range(len(tree)):
+        ids = [9, *(tree.tokens[j] for j in tree.path(i))]
+        assert torch.allclose(logits[1 + i], scratch_logits(model, ids), atol=1e-4), i
+    path = tree.path(8)
+    keep_path(lm, len(tree), path)
+    assert kept_rows(path) == [0, *(1 + i for i in path)]
+    after, _ = lm.feed([4])
+    assert torch.allclose(after[-1], scratch_logits(model, [9, *(tree.tokens[i] for i in path), 4]), atol=1e-4)
 
 
 # ---------------------------------------------------------------- greedy
@@ -183,7 +201,7 @@ def oracle_tree(model, context: list[int], rng: random.Random, max_nodes: int = 
     return DraftTree(tokens, parents)
 
 
-@pytest.mark.parametrize(("arch", "attn"), [("qwen2", "sdpa"), ("llama", "eager")])
+@pytest.mark.parametrize(("arch", "attn"), [("qwen2", "sdpa"), ("llama", "eager"), ("gpt2", "eager")])
 def test_greedy_tree_generation_equals_generate(tiny, arch, attn):
     folder = tiny(arch)
     model = load(folder, attn)
@@ -206,6 +224,7 @@ def test_greedy_tree_generation_equals_generate(tiny, arch, attn):
         side += any(tree.children(tree.parents[i])[0] != i for i in out.nodes)
         last = out.nodes[-1] if out.nodes else -1
         rejected += bool(tree.children(last))  # the target's token matched none of the node's children
+    print(f"{rounds} rounds, {accepted} drafts accepted, {side} rounds on a later branch, {rejected} rejections")
     assert tokens[len(prompt) :] == reference_greedy(folder, prompt, max_new)
     assert side > 0, "no round accepted a draft on a later branch: the test would not exercise trees"
     assert rejected > 0, "no round rejected: the test would not exercise corrections"
