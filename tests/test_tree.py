@@ -112,27 +112,30 @@ def test_tree_helpers():
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
 def test_tree_logits_and_kept_path_equal_fresh_forwards(tiny, arch, attn):
-    """Every node's logits are a chain forward's of its path; after ``keep_path`` the next logits equal a fresh
-    forward of the committed sequence, for paths on the first branch, on a side branch and of length 0."""
+    """Every node's logits are a chain forward's of its path (directly on the cache and as a ``feed_rows`` row);
+    after ``keep_path`` the next logits equal a fresh forward of the committed sequence, for paths on the first
+    branch, on side branches and of length 0, after either route."""
     model = load(tiny(arch), attn)
     prefix = torch.randint(2, 150, (9,), generator=torch.Generator().manual_seed(3)).tolist()
     pending = 77
     tree = DraftTree(distinct_tokens(PARENTS, 1), PARENTS)
-    for path in ([], [0], tree.path(5), tree.path(8), tree.path(7)):
+    for index, path in enumerate(([], [], [0], tree.path(5), tree.path(8), tree.path(7))):
         lm = CachedLM(model)
         lm.feed(prefix)
-        logits, hidden = tree_forward(lm, pending, tree, want_hidden=True)
+        if index % 2 == 0:
+            logits, hidden = tree_forward(lm, pending, tree, want_hidden=True)
+        else:  # the same round as a row of a batched forward
+            out = feed_rows(model, [tree_row(lm, pending, tree)], want_hidden=True)[0]
+            logits, hidden = out.logits, out.hidden
         assert lm.length == len(prefix) + 1 + len(tree)
-        if not path:  # check every node once
+        if index < 2:  # check every node's logits once per route
             assert torch.allclose(logits[0], scratch_logits(model, [*prefix, pending]), atol=1e-4)
             for i in range(len(tree)):
                 ids = [*prefix, pending, *(tree.tokens[j] for j in tree.path(i))]
                 assert torch.allclose(logits[1 + i], scratch_logits(model, ids), atol=1e-4), i
-            other = CachedLM(model)
-            other.feed(prefix)
-            batched = feed_rows(model, [tree_row(other, pending, tree)], want_hidden=True)[0]  # the batched route
-            assert torch.allclose(batched.logits, logits, atol=1e-4)
-            assert torch.allclose(batched.hidden, hidden, atol=1e-4)
+            if index == 0:
+                direct = logits, hidden
+            assert torch.allclose(direct[0], logits, atol=1e-4) and torch.allclose(direct[1], hidden, atol=1e-4)
         keep_path(lm, len(tree), path)
         committed = [*prefix, pending, *(tree.tokens[i] for i in path)]
         assert lm.length == len(committed) == lm.cache.layers[0].keys.shape[-2]

@@ -1,11 +1,11 @@
 """Token-tree verification: one target forward verifies several candidate continuations, losslessly.
 
-Wiring (not done here): a Draft message gains an optional ``parents`` field (one parent index per drafted token,
--1 for the pending token's children; absent means a chain), and ``Session.finish_round`` takes the tree path when
-it is set: :func:`tree_forward` (or :func:`tree_row` in a batched forward) instead of ``lm.feed``,
-:func:`process_tree` and :func:`accept_tree_greedy` / :func:`accept_tree_sampling` instead of the chain rules, then
-:func:`keep_path` before the usual crop; K/V rows and hidden states of the committed positions are the fed rows
-:func:`kept_rows` names (``DraftTree.truncate`` cuts a tree to the budget as ``plan_round`` cuts a chain).
+Wiring (not done here): the Draft message gains an optional ``parents`` field (a parent index per drafted token,
+-1 under the pending token; absent for a chain), and ``Session.finish_round`` takes the tree path when it is set.
+That path runs :func:`tree_forward` (or :func:`tree_row` in a batched ``feed_rows``) instead of ``lm.feed``,
+:func:`process_tree` and :func:`accept_tree_greedy` / :func:`accept_tree_sampling` instead of the chain rules, and
+:func:`keep_path` before the usual crop (then ``new_rows(layers, len(nodes) + 1, len(out))`` and the hidden rows
+:func:`kept_rows` names are the committed positions'; ``DraftTree.truncate`` cuts a tree to the budget).
 
 Layout. The cache holds the committed prefix but the pending token (``L`` positions). A round feeds ``[pending,
 *tree.tokens]`` in one batch-1 forward: the pending token at position ``L``, node i at ``L + depth(i)``, with a 4D
