@@ -17,7 +17,8 @@ from sampling_check import PROMPT, TV_BOUND, VOCAB, exact_joint, tv
 from tiny_models import reference_greedy
 from transformers import AutoModelForCausalLM
 
-from drafter_node.tree_plan import TreePlan, expected_tokens, plan_tree, survival
+from drafter_node.cost_model import Acceptance
+from drafter_node.tree_plan import TreePlan, expected_tokens, plan_from_acceptance, plan_tree, survival
 from shared.batch import feed_rows
 from shared.kv import CachedLM
 from shared.sampling import GenerationParams, make_generator, process_block, sample
@@ -206,6 +207,7 @@ def oracle_tree(model, context: list[int], rng: random.Random, max_nodes: int = 
 
 @pytest.mark.parametrize(("arch", "attn"), [("qwen2", "sdpa"), ("llama", "eager"), ("gpt2", "eager")])
 def test_greedy_tree_generation_equals_generate(tiny, arch, attn):
+    """Round after round of tree forward, greedy acceptance, kept path and crop: token-identical to ``generate``."""
     folder = tiny(arch)
     model = load(folder, attn)
     prompt = [5, 17, 33, 2, 60, 7, 41, 9]
@@ -405,6 +407,11 @@ def test_curve_flat_to_eight_tokens_spends_them_on_the_least_sure_positions():
 def test_steep_curve_gives_a_chain():
     plan = plan_tree([0.8] * 6, 0.3, steep(0.01, 0.005), 0.001)
     assert plan.k > 0 and plan.sides == [] and plan.width == 1
+
+
+def test_plan_from_a_cost_models_acceptance():
+    acc = Acceptance(4)  # its priors: α = 0.6 everywhere, correction guess 0.3
+    assert plan_from_acceptance(acc, 4, flat(0.02), 0.002) == plan_tree([0.6] * 4, 0.3, flat(0.02), 0.002)
 
 
 def test_low_acceptance_and_steep_curve_gives_no_draft():
