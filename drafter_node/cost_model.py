@@ -162,6 +162,53 @@ class Acceptance:
         return sorted(hits, reverse=True)
 
 
+class Calibration:
+    """P(a drafted token is accepted | the drafter's own probability of it), in CALIBRATION_BINS bins of that
+    probability, each a decaying rate whose prior is the bin's middle (a drafter that agrees with its target is
+    about calibrated). It lets a synchronous block end where the drafter stops being sure (see
+    :func:`block_should_end`) instead of at a fixed length."""
+
+    def __init__(self) -> None:
+        self.bins = [Beta((i + 0.5) / CALIBRATION_BINS) for i in range(CALIBRATION_BINS)]
+
+    def _bin(self, prob: float) -> Beta:
+        return self.bins[min(CALIBRATION_BINS - 1, max(0, int(prob * CALIBRATION_BINS)))]
+
+    def observe(self, prob: float, accepted: bool) -> None:
+        self._bin(prob).observe(accepted, decay=0.99)
+
+    def acceptance(self, prob: float) -> float:
+        return self._bin(prob).value
+
+
+#: Bins of the drafter's probability in :class:`Calibration`.
+CALIBRATION_BINS = 10
+
+
+def block_should_end(probs: list[float], calibration: Calibration, costs: Costs, max_k: int) -> bool:
+    """Whether a synchronous block of ``len(probs)`` drafted tokens (the drafter's probability of each) should go to
+    the verifier now rather than grow: its expected rate — tokens (1 + Σ survival, each token's acceptance from
+    ``calibration``) over the round's time (k full-core draft steps, one full-core verification, the overhead) —
+    is at least what any longer block up to ``max_k`` could reach if the next tokens were as sure as the last."""
+    k = len(probs)
+    if k >= max_k:
+        return True
+    o = max(0.0, costs.overhead_s)
+    d1 = costs.draft_full(1)
+    survival, expected = 1.0, 1.0
+    for p in probs:
+        survival *= calibration.acceptance(p)
+        expected += survival
+    now = expected / max(k * d1 + costs.verify_full(k + 1) + o, 1e-9)
+    a = calibration.acceptance(probs[-1]) if probs else 0.0
+    for j in range(k + 1, max_k + 1):
+        survival *= a
+        expected += survival
+        if expected / max(j * d1 + costs.verify_full(j + 1) + o, 1e-9) > now:
+            return False
+    return True
+
+
 Curve = Callable[[int], float]  # seconds per forward over n new tokens
 
 
@@ -216,6 +263,7 @@ class CostBook:
 
     def __init__(self, max_k: int = 16) -> None:
         self.acceptance = Acceptance(max_k)  # across sessions: where a new session's estimate starts
+        self.calibration = Calibration()  # acceptance by the drafter's confidence, across sessions
         self.frozen = False  # fixed curves (tests): rounds do not refine them
         self.verify: dict[str, object] = {}
         self.draft: dict[str, object] = {}

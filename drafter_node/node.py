@@ -97,6 +97,7 @@ class NodeSession:
         self.sent_len = 0
         self.sent_at = 0.0
         self.sent_guesses: list[int | None] = []  # our guess of the verifier's token per outcome of the block sent
+        self.sent_probs: list[float | None] = []  # the drafter's probability of each token of the block sent
         self.exhausted = False  # propose() had nothing more to give on this base
         self.idle_period_sent = 0  # the schedule's k = 0 run whose idle block went out
         self.threads = 0  # torch threads of the last step (0: not set by the node)
@@ -142,10 +143,23 @@ class NodeSession:
             return self.schedule.k
         return self.sent_len + 1 + self.schedule.k_if_accepted()
 
+    def _sized_done(self) -> bool | None:
+        """For a block sized by the drafter's confidence (``CostSchedule.confidence_sized``): whether the chain
+        drafted so far should go now; None where the plan's fixed k applies."""
+        if not self.block_pending():
+            return None
+        return self.schedule.block_done([d.prob for d in self.draft.chain])
+
+    def block_len(self) -> int:
+        """Tokens the block sent now carries: the plan's k, or the whole chain of a confidence-sized block."""
+        return len(self.draft.chain) if self._sized_done() is not None else self.schedule.k
+
     def ready_to_send(self) -> bool:
         d = self.draft
         if not self.block_pending() or self.solo_wait:
             return False
+        if self.schedule.k and (done := self._sized_done()) is not None:
+            return done or d.ended or self.exhausted
         return self.schedule.k == 0 or len(d.chain) >= self.schedule.k or d.ended or self.exhausted
 
     def wants_step(self) -> bool:
@@ -153,6 +167,8 @@ class NodeSession:
             return False
         if not self.block_pending() and not self.overlap:
             return False
+        if (done := self._sized_done()) is not None:
+            return not done and not self.draft.ended
         depth = self.draft.speculation_depth
         if depth is not None:
             return depth < self.schedule.k_if_accepted()
@@ -201,12 +217,13 @@ class NodeSession:
             self.stats["busy_s"] += time.monotonic() - t0
         chain = self.draft.chain
         self.sent_guesses = [d.alt for d in chain[: self.sent_len]]
+        self.sent_probs = [d.prob for d in chain[: self.sent_len]]
         self.sent_guesses.append(chain[self.sent_len].token if len(chain) > self.sent_len else None)
 
     def block(self) -> tuple[list[int], dict[str, torch.Tensor], int]:
         """The block to send now, its q tensors, and how many rounds the verifier should then take alone."""
         idle_rounds = self.schedule.solo_rounds if self.schedule.k == 0 else 0
-        chain = self.draft.chain[: self.schedule.k]
+        chain = self.draft.chain[: self.block_len() if self.schedule.k else 0]
         tokens = [d.token for d in chain]
         tensors = {}
         if chain and chain[0].q_idx is not None:
@@ -228,6 +245,8 @@ class NodeSession:
         sessions would share a forward if all stepped now (the batch to plan for; 0: unknown)."""
         t0 = time.monotonic()
         verified_ours = drafted > 0 and self.sent_base == self.base_len
+        if verified_ours:
+            self.schedule.observe_confidence(self.sent_probs[:drafted], accepted)
         if verified_ours and accepted < len(tokens) and accepted < len(self.sent_guesses):
             guess = self.sent_guesses[accepted]
             if guess is not None:

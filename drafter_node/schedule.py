@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from drafter_node.cost_model import Acceptance, CostBook, Plan, best_plan, plans
+from drafter_node.cost_model import Acceptance, CostBook, Plan, best_plan, block_should_end, plans
 
 SCHEDULES = ("cost", "pipeline", "adaptive", "heuristic", "constant")
 
@@ -70,6 +70,13 @@ class DraftLengthSchedule:
 
     def observe_guess(self, bonus: bool, correct: bool) -> None:
         """Whether the drafter's guess of the verifier's own token in a commit was right (``cost`` only)."""
+
+    def block_done(self, probs: list[float | None]) -> bool | None:
+        """Whether a block sized by the drafter's confidence should go now (``cost`` only; None: fixed k)."""
+        return None
+
+    def observe_confidence(self, probs: list[float | None], accepted: int) -> None:
+        """A verified block's drafter probabilities and how many of its tokens were accepted (``cost`` only)."""
 
     @classmethod
     def from_config(cls, dcfg: dict[str, Any]) -> DraftLengthSchedule:
@@ -129,7 +136,7 @@ class CostSchedule(DraftLengthSchedule):
     Until both sides' curves are known (profiles off and no round measured yet) it keeps the configured k."""
 
     def __init__(self, k: int, max_k: int, book: CostBook, context: Callable[[], int], overlap: bool = True,
-                 rows_ok: bool = True):
+                 rows_ok: bool = True, dynamic: bool = True):
         super().__init__(k, "cost", max_k, overlap)
         self.max_k = max_k
         self.book = book
@@ -141,6 +148,7 @@ class CostSchedule(DraftLengthSchedule):
         self.solo_span = SOLO_ROUNDS_MIN
         self.probing = False
         self.explored = 0  # plans that drafted although the estimate alone would have chosen k = 0
+        self.dynamic = dynamic  # synchronous blocks sized by the drafter's confidence (confidence_sized)
         self.plans = {"solo": 0, "sync": 0, "overlap": 0}
         self.replan()
 
@@ -154,6 +162,26 @@ class CostSchedule(DraftLengthSchedule):
 
     def k_if_accepted(self) -> int:
         return max(1, self.k)
+
+    @property
+    def confidence_sized(self) -> bool:
+        """This round's block is synchronous and ends where the drafter stops being sure (up to ``max_k``), not
+        at ``k``: the plan chose drafting over k = 0, the drafter's confidence decides how far (greedy drafters that
+        report their probabilities; probes keep their fixed length)."""
+        return self.dynamic and not self.plan.solo and not self.overlap_now and not self.probing
+
+    def block_done(self, probs: list[float | None]) -> bool | None:
+        """For a confidence-sized block: whether to send the ``len(probs)`` tokens drafted so far (None: the
+        fixed k applies — no probabilities, or not such a block)."""
+        if not self.confidence_sized or not probs or any(p is None for p in probs):
+            return None
+        return block_should_end(probs, self.book.calibration, self.book.costs(self.context()), self.max_k)
+
+    def observe_confidence(self, probs: list[float | None], accepted: int) -> None:
+        """A verified block's tokens (their drafter probabilities): accepted up to ``accepted``, then one rejected."""
+        for i, p in enumerate(probs[: accepted + 1]):
+            if p is not None:
+                self.book.calibration.observe(p, i < accepted)
 
     # The cost book measures steps and round trips for every session; the EMAs of the older schedules are unused.
     def observe_step(self, seconds: float) -> None:

@@ -285,3 +285,29 @@ def test_acceptance_round_trips_through_memory():
     assert again.bonus_guess.value == pytest.approx(acc.bonus_guess.value)
     longer = Acceptance.from_memory(12, {"alpha": [0.9, 0.8]})
     assert longer.alpha(5) == pytest.approx(0.8)  # past what was remembered: the last remembered rate
+
+
+# ----------------------------------------------------------------------------- blocks sized by confidence
+def test_a_sure_drafter_on_a_flat_verifier_keeps_drafting_and_an_unsure_one_stops():
+    from drafter_node.cost_model import Calibration, block_should_end
+
+    cal = Calibration()  # prior: acceptance = the drafter's probability
+    flat_costs = costs(curve(REAL_VERIFY), curve(REAL_DRAFT), overhead=0.002)
+    assert not block_should_end([0.98, 0.97, 0.99], cal, flat_costs, 8)
+    assert block_should_end([0.98, 0.97, 0.15], cal, flat_costs, 8)
+    assert block_should_end([0.98] * 8, cal, flat_costs, 8)  # the cap
+    # where every verified token costs a forward of its own, even a sure drafter stops at once
+    assert block_should_end([0.98], cal, costs(linear(0.25), curve(REAL_DRAFT)), 8)
+    # the calibration learns that this drafter's 0.15s are in fact accepted: then it goes on
+    for _ in range(300):
+        cal.observe(0.15, True)
+    assert not block_should_end([0.98, 0.97, 0.15], cal, flat_costs, 8)
+
+
+def test_synchronous_cost_blocks_are_sized_by_confidence_probes_are_not():
+    s = CostSchedule(5, 8, _real_book(), context=lambda: 60, overlap=False)
+    assert s.confidence_sized and not s.plan.overlap
+    assert s.block_done([0.99, 0.99]) is False and s.block_done([0.99, 0.05]) is True
+    assert s.block_done([0.99, None]) is None  # a drafter without probabilities: the plan's fixed k
+    s.probing = True
+    assert s.block_done([0.99, 0.05]) is None

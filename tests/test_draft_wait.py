@@ -110,3 +110,17 @@ def test_a_bad_host_in_hello_is_a_protocol_error(host):
         decode([frame])
     assert decode(encode(Hello(drafter_type="a", tokenizer_id="t", capabilities=Capabilities(), host="box"))).host \
         == "box"
+
+
+def test_the_wait_covers_the_drafters_longest_block():
+    """Blocks sized by the drafter's confidence: after short blocks (0.2 s), an 8-step one (0.7 s) still arrives
+    within the wait, since the wait is at least the longest block its profile announces."""
+    wait = DraftWait(3.0)
+    for length in range(1, 9):
+        wait.ready(length, 0.0)
+        wait.arrived(length, 0.2, True)
+    assert wait.limit_s() == pytest.approx(0.6)  # 3 x the slowest delay: an 8-step block would miss
+    wait.block_floor_s = 1.0
+    assert wait.limit_s() == pytest.approx(1.0)
+    wait.block_floor_s = 5.0
+    assert wait.limit_s() == pytest.approx(3.0)  # never beyond the cap

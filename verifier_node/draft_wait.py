@@ -49,6 +49,10 @@ class DraftWait:
         self.plain_left = 0  # rounds still to take without waiting (demoted)
         self.probe_gap = PROBE_GAP_MIN
         self.cap_missed = False  # a round waited the cap for this drafter's first block with tokens, in vain
+        # The longest block its drafter may send takes about this long to draft (from its announced profile): blocks
+        # sized by the drafter's confidence vary from 1 to max_draft_tokens steps, and a long one after short ones
+        # must not look like a miss.
+        self.block_floor_s = 0.0
         # totals for the request's metrics
         self.waited_s = 0.0
         self.misses = 0
@@ -74,7 +78,7 @@ class DraftWait:
         if self.plain_left > 0:
             return 0.0
         if self.delays:
-            return min(self.cap_s, max(FLOOR_S, WAIT_FACTOR * max(self.delays)))
+            return min(self.cap_s, max(FLOOR_S, self.block_floor_s, WAIT_FACTOR * max(self.delays)))
         # Nothing measured: the first block with tokens may take the cap (it includes the drafter's prefill); after a
         # miss with nothing measured the drafter has not answered within the cap even once, so a probe costs the
         # floor only.

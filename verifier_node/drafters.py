@@ -36,6 +36,7 @@ class DrafterLink:
         self.needs_hidden = capabilities.needs_hidden_states
         self.kv_layers: list[int] = capabilities.needs_kv_layers
         self.dtype: str | None = None  # the drafter's model dtype, from its profile (None: unknown / no model)
+        self.block_s = 0.0  # drafting its longest block at every core, from its profile (0: unknown / no model)
         self.last_seen = time.monotonic()
         self.sessions: set[int] = set()
         self.joined = 0  # join order: ties in load go to the earlier drafter
@@ -43,7 +44,8 @@ class DrafterLink:
 
     def refresh(self, hello: DrafterLink) -> None:
         """Take a new hello's announcement (same routing id: the same drafter, said hello again)."""
-        for name in ("type", "host", "sends_q", "greedy_q", "needs_hidden", "kv_layers", "dtype", "last_seen"):
+        for name in ("type", "host", "sends_q", "greedy_q", "needs_hidden", "kv_layers", "dtype", "block_s",
+                     "last_seen"):
             setattr(self, name, getattr(hello, name))
         self.reported_dead = False
 

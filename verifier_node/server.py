@@ -94,6 +94,8 @@ PROMPT_GATHER_S = 0.01
 PROMPT_GATHER_MAX_S = 0.05
 #: Most padding a batched prefill may add, as a fraction of its prompts' own tokens.
 PREFILL_PADDING = 0.25
+#: A session waits at least this multiple of its drafter's longest block (profile: steps × one step's cost).
+BLOCK_WAIT_FACTOR = 1.5
 #: How often the pool is checked for drafters that went silent.
 REAP_EVERY_S = 0.1
 #: Default ``client.heartbeat_timeout_s``: clients ping every ~0.5 s while they have requests in flight.
@@ -496,9 +498,13 @@ class VerifierServer:
                 ) from None
         if msg.profile is not None:
             try:
-                drafter.dtype = NodeProfile.from_dict(msg.profile).dtype
+                profile = NodeProfile.from_dict(msg.profile)
             except (ValueError, TypeError) as exc:
                 raise ProtocolError(f"hello: bad cost profile: {exc}") from None
+            drafter.dtype = profile.dtype
+            # its profile covers 1 .. max_draft_tokens + 1 rows: the longest block is that many steps, less one
+            curve = profile.curve(max(profile.curves))
+            drafter.block_s = min(self.draft_timeout, BLOCK_WAIT_FACTOR * max(1, curve.sizes[-1] - 1) * curve.cost(1))
         link, again = self.pool.join(drafter)
         log.info("drafter %s %s: caps=%s dtype=%s", link.label(), "said hello again" if again else "joined",
                  msg.capabilities, link.dtype)
@@ -540,6 +546,7 @@ class VerifierServer:
         if not s.served_by or s.served_by[-1] != link.id:
             s.served_by.append(link.id)
         s.wait.reset()
+        s.wait.block_floor_s = link.block_s
         if s.prefilled:  # announced with the state the drafter needs (held K/V rows; hidden states come per commit)
             self._announce(s, kv=s.lm.held_rows(link.kv_layers) if link.kv_layers else None)
 
