@@ -22,7 +22,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from drafter_node.cost_model import Acceptance, CostBook, Plan, best_plan, block_should_end, plans
+from drafter_node.cost_model import (
+    Acceptance,
+    CostBook,
+    Plan,
+    best_plan,
+    block_should_end,
+    plan_kind,
+    plans,
+)
 
 SCHEDULES = ("cost", "pipeline", "adaptive", "heuristic", "constant")
 
@@ -222,13 +230,15 @@ class CostSchedule(DraftLengthSchedule):
             return
         costs = self.book.costs(self.context())
         allowed = {"allow_overlap": self.overlap and allow_solo}
-        plan = best_plan(self.acc, costs, self.max_k, self.rows_ok, allow_solo=allow_solo, **allowed)
+        plan = best_plan(self.acc, costs, self.max_k, self.rows_ok, self.book.corrections, allow_solo=allow_solo,
+                         **allowed)
         if plan.solo:
             # Explore: k = 0 only where drafting loses even at the acceptance the evidence cannot rule out; else
             # the plan that would win at that acceptance, with the rate the estimate itself predicts for it.
             hopeful = best_plan(self.acc.optimistic(EXPLORE_Z, self.book.acceptance), costs, self.max_k,
-                                self.rows_ok, allow_solo=False, **allowed)
-            if hopeful.rate > plan.rate:
+                                self.rows_ok, self.book.corrections, allow_solo=False, **allowed)
+            factor = self.book.corrections.factor
+            if hopeful.rate * factor(plan_kind(hopeful)) > plan.rate * factor("solo"):
                 plan = next(p for p in plans(self.acc, costs, self.max_k, self.rows_ok, allow_solo=False, **allowed)
                             if (p.k, p.overlap, p.rows) == (hopeful.k, hopeful.overlap, hopeful.rows))
                 self.explored += 1
