@@ -252,47 +252,8 @@ def plans(acc: Acceptance, costs: Costs, max_k: int, rows_ok: bool, allow_solo: 
     return out
 
 
-def best_plan(acc: Acceptance, costs: Costs, max_k: int, rows_ok: bool, corrections: PlanCorrections | None = None,
-              **allowed: bool) -> Plan:
-    """The plan with the highest expected rate (times its kind's measured correction, when given)."""
-    candidates = plans(acc, costs, max_k, rows_ok, **allowed)
-    if corrections is None:
-        return max(candidates, key=lambda p: p.rate)
-    return max(candidates, key=lambda p: p.rate * corrections.factor(plan_kind(p)))
-
-
-def plan_kind(plan: Plan) -> str:
-    return "solo" if plan.solo else "overlap" if plan.overlap else "sync"
-
-
-class PlanCorrections:
-    """What each kind of plan (solo, sync, overlap) really gave against what the model predicted for it: the ratio
-    of the committed tokens to the predicted rate × the time, over the recent rounds of that kind (decaying), within
-    [1/MAX_CORRECTION, MAX_CORRECTION]. The model's errors are not the same for every kind (on a fast target a
-    synchronous round pays the drafter's per-step Python work the profile does not see; an overlapped one the two
-    nodes' contention), so plans are compared at their corrected rates: a kind that keeps falling short of its
-    prediction loses to one that keeps its word. A kind not yet run is taken at its word (factor 1)."""
-
-    def __init__(self) -> None:
-        self._tokens: dict[str, float] = {}
-        self._expected: dict[str, float] = {}
-
-    def observe(self, kind: str, tokens: int, seconds: float, predicted_rate: float) -> None:
-        if predicted_rate <= 0 or seconds <= 0:
-            return
-        self._tokens[kind] = CORRECTION_DECAY * self._tokens.get(kind, 0.0) + tokens
-        self._expected[kind] = CORRECTION_DECAY * self._expected.get(kind, 0.0) + predicted_rate * seconds
-
-    def factor(self, kind: str) -> float:
-        expected = self._expected.get(kind, 0.0)
-        if expected < CORRECTION_MIN_TOKENS:
-            return 1.0
-        return min(MAX_CORRECTION, max(1 / MAX_CORRECTION, self._tokens[kind] / expected))
-
-
-#: PlanCorrections: evidence decays by this per round; a factor needs this many expected tokens behind it.
-CORRECTION_DECAY, CORRECTION_MIN_TOKENS = 0.9, 8.0
-MAX_CORRECTION = 2.0
+def best_plan(acc: Acceptance, costs: Costs, max_k: int, rows_ok: bool, **allowed: bool) -> Plan:
+    return max(plans(acc, costs, max_k, rows_ok, **allowed), key=lambda p: p.rate)
 
 
 class CostBook:
@@ -303,7 +264,6 @@ class CostBook:
     def __init__(self, max_k: int = 16) -> None:
         self.acceptance = Acceptance(max_k)  # across sessions: where a new session's estimate starts
         self.calibration = Calibration()  # acceptance by the drafter's confidence, across sessions
-        self.corrections = PlanCorrections()  # realised ÷ predicted rate per kind of plan, across sessions
         self.frozen = False  # fixed curves (tests): rounds do not refine them
         self.verify: dict[str, object] = {}
         self.draft: dict[str, object] = {}

@@ -49,7 +49,7 @@ import zmq
 
 from drafter_node import pair_memory
 from drafter_node.base import BatchStep, Drafter, DraftSession
-from drafter_node.cost_model import CostBook, plan_kind
+from drafter_node.cost_model import CostBook
 from drafter_node.schedule import CostSchedule, DraftLengthSchedule
 from drafter_node.types import drafter_class
 from runtime import security
@@ -282,8 +282,6 @@ class NodeSession:
         if since is None:
             return
         label, predicted = plan_label(self.schedule)
-        if self.book is not None and isinstance(self.schedule, CostSchedule):
-            self.book.corrections.observe(plan_kind(self.schedule.plan), committed, now - since, predicted)
         if label not in self.plan_rates and len(self.plan_rates) >= MAX_PLAN_LABELS:
             label = "other"
         row = self.plan_rates.setdefault(label, [0, 0, 0.0, 0.0])

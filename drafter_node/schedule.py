@@ -28,7 +28,6 @@ from drafter_node.cost_model import (
     Plan,
     best_plan,
     block_should_end,
-    plan_kind,
     plans,
 )
 
@@ -230,15 +229,13 @@ class CostSchedule(DraftLengthSchedule):
             return
         costs = self.book.costs(self.context())
         allowed = {"allow_overlap": self.overlap and allow_solo}
-        plan = best_plan(self.acc, costs, self.max_k, self.rows_ok, self.book.corrections, allow_solo=allow_solo,
-                         **allowed)
+        plan = best_plan(self.acc, costs, self.max_k, self.rows_ok, allow_solo=allow_solo, **allowed)
         if plan.solo:
             # Explore: k = 0 only where drafting loses even at the acceptance the evidence cannot rule out; else
             # the plan that would win at that acceptance, with the rate the estimate itself predicts for it.
             hopeful = best_plan(self.acc.optimistic(EXPLORE_Z, self.book.acceptance), costs, self.max_k,
-                                self.rows_ok, self.book.corrections, allow_solo=False, **allowed)
-            factor = self.book.corrections.factor
-            if hopeful.rate * factor(plan_kind(hopeful)) > plan.rate * factor("solo"):
+                                self.rows_ok, allow_solo=False, **allowed)
+            if hopeful.rate > plan.rate:
                 plan = next(p for p in plans(self.acc, costs, self.max_k, self.rows_ok, allow_solo=False, **allowed)
                             if (p.k, p.overlap, p.rows) == (hopeful.k, hopeful.overlap, hopeful.rows))
                 self.explored += 1

@@ -312,18 +312,3 @@ def test_synchronous_cost_blocks_are_sized_by_confidence_probes_are_not():
     s.probing = True
     assert s.block_done([0.99, 0.05]) is None
 
-
-def test_a_kind_of_plan_that_keeps_falling_short_loses_to_one_that_keeps_its_word():
-    from drafter_node.cost_model import PlanCorrections
-
-    acc = accepting(0.9)
-    c = costs(flat(0.01), linear(0.001), overhead=0.0005)
-    first = best_plan(acc, c, 8, rows_ok=True)
-    corrections = PlanCorrections()
-    assert best_plan(acc, c, 8, True, corrections) == first  # nothing measured: every kind at its word
-    kind = "overlap" if first.overlap else "sync"
-    for _ in range(30):  # its rounds give a third of what was predicted
-        corrections.observe(kind, 1, 3.0 / first.rate, first.rate)
-    assert corrections.factor(kind) == pytest.approx(0.5)  # clamped at 1 / MAX_CORRECTION
-    second = best_plan(acc, c, 8, True, corrections)
-    assert second.overlap != first.overlap and not second.solo
