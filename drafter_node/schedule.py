@@ -22,7 +22,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from drafter_node.cost_model import Acceptance, CostBook, Plan, best_plan, plans
+from drafter_node.cost_model import Acceptance, CostBook, Costs, Plan, best_plan, plans
+from drafter_node.tree_plan import plan_tree
 
 SCHEDULES = ("cost", "pipeline", "adaptive", "heuristic", "constant")
 
@@ -129,19 +130,20 @@ class CostSchedule(DraftLengthSchedule):
     Until both sides' curves are known (profiles off and no round measured yet) it keeps the configured k."""
 
     def __init__(self, k: int, max_k: int, book: CostBook, context: Callable[[], int], overlap: bool = True,
-                 rows_ok: bool = True):
+                 rows_ok: bool = True, tree: bool = False):
         super().__init__(k, "cost", max_k, overlap)
         self.max_k = max_k
         self.book = book
         self.context = context
         self.rows_ok = rows_ok
+        self.tree = tree  # synchronous rounds may send a token tree (drafter.tree; greedy, no q, no target state)
         self.acc = book.session_acceptance()
         self.plan = Plan(min(k, max_k), overlap, (min(k, max_k) + 1) if rows_ok else 1, 0.0)
         self.solo_left = 0  # verifier rounds still to be taken alone
         self.solo_span = SOLO_ROUNDS_MIN
         self.probing = False
         self.explored = 0  # plans that drafted although the estimate alone would have chosen k = 0
-        self.plans = {"solo": 0, "sync": 0, "overlap": 0}
+        self.plans = {"solo": 0, "sync": 0, "overlap": 0, "tree": 0}
         self.replan()
 
     @property
@@ -195,6 +197,8 @@ class CostSchedule(DraftLengthSchedule):
         costs = self.book.costs(self.context())
         allowed = {"allow_overlap": self.overlap and allow_solo}
         plan = best_plan(self.acc, costs, self.max_k, self.rows_ok, allow_solo=allow_solo, **allowed)
+        if self.tree:
+            plan = self._tree_or(plan, costs)
         if plan.solo:
             # Explore: k = 0 only where drafting loses even at the acceptance the evidence cannot rule out; else
             # the plan that would win at that acceptance, with the rate the estimate itself predicts for it.
@@ -205,7 +209,7 @@ class CostSchedule(DraftLengthSchedule):
                             if (p.k, p.overlap, p.rows) == (hopeful.k, hopeful.overlap, hopeful.rows))
                 self.explored += 1
         self.plan, self.k = plan, plan.k
-        self.plans["solo" if plan.solo else "overlap" if plan.overlap else "sync"] += 1
+        self.plans["solo" if plan.solo else "overlap" if plan.overlap else "tree" if plan.sides else "sync"] += 1
         if plan.solo:
             self.acc.shrink()
             if was_probe:  # the probe did not bring drafting back: probe less often
@@ -213,6 +217,17 @@ class CostSchedule(DraftLengthSchedule):
             self._start_solo()
         elif allow_solo:
             self.solo_span = SOLO_ROUNDS_MIN
+
+    def _tree_or(self, plan: Plan, costs: Costs) -> Plan:
+        """The best synchronous chain-with-side-leaves (:func:`drafter_node.tree_plan.plan_tree`) where its expected
+        rate beats ``plan``'s, else ``plan``. Overlapped rounds keep chains (pre-drafting follows one chain's
+        outcomes)."""
+        alphas = [self.acc.alpha(i) for i in range(self.max_k)]
+        tree = plan_tree(alphas, self.acc.correction_guess.value, costs.verify_full, costs.draft_full(1),
+                         costs.overhead_s, allow_solo=False)
+        if not tree.sides or tree.rate <= plan.rate:
+            return plan
+        return Plan(tree.k, False, 0, tree.rate, sides=tuple(tree.sides))
 
     def _start_solo(self) -> None:
         self.solo_left = self.solo_span
