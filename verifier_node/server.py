@@ -668,13 +668,13 @@ class VerifierServer:
             return None  # a chain spelled as a tree: the chain path
         if s.params.do_sample or self.ensemble_weight is not None or any(k in msg.tensors for k in ("q", "q_idx")):
             raise ProtocolError("draft: token trees are verified for greedy requests without q only (no sampling, "
-                                "no ensemble verification)", code="bad_request")
+                                "no ensemble verification)")
         if link.needs_hidden or link.kv_layers:
             raise ProtocolError("draft: token trees are not taken from drafters that need the target's hidden "
-                                "states or K/V rows", code="bad_request")
+                                "states or K/V rows")
         if not can_batch(s.lm):
             raise ProtocolError("draft: this target cannot verify token trees (its attention takes no custom mask, "
-                                "or it has sliding-window layers)", code="unsupported_tree")
+                                "or it has sliding-window layers)")
         return parents
 
     def _dense_q(self, msg: Draft, k: int) -> torch.Tensor | None:
