@@ -390,6 +390,7 @@ class DrafterNode:
         self.running = True
         self.welcomed = False
         self.want_q = False  # the verifier wants q with greedy drafts too (ensemble verification)
+        self.trees = bool(dcfg.get("tree", False))  # token trees allowed (off after the verifier refuses one)
         self.last_sent = 0.0
         self._handlers = {Welcome: self._on_welcome, Error: self._on_error, SessionStart: self._on_session_start,
                           Commit: self._on_commit, State: self._on_state, SessionEnd: self._on_session_end,
@@ -414,6 +415,7 @@ class DrafterNode:
             s.draft.close()
         self.sessions.clear()
         self.order.clear()
+        self.trees = bool(self.dcfg.get("tree", False))  # a new verifier may take them
         if self.auth_watch is not None:
             self.auth_watch.close()
         self.sock.close(linger=0)
@@ -729,6 +731,14 @@ class DrafterNode:
             if self.welcomed:  # the verifier does not know us (any more): a restarted verifier, or one that forgot us
                 self._rejoin("the verifier does not know this drafter (restarted?)")
             return None  # not welcomed: answers to what we sent before our hello; the hello is on its way
+        if msg.code == "tree_refused":  # this verifier (or target) takes no trees from us: chains from now on
+            if self.trees:
+                log.warning("verifier refused a token tree (%s); sending chains only", msg.message)
+            self.trees = False
+            for s in self.sessions.values():
+                if isinstance(s.schedule, CostSchedule):
+                    s.schedule.tree = False
+            return None
         log.error("verifier: %s", msg.message)
         if msg.code in ("tokenizer_mismatch", "bad_version", "ensemble_needs_q", "unsupported", "unauthorized"):
             hint = self.drafter.tokenizer_hint if msg.code == "tokenizer_mismatch" else ""
@@ -766,8 +776,8 @@ class DrafterNode:
         """Blocks may be token trees (``drafter.tree``): greedy requests without q (the verifier verifies trees
         losslessly only there), for drafters that need no target state back (trees come with none)."""
         caps = self.drafter.capabilities
-        return (bool(self.dcfg.get("tree", False)) and not draft.params.do_sample and not draft.want_q
-                and not caps.needs_hidden_states and not caps.needs_kv_layers)
+        return (self.trees and not draft.params.do_sample and not draft.want_q and not caps.needs_hidden_states
+                and not caps.needs_kv_layers)
 
     def _on_commit(self, msg: Commit) -> None:
         s = self.sessions.get(msg.session)

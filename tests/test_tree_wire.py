@@ -85,6 +85,18 @@ def test_a_commit_that_took_a_side_leaf_rolls_the_chain_back_and_counts_the_chai
     assert draft.truncated == [3 + 1]  # rolled back behind the accepted chain token
 
 
+def test_a_refused_tree_turns_trees_off_on_the_drafter_node():
+    from types import SimpleNamespace
+
+    from drafter_node.node import DrafterNode
+    from shared.protocol import Error
+
+    schedule = CostSchedule(4, 8, book(FLAT), lambda: 10, overlap=False, tree=True)
+    node = SimpleNamespace(trees=True, welcomed=True, sessions={1: SimpleNamespace(schedule=schedule)})
+    assert DrafterNode._on_error(node, Error(message="no trees here", code="tree_refused")) is None  # goes on serving
+    assert node.trees is False and schedule.tree is False
+
+
 @pytest.fixture(scope="module")
 def target_lm(tiny):
     folder = tiny("llama", "target")

@@ -84,6 +84,9 @@ from verifier_node.drafters import DrafterLink, DrafterPool
 from verifier_node.session import NumericalError, RoundPlan, RoundResult, Session
 from verifier_node.tree import tree_row
 
+#: Error code of a tree draft the verifier will not verify (the draft is dropped; the drafter turns trees off).
+TREE_REFUSED = "tree_refused"
+
 log = logging.getLogger("pipespec.verifier")
 
 #: Longest wait for drafts on their way before a batched round runs without them (a tenth of a forward, at most).
@@ -660,7 +663,8 @@ class VerifierServer:
 
     def _tree_parents(self, s: Session, link: DrafterLink, msg: Draft) -> list[int] | None:
         """A draft's ``parents`` (its shape was checked by decode), or None for a chain; a ProtocolError (refusing
-        this draft only) where the verifier cannot verify a tree losslessly: sampled requests or q (children drawn
+        this draft only, code ``tree_refused``: the drafter then sends chains) where the verifier cannot verify a tree
+        losslessly: sampled requests or q (children drawn
         from q would need recursive rejection sampling), ensemble verification, drafters that need hidden states or
         K/V rows back, targets whose attention takes no custom mask."""
         parents = msg.parents
@@ -668,13 +672,13 @@ class VerifierServer:
             return None  # a chain spelled as a tree: the chain path
         if s.params.do_sample or self.ensemble_weight is not None or any(k in msg.tensors for k in ("q", "q_idx")):
             raise ProtocolError("draft: token trees are verified for greedy requests without q only (no sampling, "
-                                "no ensemble verification)")
+                                "no ensemble verification)", code=TREE_REFUSED)
         if link.needs_hidden or link.kv_layers:
             raise ProtocolError("draft: token trees are not taken from drafters that need the target's hidden "
-                                "states or K/V rows")
+                                "states or K/V rows", code=TREE_REFUSED)
         if not can_batch(s.lm):
             raise ProtocolError("draft: this target cannot verify token trees (its attention takes no custom mask, "
-                                "or it has sliding-window layers)")
+                                "or it has sliding-window layers)", code=TREE_REFUSED)
         return parents
 
     def _dense_q(self, msg: Draft, k: int) -> torch.Tensor | None:
