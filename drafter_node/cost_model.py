@@ -55,6 +55,9 @@ class Plan:
     rows: int  # outcome rows pre-drafted (0: none; 1 with a single-chain drafter: the all-accepted outcome)
     rate: float  # expected committed tokens per second
     hit: float = 0.0  # expected probability that the commit finds its next block pre-drafted
+    # A token tree (synchronous only, drafter_node.tree_plan): chain positions that also send the drafter's second
+    # choice as a leaf (a sibling of that chain token). Empty: a chain.
+    sides: tuple[int, ...] = ()
 
     @property
     def solo(self) -> bool:

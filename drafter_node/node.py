@@ -98,6 +98,8 @@ class NodeSession:
         self.sent_at = 0.0
         self.sent_guesses: list[int | None] = []  # our guess of the verifier's token per outcome of the block sent
         self.sent_probs: list[float | None] = []  # the drafter's probability of each token of the block sent
+        self.sent_chain: list[int] = []  # the chain tokens of the block sent
+        self.sent_sides: dict[int, int] = {}  # chain position -> second-choice leaf sent there (a token tree)
         self.exhausted = False  # propose() had nothing more to give on this base
         self.idle_period_sent = 0  # the schedule's k = 0 run whose idle block went out
         self.threads = 0  # torch threads of the last step (0: not set by the node)
@@ -105,7 +107,7 @@ class NodeSession:
         self.last_step: tuple[int, float] | None = None  # (forward size, seconds) of its last one-forward step
         # batch_steps: steps that advanced this session; batch_rows: the sessions in each of their forwards, summed
         self.stats = {"busy_s": 0.0, "blocks": 0, "predraft_hits": 0, "rolled_back": 0, "idle_blocks": 0,
-                      "batch_steps": 0, "batch_rows": 0}
+                      "batch_steps": 0, "batch_rows": 0, "tree_blocks": 0, "side_accepted": 0}
         # Where this session's drafter time went, summed (the request's metrics show it per block): drafter forwards
         # (``step``, pre-drafting included), encoding and sending blocks, applying commits, and the round trips
         # (block sent → its commit applied: verification as the drafter sees it).
@@ -220,8 +222,9 @@ class NodeSession:
         self.sent_probs = [d.prob for d in chain[: self.sent_len]]
         self.sent_guesses.append(chain[self.sent_len].token if len(chain) > self.sent_len else None)
 
-    def block(self) -> tuple[list[int], dict[str, torch.Tensor], int]:
-        """The block to send now, its q tensors, and how many rounds the verifier should then take alone."""
+    def block(self) -> tuple[list[int], dict[str, torch.Tensor], int, list[int] | None]:
+        """The block to send now, its q tensors, how many rounds the verifier should then take alone, and its
+        parents when the plan makes it a token tree (None: a chain)."""
         idle_rounds = self.schedule.solo_rounds if self.schedule.k == 0 else 0
         chain = self.draft.chain[: self.block_len() if self.schedule.k else 0]
         tokens = [d.token for d in chain]
@@ -229,12 +232,22 @@ class NodeSession:
         if chain and chain[0].q_idx is not None:
             tensors = {"q_idx": torch.stack([d.q_idx for d in chain]), "q_prob": torch.stack([d.q_prob for d in chain])}
         self.sent_base, self.sent_len = self.base_len, len(tokens)
+        self.sent_chain = list(tokens)
+        self.sent_sides = {}
+        parents = None
+        sides = getattr(getattr(self.schedule, "plan", None), "sides", ())
+        if sides and not tensors:
+            self.sent_sides = {i: chain[i].alt for i in sides if i < len(chain) and chain[i].alt is not None
+                               and chain[i].alt != chain[i].token}
+        if self.sent_sides:
+            tokens, parents = tree_block(self.sent_chain, self.sent_sides)
+            self.stats["tree_blocks"] += 1
         self.sent_at = time.monotonic()
         self.stats["blocks"] += 1
         if idle_rounds:
             self.idle_period_sent = self.schedule.solo_period
             self.stats["idle_blocks"] += 1
-        return tokens, tensors, idle_rounds
+        return tokens, tensors, idle_rounds, parents
 
     def on_commit(self, tokens: list[int], drafted: int, accepted: int, extras: dict[str, torch.Tensor],
                   verify_s: float | None = None, verifier_threads: int = 0, batch_sessions: int = 1,
@@ -245,6 +258,14 @@ class NodeSession:
         sessions would share a forward if all stepped now (the batch to plan for; 0: unknown)."""
         t0 = time.monotonic()
         verified_ours = drafted > 0 and self.sent_base == self.base_len
+        if verified_ours and self.sent_sides:
+            # A tree: the verifier counts its nodes and the accepted path; our estimates are of the chain (how many
+            # of its tokens the target took, the second choice as the guess of its token at the first rejection).
+            drafted, accepted = self.sent_len, 0
+            while accepted < min(drafted, len(tokens)) and tokens[accepted] == self.sent_chain[accepted]:
+                accepted += 1
+            if accepted < len(tokens) and self.sent_sides.get(accepted) == tokens[accepted]:
+                self.stats["side_accepted"] += 1
         if verified_ours:
             self.schedule.observe_confidence(self.sent_probs[:drafted], accepted)
         if verified_ours and accepted < len(tokens) and accepted < len(self.sent_guesses):
@@ -281,7 +302,7 @@ class NodeSession:
         since, self.last_commit_at = self.last_commit_at, now
         if since is None:
             return
-        label, predicted = plan_label(self.schedule)
+        label, predicted = plan_label(self.schedule, bool(self.sent_sides))
         if label not in self.plan_rates and len(self.plan_rates) >= MAX_PLAN_LABELS:
             label = "other"
         row = self.plan_rates.setdefault(label, [0, 0, 0.0, 0.0])
@@ -295,14 +316,32 @@ class NodeSession:
 MAX_PLAN_LABELS = 24
 
 
-def plan_label(schedule: DraftLengthSchedule) -> tuple[str, float]:
-    """The name of the plan ``schedule`` is running and the tokens/s its cost model predicted (0: no model)."""
+def tree_block(chain: list[int], sides: dict[int, int]) -> tuple[list[int], list[int]]:
+    """A token tree's ``(tokens, parents)`` (topological, as ``Draft.parents``): the chain, and after chain token i
+    the leaf ``sides[i]`` under the same parent (a sibling of chain token i: the drafter's second choice there)."""
+    tokens, parents, parent = [], [], -1
+    for i, token in enumerate(chain):
+        tokens.append(token)
+        parents.append(parent)
+        node = len(tokens) - 1
+        if i in sides:
+            tokens.append(sides[i])
+            parents.append(parent)
+        parent = node
+    return tokens, parents
+
+
+def plan_label(schedule: DraftLengthSchedule, tree: bool = False) -> tuple[str, float]:
+    """The name of the plan ``schedule`` is running and the tokens/s its cost model predicted (0: no model);
+    ``tree``: its block went out as a token tree."""
     plan = getattr(schedule, "plan", None)
     if isinstance(schedule, CostSchedule) and plan is not None:
         if plan.solo:
             name = "solo"
         elif plan.overlap and not schedule.probing:
             name = f"overlap k={plan.k} rows={plan.rows}"
+        elif tree:
+            name = f"tree k={plan.k} sides={len(plan.sides)}"
         else:
             name = f"sync k={plan.k}"
         return name, plan.rate
@@ -370,6 +409,7 @@ class DrafterNode:
         self.running = True
         self.welcomed = False
         self.want_q = False  # the verifier wants q with greedy drafts too (ensemble verification)
+        self.trees = bool(dcfg.get("tree", False))  # token trees allowed (off after the verifier refuses one)
         self.last_sent = 0.0
         self._handlers = {Welcome: self._on_welcome, Error: self._on_error, SessionStart: self._on_session_start,
                           Commit: self._on_commit, State: self._on_state, SessionEnd: self._on_session_end,
@@ -394,6 +434,7 @@ class DrafterNode:
             s.draft.close()
         self.sessions.clear()
         self.order.clear()
+        self.trees = bool(self.dcfg.get("tree", False))  # a new verifier may take them
         if self.auth_watch is not None:
             self.auth_watch.close()
         self.sock.close(linger=0)
@@ -619,12 +660,12 @@ class DrafterNode:
 
     def _send_block(self, s: NodeSession) -> None:
         t0 = time.monotonic()
-        tokens, tensors, idle_rounds = s.block()
+        tokens, tensors, idle_rounds, parents = s.block()
         stats = {**s.stats, "plans": dict(s.schedule.plans), "dtype": self.dtype_name, "timing": dict(s.timing),
                  "plan_rates": {k: list(v) for k, v in s.plan_rates.items()}}
         self._send(encode(Draft(session=s.sid, base_len=s.sent_base, epoch=s.stats["blocks"], tokens=tokens,
                                 idle_rounds=idle_rounds, overlap=s.overlap, sent_at=time.time(), stats=stats,
-                                tensors=tensors)))
+                                parents=parents, tensors=tensors)))
         s.timing["send_s"] += time.monotonic() - t0
         s.after_send()
 
@@ -709,6 +750,14 @@ class DrafterNode:
             if self.welcomed:  # the verifier does not know us (any more): a restarted verifier, or one that forgot us
                 self._rejoin("the verifier does not know this drafter (restarted?)")
             return None  # not welcomed: answers to what we sent before our hello; the hello is on its way
+        if msg.code == "tree_refused":  # this verifier (or target) takes no trees from us: chains from now on
+            if self.trees:
+                log.warning("verifier refused a token tree (%s); sending chains only", msg.message)
+            self.trees = False
+            for s in self.sessions.values():
+                if isinstance(s.schedule, CostSchedule):
+                    s.schedule.tree = False
+            return None
         log.error("verifier: %s", msg.message)
         if msg.code in ("tokenizer_mismatch", "bad_version", "ensemble_needs_q", "unsupported", "unauthorized"):
             hint = self.drafter.tokenizer_hint if msg.code == "tokenizer_mismatch" else ""
@@ -737,10 +786,17 @@ class DrafterNode:
             max_k = fixed if fixed is not None else self.max_k
             start = min(fixed if fixed is not None else int(self.dcfg["num_draft_tokens"]), max_k)
             return CostSchedule(start, max_k, self.book, lambda: len(draft.committed), overlap,
-                                rows_ok=draft.predrafts_rows)
+                                rows_ok=draft.predrafts_rows, tree=self._trees_for(draft))
         if fixed is not None:
             return DraftLengthSchedule(fixed, "constant", overlap=overlap)
         return DraftLengthSchedule.from_config(self.dcfg)
+
+    def _trees_for(self, draft: DraftSession) -> bool:
+        """Blocks may be token trees (``drafter.tree``): greedy requests without q (the verifier verifies trees
+        losslessly only there), for drafters that need no target state back (trees come with none)."""
+        caps = self.drafter.capabilities
+        return (self.trees and not draft.params.do_sample and not draft.want_q and not caps.needs_hidden_states
+                and not caps.needs_kv_layers)
 
     def _on_commit(self, msg: Commit) -> None:
         s = self.sessions.get(msg.session)

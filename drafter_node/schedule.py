@@ -25,11 +25,13 @@ from typing import Any
 from drafter_node.cost_model import (
     Acceptance,
     CostBook,
+    Costs,
     Plan,
     best_plan,
     block_should_end,
     plans,
 )
+from drafter_node.tree_plan import plan_tree
 
 SCHEDULES = ("cost", "pipeline", "adaptive", "heuristic", "constant")
 
@@ -143,12 +145,13 @@ class CostSchedule(DraftLengthSchedule):
     Until both sides' curves are known (profiles off and no round measured yet) it keeps the configured k."""
 
     def __init__(self, k: int, max_k: int, book: CostBook, context: Callable[[], int], overlap: bool = True,
-                 rows_ok: bool = True, dynamic: bool = True):
+                 rows_ok: bool = True, dynamic: bool = True, tree: bool = False):
         super().__init__(k, "cost", max_k, overlap)
         self.max_k = max_k
         self.book = book
         self.context = context
         self.rows_ok = rows_ok
+        self.tree = tree  # synchronous rounds may send a token tree (drafter.tree; greedy, no q, no target state)
         self.acc = book.session_acceptance()
         self.plan = Plan(min(k, max_k), overlap, (min(k, max_k) + 1) if rows_ok else 1, 0.0)
         self.solo_left = 0  # verifier rounds still to be taken alone
@@ -156,7 +159,7 @@ class CostSchedule(DraftLengthSchedule):
         self.probing = False
         self.explored = 0  # plans that drafted although the estimate alone would have chosen k = 0
         self.dynamic = dynamic  # synchronous blocks sized by the drafter's confidence (confidence_sized)
-        self.plans = {"solo": 0, "sync": 0, "overlap": 0}
+        self.plans = {"solo": 0, "sync": 0, "overlap": 0, "tree": 0}
         self.replan()
 
     @property
@@ -175,7 +178,8 @@ class CostSchedule(DraftLengthSchedule):
         """This round's block is synchronous and ends where the drafter stops being sure (up to ``max_k``), not
         at ``k``: the plan chose drafting over k = 0, the drafter's confidence decides how far (greedy drafters that
         report their probabilities; probes keep their fixed length)."""
-        return self.dynamic and not self.plan.solo and not self.overlap_now and not self.probing
+        return (self.dynamic and not self.plan.solo and not self.overlap_now and not self.probing
+                and not self.plan.sides)  # a tree's shape is planned for its k
 
     def block_done(self, probs: list[float | None]) -> bool | None:
         """For a confidence-sized block: whether to send the ``len(probs)`` tokens drafted so far (None: the
@@ -230,6 +234,8 @@ class CostSchedule(DraftLengthSchedule):
         costs = self.book.costs(self.context())
         allowed = {"allow_overlap": self.overlap and allow_solo}
         plan = best_plan(self.acc, costs, self.max_k, self.rows_ok, allow_solo=allow_solo, **allowed)
+        if self.tree:
+            plan = self._tree_or(plan, costs)
         if plan.solo:
             # Explore: k = 0 only where drafting loses even at the acceptance the evidence cannot rule out; else
             # the plan that would win at that acceptance, with the rate the estimate itself predicts for it.
@@ -240,7 +246,7 @@ class CostSchedule(DraftLengthSchedule):
                             if (p.k, p.overlap, p.rows) == (hopeful.k, hopeful.overlap, hopeful.rows))
                 self.explored += 1
         self.plan, self.k = plan, plan.k
-        self.plans["solo" if plan.solo else "overlap" if plan.overlap else "sync"] += 1
+        self.plans["solo" if plan.solo else "overlap" if plan.overlap else "tree" if plan.sides else "sync"] += 1
         if plan.solo:
             self.acc.shrink()
             if was_probe:  # the probe did not bring drafting back: probe less often
@@ -248,6 +254,17 @@ class CostSchedule(DraftLengthSchedule):
             self._start_solo()
         elif allow_solo:
             self.solo_span = SOLO_ROUNDS_MIN
+
+    def _tree_or(self, plan: Plan, costs: Costs) -> Plan:
+        """The best synchronous chain-with-side-leaves (:func:`drafter_node.tree_plan.plan_tree`) where its expected
+        rate beats ``plan``'s, else ``plan``. Overlapped rounds keep chains (pre-drafting follows one chain's
+        outcomes)."""
+        alphas = [self.acc.alpha(i) for i in range(self.max_k)]
+        tree = plan_tree(alphas, self.acc.correction_guess.value, costs.verify_full, costs.draft_full(1),
+                         costs.overhead_s, allow_solo=False)
+        if not tree.sides or tree.rate <= plan.rate:
+            return plan
+        return Plan(tree.k, False, 0, tree.rate, sides=tuple(tree.sides))
 
     def _start_solo(self) -> None:
         self.solo_left = self.solo_span

@@ -46,6 +46,7 @@ DRAFTER_COMMON: dict[str, Any] = {
     "draft_schedule": "cost",
     "max_draft_tokens": 16,
     "overlap": True,
+    "tree": False,  # the cost schedule may send token trees (greedy, synchronous rounds; verifier_node/tree.py)
     "remember_acceptance": True,  # start the cost schedule from this pair's acceptance in earlier runs
     "batching": True,
     "max_batch_sessions": 64,
@@ -281,7 +282,7 @@ def validate(config: dict[str, Any]) -> None:
     if not isinstance(d["draft_schedule"], str) or d["draft_schedule"] not in SCHEDULES:
         raise ConfigError(f"drafter.draft_schedule: one of {', '.join(SCHEDULES)}, got {d['draft_schedule']!r}")
     for dotted in ("drafter.overlap", "verifier.allow_remote", "launch.start_drafter", "verifier.batching",
-                   "drafter.batching", "drafter.remember_acceptance"):
+                   "drafter.batching", "drafter.remember_acceptance", "drafter.tree"):
         section, key = dotted.split(".")
         if not isinstance(config[section][key], bool):
             raise ConfigError(f"{dotted}: must be true or false, got {config[section][key]!r}")

@@ -33,7 +33,8 @@ session_start      verif → drafter  session, token_ids (whole committed prefix
                                     prompt_len* (None: all of token_ids); tensors: extras
 draft              drafter → verif  session, base_len, epoch, tokens[k ≤ MAX_DRAFT_TOKENS]; idle_rounds* (0; k = 0:
                                     step alone this many rounds, ≤ MAX_IDLE_ROUNDS), overlap* (True), sent_at*,
-                                    stats*; tensors q_idx/q_prob (sparse q) or q (dense)
+                                    stats*, parents* (None: a chain; else a token tree, one parent index per
+                                    token, -1 or an earlier index); tensors q_idx/q_prob (sparse q) or q (dense)
 commit             verif → drafter  session, base_len, tokens[n+1], new_len; drafted* (0), accepted* (0),
                                     verify_s*, threads* (0); tensors: extras
 state              verif → drafter  session, base_len, end; tensors: extras for positions before ``end`` (a part of
@@ -460,6 +461,9 @@ class Draft(Message):
     overlap: bool = True  # the drafter pre-drafts while this block is verified
     sent_at: float | None = None  # the drafter's wall clock at send (same-host transit time)
     stats: dict[str, Any] | None = None  # the drafter's counters, passed on in the request's metrics
+    # A token tree instead of a chain: the parent index of each token (-1: under the pending token; topological).
+    # None: a chain. Greedy requests only, without q (verifier_node.tree).
+    parents: list[int] | None = None
     tensors: dict[str, torch.Tensor] = _tensors()  # q_idx/q_prob [k, m] (sparse q) or q [k, vocab] (dense)
 
     def validate(self) -> None:
@@ -467,6 +471,13 @@ class Draft(Message):
             raise ProtocolError(f"draft: at most {MAX_DRAFT_TOKENS} tokens, got {len(self.tokens)}")
         if not 0 <= self.idle_rounds <= MAX_IDLE_ROUNDS or (self.idle_rounds and self.tokens):
             raise ProtocolError(f"draft: idle_rounds must be an integer in [0, {MAX_IDLE_ROUNDS}], with no tokens")
+        if self.parents is not None:
+            from verifier_node.tree import DraftTree  # imported here: it loads transformers, which clients never need
+
+            try:
+                DraftTree(self.tokens, self.parents).validate(MAX_DRAFT_TOKENS)
+            except ValueError as exc:
+                raise ProtocolError(f"draft: parents: {exc}") from None
 
 
 @_message

@@ -81,6 +81,7 @@ def samples(vocab: int = 160, session: int = 1, base_len: int = 5, request_id: i
         Draft(session=session, base_len=base_len, epoch=2, tokens=[3, 4], tensors={"q": torch.full((k, vocab),
                                                                                                  1 / vocab)}),
         Draft(session=session, base_len=base_len, epoch=3, tokens=[], idle_rounds=4),
+        Draft(session=session, base_len=base_len, epoch=4, tokens=[3, 4, 5], parents=[-1, -1, 0]),
         Commit(session=session, base_len=base_len, tokens=[1, 2], new_len=base_len + 2, drafted=1, accepted=1,
                verify_s=0.01, threads=1, tensors=state),
         State(session=session, base_len=base_len, end=3, tensors=state),

@@ -209,6 +209,7 @@ BAD: list[tuple[str, Any, Any, str]] = [
     ("bad draft_schedule", "cpu.yaml", {"drafter.draft_schedule": "fastest"}, "drafter.draft_schedule"),
     ("overlap string", "cpu.yaml", {"drafter.overlap": "yes"}, "drafter.overlap"),
     ("overlap int", "cpu.yaml", {"drafter.overlap": 1}, "drafter.overlap"),
+    ("tree string", "cpu.yaml", {"drafter.tree": "yes"}, "drafter.tree"),
     ("allow_remote string", "cpu.yaml", {"verifier.allow_remote": "no"}, "verifier.allow_remote"),
     ("start_drafter None", "cpu.yaml", {"launch.start_drafter": None}, "launch.start_drafter"),
     ("ensemble_weight zero", "cpu.yaml", ["verification.ensemble_weight=0"], "verification.ensemble_weight"),

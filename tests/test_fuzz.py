@@ -133,7 +133,7 @@ async def fake_drafter(endpoint: str, mutator: Mutator, tok_id: str, secret: str
     hello = encode(Hello(drafter_type="fuzz", tokenizer_id=tok_id, capabilities=Capabilities(sends_q=True),
                          run_secret=secret))
     allowed = DECODE_CODES | {"not_connected", "unexpected", "welcome", "tokenizer_mismatch", "unsupported",
-                              "unauthorized"}
+                              "unauthorized", "tree_refused"}
 
     def keep(msg) -> bool:
         if isinstance(msg, SessionStart):

@@ -98,10 +98,11 @@ VARIANTS: list[Message] = [
     Generate(request_id=8, params={}, prompt="héllo"),
     Generate(request_id=9, params={}, messages=[{"role": "user", "content": "hi"}]),
     Draft(session=1, base_len=2, epoch=0, tokens=[], idle_rounds=MAX_IDLE_ROUNDS),
+    Draft(session=1, base_len=2, epoch=0, tokens=[4, 9, 5, 6], parents=[-1, -1, 0, 2]),  # a token tree
     Welcome(target="t", vocab_size=1, want_q=False),
 ]
 #: Optional fields VALID leaves at their default on purpose (covered by VARIANTS).
-AT_DEFAULT = {("generate", "prompt"), ("generate", "messages"), ("draft", "idle_rounds")}
+AT_DEFAULT = {("generate", "prompt"), ("generate", "messages"), ("draft", "idle_rounds"), ("draft", "parents")}
 TENSOR_TYPES = {t for t, cls in MESSAGE_TYPES.items() if "tensors" in {f.name for f in dataclasses.fields(cls)}}
 
 
@@ -510,6 +511,12 @@ RANGE_ERRORS = [
     ("draft", {"tokens": [], "idle_rounds": -1}, "idle_rounds"),
     ("draft", {"tokens": [], "idle_rounds": MAX_IDLE_ROUNDS + 1}, "idle_rounds"),
     ("draft", {"tokens": [3], "idle_rounds": 2}, "idle_rounds"),
+    ("draft", {"tokens": [3, 4], "parents": [-1]}, "parents"),  # one parent per token
+    ("draft", {"tokens": [3, 4], "parents": [-1, 1]}, "parents"),  # a parent must come before its child
+    ("draft", {"tokens": [3, 4], "parents": [-1, 2]}, "parents"),  # … and be a node index
+    ("draft", {"tokens": [3, 4], "parents": [-2, 0]}, "parents"),
+    ("draft", {"tokens": [3, 3], "parents": [-1, -1]}, "parents"),  # the same token twice under one parent
+    ("draft", {"tokens": list(range(MAX_DRAFT_TOKENS + 1)), "parents": [-1] * (MAX_DRAFT_TOKENS + 1)}, "at most"),
     ("commit", {"drafted": -1}, "drafted"),
     ("commit", {"accepted": -1}, "accepted"),
     ("commit", {"threads": -2}, "threads"),
@@ -538,6 +545,9 @@ def test_out_of_range_fields_are_refused(msg_type, fields, words):
 def test_range_limits_themselves_are_allowed():
     assert len(decode([_header("draft", tokens=list(range(MAX_DRAFT_TOKENS)))]).tokens) == MAX_DRAFT_TOKENS
     assert decode([_header("draft", tokens=[], idle_rounds=MAX_IDLE_ROUNDS)]).idle_rounds == MAX_IDLE_ROUNDS
+    wide = decode([_header("draft", tokens=list(range(MAX_DRAFT_TOKENS)), parents=[-1] * MAX_DRAFT_TOKENS)])
+    assert wide.parents == [-1] * MAX_DRAFT_TOKENS
+    assert decode([_header("draft", tokens=[], parents=[])]).parents == []
     assert decode([_header("session_start", prompt_len=3)]).prompt_len == 3
     assert decode([_header("commit", drafted=0, accepted=0, threads=0, verify_s=0.0)]).verify_s == 0.0
 

@@ -82,6 +82,10 @@ from verifier_node.acceptance import check_ensemble_weight
 from verifier_node.draft_wait import DraftWait
 from verifier_node.drafters import DrafterLink, DrafterPool
 from verifier_node.session import NumericalError, RoundPlan, RoundResult, Session
+from verifier_node.tree import tree_row
+
+#: Error code of a tree draft the verifier will not verify (the draft is dropped; the drafter turns trees off).
+TREE_REFUSED = "tree_refused"
 
 log = logging.getLogger("pipespec.verifier")
 
@@ -141,7 +145,8 @@ def _state_tensors(
     return tensors, sum(t.numel() * t.element_size() for t in tensors.values())
 
 
-_NUMERIC_STATS = ("busy_s", "blocks", "predraft_hits", "rolled_back", "idle_blocks", "batch_steps", "batch_rows")
+_NUMERIC_STATS = ("busy_s", "blocks", "predraft_hits", "rolled_back", "idle_blocks", "batch_steps", "batch_rows",
+                  "tree_blocks", "side_accepted")
 
 
 def _checked_stats(stats: dict[str, Any]) -> dict[str, Any]:
@@ -647,12 +652,14 @@ class VerifierServer:
         if not all(0 <= t < self.vocab_size for t in tokens):
             raise ProtocolError(f"draft tokens must be ids in [0, {self.vocab_size})")
         ensemble = self.ensemble_weight is not None
+        parents = self._tree_parents(s, link, msg)
         q = self._dense_q(msg, len(tokens)) if s.params.do_sample or ensemble else None
         if ensemble and tokens and q is None:
             raise ProtocolError("ensemble verification needs q (q_idx/q_prob or q) with every draft")
         stats = _checked_stats(msg.stats) if msg.stats is not None else None  # a bad field refuses the draft
         now = time.monotonic()
-        s.draft = {"tokens": tokens, "q": q, "idle_rounds": msg.idle_rounds, "overlap": msg.overlap, "arrived": now}
+        s.draft = {"tokens": tokens, "q": q, "idle_rounds": msg.idle_rounds, "overlap": msg.overlap, "arrived": now,
+                   "parents": parents}
         s.wait.arrived(len(s.tokens), now, bool(tokens))
         s.metrics.bytes_in += receipt.nbytes
         s.metrics.message_s += receipt.decode_s
@@ -660,6 +667,26 @@ class VerifierServer:
             s.metrics.transit_s += max(0.0, time.time() - msg.sent_at)
         if stats is not None:
             s.metrics.drafter_stats = stats
+
+    def _tree_parents(self, s: Session, link: DrafterLink, msg: Draft) -> list[int] | None:
+        """A draft's ``parents`` (its shape was checked by decode), or None for a chain; a ProtocolError (refusing
+        this draft only, code ``tree_refused``: the drafter then sends chains) where the verifier cannot verify a tree
+        losslessly: sampled requests or q (children drawn
+        from q would need recursive rejection sampling), ensemble verification, drafters that need hidden states or
+        K/V rows back, targets whose attention takes no custom mask."""
+        parents = msg.parents
+        if parents is None or parents == list(range(-1, len(parents) - 1)):
+            return None  # a chain spelled as a tree: the chain path
+        if s.params.do_sample or self.ensemble_weight is not None or any(k in msg.tensors for k in ("q", "q_idx")):
+            raise ProtocolError("draft: token trees are verified for greedy requests without q only (no sampling, "
+                                "no ensemble verification)", code=TREE_REFUSED)
+        if link.needs_hidden or link.kv_layers:
+            raise ProtocolError("draft: token trees are not taken from drafters that need the target's hidden "
+                                "states or K/V rows", code=TREE_REFUSED)
+        if not can_batch(s.lm):
+            raise ProtocolError("draft: this target cannot verify token trees (its attention takes no custom mask, "
+                                "or it has sliding-window layers)", code=TREE_REFUSED)
+        return parents
 
     def _dense_q(self, msg: Draft, k: int) -> torch.Tensor | None:
         """Rebuild the draft distribution rows from a sparse (q_idx, q_prob) or dense (q) encoding."""
@@ -882,7 +909,7 @@ class VerifierServer:
         could_use = self._may_wait(s, now) or (s.draft is not None and s.solo_left == 0)
         waited = (s.draft["arrived"] if s.draft is not None else now) - s.ready_since
         demoted = could_use and s.wait.outcome(s.draft is not None, max(0.0, waited))
-        draft = s.draft or {"tokens": [], "q": None, "idle_rounds": 0, "overlap": False}
+        draft = s.draft or {"tokens": [], "q": None, "idle_rounds": 0, "overlap": False, "parents": None}
         s.draft = None
         if draft["idle_rounds"]:
             s.solo_left = draft["idle_rounds"]
@@ -891,7 +918,7 @@ class VerifierServer:
         drafter_busy = bool(draft["tokens"] and draft["overlap"] and d is not None and d.alive() and not solo)
         gap = max(0.0, now - s.timed_from)
         draft_wait = min(gap, max(0.0, waited)) if could_use else 0.0
-        return PendingRound(s, s.plan_round(draft["tokens"], draft["q"]), solo, demoted, drafter_busy,
+        return PendingRound(s, s.plan_round(draft["tokens"], draft["q"], draft["parents"]), solo, demoted, drafter_busy,
                             bool(d and d.needs_hidden), list(d.kv_layers) if d else [], s.timed_from, draft_wait)
 
     def _run_batch(self, batch: list[Session]) -> None:
@@ -962,8 +989,9 @@ class VerifierServer:
         def together() -> list[tuple]:
             tokens = sum(len(r.plan.fed) for r in rounds)
             t0 = time.monotonic()
-            outs = feed_rows(self.model, [Row(r.session.lm, r.plan.fed) for r in rounds],
-                             any(r.want_hidden for r in rounds))
+            rows = [Row(r.session.lm, r.plan.fed) if r.plan.tree is None else
+                    tree_row(r.session.lm, r.plan.fed[0], r.plan.tree) for r in rounds]
+            outs = feed_rows(self.model, rows, any(r.want_hidden for r in rounds))
             forward_s = time.monotonic() - t0
             self._count_forward(len(rounds), tokens, forward_s)
             return [(o.logits, o.hidden if r.want_hidden else None, forward_s, len(rounds), tokens)
@@ -971,7 +999,7 @@ class VerifierServer:
 
         def alone(i: int) -> tuple:
             r, t0 = rounds[i], time.monotonic()
-            logits, hidden = r.session.lm.feed(r.plan.fed, want_hidden=r.want_hidden)
+            logits, hidden = r.session.round_forward(r.plan, want_hidden=r.want_hidden)
             forward_s = time.monotonic() - t0
             self._count_forward(1, len(r.plan.fed), forward_s)
             return logits, hidden, forward_s, 1, len(r.plan.fed)

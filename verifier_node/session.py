@@ -17,6 +17,7 @@ from shared.sampling import GenerationParams, make_generator, process_block
 from verifier_node.acceptance import accept_everything, accept_greedy, accept_sampling
 from verifier_node.detokenize import IncrementalText
 from verifier_node.draft_wait import DraftWait
+from verifier_node.tree import DraftTree, accept_tree_greedy, keep_path, process_tree, tree_forward
 
 # Test-only negative control: a verifier that accepts every draft must fail the distribution test.
 _ACCEPT_ALL = os.environ.get("PIPESPEC_UNSAFE_ACCEPT_ALL") == "1"
@@ -52,6 +53,7 @@ class RoundPlan:
     q: torch.Tensor | None
     started: float
     fed: list[int]  # the pending token and the draft: what the forward feeds
+    tree: DraftTree | None = None  # the draft as a token tree (cut to the budget); None: a chain
 
 
 #: The parts of a round's wall time (``RoundTiming``), in the order the metrics list them.
@@ -119,9 +121,14 @@ class SessionMetrics:
     bytes_out: int = 0
     drafter_stats: dict = field(default_factory=dict)
     verify_batch_sum: int = 0  # sessions in the target forwards of its rounds, summed (÷ rounds: verify_batch_mean)
+    tree_rounds: int = 0  # rounds that verified a token tree (not a chain)
+    side_accepted: int = 0  # … whose accepted path took a node that is not its parent's first child (a side leaf)
     timing: RoundTiming = field(default_factory=RoundTiming)
 
-    def record(self, drafted: int, accepted: int) -> None:
+    def record(self, drafted: int, accepted: int, depth: int | None = None) -> None:
+        """One round that verified ``drafted`` draft tokens and accepted ``accepted`` of them. For a tree, ``drafted``
+        counts its nodes and ``depth`` is its deepest position: the per-position counts go by depth (a position
+        counts once however many candidates it had, and is accepted when the accepted path reached it)."""
         self.rounds += 1
         if drafted == 0:
             self.fallback_rounds += 1
@@ -129,10 +136,11 @@ class SessionMetrics:
         self.drafts += 1
         self.draft_tokens += drafted
         self.accepted_tokens += accepted
-        while len(self.per_position_drafted) < drafted:
+        positions = drafted if depth is None else depth
+        while len(self.per_position_drafted) < positions:
             self.per_position_drafted.append(0)
             self.per_position_accepted.append(0)
-        for i in range(drafted):
+        for i in range(positions):
             self.per_position_drafted[i] += 1
             self.per_position_accepted[i] += int(i < accepted)
 
@@ -230,26 +238,40 @@ class Session:
         self.ready_since = self.timed_from = time.monotonic()
         return hidden, kv
 
-    def plan_round(self, draft: list[int], q: torch.Tensor | None) -> RoundPlan:
+    def plan_round(self, draft: list[int], q: torch.Tensor | None, parents: list[int] | None = None) -> RoundPlan:
         """What this round feeds: the pending token and the draft, cut so the round commits at most the tokens the
-        budget has left."""
+        budget has left. ``parents``: the draft is a token tree (greedy, no q; see :mod:`verifier_node.tree`), cut
+        to the nodes of depth at most the budget."""
         base_len = len(self.tokens)
         remaining = self.params.max_new_tokens - (base_len - self.prompt_len)
+        if parents is not None:
+            tree = DraftTree(list(draft), list(parents)).truncate(max(0, remaining - 1))
+            if len(tree):
+                return RoundPlan(base_len, remaining, tree.tokens, None, time.monotonic(),
+                                 [self.tokens[-1], *tree.tokens], tree)
+            draft = []
         draft = draft[: max(0, remaining - 1)]  # the round commits at most len(draft) + 1 tokens
         if q is not None:
             q = q[: len(draft)]
         return RoundPlan(base_len, remaining, draft, q, time.monotonic(), [self.tokens[-1], *draft])
 
     def verify(
-        self, draft: list[int], q: torch.Tensor | None, want_hidden: bool = False, kv_layers: list[int] = ()
+        self, draft: list[int], q: torch.Tensor | None, want_hidden: bool = False, kv_layers: list[int] = (),
+        parents: list[int] | None = None,
     ) -> RoundResult:
         """Run one round on top of the committed prefix (a forward of its own) and commit its outcome. With
         ``want_hidden`` / ``kv_layers`` the result carries the hidden states / K/V rows of exactly the newly cached
-        (committed) positions."""
-        plan = self.plan_round(draft, q)
+        (committed) positions (chains only). ``parents``: the draft is a token tree."""
+        plan = self.plan_round(draft, q, parents)
         t_forward = time.monotonic()
-        logits, hidden = self.lm.feed(plan.fed, want_hidden=want_hidden)
+        logits, hidden = self.round_forward(plan, want_hidden)
         return self.finish_round(plan, logits, hidden, time.monotonic() - t_forward, kv_layers)
+
+    def round_forward(self, plan: RoundPlan, want_hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The round's forward of its own: ``plan.fed`` onto the cache (a tree with its tree mask and positions)."""
+        if plan.tree is not None:
+            return tree_forward(self.lm, plan.fed[0], plan.tree, want_hidden)
+        return self.lm.feed(plan.fed, want_hidden=want_hidden)
 
     def finish_round(
         self, plan: RoundPlan, logits: torch.Tensor, hidden: torch.Tensor | None, forward_s: float,
@@ -257,6 +279,8 @@ class Session:
     ) -> RoundResult:
         """Accept from the target's ``logits`` over ``plan.fed`` (just appended to this session's cache, alone or in
         a batched forward), commit, and crop the cache back to every committed token but the last."""
+        if plan.tree is not None:
+            return self._finish_tree(plan, logits, forward_s, batch_sessions, batch_tokens)
         base_len, remaining, draft, q = plan.base_len, plan.remaining, plan.draft, plan.q
         prefix = torch.tensor(self.tokens, dtype=torch.long)
         scores = process_block(
@@ -288,6 +312,35 @@ class Session:
             hidden = hidden[: len(out)]
         return RoundResult(base_len, out, accepted, len(draft), hidden, kv, forward_s,
                            batch_sessions=batch_sessions, batch_tokens=batch_tokens or len(draft) + 1)
+
+    def _finish_tree(self, plan: RoundPlan, logits: torch.Tensor, forward_s: float, batch_sessions: int,
+                     batch_tokens: int) -> RoundResult:
+        """:meth:`finish_round` for a token tree (greedy only): the longest path of target argmaxes, its K/V moved
+        in place behind the pending token, the rest cropped. No hidden states or K/V rows: the verifier takes trees
+        only from drafters that need neither."""
+        tree, base_len = plan.tree, plan.base_len
+        prefix = torch.tensor(self.tokens, dtype=torch.long)
+        scores = process_tree(logits, prefix, tree, self.params, base_len - self.prompt_len)
+        if not torch.isfinite(scores.amax(dim=-1)).all():
+            self.lm.crop(base_len - 1)
+            raise NumericalError(f"session {self.sid}: the target's scores at position {base_len} are not finite")
+        outcome = accept_tree_greedy(scores, tree)
+        accepted = len(outcome.nodes)
+        out = self._cut_at_end(outcome.tokens, plan.remaining)
+        self.tokens.extend(out)
+        keep_path(self.lm, len(tree), outcome.nodes)
+        self.lm.crop(len(self.tokens) - 1)
+        self.metrics.record(len(tree), accepted, depth=max(tree.depths()))
+        self.metrics.tree_rounds += 1
+        if any(tree.children(tree.parents[i])[0] != i for i in outcome.nodes):
+            self.metrics.side_accepted += 1
+        self.metrics.verify_batch_sum += batch_sessions
+        self.metrics.verify_s += time.monotonic() - plan.started
+        if self.first_token_at is None:
+            self.first_token_at = time.monotonic()
+        self.ready_since = time.monotonic()
+        return RoundResult(base_len, out, accepted, len(tree), None, None, forward_s,
+                           batch_sessions=batch_sessions, batch_tokens=batch_tokens or len(tree) + 1)
 
     def _generator(self, base_len: int) -> torch.Generator:
         return make_generator(self.params.seed or 0, base_len, stream=0)
@@ -328,6 +381,9 @@ class Session:
             "verifier_dtype": verifier_dtype,
             "drafter_dtype": drafter_dtype or m.drafter_stats.get("dtype"),
             "stale_drafts": m.stale_drafts,
+            "tree_rounds": m.tree_rounds,  # rounds that verified a token tree
+            "side_accepted": m.side_accepted,  # … that accepted a side leaf (the drafter's second choice)
+            "drafter_tree_blocks": m.drafter_stats.get("tree_blocks", 0),  # trees the drafter sent
             "tokens_per_second": new / elapsed,
             "elapsed_s": elapsed,
             "time_to_first_token_s": (self.first_token_at - self.started) if self.first_token_at else None,
