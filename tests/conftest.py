@@ -97,6 +97,28 @@ async def peer_socket(endpoint: str):
         ctx.term()
 
 
+async def peer_messages(sock, stop):
+    """What a hand-played drafter receives until ``stop`` is set, decoded; it heartbeats while nothing comes (the
+    verifier drops a drafter that stays silent)."""
+    from shared.protocol import Heartbeat, decode, encode
+
+    while not stop.is_set():
+        if not await sock.poll(50):
+            await sock.send_multipart(encode(Heartbeat()))
+            continue
+        yield decode(await sock.recv_multipart())
+
+
+def hand_played(target: Path) -> tuple[dict, str]:
+    """A config whose launcher starts the verifier only (the test plays the drafter by hand) and the target's
+    tokenizer id, which that drafter's hello must announce."""
+    from shared.models import load_tokenizer, tokenizer_id
+
+    config = tiny_config(target, None)
+    config["launch"]["start_drafter"] = False
+    return config, tokenizer_id(load_tokenizer(str(target)))
+
+
 async def wait_for_drafter(client, tries: int = 100) -> None:
     """Until the verifier reports a live drafter (bounded: about 5 s)."""
     for _ in range(tries):

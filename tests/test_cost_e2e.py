@@ -14,7 +14,7 @@ import asyncio
 import json
 
 import pytest
-from conftest import peer_socket, tiny_config, wait_for_drafter
+from conftest import hand_played, peer_messages, peer_socket, tiny_config, wait_for_drafter
 from sampling_check import check_lossless_sampling, exact_joint
 from tiny_models import reference_greedy
 
@@ -100,11 +100,9 @@ async def idle_drafter(endpoint: str, tok_id: str, stop: asyncio.Event) -> dict:
         Commit,
         Draft,
         Error,
-        Heartbeat,
         Hello,
         SessionStart,
         Welcome,
-        decode,
         encode,
     )
 
@@ -115,11 +113,7 @@ async def idle_drafter(endpoint: str, tok_id: str, stop: asyncio.Event) -> dict:
         await sock.send_multipart(encode(Hello(drafter_type="hostile", tokenizer_id=tok_id, capabilities=caps,
                                                profile=bad_profile)))
         await sock.send_multipart(encode(Hello(drafter_type="hostile", tokenizer_id=tok_id, capabilities=caps)))
-        while not stop.is_set():
-            if not await sock.poll(50):
-                await sock.send_multipart(encode(Heartbeat()))
-                continue
-            msg = decode(await sock.recv_multipart())
+        async for msg in peer_messages(sock, stop):
             if isinstance(msg, Error):
                 seen["errors"].append(msg.message)
                 continue
@@ -146,13 +140,9 @@ async def idle_drafter(endpoint: str, tok_id: str, stop: asyncio.Event) -> dict:
 
 
 def test_malformed_idle_rounds_and_profiles_are_refused_and_solo_rounds_run(tiny):
-    from shared.models import load_tokenizer, tokenizer_id
-
     target = tiny("llama")
-    config = tiny_config(target, None)
-    config["launch"]["start_drafter"] = False
+    config, tok_id = hand_played(target)
     config["verifier"]["profile_s"] = 2  # the welcome carries a measured profile
-    tok_id = tokenizer_id(load_tokenizer(str(target)))
 
     async def main():
         async with cluster(config) as client:

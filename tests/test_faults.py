@@ -9,12 +9,11 @@ import random
 import pytest
 import zmq
 import zmq.asyncio
-from conftest import peer_socket, tiny_config, wait_for_drafter
+from conftest import hand_played, peer_socket, tiny_config, wait_for_drafter
 from tiny_models import build_model, build_small_vocab_tokenizer, reference_greedy
 
 from runtime.client import AsyncClient, Chunk, PipespecError
 from runtime.launch import LaunchError, cluster
-from shared.models import load_tokenizer, tokenizer_id
 from shared.protocol import (
     SCHEMA_VERSION,
     Capabilities,
@@ -61,9 +60,7 @@ async def hostile_drafter(endpoint: str, tok_id: str, vocab: int, stop: asyncio.
 def test_stale_and_duplicate_drafts_do_not_change_output(tiny):
     target = tiny("llama")
     expected = reference_greedy(target, PROMPT, 30)
-    config = tiny_config(target, None)
-    config["launch"]["start_drafter"] = False
-    tok_id = tokenizer_id(load_tokenizer(str(target)))
+    config, tok_id = hand_played(target)
 
     async def main():
         async with cluster(config) as client:

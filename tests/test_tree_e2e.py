@@ -15,7 +15,7 @@ import json
 
 import pytest
 import torch
-from conftest import peer_socket, tiny_config, wait_for_drafter
+from conftest import hand_played, peer_messages, peer_socket, tiny_config, wait_for_drafter
 from tiny_models import reference_greedy
 
 from runtime.launch import cluster
@@ -93,18 +93,14 @@ async def tree_peer(endpoint: str, tok_id: str, stop: asyncio.Event) -> dict:
     """A drafter played by hand: for every round it sends drafts with malformed ``parents``, then, for a greedy
     session, a valid tree of arbitrary tokens (two candidates at each of two positions) and, for a sampled one, a
     valid tree (refused: trees are for greedy requests) followed by an empty chain block."""
-    from shared.protocol import Capabilities, Commit, Draft, Error, Heartbeat, Hello, SessionStart, decode, encode
+    from shared.protocol import Capabilities, Commit, Draft, Error, Hello, SessionStart, encode
 
     seen = {"errors": [], "trees": 0, "refused": 0}
     sampled: dict[int, bool] = {}
     async with peer_socket(endpoint) as sock:
         await sock.send_multipart(encode(Hello(drafter_type="hand", tokenizer_id=tok_id,
                                                capabilities=Capabilities())))
-        while not stop.is_set():
-            if not await sock.poll(50):
-                await sock.send_multipart(encode(Heartbeat()))
-                continue
-            msg = decode(await sock.recv_multipart())
+        async for msg in peer_messages(sock, stop):
             if isinstance(msg, Error):
                 seen["errors"].append(msg.message)
                 seen["refused"] += msg.code == "tree_refused"
@@ -129,12 +125,8 @@ async def tree_peer(endpoint: str, tok_id: str, stop: asyncio.Event) -> dict:
 
 
 def test_malformed_parents_are_refused_and_the_verifier_keeps_serving(tiny):
-    from shared.models import load_tokenizer, tokenizer_id
-
     target = tiny("llama")
-    config = tiny_config(target, None)
-    config["launch"]["start_drafter"] = False
-    tok_id = tokenizer_id(load_tokenizer(str(target)))
+    config, tok_id = hand_played(target)
 
     async def main():
         async with cluster(config) as client:
