@@ -54,7 +54,7 @@ from drafter_node.schedule import CostSchedule, DraftLengthSchedule
 from drafter_node.types import drafter_class
 from runtime import security
 from shared.batch import feed_rows
-from shared.costs import CostCurve, CurveCheck, NodeProfile, mark_stale, measuring_alone
+from shared.costs import CostCurve, CurveCheck, NodeProfile, measuring_alone
 from shared.models import ModelLoadError, ProfileSpec, ThreadPlan, profile_node, profile_sizes, set_threads
 from shared.protocol import (
     DEFAULT_MAX_MESSAGE_BYTES,
@@ -105,6 +105,8 @@ class NodeSession:
         self.threads = 0  # torch threads of the last step (0: not set by the node)
         self.timed_block = False  # a block of ours was verified (later round trips are overhead samples)
         self.last_step: tuple[int, float] | None = None  # (forward size, seconds) of its last one-forward step
+        self._sized: tuple | None = None  # what _sized_done last answered for: (base, chain length, plan)
+        self._sized_value: bool | None = None
         # batch_steps: steps that advanced this session; batch_rows: the sessions in each of their forwards, summed
         self.stats = {"busy_s": 0.0, "blocks": 0, "predraft_hits": 0, "rolled_back": 0, "idle_blocks": 0,
                       "batch_steps": 0, "batch_rows": 0, "tree_blocks": 0, "side_accepted": 0}
@@ -150,7 +152,11 @@ class NodeSession:
         drafted so far should go now; None where the plan's fixed k applies."""
         if not self.block_pending():
             return None
-        return self.schedule.block_done([d.prob for d in self.draft.chain])
+        # asked several times per loop turn (what to send, what to step, the block's length): once per chain length
+        key = (self.base_len, len(self.draft.chain), id(getattr(self.schedule, "plan", None)))
+        if self._sized != key:
+            self._sized, self._sized_value = key, self.schedule.block_done([d.prob for d in self.draft.chain])
+        return self._sized_value
 
     def block_len(self) -> int:
         """Tokens the block sent now carries: the plan's k, or the whole chain of a confidence-sized block."""
@@ -295,7 +301,6 @@ class NodeSession:
         self.stats["busy_s"] += spent
         self.timing["commit_s"] += spent
 
-
     def _count_plan_round(self, committed: int, now: float) -> None:
         """One round of the plan in force (the one its block was sent under) gave ``committed`` tokens since the
         previous commit. The session's first commit is not counted: its interval includes both prefills."""
@@ -418,7 +423,7 @@ class DrafterNode:
         self.last_hello = 0.0
         self.rejoins = 0
         self.memory: pair_memory.PairMemory | None = None  # this pair's remembered acceptance (set at the welcome)
-        self.curve_check = CurveCheck()
+        self.curve_check = CurveCheck(self.profile)
 
     def _connect(self) -> zmq.Socket:
         """A fresh socket to the verifier (with this drafter's CURVE keys, watched for a refusal, where the link runs
@@ -719,16 +724,14 @@ class DrafterNode:
 
     def _check_profile(self, s: NodeSession) -> None:
         """Compare a step timed alone with the profile; a profile that keeps missing is re-measured next start."""
-        if self.profile is None or s.last_step is None or not self.profile.key:
+        if s.last_step is None:
             return
         n, spent = s.last_step
-        ratio = self.curve_check.observe(self.profile.curve(s.threads or self.threads.share).cost(n, s.base_len),
-                                         spent)
+        ratio = self.curve_check.forward(s.threads or self.threads.share, n, s.base_len, spent)
         if ratio is not None:
             log.warning("drafter: steps take %.2fx what the cached profile says (measured on a busy machine, or the "
                         "machine changed); plans follow the measured steps now, and the profile is measured again "
                         "at the next start", ratio)
-            mark_stale(self.profile.key)
 
     def _recall_pair(self, target: str) -> None:
         """Start the cost schedule from what earlier runs of this pair accepted (``drafter.remember_acceptance``)."""

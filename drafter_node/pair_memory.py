@@ -69,10 +69,10 @@ class PairMemory:
         self.requests = requests
         self._last_save = 0.0
 
-    def session_ended(self, acc: Acceptance, force: bool = False) -> None:
+    def session_ended(self, acc: Acceptance) -> None:
         self.requests += 1
         now = time.monotonic()
-        if force or now - self._last_save >= SAVE_EVERY_S:
+        if now - self._last_save >= SAVE_EVERY_S:
             self._last_save = now
             self.save(acc)
 

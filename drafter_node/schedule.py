@@ -31,7 +31,7 @@ from drafter_node.cost_model import (
     block_should_end,
     plans,
 )
-from drafter_node.tree_plan import plan_tree
+from drafter_node.tree_plan import plan_from_acceptance
 
 SCHEDULES = ("cost", "pipeline", "adaptive", "heuristic", "constant")
 
@@ -145,7 +145,7 @@ class CostSchedule(DraftLengthSchedule):
     Until both sides' curves are known (profiles off and no round measured yet) it keeps the configured k."""
 
     def __init__(self, k: int, max_k: int, book: CostBook, context: Callable[[], int], overlap: bool = True,
-                 rows_ok: bool = True, dynamic: bool = True, tree: bool = False):
+                 rows_ok: bool = True, tree: bool = False):
         super().__init__(k, "cost", max_k, overlap)
         self.max_k = max_k
         self.book = book
@@ -158,7 +158,6 @@ class CostSchedule(DraftLengthSchedule):
         self.solo_span = SOLO_ROUNDS_MIN
         self.probing = False
         self.explored = 0  # plans that drafted although the estimate alone would have chosen k = 0
-        self.dynamic = dynamic  # synchronous blocks sized by the drafter's confidence (confidence_sized)
         self.plans = {"solo": 0, "sync": 0, "overlap": 0, "tree": 0}
         self.replan()
 
@@ -178,7 +177,7 @@ class CostSchedule(DraftLengthSchedule):
         """This round's block is synchronous and ends where the drafter stops being sure (up to ``max_k``), not
         at ``k``: the plan chose drafting over k = 0, the drafter's confidence decides how far (greedy drafters that
         report their probabilities; probes keep their fixed length)."""
-        return (self.dynamic and not self.plan.solo and not self.overlap_now and not self.probing
+        return (not self.plan.solo and not self.overlap_now and not self.probing
                 and not self.plan.sides)  # a tree's shape is planned for its k
 
     def block_done(self, probs: list[float | None]) -> bool | None:
@@ -259,9 +258,8 @@ class CostSchedule(DraftLengthSchedule):
         """The best synchronous chain-with-side-leaves (:func:`drafter_node.tree_plan.plan_tree`) where its expected
         rate beats ``plan``'s, else ``plan``. Overlapped rounds keep chains (pre-drafting follows one chain's
         outcomes)."""
-        alphas = [self.acc.alpha(i) for i in range(self.max_k)]
-        tree = plan_tree(alphas, self.acc.correction_guess.value, costs.verify_full, costs.draft_full(1),
-                         costs.overhead_s, allow_solo=False)
+        tree = plan_from_acceptance(self.acc, self.max_k, costs.verify_full, costs.draft_full(1), costs.overhead_s,
+                                    allow_solo=False)
         if not tree.sides or tree.rate <= plan.rate:
             return plan
         return Plan(tree.k, False, 0, tree.rate, sides=tuple(tree.sides))

@@ -114,7 +114,7 @@ def plan_tree(alphas: Sequence[float], g: float, verify: Curve, draft_step_s: fl
 
 
 def plan_from_acceptance(acc: Acceptance, max_k: int, verify: Curve, draft_step_s: float,
-                         overhead_s: float = 0.0) -> TreePlan:
+                         overhead_s: float = 0.0, allow_solo: bool = True) -> TreePlan:
     """:func:`plan_tree` with a cost model's running estimates (α_i and the correction guess)."""
     return plan_tree([acc.alpha(i) for i in range(max_k)], acc.correction_guess.value, verify, draft_step_s,
-                     overhead_s)
+                     overhead_s, allow_solo)

@@ -170,9 +170,7 @@ def feed_rows(model, rows: list[Row], want_hidden: bool = False, logits: bool = 
             k = layer.keys[b : b + 1, :, prefix : prefix + count]
             v = layer.values[b : b + 1, :, prefix : prefix + count]
             row.lm.cache.update(k, v, index)  # a copy (cat): the batch cache is dropped after this forward
-        row.lm.length += count
-        row.lm.last_fed = count
-        row.lm.fed_total += count
+        row.lm.grew(count)
         hidden = out.hidden_states[-1][b, :count] if want_hidden else None
         results.append(RowOutput(out.logits[b, :count].float() if logits else None, hidden))
     return results

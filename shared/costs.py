@@ -439,18 +439,23 @@ def profile_key(model_path: str, device: str, dtype: str, threads: list[int], si
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
 
-def _read_cached(key: str) -> NodeProfile | None:
-    """The cached profile under ``key``, or None when there is none, it cannot be read, or it was measured on a busy
-    machine or found wrong by a node's rounds (``quiet`` false, see :func:`mark_stale`): then it is re-measured."""
+def _cached_file(key: str) -> NodeProfile | None:
+    """The profile in the cache file of ``key`` as written, or None when there is none or it cannot be read."""
     path = profile_cache_dir() / f"{key}.json"
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
         if not isinstance(data, dict) or data.get("key") != key:
             return None
-        profile = NodeProfile.from_dict(data.get("profile"))
+        return NodeProfile.from_dict(data.get("profile"))
     except (OSError, ValueError, UnicodeDecodeError):
         return None
-    if not profile.quiet:
+
+
+def _read_cached(key: str) -> NodeProfile | None:
+    """The cached profile under ``key``, or None when there is none, it cannot be read, or it was measured on a busy
+    machine or found wrong by a node's rounds (``quiet`` false, see :func:`mark_stale`): then it is re-measured."""
+    profile = _cached_file(key)
+    if profile is None or not profile.quiet:
         return None
     profile.cached = True
     profile.key = key
@@ -460,11 +465,8 @@ def _read_cached(key: str) -> NodeProfile | None:
 def mark_stale(key: str) -> bool:
     """Flag the cached profile under ``key`` for re-measuring at its node's next start (its numbers disagree with
     the forwards the node times while it serves). True if a cached file was flagged."""
-    path = profile_cache_dir() / f"{key}.json"
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-        profile = NodeProfile.from_dict(data.get("profile"))
-    except (OSError, ValueError, UnicodeDecodeError, AttributeError):
+    profile = _cached_file(key)
+    if profile is None:
         return False
     profile.quiet = False
     return _write_cached(key, profile)
@@ -772,9 +774,21 @@ class CurveCheck:
     MIN_SAMPLES = 16
     MARGIN = 1.3
 
-    def __init__(self) -> None:
+    def __init__(self, profile: NodeProfile | None = None) -> None:
+        self.profile = profile  # the node's own (cached) profile; None: nothing to check
         self.ratios: list[float] = []
         self.flagged = False
+
+    def forward(self, threads: int, n: int, context: int, seconds: float) -> float | None:
+        """One forward of the node's, timed alone (``n`` new tokens or rows on ``context`` cached tokens at
+        ``threads`` threads): when the profile turns out off, flag its cache file (:func:`mark_stale`) and return
+        the median ratio, once; else None."""
+        if self.profile is None or not self.profile.key:
+            return None
+        ratio = self.observe(self.profile.curve(threads).cost(n, context), seconds)
+        if ratio is not None:
+            mark_stale(self.profile.key)
+        return ratio
 
     def observe(self, predicted_s: float, measured_s: float) -> float | None:
         """Add one forward; return the median ratio once it is off by more than MARGIN (once), else None."""

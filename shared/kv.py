@@ -39,13 +39,17 @@ class CachedLM:
         last one only, which skips the LM head over the others: a prompt's prefill needs none of them) and the last
         hidden states."""
         ids = torch.tensor([token_ids], dtype=torch.long, device=self._device)
-        self.last_fed = len(token_ids)
-        self.fed_total += len(token_ids)
         extra = {"logits_to_keep": 1} if last_logits_only and self._keeps_logits else {}
         out = self.model(input_ids=ids, cache=self.cache, use_cache=True, output_hidden_states=want_hidden, **extra)
-        self.length += len(token_ids)
+        self.grew(len(token_ids))
         hidden = out.hidden_states[-1][0] if want_hidden else None
         return out.logits[0].float(), hidden
+
+    def grew(self, count: int) -> None:
+        """A forward appended ``count`` positions to the cache (here, in a batched forward, or a tree round)."""
+        self.length += count
+        self.last_fed = count
+        self.fed_total += count
 
     def next_logits(self, ids: list[int]) -> torch.Tensor:
         """Logits for the token after the sequence ``ids`` (whose first ``length`` tokens are cached), feeding

@@ -35,7 +35,7 @@ import zmq
 from drafter_node.types import DRAFTER_TYPES
 from runtime import security
 from shared.batch import Row, can_batch, feed_rows
-from shared.costs import CurveCheck, NodeProfile, mark_stale, measuring_alone
+from shared.costs import CurveCheck, NodeProfile, measuring_alone
 from shared.kv import CachedLM, KVRowsError
 from shared.models import (
     ProfileSpec,
@@ -204,13 +204,13 @@ class VerifierServer:
         self.tokenizer = tokenizer or load_tokenizer(path)
         spec = ProfileSpec(self.threads.counts(), profile_sizes(config), float(vcfg["profile_s"]), role="verifier")
         self.profile: NodeProfile | None = None
-        self.curve_check = CurveCheck()
         # Load and measure while no other node on this machine does (the drafter starts at the same time).
         with measuring_alone(vcfg["device"]) if spec.budget_s > 0 else contextlib.nullcontext():
             self.model = model or load_causal_lm(path, vcfg["device"], vcfg["dtype"], vcfg.get("max_memory"),
                                                  profile=spec)
             if spec.budget_s > 0:
                 self.profile = profile_node(self.model, vcfg["model"], vcfg["device"], spec, "verifier")
+        self.curve_check = CurveCheck(self.profile)
         self.dtype = model_dtype(self.model)
         self.batching = self.max_batch_sessions > 1 and can_batch(CachedLM(self.model))
         if self.max_batch_sessions > 1 and not self.batching:
@@ -967,13 +967,10 @@ class VerifierServer:
     def _check_profile(self, tokens: int, seconds: float, context: int) -> None:
         """Compare a forward timed alone with the profile; a profile that keeps missing is re-measured next start
         (the drafters' plans follow the measured forwards meanwhile: every commit carries its forward's time)."""
-        if self.profile is None or not self.profile.key:
-            return
-        ratio = self.curve_check.observe(self.profile.curve(self._threads_now).cost(tokens, context), seconds)
+        ratio = self.curve_check.forward(self._threads_now, tokens, context, seconds)
         if ratio is not None:
             log.warning("verifier: forwards take %.2fx what the cached profile says (measured on a busy machine, or "
                         "the machine changed); the profile is measured again at the next start", ratio)
-            mark_stale(self.profile.key)
 
     def _drafting_elsewhere(self, batch: list[Session], now: float) -> bool:
         """A session outside ``batch`` waits for a block its drafter is drafting now."""

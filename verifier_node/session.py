@@ -286,10 +286,7 @@ class Session:
         scores = process_block(
             logits, prefix, torch.tensor(draft, dtype=torch.long), self.params, base_len - self.prompt_len
         )
-        # One reduction per row: the max is NaN if any score is, +inf for an overflow, -inf when nothing is left.
-        if not torch.isfinite(scores.amax(dim=-1)).all():
-            self.lm.crop(base_len - 1)  # the fed positions go: the session ends, but its cache stays consistent
-            raise NumericalError(f"session {self.sid}: the target's scores at position {base_len} are not finite")
+        self._check_finite(scores, base_len)
         if _ACCEPT_ALL:
             out = accept_everything(scores, draft, q, self._generator(base_len))
         elif self.params.do_sample:
@@ -303,11 +300,7 @@ class Session:
         kv = self.lm.new_rows(list(kv_layers), len(draft) + 1, len(out)) if kv_layers else None
         self.lm.crop(len(self.tokens) - 1)
         self.metrics.record(len(draft), accepted)
-        self.metrics.verify_batch_sum += batch_sessions
-        self.metrics.verify_s += time.monotonic() - plan.started
-        if self.first_token_at is None:
-            self.first_token_at = time.monotonic()
-        self.ready_since = time.monotonic()
+        self._round_done(plan, batch_sessions)
         if hidden is not None:
             hidden = hidden[: len(out)]
         return RoundResult(base_len, out, accepted, len(draft), hidden, kv, forward_s,
@@ -321,9 +314,7 @@ class Session:
         tree, base_len = plan.tree, plan.base_len
         prefix = torch.tensor(self.tokens, dtype=torch.long)
         scores = process_tree(logits, prefix, tree, self.params, base_len - self.prompt_len)
-        if not torch.isfinite(scores.amax(dim=-1)).all():
-            self.lm.crop(base_len - 1)
-            raise NumericalError(f"session {self.sid}: the target's scores at position {base_len} are not finite")
+        self._check_finite(scores, base_len)
         outcome = accept_tree_greedy(scores, tree)
         accepted = len(outcome.nodes)
         out = self._cut_at_end(outcome.tokens, plan.remaining)
@@ -334,13 +325,23 @@ class Session:
         self.metrics.tree_rounds += 1
         if any(tree.children(tree.parents[i])[0] != i for i in outcome.nodes):
             self.metrics.side_accepted += 1
+        self._round_done(plan, batch_sessions)
+        return RoundResult(base_len, out, accepted, len(tree), None, None, forward_s,
+                           batch_sessions=batch_sessions, batch_tokens=batch_tokens or len(tree) + 1)
+
+    def _check_finite(self, scores: torch.Tensor, base_len: int) -> None:
+        # One reduction per row: the max is NaN if any score is, +inf for an overflow, -inf when nothing is left.
+        if not torch.isfinite(scores.amax(dim=-1)).all():
+            self.lm.crop(base_len - 1)  # the fed positions go: the session ends, but its cache stays consistent
+            raise NumericalError(f"session {self.sid}: the target's scores at position {base_len} are not finite")
+
+    def _round_done(self, plan: RoundPlan, batch_sessions: int) -> None:
+        """The bookkeeping every committed round ends with (chain or tree)."""
         self.metrics.verify_batch_sum += batch_sessions
         self.metrics.verify_s += time.monotonic() - plan.started
         if self.first_token_at is None:
             self.first_token_at = time.monotonic()
         self.ready_since = time.monotonic()
-        return RoundResult(base_len, out, accepted, len(tree), None, None, forward_s,
-                           batch_sessions=batch_sessions, batch_tokens=batch_tokens or len(tree) + 1)
 
     def _generator(self, base_len: int) -> torch.Generator:
         return make_generator(self.params.seed or 0, base_len, stream=0)

@@ -1,11 +1,10 @@
 """Token-tree verification: one target forward verifies several candidate continuations, losslessly.
 
-Wiring (not done here): the Draft message gains an optional ``parents`` field (a parent index per drafted token,
--1 under the pending token; absent for a chain), and ``Session.finish_round`` takes the tree path when it is set.
-That path runs :func:`tree_forward` (or :func:`tree_row` in a batched ``feed_rows``) instead of ``lm.feed``,
-:func:`process_tree` and :func:`accept_tree_greedy` / :func:`accept_tree_sampling` instead of the chain rules, and
-:func:`keep_path` before the usual crop (then ``new_rows(layers, len(nodes) + 1, len(out))`` and the hidden rows
-:func:`kept_rows` names are the committed positions'; ``DraftTree.truncate`` cuts a tree to the budget).
+Where it is used: a ``draft`` with ``parents`` (a parent index per drafted token, -1 under the pending token) is a
+tree; ``Session.plan_round`` cuts it to the budget (``DraftTree.truncate``), the verifier runs :func:`tree_forward`
+(or :func:`tree_row` in a batched ``feed_rows``), and ``Session.finish_round`` takes :func:`process_tree`,
+:func:`accept_tree_greedy` and :func:`keep_path` before the usual crop. The nodes take trees for greedy requests
+only; :func:`accept_tree_sampling` is tested here but not used by them yet.
 
 Layout. The cache holds the committed prefix but the pending token (``L`` positions). A round feeds ``[pending,
 *tree.tokens]`` in one batch-1 forward: the pending token at position ``L``, node i at ``L + depth(i)``, with a 4D
@@ -157,8 +156,7 @@ def tree_forward(lm: CachedLM, pending: int, tree: DraftTree,
         use_cache=True,
         output_hidden_states=want_hidden,
     )
-    lm.length += len(row.tokens)
-    lm.last_fed = len(row.tokens)
+    lm.grew(len(row.tokens))
     hidden = out.hidden_states[-1][0] if want_hidden else None
     return out.logits[0].float(), hidden
 
