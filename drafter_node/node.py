@@ -307,6 +307,7 @@ class NodeSession:
         since, self.last_commit_at = self.last_commit_at, now
         if since is None:
             return
+        self.schedule.observe_round(committed, now - since)
         label, predicted = plan_label(self.schedule, bool(self.sent_sides))
         if label not in self.plan_rates and len(self.plan_rates) >= MAX_PLAN_LABELS:
             label = "other"

@@ -108,6 +108,9 @@ class DraftLengthSchedule:
         """One drafter step (one token, or one batched pre-draft step) took ``seconds``."""
         self.step_s = seconds if self.step_s is None else (1 - _EMA) * self.step_s + _EMA * seconds
 
+    def observe_round(self, committed: int, seconds: float) -> None:
+        """A round committed ``committed`` tokens ``seconds`` after the previous commit (the cost schedule's use)."""
+
     def observe_roundtrip(self, seconds: float) -> None:
         """A block's send → commit time (the verification round as the drafter sees it)."""
         self.roundtrip_s = seconds if self.roundtrip_s is None else (1 - _EMA) * self.roundtrip_s + _EMA * seconds
@@ -159,6 +162,7 @@ class CostSchedule(DraftLengthSchedule):
         self.probing = False
         self.explored = 0  # plans that drafted although the estimate alone would have chosen k = 0
         self.plans = {"solo": 0, "sync": 0, "overlap": 0, "tree": 0}
+        self.sized_block = False  # the block in flight was sized by the drafter's confidence (block_done answered)
         self.replan()
 
     @property
@@ -185,6 +189,7 @@ class CostSchedule(DraftLengthSchedule):
         fixed k applies — no probabilities, or not such a block)."""
         if not self.confidence_sized or not probs or any(p is None for p in probs):
             return None
+        self.sized_block = True
         return block_should_end(probs, self.book.calibration, self.book.costs(self.context()), self.max_k)
 
     def observe_confidence(self, probs: list[float | None], accepted: int) -> None:
@@ -192,6 +197,15 @@ class CostSchedule(DraftLengthSchedule):
         for i, p in enumerate(probs[: accepted + 1]):
             if p is not None:
                 self.book.calibration.observe(p, i < accepted)
+
+    def observe_round(self, committed: int, seconds: float) -> None:
+        """The round just committed gave ``committed`` tokens in ``seconds`` (commit to commit): recorded in the
+        book's :class:`~drafter_node.cost_model.SizedRounds` when its block was confidence-sized or overlapped (the
+        plan in force is the one it was sent under), at batch 1."""
+        if self.book.batch > 1 or seconds <= 0 or self.probing:
+            return
+        if self.sized_block or self.overlap_now:
+            self.book.sized.observe(committed, seconds, sized=self.sized_block)
 
     # The cost book measures steps and round trips for every session; the EMAs of the older schedules are unused.
     def observe_step(self, seconds: float) -> None:
@@ -221,6 +235,7 @@ class CostSchedule(DraftLengthSchedule):
             self.acc.observe(drafted, accepted)
             self.book.acceptance.observe(drafted, accepted)
         was_probe, self.probing = self.probing, False
+        self.sized_block = False
         self.replan(was_probe=was_probe)
 
     @property
@@ -235,6 +250,8 @@ class CostSchedule(DraftLengthSchedule):
         plan = best_plan(self.acc, costs, self.max_k, self.rows_ok, allow_solo=allow_solo, **allowed)
         if self.tree:
             plan = self._tree_or(plan, costs)
+        if plan.overlap:
+            plan = self._sized_or(plan, costs)
         if plan.solo:
             # Explore: k = 0 only where drafting loses even at the acceptance the evidence cannot rule out; else
             # the plan that would win at that acceptance, with the rate the estimate itself predicts for it.
@@ -263,6 +280,26 @@ class CostSchedule(DraftLengthSchedule):
         if not tree.sides or tree.rate <= plan.rate:
             return plan
         return Plan(tree.k, False, 0, tree.rate, sides=tuple(tree.sides))
+
+    def _sized_or(self, plan: Plan, costs: Costs) -> Plan:
+        """An overlapped ``plan``, or a confidence-sized synchronous round instead where the rate such rounds
+        realised (:class:`~drafter_node.cost_model.SizedRounds`) beats what overlap realised (or, before that is
+        known, its predicted rate); one is tried when there is no record yet and after SIZED_REFRESH_ROUNDS
+        overlapped rounds. Only at batch 1, where the records are kept; where the nodes have separate hardware,
+        overlap realises more and keeps winning."""
+        sized = self.book.sized
+        if self.book.batch > 1:
+            return plan
+        rate = sized.sized.rate
+        trying = sized.wants_try()
+        if not trying and (rate is None or rate <= sized.overlap_rate(plan.rate)):
+            sized.overlapped += 1
+            return plan
+        sized.overlapped = 0
+        if trying:
+            sized.tries += 1
+        sync = best_plan(self.acc, costs, self.max_k, self.rows_ok, allow_solo=False, allow_overlap=False)
+        return Plan(sync.k, False, 0, rate if rate is not None else sync.rate)
 
     def _start_solo(self) -> None:
         self.solo_left = self.solo_span

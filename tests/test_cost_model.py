@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from drafter_node.cost_model import Acceptance, CostBook, Costs, best_plan, plans
+from drafter_node.cost_model import (
+    SIZED_MAX_TRIES,
+    SIZED_REFRESH_ROUNDS,
+    Acceptance,
+    CostBook,
+    Costs,
+    best_plan,
+    plans,
+)
 from drafter_node.schedule import SOLO_ROUNDS_MAX, SOLO_ROUNDS_MIN, CostSchedule
 from shared.costs import CostCurve, NodeProfile
 
@@ -312,3 +320,80 @@ def test_synchronous_cost_blocks_are_sized_by_confidence_probes_are_not():
     s.probing = True
     assert s.block_done([0.99, 0.05]) is None
 
+
+
+# ----------------------------------------------------------------------------- what sized rounds realise
+def _overlap_schedule(book: CostBook) -> CostSchedule:
+    return CostSchedule(5, 8, book, context=lambda: 60, overlap=True)
+
+
+def _sized_round(s: CostSchedule, committed: int, seconds: float) -> None:
+    """One synchronous round whose block the drafter sized by confidence, committing in ``seconds`` (the node's
+    order: the round is observed, then the schedule updated)."""
+    assert s.block_done([0.99]) is False
+    s.observe_round(committed, seconds)
+    s.update(committed - 1, committed - 1)
+
+
+def test_a_fresh_pair_tries_confidence_sized_sync_rounds_before_settling_on_overlap():
+    book = _real_book()
+    s = _overlap_schedule(book)
+    assert best_plan(s.acc, book.costs(60), 8, rows_ok=True).overlap, "the premise: the model alone overlaps"
+    assert not s.plan.overlap and s.confidence_sized, "no record yet: the first round is a sized try"
+
+
+def test_sized_rounds_that_realise_more_than_overlap_realises_keep_the_plan_synchronous():
+    """Run D of issue 17: sized sync rounds realised ≈ 7.3 tok/s, overlap on the shared cores ≈ 5, while the
+    model predicted overlap above both. Once both are recorded the realised rates decide."""
+    book = _real_book()
+    s = _overlap_schedule(book)
+    rounds = 0
+    while not s.plan.overlap and rounds < 10:
+        _sized_round(s, 8, 1.1)
+        rounds += 1
+    assert s.plan.overlap, "the premise: the prediction for overlap beats the sized record at first"
+    while s.plan.overlap and rounds < 20:
+        s.observe_round(s.k + 1, (s.k + 1) / 5.0)  # what overlap really gives here
+        s.update(s.k, s.k)
+        rounds += 1
+    assert not s.plan.overlap and book.sized.overlap.rate == pytest.approx(5.0)
+    for _ in range(SIZED_REFRESH_ROUNDS * 2):
+        _sized_round(s, 8, 1.1)
+        assert not s.plan.overlap and s.plan.rate == pytest.approx(8 / 1.1)
+
+
+def test_slow_sized_rounds_give_way_to_overlap_and_are_refreshed_now_and_then():
+    book = _real_book()
+    s = _overlap_schedule(book)
+    _sized_round(s, 2, 2.0)
+    _sized_round(s, 2, 2.0)  # 1 tok/s: overlap predicts more
+    assert s.plan.overlap
+    overlapped = 0
+    while s.plan.overlap:
+        s.update(s.k, s.k)
+        overlapped += 1
+        assert overlapped <= SIZED_REFRESH_ROUNDS + 1
+    assert overlapped >= SIZED_REFRESH_ROUNDS - 1 and s.confidence_sized
+
+
+def test_a_drafter_without_probabilities_stops_being_tried_after_a_few_rounds():
+    s = _overlap_schedule(_real_book())
+    tries = 0
+    for _ in range(12):
+        if not s.plan.overlap:
+            tries += 1
+            assert s.block_done([None]) is None  # the drafter cannot size: nothing is recorded
+        s.observe_round(s.k + 1, 0.5)
+        s.update(s.k, s.k)
+    assert tries == SIZED_MAX_TRIES and s.plan.overlap
+
+
+def test_batched_sessions_are_neither_tried_nor_recorded():
+    book = _real_book()
+    book.start_batch(4)
+    s = _overlap_schedule(book)
+    for _ in range(4):
+        s.block_done([0.99])
+        s.observe_round(s.k + 1, 0.1)
+        s.update(s.k, s.k)
+    assert book.sized.sized.samples == book.sized.overlap.samples == book.sized.tries == 0
