@@ -87,14 +87,18 @@ def _die_with_parent() -> None:
 #: made a synchronous round's publish 5 ms and its forwards 2x slower on a 2-core machine. 10,000 still covers the
 #: gaps between the regions of one forward.
 NODE_ENV = {"GOMP_SPINCOUNT": "10000"}
+#: What a node process runs after the interpreter. Tests name their own entry script in ``Cluster(entry=...)`` to
+#: start a node with test behaviour injected as objects (tests/node_entry.py); production code reads no test switch.
+NODE_ENTRY = ["-m", "runtime.launch"]
 
 
 class Cluster:
     """The node processes of one config, started and supervised by this process."""
 
     def __init__(self, config: dict[str, Any], run_dir: str | None = None, env: dict[str, str] | None = None,
-                 prefix: dict[str, list[str]] | None = None):
-        """``prefix``: a command put before a role's node command (e.g. ``["ip", "netns", "exec", "ns1"]``)."""
+                 prefix: dict[str, list[str]] | None = None, entry: dict[str, list[str]] | None = None):
+        """``prefix``: a command put before a role's node command (e.g. ``["ip", "netns", "exec", "ns1"]``);
+        ``entry``: what a role's process runs instead of :data:`NODE_ENTRY` (tests inject behaviour this way)."""
         check_security(config, ("verifier", "drafter", "client"))
         self.own_run_dir = run_dir is None  # a folder we made is removed on a clean stop
         try:  # mkdtemp makes it 0700: the ipc sockets in it are ours alone
@@ -104,6 +108,7 @@ class Cluster:
         self.config = fill_run_dir(config, self.run_dir)
         self.env = env
         self.prefix = prefix or {}
+        self.entry = entry or {}
         # The drafter we start proves in hello that it is ours (links without CURVE); a cluster without its own
         # drafter takes one from elsewhere, so it sets a secret only if it was given one.
         start_drafter = self.config["launch"]["start_drafter"]
@@ -130,8 +135,8 @@ class Cluster:
             env[security.SECRET_ENV] = self.run_secret  # the environment, not argv: ps shows argv to everyone
         log = open(self.log_path(name), "ab")  # noqa: SIM115 - the child keeps it
         proc = subprocess.Popen(
-            [*self.prefix.get(role, []), sys.executable, "-m", "runtime.launch", "--config", str(self.config_path),
-             "--role", role],
+            [*self.prefix.get(role, []), sys.executable, *self.entry.get(role, NODE_ENTRY), "--config",
+             str(self.config_path), "--role", role],
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, cwd=REPO_ROOT,
             preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
         )
@@ -209,13 +214,14 @@ async def cluster(
     env: dict[str, str] | None = None,
     timeout_s: float | None = None,
     prefix: dict[str, list[str]] | None = None,
+    entry: dict[str, list[str]] | None = None,
 ) -> AsyncIterator[AsyncClient]:
     """Start the nodes of ``config`` as subprocesses and yield a connected client (with the config's client keys
-    when the client link runs CURVE); stop them on exit. ``prefix``: see :class:`Cluster`."""
+    when the client link runs CURVE); stop them on exit. ``prefix``, ``entry``: see :class:`Cluster`."""
     cfg = load_config(config, overrides)
     check_security(cfg)  # before any model is fetched
     await asyncio.to_thread(prepare_models, cfg)
-    nodes = Cluster(cfg, env=env, prefix=prefix)
+    nodes = Cluster(cfg, env=env, prefix=prefix, entry=entry)
     nodes.start()
     failed = True
     try:
@@ -269,7 +275,8 @@ def parse_http_address(text: str) -> dict[str, Any]:
     return {"http.host": host, "http.port": int(port)}
 
 
-def _run_role(config: dict[str, Any], role: str, run_dir: str | None) -> int:
+def _run_role(config: dict[str, Any], role: str, run_dir: str | None, hooks: dict[str, Any] | None = None) -> int:
+    """Run one node in this process; ``hooks``: keyword arguments for the node's ``run`` (tests inject objects)."""
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role} %(levelname)s %(message)s")
     check_security(config, (role,))
     if "{run_dir}" in json.dumps(config):
@@ -287,11 +294,11 @@ def _run_role(config: dict[str, Any], role: str, run_dir: str | None) -> int:
 
         print(f"verifier: drafters connect to {config['verifier']['endpoint']}; clients to "
               f"{config['client']['endpoint']}", flush=True)
-        run(config)
+        run(config, **(hooks or {}))
         return 0
     from drafter_node.node import run
 
-    return run(config)
+    return run(config, **(hooks or {}))
 
 
 def _load_messages(path: str) -> list[dict[str, str]]:
@@ -404,7 +411,8 @@ def _run_async(coro) -> int:
     return uvloop.run(coro)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, hooks: dict[str, Any] | None = None) -> int:
+    """The CLI; ``hooks`` go to a ``--role`` node's ``run`` (tests/node_entry.py injects test behaviour)."""
     args = _parser().parse_args(argv)
     try:
         overrides = parse_overrides(args.set)
@@ -414,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
             overrides.update(parse_http_address(args.http))
         config = load_config(args.config, overrides)
         if args.role:
-            return _run_role(config, args.role, args.run_dir)
+            return _run_role(config, args.role, args.run_dir, hooks)
         coro = _one_shot(args, config) if args.prompt is not None or args.messages else _serve(config, args.run_dir)
         return _run_async(coro)
     except (ConfigError, LaunchError, PipespecError, TimeoutError, ModelLoadError, RegistryError, KeysError) as exc:

@@ -66,3 +66,21 @@ def test_greedy_matches_transformers(tiny, arch, drafter, overlap, k):
         assert plain["acceptance_rate"] == 1.0
     else:
         assert plain["acceptance_rate"] < 0.9
+
+
+def test_nodes_started_through_a_test_entry_behave_the_same(tiny):
+    """``Cluster(entry=...)`` (how tests inject behaviour into node processes) runs the same nodes."""
+    from node_entry import node_entry
+
+    target = tiny("llama", "target")
+    config = tiny_config(target, tiny("llama", "random"), num_draft_tokens=3)
+    entry = {role: node_entry("none") for role in ("verifier", "drafter")}
+
+    async def main():
+        async with cluster(config, entry=entry) as client:
+            cmdlines = [" ".join(p.args) for p in client.processes.values()]
+            return cmdlines, await client.generate(token_ids=PROMPTS[0], max_new_tokens=20, eos_token_ids=[])
+
+    cmdlines, result = asyncio.run(main())
+    assert all("node_entry.py none" in line for line in cmdlines)
+    assert result.token_ids == reference_greedy(target, PROMPTS[0], 20)
