@@ -33,9 +33,7 @@ fresh socket (a new connection: nothing queued for the old verifier is delivered
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
-import os
 import signal
 import socket
 import sys
@@ -354,21 +352,6 @@ def plan_label(schedule: DraftLengthSchedule, tree: bool = False) -> tuple[str, 
     return f"{schedule.mode} k={schedule.k}", 0.0
 
 
-def test_costs() -> tuple[CostCurve, CostCurve] | None:
-    """Test-only: fixed cost curves from ``PIPESPEC_TEST_COSTS`` (JSON ``{"verify": {n: s}, "draft": {n: s}}``), so
-    a test on tiny models (whose forwards all cost about the same) gets the plans it means to exercise."""
-    raw = os.environ.get("PIPESPEC_TEST_COSTS")
-    if not raw:
-        return None
-    spec = json.loads(raw)
-
-    def curve(points: dict[str, float]) -> CostCurve:
-        sizes = sorted(int(n) for n in points)
-        return CostCurve(sizes=sizes, seconds=[float(points[str(n)]) for n in sizes], prefix_len=0)
-
-    return curve(spec["verify"]), curve(spec["draft"])
-
-
 def load_drafter(dcfg: dict[str, Any]) -> Drafter:
     """Build the configured drafter type; files it cannot read or fetch (a hub id without hub access, a missing
     folder) become one clear error naming what it was loading, not a traceback from deep inside a loader."""
@@ -380,7 +363,11 @@ def load_drafter(dcfg: dict[str, Any]) -> Drafter:
 
 
 class DrafterNode:
-    def __init__(self, config: dict[str, Any], drafter: Drafter | None = None):
+    def __init__(self, config: dict[str, Any], drafter: Drafter | None = None,
+                 fixed_costs: tuple[CostCurve, CostCurve] | None = None):
+        """``fixed_costs``: (verify, draft) curves that replace measured ones and are never re-measured or
+        remembered (tests on tiny models, whose forwards all cost about the same, pass them to get the plans they
+        mean to exercise: tests/node_entry.py)."""
         dcfg = config["drafter"]
         self.dcfg = dcfg
         self.threads = ThreadPlan.for_node(config, "drafter")
@@ -397,7 +384,7 @@ class DrafterNode:
         if self.drafter.free_drafting:  # no model: nothing to measure, and no step to learn a curve from
             self.book.set_free_drafter()
         self.book.draft_batched = self.max_batch_sessions > 1  # what the cost model assumes of our steps
-        self._fixed_costs = test_costs()
+        self._fixed_costs = fixed_costs
         if self._fixed_costs:
             self.book.fix_curves(*self._fixed_costs)
         self._threads_now = self.threads.share
@@ -824,6 +811,6 @@ class DrafterNode:
                 self.memory.session_ended(self.book.acceptance)
 
 
-def run(config: dict[str, Any]) -> int:
-    """Entry point of the drafter process."""
-    return DrafterNode(config).serve()
+def run(config: dict[str, Any], fixed_costs: tuple[CostCurve, CostCurve] | None = None) -> int:
+    """Entry point of the drafter process (``fixed_costs``: see :class:`DrafterNode`)."""
+    return DrafterNode(config, fixed_costs=fixed_costs).serve()

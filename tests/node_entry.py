@@ -8,14 +8,44 @@ way production never does (an acceptance rule that accepts everything, a slow fo
 
 from __future__ import annotations
 
+import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from shared.costs import CostCurve
+from shared.sampling import sample
+
+
+def accept_everything(scores: torch.Tensor, draft: list[int], q: torch.Tensor | None,
+                      generator: torch.Generator) -> list[int]:
+    """NEGATIVE CONTROL: keeps every draft (biased towards q); a lossless check must catch a verifier using it."""
+    return [*draft, sample(scores[len(draft)].softmax(-1), generator)]
+
+
+def fixed_costs(spec_json: str) -> tuple[CostCurve, CostCurve]:
+    """(verify, draft) curves from JSON ``{"verify": {n: s}, "draft": {n: s}}``."""
+    spec = json.loads(spec_json)
+
+    def curve(points: dict[str, float]) -> CostCurve:
+        sizes = sorted(int(n) for n in points)
+        return CostCurve(sizes=sizes, seconds=[float(points[str(n)]) for n in sizes], prefix_len=0)
+
+    return curve(spec["verify"]), curve(spec["draft"])
+
+
 #: Hook name -> a function building the node's ``run`` keyword arguments from the hook's argument (a string or None).
 HOOKS: dict[str, Callable[[str | None], dict[str, Any]]] = {
     "none": lambda arg: {},
+    # verifier: the negative control of the distribution tests (tests/sampling_check.py)
+    "accept_all": lambda arg: {"accept": accept_everything},
+    # verifier: seconds slept before each target forward (a slow target on tiny models)
+    "forward_delay": lambda arg: {"forward_delay_s": float(arg or 0.05)},
+    # drafter: fixed cost curves instead of measured ones (tiny models' forwards all cost about the same)
+    "costs": lambda arg: {"fixed_costs": fixed_costs(arg or "")},
 }
 
 
@@ -24,6 +54,11 @@ def node_entry(hook: str, arg: str | None = None) -> list[str]:
     if hook not in HOOKS:
         raise KeyError(f"unknown node hook {hook!r} (known: {', '.join(sorted(HOOKS))})")
     return [str(Path(__file__).resolve()), hook if arg is None else f"{hook}={arg}"]
+
+
+def costs_entry(spec_json: str) -> dict[str, list[str]]:
+    """``Cluster(entry=...)`` for a drafter whose cost curves are ``spec_json`` (see :func:`fixed_costs`)."""
+    return {"drafter": node_entry("costs", spec_json)}
 
 
 def main() -> int:

@@ -1,12 +1,14 @@
 """The sampling check shared by every drafter type: the exact joint distribution of a tiny target's first two
 sampled tokens, an empirical one from N seeded requests through a running cluster, and their total-variation
-distance. Used with a negative control (``PIPESPEC_UNSAFE_ACCEPT_ALL=1``) that the same bound must catch."""
+distance. Used with a negative control (a verifier that accepts every draft, injected by tests/node_entry.py)
+that the same bound must catch."""
 
 from __future__ import annotations
 
 import asyncio
 
 import torch
+from node_entry import node_entry
 from transformers import AutoModelForCausalLM
 
 from runtime.launch import cluster
@@ -33,12 +35,12 @@ def exact_joint(model_or_folder, prompt: list[int] = PROMPT) -> torch.Tensor:
     return p1[:, None] * p2
 
 
-async def sample_pairs(config, env=None, prompt: list[int] = PROMPT) -> torch.Tensor:
+async def sample_pairs(config, entry=None, prompt: list[int] = PROMPT) -> torch.Tensor:
     """Empirical joint of the first two tokens over N seeded requests (50 in flight at a time, so rounds are verified
     in batches)."""
     counts = torch.zeros(VOCAB, VOCAB)
     drafts, batched = 0, 0.0
-    async with cluster(config, env=env) as client:
+    async with cluster(config, entry=entry) as client:
         for start in range(0, N, 50):
             results = await asyncio.gather(*(
                 client.generate(token_ids=prompt, max_new_tokens=2, do_sample=True, seed=seed, eos_token_ids=[])
@@ -59,11 +61,14 @@ def tv(a: torch.Tensor, b: torch.Tensor) -> float:
     return 0.5 * float((a - b).abs().sum())
 
 
-def check_lossless_sampling(config, exact: torch.Tensor, prompt: list[int] = PROMPT) -> tuple[float, float]:
+def check_lossless_sampling(config, exact: torch.Tensor, prompt: list[int] = PROMPT,
+                            entry: dict[str, list[str]] | None = None) -> tuple[float, float]:
     """The whole check: sampled through ``config`` the joint is within TV_BOUND of ``exact``, and the accept-all
-    negative control on the same config is not (so the check can fail). Returns (TV, control TV)."""
-    lossless = tv(asyncio.run(sample_pairs(config, prompt=prompt)), exact)
-    control = tv(asyncio.run(sample_pairs(config, env={"PIPESPEC_UNSAFE_ACCEPT_ALL": "1"}, prompt=prompt)), exact)
+    negative control on the same config is not (so the check can fail). Returns (TV, control TV). ``entry``: node
+    entries for both runs (``cluster(entry=...)``); the control's verifier runs the accept-all hook."""
+    lossless = tv(asyncio.run(sample_pairs(config, entry=entry, prompt=prompt)), exact)
+    control_entry = {**(entry or {}), "verifier": node_entry("accept_all")}
+    control = tv(asyncio.run(sample_pairs(config, entry=control_entry, prompt=prompt)), exact)
     print(f"sampling TV {lossless:.3f} (bound {TV_BOUND}), accept-all control {control:.3f}")
     assert lossless < TV_BOUND
     assert control > 2 * TV_BOUND, "the drafts must really differ from the target, or the check tests nothing"

@@ -9,6 +9,7 @@ import asyncio
 import pytest
 import torch
 from conftest import tiny_config, wait_for_drafter
+from node_entry import node_entry
 from tiny_models import reference_greedy
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -267,7 +268,7 @@ def test_prompts_arriving_together_are_prefilled_in_shared_forwards(tiny):
     config = tiny_config(target, tiny("llama", "random"), num_draft_tokens=2)
 
     async def main():
-        async with cluster(config, env={"PIPESPEC_TEST_FORWARD_DELAY_S": "0.05"}) as client:
+        async with cluster(config, entry={"verifier": node_entry("forward_delay", "0.05")}) as client:
             await wait_for_drafter(client)
             results = await asyncio.gather(*(client.generate(token_ids=p, max_new_tokens=12, eos_token_ids=[])
                                              for p in prompts))

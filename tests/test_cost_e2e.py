@@ -3,9 +3,9 @@ keeps the target's distribution while the plan moves between overlapped blocks, 
 verifier stepping alone) and probes.
 
 Tiny models cost about the same for any forward, so the plans are made deterministic with fixed cost curves
-(``PIPESPEC_TEST_COSTS``): a verifier whose forward over 1..9 tokens costs about one token's (drafting pays while
-acceptance is high), and a cheap drafter. A random drafter then drives the plan to k = 0; an identical one keeps
-drafting.
+(injected into the drafter process by tests/node_entry.py): a verifier whose forward over 1..9 tokens costs about one
+token's (drafting pays while acceptance is high), and a cheap drafter. A random drafter then drives the plan to
+k = 0; an identical one keeps drafting.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import json
 
 import pytest
 from conftest import hand_played, peer_messages, peer_socket, tiny_config, wait_for_drafter
+from node_entry import costs_entry as costs
 from sampling_check import check_lossless_sampling, exact_joint
 from tiny_models import reference_greedy
 
@@ -29,9 +30,9 @@ FLAT_TO_1024 = json.dumps({"verify": {"1": 0.010, "17": 0.014, "1024": 0.016},
 LINEAR_VERIFY = json.dumps({"verify": {"1": 0.010, "17": 0.170}, "draft": {"1": 0.003, "17": 0.05}})
 
 
-def run(config, env, cases):
+def run(config, entry, cases):
     async def main():
-        async with cluster(config, env=env) as client:
+        async with cluster(config, entry=entry) as client:
             return await asyncio.gather(*(client.generate(token_ids=p, max_new_tokens=n, eos_token_ids=[])
                                           for p, n in cases))
     return asyncio.run(main())
@@ -46,7 +47,7 @@ def test_greedy_identity_with_the_cost_schedule(tiny, arch, drafter, overlap):
     config = tiny_config(target, draft_model, num_draft_tokens=4, overlap=overlap, draft_schedule="cost",
                          max_draft_tokens=8, profile_s=2)  # the drafter measures itself (under the machine lock)
     config["verifier"]["profile_s"] = 2
-    results = run(config, {"PIPESPEC_TEST_COSTS": FLAT_VERIFY}, cases)
+    results = run(config, costs(FLAT_VERIFY), cases)
     for (prompt, n), result in zip(cases, results):
         assert result.token_ids == reference_greedy(target, prompt, n), f"prompt {prompt}"
     m = results[0].metrics
@@ -76,17 +77,17 @@ def test_greedy_identity_with_the_cost_schedule(tiny, arch, drafter, overlap):
 def test_linear_verify_costs_switch_drafting_off_even_for_a_perfect_drafter(tiny):
     target = tiny("llama", "target")
     config = tiny_config(target, target, num_draft_tokens=4, draft_schedule="cost", threads="auto")
-    (result,) = run(config, {"PIPESPEC_TEST_COSTS": LINEAR_VERIFY}, [(PROMPTS[0], 40)])
+    (result,) = run(config, costs(LINEAR_VERIFY), [(PROMPTS[0], 40)])
     assert result.token_ids == reference_greedy(target, PROMPTS[0], 40)
     m = result.metrics
     assert m["solo_rounds"] >= 30 and m["plans"]["solo"] > 0
 
 
-def test_sampling_stays_exact_with_the_cost_schedule(sharp_pair, monkeypatch):
+def test_sampling_stays_exact_with_the_cost_schedule(sharp_pair):
     target, drafter = sharp_pair
-    monkeypatch.setenv("PIPESPEC_TEST_COSTS", FLAT_TO_1024)  # its 50 requests at once start planned at batch 50
     config = tiny_config(target, drafter, num_draft_tokens=3, q_top_k=0, draft_schedule="cost")
-    check_lossless_sampling(config, exact_joint(target))
+    # FLAT_TO_1024: its 50 requests at once start planned at batch 50
+    check_lossless_sampling(config, exact_joint(target), entry=costs(FLAT_TO_1024))
 
 
 BAD_IDLE = [-1, "many", 5000, True, 2.5]
@@ -171,7 +172,7 @@ def test_prompt_lookup_is_planned_too_and_stops_drafting_where_verifying_costs(t
     target = tiny("llama", "target")
     config = tiny_config(target, None, type="prompt_lookup", draft_schedule="cost")
     prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7]  # something to copy
-    (result,) = run(config, {"PIPESPEC_TEST_COSTS": LINEAR_VERIFY}, [(prompt, 30)])
+    (result,) = run(config, costs(LINEAR_VERIFY), [(prompt, 30)])
     assert result.token_ids == reference_greedy(target, prompt, 30)
     assert result.metrics["solo_rounds"] >= 20
 
@@ -190,7 +191,7 @@ def test_the_plan_follows_the_batch_size_without_splitting_batches(tiny):
     prompts = [[5, 17, 33, 2, 60], [100, 101, 7], [9, 8, 7, 6], [40, 41], [3, 4, 5, 6, 7, 8, 9], [60, 61, 62]]
 
     async def main():
-        async with cluster(config, env={"PIPESPEC_TEST_COSTS": BATCH_BOUND}) as client:
+        async with cluster(config, entry=costs(BATCH_BOUND)) as client:
             await wait_for_drafter(client)
             first = await client.generate(token_ids=prompts[0], max_new_tokens=30, eos_token_ids=[])
             before = await client.ping()

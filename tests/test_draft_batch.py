@@ -14,6 +14,7 @@ import copy
 import pytest
 import torch
 from conftest import tiny_config
+from node_entry import node_entry
 from tiny_models import reference_greedy
 from transformers import AutoModelForCausalLM
 
@@ -312,10 +313,10 @@ def test_concurrent_greedy_requests_match_transformers(tiny, drafter, batching):
     target = tiny("llama")
     config = tiny_config(target, tiny("llama", drafter), num_draft_tokens=3, batching=batching)
     expected = [reference_greedy(target, p, n) for p, n in zip(E2E_PROMPTS, E2E_NEW)]
-    env = {"PIPESPEC_TEST_FORWARD_DELAY_S": "0.05"} if drafter == "target" else None
+    entry = {"verifier": node_entry("forward_delay", "0.05")} if drafter == "target" else None
 
     async def main():
-        async with cluster(copy.deepcopy(config), env=env) as client:
+        async with cluster(copy.deepcopy(config), entry=entry) as client:
             return await asyncio.gather(*(client.generate(token_ids=p, max_new_tokens=n, eos_token_ids=[])
                                           for p, n in zip(E2E_PROMPTS, E2E_NEW)))
 

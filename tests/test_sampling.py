@@ -12,6 +12,7 @@ import math
 
 import pytest
 import torch
+from node_entry import accept_everything
 from transformers import (
     RepetitionPenaltyLogitsProcessor,
     TemperatureLogitsWarper,
@@ -21,7 +22,7 @@ from transformers import (
 
 from drafter_node.lm_drafter import choose
 from shared.sampling import GenerationParams, ParamError, make_generator, process_block, process_logits
-from verifier_node.acceptance import accept_everything, accept_greedy, accept_sampling
+from verifier_node.acceptance import accept_greedy, accept_sampling
 
 V = 6
 

@@ -1,5 +1,5 @@
 """Sampling through the running cluster has the target's distribution (TV bound), and a verifier that accepts
-every draft (the negative control, ``PIPESPEC_UNSAFE_ACCEPT_ALL=1``) fails the same check.
+every draft (the negative control: tests/node_entry.py's ``accept_all`` hook) fails the same check.
 
 Tiny sharpened models over a 12-token vocabulary; the exact joint distribution of the first two generated tokens is
 computed from the target with transformers, so only the runtime's own sampling adds noise.

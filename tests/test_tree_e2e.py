@@ -3,9 +3,9 @@ on the target alone while the drafter sends its chain plus second-choice leaves 
 forward (alone and batched with another session); malformed ``parents`` are refused and the verifier keeps serving;
 sampled requests keep chains.
 
-As in tests/test_cost_e2e.py, fixed cost curves (``PIPESPEC_TEST_COSTS``: a verifier whose forward costs about the
-same over 1..17 tokens) make the plans deterministic enough: there a side leaf costs next to nothing, so the planner
-adds some while acceptance is uncertain.
+As in tests/test_cost_e2e.py, fixed cost curves (injected into the drafter process by tests/node_entry.py: a
+verifier whose forward costs about the same over 1..17 tokens) make the plans deterministic enough: there a side leaf
+costs next to nothing, so the planner adds some while acceptance is uncertain.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import json
 import pytest
 import torch
 from conftest import hand_played, peer_messages, peer_socket, tiny_config, wait_for_drafter
+from node_entry import costs_entry as costs
 from tiny_models import reference_greedy
 
 from runtime.launch import cluster
@@ -42,9 +43,9 @@ def noisy(tiny, tmp_path_factory):
     return folder
 
 
-def run(config, env, cases, **params):
+def run(config, entry, cases, **params):
     async def main():
-        async with cluster(config, env=env) as client:
+        async with cluster(config, entry=entry) as client:
             return await asyncio.gather(*(client.generate(token_ids=p, max_new_tokens=n, eos_token_ids=[], **params)
                                           for p, n in cases))
     return asyncio.run(main())
@@ -60,7 +61,7 @@ def test_greedy_identity_with_token_trees(tiny, noisy, drafter):
     target = tiny("llama", "target")
     draft_model = noisy if drafter == "noisy" else tiny("llama", drafter)
     cases = [(PROMPTS[0], 60), (PROMPTS[1], 40)]  # two at once: tree rows in batched forwards too
-    results = run(tree_config(target, draft_model), {"PIPESPEC_TEST_COSTS": FLAT_VERIFY}, cases)
+    results = run(tree_config(target, draft_model), costs(FLAT_VERIFY), cases)
     for (prompt, n), result in zip(cases, results):
         assert result.token_ids == reference_greedy(target, prompt, n), f"prompt {prompt}"
     m = [r.metrics for r in results]
@@ -79,7 +80,7 @@ def test_greedy_identity_with_token_trees(tiny, noisy, drafter):
 
 def test_sampled_requests_keep_chains(tiny, noisy):
     target = tiny("llama", "target")
-    (result,) = run(tree_config(target, noisy), {"PIPESPEC_TEST_COSTS": FLAT_VERIFY}, [(PROMPTS[0], 30)],
+    (result,) = run(tree_config(target, noisy), costs(FLAT_VERIFY), [(PROMPTS[0], 30)],
                     do_sample=True, temperature=0.9, seed=3)
     m = result.metrics
     assert len(result.token_ids) == 30 and m["drafts"] > 0

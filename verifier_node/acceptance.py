@@ -22,9 +22,15 @@ the bonus, and returns the committed tokens: n accepted drafts followed by the t
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from shared.sampling import sample
+
+#: A rule that replaces the method's own acceptance (``Session(accept=...)``): (processed scores, draft, q or None,
+#: generator) -> the committed tokens. Only tests inject one (a negative control that must fail the lossless check).
+AcceptRule = Callable[[torch.Tensor, list[int], torch.Tensor | None, torch.Generator], list[int]]
 
 
 def check_ensemble_weight(w: float | None) -> None:
@@ -108,8 +114,3 @@ def accept_sampling(
         return out
     out.append(sample(p[len(draft)], generator))
     return out
-
-
-def accept_everything(scores: torch.Tensor, draft: list[int], q: torch.Tensor | None, generator: torch.Generator):
-    """NEGATIVE CONTROL for tests only: keeps every draft (biased towards q). Enabled by PIPESPEC_UNSAFE_ACCEPT_ALL."""
-    return [*draft, sample(scores[len(draft)].softmax(-1), generator)]

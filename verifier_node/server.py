@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import os
 import secrets
 import signal
 import time
@@ -78,7 +77,7 @@ from shared.protocol import (
 )
 from shared.sampling import GenerationParams, ParamError
 from shared.transport import Authenticator, bind_router
-from verifier_node.acceptance import check_ensemble_weight
+from verifier_node.acceptance import AcceptRule, check_ensemble_weight
 from verifier_node.draft_wait import DraftWait
 from verifier_node.drafters import DrafterLink, DrafterPool
 from verifier_node.session import NumericalError, RoundPlan, RoundResult, Session
@@ -176,7 +175,12 @@ def _checked_stats(stats: dict[str, Any]) -> dict[str, Any]:
 
 
 class VerifierServer:
-    def __init__(self, config: dict[str, Any], model=None, tokenizer=None):
+    def __init__(self, config: dict[str, Any], model=None, tokenizer=None, forward_delay_s: float = 0.0,
+                 accept: AcceptRule | None = None):
+        """``forward_delay_s`` and ``accept`` exist for tests (tests/node_entry.py injects them): seconds added
+        before each target forward, so tests on tiny models (whose forwards take about as long as a drafter's step
+        or a message) can rely on drafts made ahead and on requests arriving while a forward runs; and an
+        acceptance rule that replaces the method's own (the negative control of the distribution tests)."""
         vcfg = config["verifier"]
         self.config = config
         self.draft_timeout = vcfg["draft_timeout_ms"] / 1000
@@ -187,10 +191,8 @@ class VerifierServer:
         self.forwards = self.batch_sessions_sum = self.batch_tokens_sum = 0
         self.max_prefill_tokens = int(vcfg.get("max_prefill_tokens", 2048))
         self.prefill_forwards = self.prefill_sessions_sum = 0
-        # Test-only (PIPESPEC_TEST_FORWARD_DELAY_S): seconds added before each target forward (rounds and prompts), so
-        # a test on tiny models (whose forwards take about as long as a drafter's step or a message) can rely on
-        # drafts made ahead and on requests arriving while a forward runs.
-        self.test_forward_delay_s = float(os.environ.get("PIPESPEC_TEST_FORWARD_DELAY_S", "0") or 0)
+        self.forward_delay_s = forward_delay_s
+        self.accept_rule = accept
         self.forward_s_ema = 0.0  # recent verification forward time (bounds the wait for drafts on their way)
         self.max_bytes = vcfg.get("max_message_bytes", DEFAULT_MAX_MESSAGE_BYTES)
         # A client silent this long (no heartbeat ping, no message) has gone: its sessions are cancelled.
@@ -770,7 +772,8 @@ class VerifierServer:
         # Under ensemble verification a plain step is not equivalent (it samples from p, not from w·p + (1 − w)·q),
         # so there the wait stays the cap; lossless sessions wait as long as their drafter's answers take.
         wait = DraftWait(self.draft_timeout, adaptive=self.ensemble_weight is None)
-        s = Session(sid, self.model, self.tokenizer, prompt, params, peer, rid, self.ensemble_weight, wanted, wait)
+        s = Session(sid, self.model, self.tokenizer, prompt, params, peer, rid, self.ensemble_weight, wanted, wait,
+                    accept=self.accept_rule)
         self.sessions[sid] = s
         self.by_request[(peer, rid)] = sid
         self.order.append(sid)
@@ -860,7 +863,7 @@ class VerifierServer:
     def _prompt_forward(self, sessions: list[Session], want_hidden: list[bool]) -> list[tuple | None]:
         """The prompts' forward: one over every prompt when batching allows it, else one each. Per session:
         (hidden states or None, forward seconds), or None where its forward failed (the session ended)."""
-        self._test_delay()
+        self._forward_delay()
         rows = [i for i, s in enumerate(sessions) if s.prompt_to_cache]
 
         def together() -> list[tuple]:
@@ -981,7 +984,7 @@ class VerifierServer:
         """The target forward(s) of a round: one over every row when batching is on and the target allows it, else
         one per row. Per row: (logits, hidden, forward seconds, sessions in its forward, tokens in its forward); a
         row whose forward failed gets ``None`` logits."""
-        self._test_delay()
+        self._forward_delay()
 
         def together() -> list[tuple]:
             tokens = sum(len(r.plan.fed) for r in rounds)
@@ -1004,9 +1007,9 @@ class VerifierServer:
         results = self._together_or_each("forward", len(rounds), [r.session for r in rounds], together, alone)
         return [(None, None, 0.0, 1, 0) if out is None else out for out in results]
 
-    def _test_delay(self) -> None:
-        if self.test_forward_delay_s:
-            time.sleep(self.test_forward_delay_s)  # test-only: a target slow enough that other work gets ahead
+    def _forward_delay(self) -> None:
+        if self.forward_delay_s:
+            time.sleep(self.forward_delay_s)  # injected by tests: a target slow enough that other work gets ahead
 
     def _count_forward(self, sessions: int, tokens: int, seconds: float) -> None:
         self.forward_s_ema = 0.8 * self.forward_s_ema + 0.2 * seconds
@@ -1066,6 +1069,6 @@ class VerifierServer:
         self._release(s)
 
 
-def run(config: dict[str, Any]) -> None:
-    """Entry point of the verifier process."""
-    VerifierServer(config).serve()
+def run(config: dict[str, Any], forward_delay_s: float = 0.0, accept: AcceptRule | None = None) -> None:
+    """Entry point of the verifier process (``forward_delay_s``, ``accept``: see :class:`VerifierServer`)."""
+    VerifierServer(config, forward_delay_s=forward_delay_s, accept=accept).serve()

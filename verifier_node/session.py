@@ -6,7 +6,6 @@ The committed sequence is the single source of truth. The cache always holds eve
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, field
 
@@ -14,13 +13,10 @@ import torch
 
 from shared.kv import CachedLM
 from shared.sampling import GenerationParams, make_generator, process_block
-from verifier_node.acceptance import accept_everything, accept_greedy, accept_sampling
+from verifier_node.acceptance import AcceptRule, accept_greedy, accept_sampling
 from verifier_node.detokenize import IncrementalText
 from verifier_node.draft_wait import DraftWait
 from verifier_node.tree import DraftTree, accept_tree_greedy, keep_path, process_tree, tree_forward
-
-# Test-only negative control: a verifier that accepts every draft must fail the distribution test.
-_ACCEPT_ALL = os.environ.get("PIPESPEC_UNSAFE_ACCEPT_ALL") == "1"
 
 
 class NumericalError(RuntimeError):
@@ -172,10 +168,12 @@ class Session:
     def __init__(
         self, sid: int, model, tokenizer, prompt: list[int], params: GenerationParams, client: bytes, request_id: int,
         ensemble_weight: float | None = None, drafter_type: str | None = None, wait: DraftWait | None = None,
+        accept: AcceptRule | None = None,
     ):
         self.sid = sid
         self.params = params
         self.ensemble_weight = ensemble_weight  # static ensemble verification against w·p + (1 − w)·q (lossy)
+        self.accept_rule = accept  # replaces the method's rule: tests' negative controls only (tests/node_entry.py)
         self.tokens = list(prompt)
         self.prompt_len = len(prompt)
         self.client = client
@@ -287,8 +285,8 @@ class Session:
             logits, prefix, torch.tensor(draft, dtype=torch.long), self.params, base_len - self.prompt_len
         )
         self._check_finite(scores, base_len)
-        if _ACCEPT_ALL:
-            out = accept_everything(scores, draft, q, self._generator(base_len))
+        if self.accept_rule is not None:
+            out = self.accept_rule(scores, draft, q, self._generator(base_len))
         elif self.params.do_sample:
             out = accept_sampling(scores, draft, q, self._generator(base_len), self.ensemble_weight)
         else:
