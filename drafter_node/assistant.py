@@ -8,20 +8,20 @@ import torch
 
 from drafter_node.base import Capabilities, Drafter, DraftSession
 from drafter_node.lm_drafter import LMDraftSession
-from shared.models import load_causal_lm, load_tokenizer, resolve_model, tokenizer_id
+from shared.models import ProfileSpec, load_causal_lm, load_tokenizer, resolve_model, tokenizer_id
 from shared.sampling import GenerationParams
 
 
 class AssistantDrafter(Drafter):
     type_name = "assistant"
 
-    def __init__(self, dcfg: dict[str, Any]):
+    def __init__(self, dcfg: dict[str, Any], profile: ProfileSpec | None = None):
         path = resolve_model(dcfg["model"])
         self.tokenizer = load_tokenizer(path)
         self.tokenizer_id = tokenizer_id(self.tokenizer)
-        self.model = load_causal_lm(path, dcfg["device"], dcfg["dtype"], dcfg.get("max_memory"),
-                                    config=self.model_config(path, dcfg), profile=dcfg.get("_profile_spec"))
-        self.q_top_m = int(dcfg.get("q_top_k", 0))
+        self.model = load_causal_lm(path, dcfg["device"], dcfg["dtype"], dcfg["max_memory"],
+                                    config=self.model_config(path, dcfg), profile=profile)
+        self.q_top_m = int(dcfg["q_top_k"])
         self.capabilities = Capabilities(sends_q=True, greedy_q=True)
         self.target_vocab_size = self.model.config.vocab_size  # replaced by the verifier's at connect time
 

@@ -152,7 +152,11 @@ class DraftSession(ABC):
 
 
 class Drafter(ABC):
-    """A drafter type: loads what it needs once, then opens one session per request."""
+    """A drafter type: loads what it needs once, then opens one session per request.
+
+    Types are built as ``cls(dcfg, profile)``: ``dcfg`` is the validated ``drafter`` section (every key present),
+    ``profile`` the start-up cost profile's spec that :func:`shared.models.load_causal_lm` takes (types that load no
+    causal LM ignore it)."""
 
     type_name: ClassVar[str]
     capabilities: Capabilities

@@ -37,7 +37,7 @@ from transformers import AutoConfig
 from drafter_node.base import Capabilities, Drafter, DraftSession
 from drafter_node.lm_drafter import pick_token
 from shared.checkpoint import read_tensors, weight_map
-from shared.models import DTYPES, concrete_dtype, load_tokenizer, resolve_model, tokenizer_id
+from shared.models import DTYPES, ProfileSpec, concrete_dtype, load_tokenizer, resolve_model, tokenizer_id
 from shared.sampling import GenerationParams
 
 
@@ -226,7 +226,7 @@ class Rows:
 class MTPDrafter(Drafter):
     type_name = "mtp"
 
-    def __init__(self, dcfg: dict[str, Any]):
+    def __init__(self, dcfg: dict[str, Any], profile: ProfileSpec | None = None):  # no causal LM: no profile
         path = resolve_model(dcfg["model"])
         self.tokenizer = load_tokenizer(path)
         self.tokenizer_id = tokenizer_id(self.tokenizer)
@@ -236,7 +236,7 @@ class MTPDrafter(Drafter):
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         self.config, self.modules, self.embed, self.head, self.rotary = load_mtp(path, self.dtype, self.device)
         self.block_len = len(self.modules)
-        self.q_top_m = int(dcfg.get("q_top_k", 0))
+        self.q_top_m = int(dcfg["q_top_k"])
         self.capabilities = Capabilities(sends_q=True, greedy_q=True, needs_hidden_states=True)
         self.target_vocab_size = self.config.vocab_size  # replaced by the verifier's at connect time
 

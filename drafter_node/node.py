@@ -352,11 +352,11 @@ def plan_label(schedule: DraftLengthSchedule, tree: bool = False) -> tuple[str, 
     return f"{schedule.mode} k={schedule.k}", 0.0
 
 
-def load_drafter(dcfg: dict[str, Any]) -> Drafter:
+def load_drafter(dcfg: dict[str, Any], profile: ProfileSpec | None = None) -> Drafter:
     """Build the configured drafter type; files it cannot read or fetch (a hub id without hub access, a missing
     folder) become one clear error naming what it was loading, not a traceback from deep inside a loader."""
     try:
-        return drafter_class(dcfg["type"])(dcfg)
+        return drafter_class(dcfg["type"])(dcfg, profile)
     except OSError as exc:
         sources = ", ".join(f"{k}={dcfg[k]!r}" for k in ("model", "target_model") if dcfg.get(k))
         raise ModelLoadError(f"drafter type {dcfg['type']!r} cannot load its files ({sources}): {exc}") from None
@@ -377,7 +377,7 @@ class DrafterNode:
         set_threads(self.threads.share)
         # Load and measure while no other node on this machine does (the verifier starts at the same time).
         with measuring_alone(dcfg["device"]) if dcfg["profile_s"] > 0 else contextlib.nullcontext():
-            self.drafter = drafter or load_drafter({**dcfg, "_profile_spec": self.profile_spec(config)})
+            self.drafter = drafter or load_drafter(dcfg, self.profile_spec(config))
             self.profile = self._profile(config)
         self.book = CostBook(self.max_k)
         self.book.set_drafter(self.profile, self.threads.share, self.threads.full)

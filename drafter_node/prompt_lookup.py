@@ -8,13 +8,16 @@ q, exact under greedy and sampling alike.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from drafter_node.base import Capabilities, Drafter, DraftSession, DraftToken
 from shared.protocol import ANY_TOKENIZER
 from shared.sampling import GenerationParams
+
+if TYPE_CHECKING:
+    from shared.models import ProfileSpec
 
 
 def lookup(ids: list[int], max_ngram: int, count: int) -> list[int]:
@@ -50,7 +53,7 @@ class PromptLookupDrafter(Drafter):
     type_name = "prompt_lookup"
     free_drafting = True  # a lookup in the token history
 
-    def __init__(self, dcfg: dict[str, Any]):
+    def __init__(self, dcfg: dict[str, Any], profile: ProfileSpec | None = None):  # no causal LM: no profile
         self.max_ngram = int(dcfg["max_matching_ngram_size"])
         self.count = int(dcfg["prompt_lookup_num_tokens"])
         self.tokenizer_id = ANY_TOKENIZER

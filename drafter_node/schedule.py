@@ -57,7 +57,7 @@ def expected_tokens(alpha: float, k: int) -> float:
 
 
 class DraftLengthSchedule:
-    def __init__(self, k: int, mode: str = "pipeline", max_k: int = 16, overlap: bool = True):
+    def __init__(self, k: int, mode: str, max_k: int = 16, overlap: bool = True):
         self.k = k
         self.mode = mode
         self.max_k = max(max_k, k)
@@ -89,8 +89,8 @@ class DraftLengthSchedule:
 
     @classmethod
     def from_config(cls, dcfg: dict[str, Any]) -> DraftLengthSchedule:
-        return cls(int(dcfg["num_draft_tokens"]), dcfg.get("draft_schedule", "pipeline"),
-                   int(dcfg.get("max_draft_tokens", 16)), bool(dcfg.get("overlap", True)))
+        return cls(int(dcfg["num_draft_tokens"]), dcfg["draft_schedule"], int(dcfg["max_draft_tokens"]),
+                   bool(dcfg["overlap"]))
 
     @property
     def alpha(self) -> float:

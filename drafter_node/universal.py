@@ -32,7 +32,7 @@ import torch
 from drafter_node.base import Capabilities, Drafter, DraftSession, DraftToken
 from drafter_node.lm_drafter import choose
 from shared.kv import CachedLM
-from shared.models import load_causal_lm, load_tokenizer, resolve_model, tokenizer_id
+from shared.models import ProfileSpec, load_causal_lm, load_tokenizer, resolve_model, tokenizer_id
 from shared.sampling import GenerationParams, process_logits
 
 log = logging.getLogger("pipespec.drafter")
@@ -349,10 +349,10 @@ class UniversalSession(DraftSession):
 class UniversalDrafter(Drafter):
     type_name = "universal"
 
-    def __init__(self, dcfg: dict[str, Any]):
-        if not dcfg.get("model"):
+    def __init__(self, dcfg: dict[str, Any], profile: ProfileSpec | None = None):
+        if not dcfg["model"]:
             raise ValueError("drafter.model: the universal drafter needs its own small model")
-        if not dcfg.get("target_model"):
+        if not dcfg["target_model"]:
             raise ValueError("drafter.target_model: the universal drafter needs the target's tokenizer")
         path = resolve_model(dcfg["model"])
         self.tokenizer = load_tokenizer(path)
@@ -364,15 +364,15 @@ class UniversalDrafter(Drafter):
             f" (the universal drafter translates to the tokenizer of drafter.target_model = "
             f"{dcfg['target_model']!r}, default verifier.model: point it at the verifier's target)"
         )
-        self.model = load_causal_lm(path, dcfg["device"], dcfg["dtype"], dcfg.get("max_memory"),
-                                    profile=dcfg.get("_profile_spec"))
+        self.model = load_causal_lm(path, dcfg["device"], dcfg["dtype"], dcfg["max_memory"],
+                                    profile=profile)
         self.draft_vocab_size = min(len(self.tokenizer), int(self.model.get_output_embeddings().weight.shape[0]))
         self.draft_special_ids = set(self.tokenizer.all_special_ids) | {
             i for i, t in getattr(self.tokenizer, "added_tokens_decoder", {}).items() if getattr(t, "special", False)
         }
         self.vocab = VocabMap.build(self.tokenizer, self.target_tokenizer)
         self.max_positions = int(getattr(self.model.config, "max_position_embeddings", None) or 1 << 62)
-        self.q_top_m = int(dcfg.get("q_top_k", 0))
+        self.q_top_m = int(dcfg["q_top_k"])
         self.capabilities = Capabilities(sends_q=True)  # sampled drafts carry q; greedy drafts are one-hot
         self.target_vocab_size = len(self.target_tokenizer)  # replaced by the verifier's at connect time
         bos = self.tokenizer.bos_token_id

@@ -86,13 +86,13 @@ def plan_nodes(config: dict[str, Any]) -> tuple[list[Node], str | None]:
     sizes = profile_sizes(config)
     target = resolve_model(v["model"], progress=_progress)
     nodes = [Node("verifier", _label(v["model"]), target, v["device"], v["dtype"], _threads(config, "verifier"), sizes,
-                  v.get("max_memory"))]
+                  v["max_memory"])]
     kind = d["type"]
     if kind in SKIP_REASONS:
         return nodes, SKIP_REASONS[kind]
     path = resolve_model(d["model"], progress=_progress)
     node = Node("drafter", _label(d["model"]), path, d["device"], d["dtype"], _threads(config, "drafter"), sizes,
-                d.get("max_memory"))
+                d["max_memory"])
     if kind == "early_exit":
         from drafter_node.early_exit import exit_config
         from drafter_node.types import drafter_spec
