@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PROMPT ?= Write a Python function is_prime(n) that returns True when n is a prime number.
 
-.PHONY: setup run test lint bench test-slow
+.PHONY: setup run test test-fast lint bench test-slow
 
 setup: $(VENV)/.installed
 
@@ -20,6 +20,10 @@ run: setup
 
 test: setup
 	$(PY) -m pytest -q
+
+# The unit tier: no node processes, under 2 minutes on 2 cores.
+test-fast: setup
+	$(PY) -m pytest -q -m unit
 
 test-slow: setup
 	$(PY) -m pytest -q -m slow

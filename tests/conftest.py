@@ -20,6 +20,18 @@ torch.set_num_threads(1)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+#: The tiers of pyproject.toml's markers; every test carries at least one (a file's ``pytestmark`` or its own).
+TIERS = ("unit", "cluster", "statistical", "netns", "slow")
+
+
+def pytest_collection_modifyitems(config, items):
+    untiered = [item.nodeid for item in items if not any(item.get_closest_marker(t) for t in TIERS)]
+    if untiered:
+        more = " …" if len(untiered) > 10 else ""
+        raise pytest.UsageError(f"tests without a tier marker ({', '.join(TIERS)}): {', '.join(untiered[:10])}{more}; "
+                                "add `pytestmark = pytest.mark.<tier>` to the file")
+
+
 @pytest.fixture(scope="session", autouse=True)
 def profile_dir(tmp_path_factory):
     """Cost profiles of the test run's tiny models go to a folder of their own (nodes inherit the variable)."""

@@ -19,6 +19,8 @@ from shared.kv import CachedLM
 from shared.sampling import GenerationParams
 from verifier_node.session import Session
 
+pytestmark = pytest.mark.cluster
+
 ARCHS = ["llama", "qwen2", "gpt2"]
 
 

@@ -26,6 +26,8 @@ from bench_common import (
     vs_anchor,
 )
 
+pytestmark = pytest.mark.cluster
+
 PROMPTS = [[5, 9, 13, 21, 7], [30, 4, 4, 17], [11, 12, 13]]
 
 

@@ -15,6 +15,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 import bench_concurrency as bc
 from bench_common import generate_batch
 
+pytestmark = pytest.mark.cluster
+
 # ---------------------------------------------------------------------------------------------- helpers
 
 

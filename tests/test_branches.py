@@ -22,6 +22,8 @@ from drafter_node.lm_drafter import LMDraftSession, choose
 from shared.kv import CachedLM
 from shared.sampling import GenerationParams
 
+pytestmark = pytest.mark.unit
+
 COMMITTED = [5, 17, 33, 2, 60, 7]
 BLOCK = [11, 12, 13, 14]
 ALL_ROWS = [(0, 40), (1, 41), (2, 42), (3, 43), (4, 44)]  # a different assumed verifier token for each outcome

@@ -19,6 +19,8 @@ from runtime.client import AsyncClient, Chunk, PipespecError
 from runtime.launch import REPO_ROOT, cluster
 from shared.models import load_tokenizer
 
+pytestmark = pytest.mark.cluster
+
 PROMPTS = [[5, 17, 33, 2, 60], [100, 101, 7], [9, 9, 9, 8], [150, 3], [77, 78, 79, 80, 81, 82]]
 
 

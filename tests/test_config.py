@@ -28,6 +28,8 @@ from runtime.config import (
 )
 from shared import registry
 
+pytestmark = pytest.mark.unit
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BUNDLED = sorted(p.name for p in CONFIG_DIR.glob("*.yaml"))
 HUB_CONFIGS = {"mtp_drafter.yaml"}  # bundled configs that name hub ids (need hub access to run)

@@ -21,6 +21,8 @@ from tiny_models import reference_greedy
 
 from runtime.launch import cluster
 
+pytestmark = pytest.mark.cluster
+
 PROMPTS = [[5, 17, 33, 2, 60], [100, 101, 7]]
 FLAT_VERIFY = json.dumps({"verify": {"1": 0.010, "9": 0.012, "17": 0.014}, "draft": {"1": 0.001, "17": 0.004}})
 # Flat up to 1024 tokens (a large GPU): drafting pays at every batch size, 50 sessions sharing a forward included.

@@ -16,6 +16,8 @@ from drafter_node.cost_model import (
 from drafter_node.schedule import SOLO_ROUNDS_MAX, SOLO_ROUNDS_MIN, CostSchedule
 from shared.costs import CostCurve, NodeProfile
 
+pytestmark = pytest.mark.unit
+
 
 def curve(points: dict[int, float]) -> CostCurve:
     sizes = sorted(points)

@@ -21,6 +21,8 @@ from shared import costs
 from shared.costs import CostCurve, NodeProfile
 from shared.models import DTYPES, load_causal_lm
 
+pytestmark = pytest.mark.unit
+
 REPO = Path(__file__).resolve().parent.parent
 
 

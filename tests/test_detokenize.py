@@ -10,6 +10,8 @@ import pytest
 from shared.models import load_tokenizer
 from verifier_node.detokenize import IncrementalText
 
+pytestmark = pytest.mark.unit
+
 TEXTS = ["def add(a, b):\n    return a + b\n", "héllo wörld ✓ — 日本語 done", "x = 1  # ünïcode ✓✓✓"]
 
 

@@ -28,6 +28,8 @@ from shared.batch import feed_rows
 from shared.protocol import SessionStart
 from shared.sampling import GenerationParams
 
+pytestmark = pytest.mark.cluster
+
 PROMPTS = [[5, 17, 33], [100, 101, 7, 9, 9, 9, 9], [42] * 12 + [9, 8], list(range(3, 40))]
 ATOL = 1e-5
 

@@ -9,6 +9,8 @@ from shared.protocol import MAX_HOST_CHARS, SCHEMA_VERSION, Capabilities, Hello,
 from verifier_node.draft_wait import DEMOTE_AFTER, FLOOR_S, PROBE_GAP_MIN, WAIT_FACTOR, DraftWait
 from verifier_node.drafters import DrafterLink, DrafterPool
 
+pytestmark = pytest.mark.unit
+
 CAP = 3.0
 
 

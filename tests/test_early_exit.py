@@ -17,6 +17,8 @@ from drafter_node.early_exit import EarlyExitDrafter
 from runtime.config import ConfigError, load_config
 from runtime.launch import cluster
 
+pytestmark = pytest.mark.cluster
+
 PROMPTS = [[5, 17, 33, 2, 60], [100, 101, 7]]
 
 

@@ -29,6 +29,8 @@ from shared.protocol import Capabilities, Error, Hello, Welcome, decode, encode
 from shared.sampling import GenerationParams, make_generator
 from verifier_node.acceptance import accept_greedy, accept_sampling, ensemble_targets
 
+pytestmark = pytest.mark.cluster
+
 W_TO_1 = 1 - 1e-9
 V = 6  # vocabulary of the in-process Markov "models"
 

@@ -27,6 +27,8 @@ from shared.protocol import (
     encode,
 )
 
+pytestmark = pytest.mark.cluster
+
 PROMPT = [5, 17, 33, 2, 60]
 
 

@@ -52,6 +52,8 @@ from shared.protocol import (
 )
 from shared.sampling import GenerationParams, ParamError
 
+pytestmark = pytest.mark.cluster
+
 SEED = 20261201
 MAX_BYTES = 1 << 20
 PROMPT = [5, 17, 33, 2, 60]

@@ -15,6 +15,8 @@ from tiny_models import reference_greedy
 
 from runtime.launch import cluster
 
+pytestmark = pytest.mark.cluster
+
 PROMPTS = [[5, 17, 33, 2, 60], [100, 101, 7], [42] * 12 + [9, 8]]
 
 # (arch, drafter, overlap, k): every drafter × overlap combination for each architecture, k = 1..8 on Llama.

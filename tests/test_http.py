@@ -30,6 +30,8 @@ from runtime.launch import serve_http, stop_process
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 from bench_http import free_port, start_launcher  # the benchmark starts its launcher the same way
 
+pytestmark = pytest.mark.cluster
+
 START_TIMEOUT_S = 150
 
 

@@ -17,6 +17,8 @@ from runtime.client import PipespecError
 from runtime.config import ConfigError, load_config
 from runtime.launch import main, parse_http_address
 
+pytestmark = pytest.mark.unit
+
 
 def _run(stops: list[str], pieces: list[str]) -> tuple[list[str], bool]:
     m = StopMatcher(stops)

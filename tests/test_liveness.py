@@ -21,6 +21,8 @@ from runtime.client import AsyncClient, Chunk, PipespecError
 from runtime.launch import REPO_ROOT, cluster
 from shared.protocol import MAX_HEADER_BYTES, Error, Generate, Ping, decode, encode
 
+pytestmark = pytest.mark.cluster
+
 PROMPT = [5, 17, 33, 2, 60]
 LONG = 480  # new tokens: far more than any test lets a request run (the tiny models hold 512 positions)
 

@@ -24,6 +24,8 @@ from runtime.config import ConfigError, load_config
 from runtime.launch import cluster
 from shared.sampling import GenerationParams
 
+pytestmark = pytest.mark.cluster
+
 PROMPTS = [[5, 17, 33, 2, 60], [100, 101, 7], [42]]
 
 

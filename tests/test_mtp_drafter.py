@@ -23,6 +23,8 @@ from shared.protocol import split_state
 from shared.sampling import GenerationParams
 from verifier_node.session import Session
 
+pytestmark = pytest.mark.cluster
+
 # One prompt of a single token (nothing to prefill: the drafter waits for the first commit's state), one longer than
 # the sliding window of 8; all generations outgrow it.
 PROMPTS = [[5, 17, 33, 2, 60], [100, 101, 7], [9], [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]]

@@ -9,6 +9,8 @@ import pytest
 from drafter_node import pair_memory
 from drafter_node.cost_model import Acceptance
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture
 def memory_dir(tmp_path, monkeypatch):

@@ -24,6 +24,8 @@ from runtime.launch import REPO_ROOT, cluster
 from shared.models import load_tokenizer, tokenizer_id
 from shared.protocol import Capabilities, Heartbeat, Hello, SessionStart, decode, encode
 
+pytestmark = pytest.mark.cluster
+
 PROMPTS = [[5, 17, 33, 2, 60], [100, 101, 7], [9, 9, 9, 8], [150, 3], [77, 78, 79, 80, 81, 82], [40, 41]]
 
 

@@ -14,6 +14,8 @@ from drafter_node.prompt_lookup import lookup
 from runtime.config import ConfigError, load_config
 from runtime.launch import cluster
 
+pytestmark = pytest.mark.cluster
+
 
 def test_lookup_takes_the_most_recent_match_of_the_longest_ngram():
     ids = [1, 2, 3, 9, 1, 2, 4, 5, 7, 1, 2]

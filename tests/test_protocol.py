@@ -53,6 +53,8 @@ from shared.protocol import (
     error_frames,
 )
 
+pytestmark = pytest.mark.unit
+
 DTYPES = {
     "float32": torch.float32,
     "float16": torch.float16,

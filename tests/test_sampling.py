@@ -24,6 +24,8 @@ from drafter_node.lm_drafter import choose
 from shared.sampling import GenerationParams, ParamError, make_generator, process_block, process_logits
 from verifier_node.acceptance import accept_greedy, accept_sampling
 
+pytestmark = pytest.mark.unit
+
 V = 6
 
 

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 from conftest import tiny_config
 from sampling_check import PROMPT, check_lossless_sampling, exact_joint, tv
 
 from runtime.launch import cluster
+
+pytestmark = pytest.mark.statistical
 
 
 def test_sampling_distribution_and_negative_control(sharp_pair):

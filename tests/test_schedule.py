@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
+
 from drafter_node.schedule import DraftLengthSchedule, expected_tokens
+
+pytestmark = pytest.mark.unit
 
 
 def test_expected_tokens_matches_the_formula():

@@ -31,6 +31,8 @@ from shared.models import load_tokenizer, tokenizer_id
 from shared.protocol import Capabilities, Generate, Hello, decode, encode
 from shared.transport import Authenticator, ClientKeys, bind_router, connect_dealer
 
+pytestmark = pytest.mark.cluster
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PROMPT = [5, 17, 33, 2, 60]
 

@@ -14,6 +14,8 @@ from drafter_node.node import DrafterNode
 from shared.models import ThreadPlan
 from verifier_node.server import VerifierServer
 
+pytestmark = pytest.mark.unit
+
 
 def _node(pending: list[bool], batch: int, monkeypatch) -> tuple[DrafterNode, list[int]]:
     calls: list[int] = []

@@ -17,6 +17,8 @@ from shared.transport import (
     is_local_endpoint,
 )
 
+pytestmark = pytest.mark.unit
+
 LOCAL = [
     "ipc:///tmp/pipespec/verifier.ipc",
     "ipc://relative/path.ipc",

@@ -35,6 +35,8 @@ from verifier_node.tree import (
     tree_row,
 )
 
+pytestmark = pytest.mark.unit
+
 torch.set_num_threads(1)
 
 # A fixed tree with branches at several depths: node 8 hangs on a second branch (root → 1 → 4 → 8).

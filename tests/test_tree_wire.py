@@ -18,6 +18,8 @@ from shared.sampling import GenerationParams
 from verifier_node.session import Session
 from verifier_node.tree import DraftTree
 
+pytestmark = pytest.mark.unit
+
 FLAT = CostCurve(sizes=[1, 9, 17], seconds=[0.010, 0.012, 0.014], prefix_len=0)
 DRAFT = CostCurve(sizes=[1, 17], seconds=[0.001, 0.004], prefix_len=0)
 LINEAR = CostCurve(sizes=[1, 17], seconds=[0.010, 0.170], prefix_len=0)

@@ -27,6 +27,8 @@ from runtime.launch import LaunchError, cluster
 from shared.models import tokenizer_id
 from shared.sampling import GenerationParams
 
+pytestmark = pytest.mark.cluster
+
 OTHER_CORPUS = [
     "def mul(x, y):\n    return x * y\n",
     "numbers = [n * n for n in range(20) if n % 2]\n",
