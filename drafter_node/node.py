@@ -55,7 +55,6 @@ from shared.batch import feed_rows
 from shared.costs import CostCurve, CurveCheck, NodeProfile, measuring_alone
 from shared.models import ModelLoadError, ProfileSpec, ThreadPlan, profile_node, profile_sizes, set_threads
 from shared.protocol import (
-    DEFAULT_MAX_MESSAGE_BYTES,
     MAX_HOST_CHARS,
     Commit,
     Draft,
@@ -373,7 +372,7 @@ class DrafterNode:
         self.threads = ThreadPlan.for_node(config, "drafter")
         self.max_k = int(dcfg["max_draft_tokens"])
         # Batched drafting: one drafter forward advances every session that wants a step (drafter.batching).
-        self.max_batch_sessions = int(dcfg.get("max_batch_sessions", 64)) if dcfg.get("batching", True) else 1
+        self.max_batch_sessions = int(dcfg["max_batch_sessions"]) if dcfg["batching"] else 1
         set_threads(self.threads.share)
         # Load and measure while no other node on this machine does (the verifier starts at the same time).
         with measuring_alone(dcfg["device"]) if dcfg["profile_s"] > 0 else contextlib.nullcontext():
@@ -388,8 +387,8 @@ class DrafterNode:
         if self._fixed_costs:
             self.book.fix_curves(*self._fixed_costs)
         self._threads_now = self.threads.share
-        self.endpoint = dcfg.get("verifier_endpoint") or config["verifier"]["endpoint"]
-        self.max_bytes = config["verifier"].get("max_message_bytes", DEFAULT_MAX_MESSAGE_BYTES)
+        self.endpoint = dcfg["verifier_endpoint"] or config["verifier"]["endpoint"]
+        self.max_bytes = config["verifier"]["max_message_bytes"]
         self.ctx = zmq.Context.instance()
         self.keys = security.drafter_keys(config)
         self.key_name = config["security"]["drafter_key"] if self.keys else None
@@ -402,7 +401,7 @@ class DrafterNode:
         self.running = True
         self.welcomed = False
         self.want_q = False  # the verifier wants q with greedy drafts too (ensemble verification)
-        self.trees = bool(dcfg.get("tree", False))  # token trees allowed (off after the verifier refuses one)
+        self.trees = bool(dcfg["tree"])  # token trees allowed (off after the verifier refuses one)
         self.last_sent = 0.0
         self._handlers = {Welcome: self._on_welcome, Error: self._on_error, SessionStart: self._on_session_start,
                           Commit: self._on_commit, State: self._on_state, SessionEnd: self._on_session_end,
@@ -427,7 +426,7 @@ class DrafterNode:
             s.draft.close()
         self.sessions.clear()
         self.order.clear()
-        self.trees = bool(self.dcfg.get("tree", False))  # a new verifier may take them
+        self.trees = bool(self.dcfg["tree"])  # a new verifier may take them
         if self.auth_watch is not None:
             self.auth_watch.close()
         self.sock.close(linger=0)
@@ -448,7 +447,7 @@ class DrafterNode:
         spec = self.profile_spec(config)
         if model is None or spec.budget_s <= 0:
             return None  # learned from the rounds alone
-        source = self.dcfg.get("model") or config["verifier"]["model"]
+        source = self.dcfg["model"] or config["verifier"]["model"]
         profile = profile_node(model, source, self.dcfg["device"], spec, "drafter")
         return profile
 
@@ -704,9 +703,9 @@ class DrafterNode:
         if first:  # the welcomes of the other queued hellos change nothing worth a line each
             log.info("connected to verifier (target %s)", msg.target)
             self._recall_pair(msg.target)
-        if first and self.book.ready and self.dcfg.get("draft_schedule") == "cost":
+        if first and self.book.ready and self.dcfg["draft_schedule"] == "cost":
             for row in self.book.plans_by_batch(self.book.session_acceptance(), self.max_k, True, 0,
-                                                overlap=bool(self.dcfg.get("overlap", True))):
+                                                overlap=bool(self.dcfg["overlap"])):
                 log.info("plan at batch %(batch)d (prior acceptance): k=%(k)d overlap=%(overlap)s rows=%(rows)d, "
                          "%(tokens_per_s).1f tok/s vs %(plain_tokens_per_s).1f plain", row)
 
@@ -723,9 +722,9 @@ class DrafterNode:
 
     def _recall_pair(self, target: str) -> None:
         """Start the cost schedule from what earlier runs of this pair accepted (``drafter.remember_acceptance``)."""
-        if not self.dcfg.get("remember_acceptance", True) or self._fixed_costs:
+        if not self.dcfg["remember_acceptance"] or self._fixed_costs:
             return
-        path = pair_memory.memory_path(self.drafter.type_name, self.dcfg.get("model"), target)
+        path = pair_memory.memory_path(self.drafter.type_name, self.dcfg["model"], target)
         remembered = pair_memory.load(path, self.max_k)
         self.memory = pair_memory.PairMemory(path, remembered[1] if remembered else 0)
         if remembered is not None:
@@ -771,9 +770,9 @@ class DrafterNode:
         self.order.append(sid)
 
     def _schedule_for(self, draft: DraftSession) -> DraftLengthSchedule:
-        overlap = bool(self.dcfg.get("overlap", True))
+        overlap = bool(self.dcfg["overlap"])
         fixed = self.drafter.block_len
-        if self.dcfg.get("draft_schedule") == "cost":
+        if self.dcfg["draft_schedule"] == "cost":
             max_k = fixed if fixed is not None else self.max_k
             start = min(fixed if fixed is not None else int(self.dcfg["num_draft_tokens"]), max_k)
             return CostSchedule(start, max_k, self.book, lambda: len(draft.committed), overlap,

@@ -52,7 +52,6 @@ from shared.models import (
 )
 from shared.protocol import (
     ANY_TOKENIZER,
-    DEFAULT_MAX_MESSAGE_BYTES,
     Cancel,
     Chunk,
     Commit,
@@ -101,8 +100,6 @@ PREFILL_PADDING = 0.25
 BLOCK_WAIT_FACTOR = 1.5
 #: How often the pool is checked for drafters that went silent.
 REAP_EVERY_S = 0.1
-#: Default ``client.heartbeat_timeout_s``: clients ping every ~0.5 s while they have requests in flight.
-CLIENT_HEARTBEAT_TIMEOUT_S = 5.0
 
 
 @dataclass
@@ -184,19 +181,19 @@ class VerifierServer:
         vcfg = config["verifier"]
         self.config = config
         self.draft_timeout = vcfg["draft_timeout_ms"] / 1000
-        self.max_sessions = vcfg.get("max_sessions", 64)
+        self.max_sessions = vcfg["max_sessions"]
         # Batched verification: one target forward over every session whose round is ready (shared/batch.py).
-        self.max_batch_sessions = int(vcfg.get("max_batch_sessions", 64)) if vcfg.get("batching", True) else 1
-        self.max_batch_tokens = int(vcfg.get("max_batch_tokens", 1024))
+        self.max_batch_sessions = int(vcfg["max_batch_sessions"]) if vcfg["batching"] else 1
+        self.max_batch_tokens = int(vcfg["max_batch_tokens"])
         self.forwards = self.batch_sessions_sum = self.batch_tokens_sum = 0
-        self.max_prefill_tokens = int(vcfg.get("max_prefill_tokens", 2048))
+        self.max_prefill_tokens = int(vcfg["max_prefill_tokens"])
         self.prefill_forwards = self.prefill_sessions_sum = 0
         self.forward_delay_s = forward_delay_s
         self.accept_rule = accept
         self.forward_s_ema = 0.0  # recent verification forward time (bounds the wait for drafts on their way)
-        self.max_bytes = vcfg.get("max_message_bytes", DEFAULT_MAX_MESSAGE_BYTES)
+        self.max_bytes = vcfg["max_message_bytes"]
         # A client silent this long (no heartbeat ping, no message) has gone: its sessions are cancelled.
-        self.client_timeout = float(config.get("client", {}).get("heartbeat_timeout_s", CLIENT_HEARTBEAT_TIMEOUT_S))
+        self.client_timeout = float(config["client"]["heartbeat_timeout_s"])
         self.client_seen: dict[bytes, float] = {}
         self._next_sweep = 0.0
         self.threads = ThreadPlan.for_node(config, "verifier")
@@ -208,7 +205,7 @@ class VerifierServer:
         self.profile: NodeProfile | None = None
         # Load and measure while no other node on this machine does (the drafter starts at the same time).
         with measuring_alone(vcfg["device"]) if spec.budget_s > 0 else contextlib.nullcontext():
-            self.model = model or load_causal_lm(path, vcfg["device"], vcfg["dtype"], vcfg.get("max_memory"),
+            self.model = model or load_causal_lm(path, vcfg["device"], vcfg["dtype"], vcfg["max_memory"],
                                                  profile=spec)
             if spec.budget_s > 0:
                 self.profile = profile_node(self.model, vcfg["model"], vcfg["device"], spec, "verifier")
@@ -226,10 +223,10 @@ class VerifierServer:
         self.max_positions = getattr(self.model.config, "max_position_embeddings", None)
         self.model_name = vcfg["model"]
         # Static ensemble verification (lossy by design): verify against w·p + (1 − w)·q; needs q from the drafter.
-        self.ensemble_weight = (config.get("verification") or {}).get("ensemble_weight")
+        self.ensemble_weight = config["verification"]["ensemble_weight"]
         check_ensemble_weight(self.ensemble_weight)
         self.ctx = zmq.Context.instance()
-        allow_remote = bool(vcfg.get("allow_remote", False))
+        allow_remote = bool(vcfg["allow_remote"])
         curve, keys = security.curve_links(config), security.verifier_keys(config)
         self.auth = Authenticator(self.ctx, keys, log) if keys else None  # before binding: no key is let in unchecked
         try:
