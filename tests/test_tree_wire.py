@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from drafter_node.base import DraftSession, DraftToken
 from drafter_node.cost_model import CostBook
-from drafter_node.node import NodeSession, tree_block
+from drafter_node.node_session import NodeSession, tree_block
 from drafter_node.schedule import CostSchedule
 from runtime.config import ConfigError, load_config
 from shared.costs import CostCurve
