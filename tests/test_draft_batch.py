@@ -203,10 +203,10 @@ def node_for(tiny, tmp_path):
     def make(**keys):
         config = load_config(tiny_config(tiny("llama"), tiny("llama", "random"), num_draft_tokens=4, **keys))
         config["verifier"]["endpoint"] = f"ipc://{tmp_path}/nobody.ipc"
-        node = DrafterNode(config)
+        node = DrafterNode.from_config(config)
         nodes.append(node)
         for sid, prompt in enumerate(PROMPTS):
-            node._on_session_start(SessionStart(session=sid, token_ids=prompt, params=GREEDY.to_dict()))
+            node.handler.on_session_start(SessionStart(session=sid, token_ids=prompt, params=GREEDY.to_dict()))
         return node
 
     yield make
@@ -226,7 +226,7 @@ def reference_chains(node, steps: int) -> list[list[int]]:
 
 def test_node_batches_every_session_that_wants_a_step_up_to_the_cap(node_for):
     node = node_for(max_batch_sessions=3)
-    s0, s1, s2, s3 = (node.sessions[sid] for sid in range(4))
+    s0, s1, s2, s3 = (node.picker.sessions[sid] for sid in range(4))
     # Prompts not cached yet: rows of 3, 7, 14 and 37 tokens. A row longer than max_draft_tokens + 1 (a prefill, a
     # long catch-up) steps alone; others join only with rows no longer than the work's (a forward pads to its
     # longest row), or 2 tokens.
@@ -251,18 +251,18 @@ def test_node_batches_every_session_that_wants_a_step_up_to_the_cap(node_for):
 
 def test_node_without_batching_steps_one_session(node_for):
     node = node_for(batching=False)
-    assert node.max_batch_sessions == 1 and node._gather_steps(node.sessions[0]) is None
+    assert node.picker.max_batch_sessions == 1 and node._gather_steps(node.picker.sessions[0]) is None
 
 
 def prefilled(node):
-    for s in node.sessions.values():
+    for s in node.picker.sessions.values():
         s.step()
     return node
 
 
 def test_a_failing_batched_forward_steps_each_session_alone(node_for, monkeypatch):
     node = prefilled(node_for())
-    batch = node._gather_steps(node.sessions[0])
+    batch = node._gather_steps(node.picker.sessions[0])
     assert len(batch) == len(PROMPTS)
 
     def broken(*args, **kwargs):
@@ -271,23 +271,23 @@ def test_a_failing_batched_forward_steps_each_session_alone(node_for, monkeypatc
     monkeypatch.setattr(drafter_node.node, "feed_rows", broken)
     node._run_steps(batch)
     reference = reference_chains(node, 2)
-    assert [s.draft.chain_tokens for s in node.sessions.values()] == reference
-    assert all(s.stats["batch_steps"] == s.stats["batch_rows"] == 2 for s in node.sessions.values())
+    assert [s.draft.chain_tokens for s in node.picker.sessions.values()] == reference
+    assert all(s.stats["batch_steps"] == s.stats["batch_rows"] == 2 for s in node.picker.sessions.values())
 
 
 def test_a_session_whose_finish_fails_is_dropped_alone(node_for, monkeypatch):
     node = prefilled(node_for())
-    batch = node._gather_steps(node.sessions[0])
+    batch = node._gather_steps(node.picker.sessions[0])
 
     def broken(*args, **kwargs):
         raise RuntimeError("bad state")
 
-    monkeypatch.setattr(node.sessions[2].draft, "pick", broken)
+    monkeypatch.setattr(node.picker.sessions[2].draft, "pick", broken)
     node._run_steps(batch)
-    assert sorted(node.sessions) == [0, 1, 3] and list(node.order) == [0, 1, 3]
+    assert sorted(node.picker.sessions) == [0, 1, 3] and list(node.picker.order) == [0, 1, 3]
     reference = reference_chains(node, 2)
-    assert [node.sessions[sid].draft.chain_tokens for sid in (0, 1, 3)] == [reference[i] for i in (0, 1, 3)]
-    assert all(s.stats["batch_rows"] == 1 + len(PROMPTS) for s in node.sessions.values())
+    assert [node.picker.sessions[sid].draft.chain_tokens for sid in (0, 1, 3)] == [reference[i] for i in (0, 1, 3)]
+    assert all(s.stats["batch_rows"] == 1 + len(PROMPTS) for s in node.picker.sessions.values())
 
 
 def test_a_session_whose_batch_step_fails_is_dropped_and_the_others_still_batch(node_for, monkeypatch):
@@ -296,9 +296,9 @@ def test_a_session_whose_batch_step_fails_is_dropped_and_the_others_still_batch(
     def broken(*args, **kwargs):
         raise RuntimeError("bad state")
 
-    monkeypatch.setattr(node.sessions[1].draft, "batch_step", broken)
-    batch = node._gather_steps(node.sessions[0])
-    assert [s.sid for s, _ in batch] == [0, 2, 3] and sorted(node.sessions) == [0, 2, 3]
+    monkeypatch.setattr(node.picker.sessions[1].draft, "batch_step", broken)
+    batch = node._gather_steps(node.picker.sessions[0])
+    assert [s.sid for s, _ in batch] == [0, 2, 3] and sorted(node.picker.sessions) == [0, 2, 3]
 
 
 # ---------------------------------------------------------------------------------------------------- end to end

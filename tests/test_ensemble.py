@@ -306,7 +306,7 @@ def test_drafter_node_refused_at_connect_exits_with_the_message(tiny, capsys):
         async with cluster(config) as client:
             cfg = copy.deepcopy(client.config)  # the verifier's config, concrete endpoints
             cfg["drafter"].update(type="prompt_lookup")
-            node = DrafterNode(cfg, drafter=PromptLookupDrafter(cfg["drafter"]))
+            node = DrafterNode.from_config(cfg, drafter=PromptLookupDrafter(cfg["drafter"]))
             result = {}
             thread = threading.Thread(target=lambda: result.setdefault("rc", node._loop()))
             thread.start()

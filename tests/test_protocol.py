@@ -266,7 +266,8 @@ def test_capabilities_are_shared_by_both_sides():
 def test_limits_are_defined_once_and_used_by_the_nodes():
     assert (MAX_DRAFT_TOKENS, MAX_IDLE_ROUNDS, protocol.DEFAULT_MAX_MESSAGE_BYTES) == (64, 1024, 64 * 1024 * 1024)
     root = Path(protocol.__file__).resolve().parent.parent
-    for rel in ("verifier_node/server.py", "drafter_node/node.py", "runtime/client.py", "runtime/config.py"):
+    for rel in ("verifier_node/server.py", "drafter_node/node.py", "drafter_node/node_handlers.py", "runtime/client.py",
+                "runtime/config.py"):
         source = (root / rel).read_text()
         assert "64 * 1024 * 1024" not in source, rel  # the message limit's value, written out again (the HTTP
         # server's own body limit, in runtime/config.py, is another limit)

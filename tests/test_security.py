@@ -375,7 +375,7 @@ def test_a_drafter_whose_key_is_not_allowed_stops_with_a_clear_error(no_download
     router = bind_router(ctx, endpoint, auth=auth, domain=security.DRAFTER_DOMAIN)
     config = load_config("prompt_lookup.yaml", {"verifier.endpoint": endpoint, "security.curve": "on",
                                                 "security.keys_dir": str(keys), "drafter.profile_s": 0})
-    node = DrafterNode(config, drafter=PromptLookupDrafter(config["drafter"]))
+    node = DrafterNode.from_config(config, drafter=PromptLookupDrafter(config["drafter"]))
     result = {}
     thread = threading.Thread(target=lambda: result.setdefault("rc", node._loop()))
     try:
@@ -389,8 +389,7 @@ def test_a_drafter_whose_key_is_not_allowed_stops_with_a_clear_error(no_download
         assert "refused this drafter's CURVE key" in err and "drafters/drafter.key" in err
         assert not router.poll(0), "a message of the refused drafter reached the verifier's socket"
     finally:
-        node.auth_watch.close()
-        node.sock.close(linger=0)
+        node.connection.close()
         router.close(linger=0)
         auth.close()
         ctx.destroy(linger=0)

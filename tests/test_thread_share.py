@@ -8,25 +8,23 @@ from types import SimpleNamespace
 
 import pytest
 
-import drafter_node.node
 from drafter_node.cost_model import CostBook
-from drafter_node.node import DrafterNode
+from drafter_node.node_picker import ThreadShare, WorkPicker
 from shared.models import ThreadPlan
 from verifier_node.server import VerifierServer
 
 pytestmark = pytest.mark.unit
 
 
-def _node(pending: list[bool], batch: int, monkeypatch) -> tuple[DrafterNode, list[int]]:
+def _share(pending: list[bool], batch: int) -> tuple[ThreadShare, WorkPicker, CostBook, list[int]]:
     calls: list[int] = []
-    monkeypatch.setattr(drafter_node.node, "set_threads", calls.append)
-    node = object.__new__(DrafterNode)  # only the state _use_threads reads
-    node.threads, node._threads_now = ThreadPlan(share=1, full=2), 1
-    node.book = CostBook(8)
-    node.book.start_batch(batch)
-    node.sessions = {i: SimpleNamespace(block_pending=lambda p=p: p, solo_wait=False, threads=0)
-                     for i, p in enumerate(pending)}
-    return node, calls
+    share = ThreadShare(ThreadPlan(share=1, full=2), apply=calls.append)  # the node's thread count starts at 1
+    book = CostBook(8)
+    book.start_batch(batch)
+    picker = WorkPicker(max_batch_sessions=64, max_k=8)
+    for i, p in enumerate(pending):
+        picker.add(SimpleNamespace(sid=i, block_pending=lambda p=p: p, solo_wait=False, threads=0))
+    return share, picker, book, calls
 
 
 @pytest.mark.parametrize(("pending", "batch", "wanted"), [
@@ -35,10 +33,10 @@ def _node(pending: list[bool], batch: int, monkeypatch) -> tuple[DrafterNode, li
     ([True, False, False, False], 4, 1),  # the verifier runs the three other sessions meanwhile
     ([True, True, True, True], 4, 2),     # every session it would batch waits on us
 ])
-def test_the_drafter_takes_every_core_only_while_the_verifier_has_nothing_else(pending, batch, wanted, monkeypatch):
-    node, calls = _node(pending, batch, monkeypatch)
-    node._use_threads(node.sessions[0])
-    assert node._threads_now == wanted and node.sessions[0].threads == wanted
+def test_the_drafter_takes_every_core_only_while_the_verifier_has_nothing_else(pending, batch, wanted):
+    share, picker, book, calls = _share(pending, batch)
+    share.use([picker.sessions[0]], picker, book.batch)
+    assert share.now == wanted and picker.sessions[0].threads == wanted
     assert calls == ([wanted] if wanted != 1 else [])
 
 

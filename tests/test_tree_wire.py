@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from drafter_node.base import DraftSession, DraftToken
 from drafter_node.cost_model import CostBook
-from drafter_node.node import NodeSession, tree_block
+from drafter_node.node_session import NodeSession, tree_block
 from drafter_node.schedule import CostSchedule
 from runtime.config import ConfigError, load_config
 from shared.costs import CostCurve
@@ -90,12 +90,18 @@ def test_a_commit_that_took_a_side_leaf_rolls_the_chain_back_and_counts_the_chai
 def test_a_refused_tree_turns_trees_off_on_the_drafter_node():
     from types import SimpleNamespace
 
-    from drafter_node.node import DrafterNode
+    from drafter_node.node_handlers import MessageHandler
+    from drafter_node.node_picker import LinkPacer, WorkPicker
     from shared.protocol import Error
 
     schedule = CostSchedule(4, 8, book(FLAT), lambda: 10, overlap=False, tree=True)
-    node = SimpleNamespace(trees=True, welcomed=True, sessions={1: SimpleNamespace(schedule=schedule)})
-    assert DrafterNode._on_error(node, Error(message="no trees here", code="tree_refused")) is None  # goes on serving
+    picker = WorkPicker(max_batch_sessions=1, max_k=8)
+    picker.add(SimpleNamespace(sid=1, schedule=schedule))
+    link = LinkPacer()
+    link.welcomed = True
+    node = MessageHandler({"tree": True}, SimpleNamespace(), schedule.book, picker, link, rejoin=print)
+    assert node.trees is True
+    assert node.on_error(Error(message="no trees here", code="tree_refused")) is None  # goes on serving
     assert node.trees is False and schedule.tree is False
 
 
