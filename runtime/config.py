@@ -25,36 +25,24 @@ import yaml
 
 from drafter_node.schedule import SCHEDULES
 from drafter_node.spec import DrafterSpec
-from drafter_node.types import DEFAULT_DRAFTER_TYPE, DRAFTER_TYPES, drafter_spec, drafter_specs
+from drafter_node.types import DRAFTER_TYPES, drafter_spec, drafter_specs
+from runtime.config_schema import (
+    MAX_LAUNCHED_DRAFTERS,
+    SECTIONS,
+    Config,
+    DrafterConfig,
+)
 from shared.models import AUTO, DTYPES
-from shared.protocol import DEFAULT_MAX_MESSAGE_BYTES, MAX_DRAFT_TOKENS
+from shared.protocol import MAX_DRAFT_TOKENS
 from shared.sampling import MAX_NEW_TOKENS
+from shared.settings import build, defaults
 from shared.transport import CURVE_MODES, EndpointError, check_endpoint, curve_wanted
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 DEFAULT_CONFIG = "cpu.yaml"
 
-#: The ``drafter`` keys every type has; each type's own keys and their defaults are in its spec.
-DRAFTER_COMMON: dict[str, Any] = {
-    "type": DEFAULT_DRAFTER_TYPE,
-    "model": None,  # required by types with needs_model (some default it to verifier.model)
-    "device": "cpu",
-    "dtype": "auto",
-    "threads": "auto",
-    "profile_s": 20,
-    "num_draft_tokens": 5,
-    "draft_schedule": "cost",
-    "max_draft_tokens": 16,
-    "overlap": True,
-    "tree": False,  # the cost schedule may send token trees (greedy, synchronous rounds; verifier_node/tree.py)
-    "remember_acceptance": True,  # start the cost schedule from this pair's acceptance in earlier runs
-    "batching": True,
-    "max_batch_sessions": 64,
-    "q_top_k": 64,  # read by types that send q
-    "verifier_endpoint": None,
-    "max_memory": None,
-    "target_model": None,  # read by types with reads_target: defaults to verifier.model
-}
+#: The ``drafter`` keys every type has (declared in runtime/config_schema.py); each type's own keys are in its spec.
+DRAFTER_COMMON: dict[str, Any] = defaults(DrafterConfig)
 
 
 def type_keys() -> dict[str, Any]:
@@ -68,42 +56,16 @@ def type_keys() -> dict[str, Any]:
     return keys
 
 
+#: Every section's keys and defaults, read off the declarations (the registered types' own keys as of import;
+#: load_config asks the registry).
 DEFAULTS: dict[str, dict[str, Any]] = {
-    "verifier": {
-        "model": None,
-        "device": "cpu",
-        "dtype": "auto",
-        "threads": "auto",
-        "profile_s": 20,
-        "endpoint": "ipc://{run_dir}/verifier.ipc",
-        "max_memory": None,
-        "draft_timeout_ms": 3000,
-        "max_sessions": 64,
-        "batching": True,
-        "max_batch_sessions": 64,
-        "max_batch_tokens": 1024,
-        "max_prefill_tokens": 2048,
-        "max_message_bytes": DEFAULT_MAX_MESSAGE_BYTES,
-        "allow_remote": False,
-    },
-    # The keys a config may hold (the registered types' own keys as of import; load_config asks the registry).
-    "drafter": {**DRAFTER_COMMON, **type_keys()},
-    "verification": {"ensemble_weight": None},
-    "client": {"endpoint": "ipc://{run_dir}/client.ipc", "timeout_s": 600, "heartbeat_timeout_s": 5.0},
-    "launch": {"ready_timeout_s": 900, "start_drafter": True, "drafters": 1},
-    "security": {"curve": "auto", "keys_dir": None, "drafter_key": "drafter", "client_key": "client"},
-    # The OpenAI-compatible HTTP server (http_server/): off while host is null (`--http HOST:PORT` sets both).
-    "http": {"host": None, "port": 8000, "api_key": None, "allow_remote": False, "model_name": None,
-             "default_max_tokens": 256, "max_body_bytes": 4 * 1024 * 1024, "scrape_timeout_s": 1.0},
+    name: ({**DRAFTER_COMMON, **type_keys()} if name == "drafter" else defaults(cls)) for name, cls in SECTIONS.items()
 }
 
 #: Read when ``http.api_key`` is null: a key kept out of config files and argv (``ps`` shows argv to everyone).
 HTTP_API_KEY_ENV = "PIPESPEC_HTTP_API_KEY"
 #: Shortest ``http.api_key`` accepted (a guessable key on a network address protects nothing).
 MIN_API_KEY_CHARS = 16
-
-#: Most drafter processes one launcher starts (``launch.drafters``).
-MAX_LAUNCHED_DRAFTERS = 16
 
 
 class ConfigError(ValueError):
@@ -487,3 +449,21 @@ def fill_run_dir(config: dict[str, Any], run_dir: str) -> dict[str, Any]:
         if isinstance(config[section][key], str):
             config[section][key] = config[section][key].replace("{run_dir}", run_dir)
     return config
+
+
+def typed(config: dict[str, Any]) -> Config:
+    """The frozen sections of a config :func:`load_config` returned (its ``drafter.type``'s own keys in
+    ``drafter_type``: an instance of that type's settings class, or a read-only mapping for a type without one)."""
+    from types import MappingProxyType
+
+    spec = drafter_spec(config["drafter"]["type"])
+    d = config["drafter"]
+    own = build(spec.settings, d) if spec.settings is not None else MappingProxyType({k: d[k] for k in spec.keys})
+    sections = {name: build(cls, config[name]) for name, cls in SECTIONS.items()}
+    return Config(drafter_type=own, **sections)
+
+
+def load_typed(source: str | os.PathLike | dict | None = None,
+               overrides: dict[str, Any] | list[str] | None = None) -> Config:
+    """:func:`load_config`, as frozen sections."""
+    return typed(load_config(source, overrides))

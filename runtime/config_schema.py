@@ -1,0 +1,164 @@
+"""The config's sections as frozen dataclasses: every key's default, bounds and one-line doc, declared once.
+
+``runtime/config.py`` derives its ``DEFAULTS`` and ``DRAFTER_COMMON`` from these classes and validates loaded YAML
+against them; :func:`runtime.config.typed` turns a validated config dict into a :class:`Config`. A drafter type's own
+keys are declared the same way in its spec (``drafter_node/type_specs/<name>.py``). The reference in
+``docs/configuration.md`` is generated from here (``python -m runtime.config_doc``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from drafter_node.schedule import SCHEDULES
+from drafter_node.types import DEFAULT_DRAFTER_TYPE
+from shared.models import AUTO, DTYPES
+from shared.protocol import DEFAULT_MAX_MESSAGE_BYTES, MAX_DRAFT_TOKENS
+from shared.sampling import MAX_NEW_TOKENS
+from shared.settings import setting
+from shared.transport import CURVE_MODES
+
+DTYPE_CHOICES = (AUTO, *DTYPES)
+#: Most drafter processes one launcher starts (``launch.drafters``).
+MAX_LAUNCHED_DRAFTERS = 16
+
+
+@dataclass(frozen=True)
+class VerifierConfig:
+    """``verifier``: the target model and the node that verifies drafts."""
+
+    model: Any = setting(None, "Target model: a named model, a local folder or a hub id (required).", kind="str")
+    device: str = setting("cpu", "cpu, cuda, cuda:N, mps or auto.", kind="str")
+    dtype: str = setting("auto", "Weights dtype.", kind="str", choices=DTYPE_CHOICES)
+    threads: Any = setting("auto", "Torch threads (auto: the machine's choice).", kind="int", bounds=(1, None),
+                           also=(AUTO,))
+    profile_s: float = setting(20, "Seconds spent profiling forward costs at start (0: no profile).",
+                               kind="number", bounds=(0, 600))
+    endpoint: str = setting("ipc://{run_dir}/verifier.ipc", "Where drafters connect.", kind="str")
+    max_memory: Any = setting(None, "Per-device memory cap passed to the model loader.")
+    draft_timeout_ms: int = setting(3000, "How long the verifier waits for a draft before going on without one.",
+                                    kind="int", bounds=(1, None))
+    max_sessions: int = setting(64, "Most concurrent generation sessions.", kind="int", bounds=(1, None))
+    batching: bool = setting(True, "Verify several sessions' drafts in one batched forward.", kind="bool")
+    max_batch_sessions: int = setting(64, "Most sessions in one batched forward.", kind="int", bounds=(1, None))
+    max_batch_tokens: int = setting(1024, "Most tokens in one batched forward.", kind="int", bounds=(1, None))
+    max_prefill_tokens: int = setting(2048, "Most prompt tokens prefilled in one step.", kind="int",
+                                      bounds=(1, None))
+    max_message_bytes: int = setting(DEFAULT_MAX_MESSAGE_BYTES, "Largest wire message accepted.", kind="int",
+                                     bounds=(1, None))
+    allow_remote: bool = setting(False, "Listen on non-loopback addresses without CURVE.", kind="bool")
+
+
+@dataclass(frozen=True)
+class DrafterConfig:
+    """``drafter``: the keys every drafter type has (each type's own keys are declared in its spec)."""
+
+    type: str = setting(DEFAULT_DRAFTER_TYPE, "Drafter type (see the per-type tables).", kind="str")
+    model: Any = setting(None, "Draft model; required by types that need one (some default it to verifier.model).",
+                         kind="str")
+    device: str = setting("cpu", "cpu, cuda, cuda:N, mps or auto.", kind="str")
+    dtype: str = setting("auto", "Weights dtype.", kind="str", choices=DTYPE_CHOICES)
+    threads: Any = setting("auto", "Torch threads (auto: the machine's choice).", kind="int", bounds=(1, None),
+                           also=(AUTO,))
+    profile_s: float = setting(20, "Seconds spent profiling draft costs at start (0: no profile).",
+                               kind="number", bounds=(0, 600))
+    num_draft_tokens: int = setting(5, "Tokens per draft (fixed schedules; the start of adaptive ones).",
+                                    kind="int", bounds=(1, MAX_DRAFT_TOKENS))
+    draft_schedule: str = setting("cost", "How draft length is chosen.", kind="str", choices=SCHEDULES)
+    max_draft_tokens: int = setting(16, "Longest draft any schedule sends.", kind="int",
+                                    bounds=(1, MAX_DRAFT_TOKENS))
+    overlap: bool = setting(True, "Draft the next block while the verifier verifies this one.", kind="bool")
+    tree: bool = setting(False, "The cost schedule may send token trees (greedy, synchronous rounds).",
+                         kind="bool")
+    remember_acceptance: bool = setting(True, "Start the cost schedule from this pair's earlier acceptance.",
+                                        kind="bool")
+    batching: bool = setting(True, "Draft for several sessions in one batched forward.", kind="bool")
+    max_batch_sessions: int = setting(64, "Most sessions in one batched draft forward.", kind="int",
+                                      bounds=(1, None))
+    q_top_k: int = setting(64, "Entries of q sent per position by types that send q (0: dense q).", kind="int",
+                           bounds=(0, None))
+    verifier_endpoint: Any = setting(None, "Verifier address to connect to (null: verifier.endpoint).",
+                                     kind="str")
+    max_memory: Any = setting(None, "Per-device memory cap passed to the model loader.")
+    target_model: Any = setting(None, "Target checkpoint read by types that read it (null: verifier.model).",
+                                kind="str")
+
+
+@dataclass(frozen=True)
+class VerificationConfig:
+    """``verification``: how drafts are accepted."""
+
+    ensemble_weight: Any = setting(None, "Static ensemble weight in (0, 1); null: standard, lossless verification.",
+                                   kind="number", bounds=(0, 1))
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    """``client``: the client socket and its timeouts."""
+
+    endpoint: str = setting("ipc://{run_dir}/client.ipc", "Where clients connect.", kind="str")
+    timeout_s: float = setting(600, "Seconds a request may take.", kind="number", bounds=(0, None))
+    heartbeat_timeout_s: float = setting(5.0, "Seconds without a client ping before its requests are dropped "
+                                         "(at least 1).", kind="number", bounds=(1.0, None))
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """``launch``: what the launcher starts."""
+
+    ready_timeout_s: float = setting(900, "Seconds to wait for the nodes to be ready.", kind="number",
+                                     bounds=(0, None))
+    start_drafter: bool = setting(True, "Start drafter processes (false: they join with --role drafter).",
+                                  kind="bool")
+    drafters: int = setting(1, "Drafter processes to start.", kind="int", bounds=(1, MAX_LAUNCHED_DRAFTERS))
+
+
+@dataclass(frozen=True)
+class SecurityConfig:
+    """``security``: CURVE encryption and the key files."""
+
+    curve: str = setting("auto", "auto (on for non-loopback addresses), on or off.", kind="str",
+                         choices=CURVE_MODES)
+    keys_dir: Any = setting(None, "Folder made by `python -m runtime.keys init DIR`.", kind="str")
+    drafter_key: str = setting("drafter", "Name of the drafter's key pair.", kind="str")
+    client_key: str = setting("client", "Name of the client's key pair.", kind="str")
+
+
+@dataclass(frozen=True)
+class HttpConfig:
+    """``http``: the OpenAI-compatible HTTP server, off while host is null (``--http HOST:PORT`` sets both)."""
+
+    host: Any = setting(None, "Address to serve on (null: no HTTP server).", kind="str")
+    port: int = setting(8000, "TCP port.", kind="int", bounds=(1, 65535))
+    api_key: Any = setting(None, "Bearer token clients must send (null: PIPESPEC_HTTP_API_KEY or none).",
+                           kind="str")
+    allow_remote: bool = setting(False, "Serve on a non-loopback address (needs api_key).", kind="bool")
+    model_name: Any = setting(None, "Model name the API reports (null: the target's name).", kind="str")
+    default_max_tokens: int = setting(256, "max_tokens when a request gives none.", kind="int",
+                                      bounds=(1, MAX_NEW_TOKENS))
+    max_body_bytes: int = setting(4 * 1024 * 1024, "Largest request body accepted.", kind="int",
+                                  bounds=(1024, 1 << 30))
+    scrape_timeout_s: float = setting(1.0, "Seconds a /metrics scrape waits for the verifier.", kind="number",
+                                      bounds=(0, 60))
+
+
+#: Section name → its dataclass, in the order of the config reference.
+SECTIONS: dict[str, type] = {
+    "verifier": VerifierConfig, "drafter": DrafterConfig, "verification": VerificationConfig,
+    "client": ClientConfig, "launch": LaunchConfig, "security": SecurityConfig, "http": HttpConfig,
+}
+
+
+@dataclass(frozen=True)
+class Config:
+    """A validated config as frozen sections; ``drafter_type`` holds the configured type's own keys."""
+
+    verifier: VerifierConfig
+    drafter: DrafterConfig
+    drafter_type: Any
+    verification: VerificationConfig
+    client: ClientConfig
+    launch: LaunchConfig
+    security: SecurityConfig
+    http: HttpConfig
