@@ -27,15 +27,12 @@ from drafter_node.schedule import SCHEDULES
 from drafter_node.spec import DrafterSpec
 from drafter_node.types import DRAFTER_TYPES, drafter_spec, drafter_specs
 from runtime.config_schema import (
-    MAX_LAUNCHED_DRAFTERS,
     SECTIONS,
     Config,
     DrafterConfig,
 )
 from shared.models import AUTO, DTYPES
-from shared.protocol import MAX_DRAFT_TOKENS
-from shared.sampling import MAX_NEW_TOKENS
-from shared.settings import build, defaults
+from shared.settings import build, declared, defaults, violation
 from shared.transport import CURVE_MODES, EndpointError, check_endpoint, curve_wanted
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -151,13 +148,6 @@ def set_key(config: dict[str, Any], dotted: str, value: Any) -> None:
     config[section][key] = value
 
 
-def _positive_int(config: dict, dotted: str, minimum: int = 1) -> None:
-    section, key = dotted.split(".")
-    value = config[section][key]
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(f"{dotted}: must be an integer ≥ {minimum}, got {value!r}")
-
-
 def _check_model(dotted: str, value: Any) -> None:
     from shared.registry import NAMED_MODELS
 
@@ -228,26 +218,9 @@ def validate(config: dict[str, Any]) -> None:
         value = config[section][key]
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 600:
             raise ConfigError(f"{dotted}: must be a number of seconds in [0, 600] (0: no profile), got {value!r}")
-    for dotted in ("drafter.num_draft_tokens", "drafter.max_draft_tokens",
-                   "verifier.max_sessions", "verifier.max_message_bytes", "verifier.draft_timeout_ms",
-                   "verifier.max_batch_sessions", "verifier.max_batch_tokens", "verifier.max_prefill_tokens",
-                   "drafter.max_batch_sessions"):
-        _positive_int(config, dotted)
-    _positive_int(config, "drafter.q_top_k", minimum=0)
-    for key in ("num_draft_tokens", "max_draft_tokens"):  # longer drafts are refused by the verifier
-        if d[key] > MAX_DRAFT_TOKENS:
-            raise ConfigError(f"drafter.{key}: at most {MAX_DRAFT_TOKENS}, got {d[key]}")
-    _positive_int(config, "launch.drafters")
-    if config["launch"]["drafters"] > MAX_LAUNCHED_DRAFTERS:
-        raise ConfigError(f"launch.drafters: at most {MAX_LAUNCHED_DRAFTERS} drafter processes, got "
-                          f"{config['launch']['drafters']} (more can join with --role drafter)")
+    _check_declared(config, spec)
     if not isinstance(d["draft_schedule"], str) or d["draft_schedule"] not in SCHEDULES:
         raise ConfigError(f"drafter.draft_schedule: one of {', '.join(SCHEDULES)}, got {d['draft_schedule']!r}")
-    for dotted in ("drafter.overlap", "verifier.allow_remote", "launch.start_drafter", "verifier.batching",
-                   "drafter.batching", "drafter.remember_acceptance", "drafter.tree"):
-        section, key = dotted.split(".")
-        if not isinstance(config[section][key], bool):
-            raise ConfigError(f"{dotted}: must be true or false, got {config[section][key]!r}")
     _check_ensemble(config)
     for dotted in ("verifier.endpoint", "client.endpoint", "drafter.verifier_endpoint"):
         section, key = dotted.split(".")
@@ -272,6 +245,27 @@ def validate(config: dict[str, Any]) -> None:
             "client.heartbeat_timeout_s: at least 1 s (clients ping every 0.5 s while requests are in flight), got "
             f"{config['client']['heartbeat_timeout_s']!r}"
         )
+
+
+def _check_declared(config: dict[str, Any], spec: DrafterSpec) -> None:
+    """Every integer and true/false key against its declaration (kind and bounds); the other kinds have their own
+    checks above and below, whose messages say more (the seconds, what 0 means, what a device may be)."""
+    own = declared(spec.settings) if spec.settings is not None else ()
+    keyed = [(name, key, meta) for name, cls in SECTIONS.items() for key, _, meta in declared(cls)]
+    for section, key, meta in [*keyed, *(("drafter", key, meta) for key, _, meta in own)]:
+        if meta.kind not in ("int", "bool") or meta.also:  # threads ("auto" or ≥ 1) is checked above
+            continue
+        value = config[section][key]
+        if value is None and meta.nullable and not (section == "drafter" and key in spec.keys):
+            continue  # an unset key of another drafter type; the configured type's own null key is checked
+        why = violation(meta, value)
+        if why is None:
+            continue
+        if meta.kind == "int" and not isinstance(value, bool) and isinstance(value, int) and meta.bounds \
+                and meta.bounds[1] is not None and value > meta.bounds[1]:
+            why = f"at most {meta.bounds[1]}"  # an integer, only too large
+        hint = f" ({meta.hint})" if meta.hint else ""
+        raise ConfigError(f"{section}.{key}: {why}, got {value!r}{hint}")
 
 
 def _check_security(config: dict[str, Any]) -> None:
@@ -326,16 +320,7 @@ def _check_http(config: dict[str, Any]) -> None:
                                      or not h["api_key"].isprintable() or " " in h["api_key"]):
         raise ConfigError(f"http.api_key: a string of at least {MIN_API_KEY_CHARS} printable characters without "
                           f"spaces (e.g. `python -c 'import secrets; print(secrets.token_urlsafe(32))'`), or null")
-    if not isinstance(h["allow_remote"], bool):
-        raise ConfigError(f"http.allow_remote: must be true or false, got {h['allow_remote']!r}")
-    port = h["port"]
-    if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
-        raise ConfigError(f"http.port: must be an integer in [1, 65535], got {port!r}")
-    for dotted, bounds in (("http.default_max_tokens", (1, MAX_NEW_TOKENS)),
-                           ("http.max_body_bytes", (1024, 1 << 30))):
-        value = h[dotted.split(".")[1]]
-        if isinstance(value, bool) or not isinstance(value, int) or not bounds[0] <= value <= bounds[1]:
-            raise ConfigError(f"{dotted}: must be an integer in [{bounds[0]}, {bounds[1]}], got {value!r}")
+    # allow_remote, port, default_max_tokens and max_body_bytes: checked against their declarations
     value = h["scrape_timeout_s"]
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 60:
         raise ConfigError(f"http.scrape_timeout_s: must be a number of seconds in (0, 60], got {value!r}")

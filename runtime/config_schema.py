@@ -89,8 +89,9 @@ class DrafterConfig:
 class VerificationConfig:
     """``verification``: how drafts are accepted."""
 
-    ensemble_weight: Any = setting(None, "Static ensemble weight in (0, 1); null: standard, lossless verification.",
-                                   kind="number", bounds=(0, 1))
+    ensemble_weight: Any = setting(None, "Static ensemble weight, in the open interval (0, 1); null: standard, "
+                                   "lossless verification.",
+                                   kind="number", bounds=(0, 1), open_low=True)
 
 
 @dataclass(frozen=True)
@@ -98,7 +99,8 @@ class ClientConfig:
     """``client``: the client socket and its timeouts."""
 
     endpoint: str = setting("ipc://{run_dir}/client.ipc", "Where clients connect.", kind="str")
-    timeout_s: float = setting(600, "Seconds a request may take.", kind="number", bounds=(0, None))
+    timeout_s: float = setting(600, "Seconds a request may take.", kind="number", bounds=(0, None),
+                               open_low=True)
     heartbeat_timeout_s: float = setting(5.0, "Seconds without a client ping before its requests are dropped "
                                          "(at least 1).", kind="number", bounds=(1.0, None))
 
@@ -108,10 +110,11 @@ class LaunchConfig:
     """``launch``: what the launcher starts."""
 
     ready_timeout_s: float = setting(900, "Seconds to wait for the nodes to be ready.", kind="number",
-                                     bounds=(0, None))
+                                     bounds=(0, None), open_low=True)
     start_drafter: bool = setting(True, "Start drafter processes (false: they join with --role drafter).",
                                   kind="bool")
-    drafters: int = setting(1, "Drafter processes to start.", kind="int", bounds=(1, MAX_LAUNCHED_DRAFTERS))
+    drafters: int = setting(1, "Drafter processes to start.", kind="int", bounds=(1, MAX_LAUNCHED_DRAFTERS),
+                            hint="more can join with --role drafter")
 
 
 @dataclass(frozen=True)
@@ -140,7 +143,7 @@ class HttpConfig:
     max_body_bytes: int = setting(4 * 1024 * 1024, "Largest request body accepted.", kind="int",
                                   bounds=(1024, 1 << 30))
     scrape_timeout_s: float = setting(1.0, "Seconds a /metrics scrape waits for the verifier.", kind="number",
-                                      bounds=(0, 60))
+                                      bounds=(0, 60), open_low=True)
 
 
 #: Section name → its dataclass, in the order of the config reference.

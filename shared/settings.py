@@ -32,13 +32,27 @@ class Setting:
     nullable: bool = False
     #: Extra values allowed besides the kind (e.g. ``"auto"`` for threads).
     also: tuple[Any, ...] = ()
+    #: The lower bound itself is excluded (``(0, None)`` then reads "> 0").
+    open_low: bool = False
+    #: Appended to the error message (what to do instead).
+    hint: str = ""
+
+    def bounds_text(self) -> str:
+        """The bounds as the reference prints them: ``[1, 64]``, ``≥ 0``, ``> 0`` or ``""``."""
+        if self.bounds is None:
+            return ""
+        low, high = self.bounds
+        if high is None:
+            return f"{'>' if self.open_low else '≥'} {low}"
+        return f"{'(' if self.open_low else '['}{low}, {high}]"
 
 
 def setting(default: Any, doc: str, *, kind: str = "any", bounds: tuple[float | None, float | None] | None = None,
-            choices: tuple[Any, ...] | None = None, nullable: bool = False, also: tuple[Any, ...] = ()) -> Any:
+            choices: tuple[Any, ...] | None = None, nullable: bool = False, also: tuple[Any, ...] = (),
+            open_low: bool = False, hint: str = "") -> Any:
     """A dataclass field with ``default`` and a :class:`Setting` in its metadata (a null default is nullable)."""
     meta = Setting(doc, kind, bounds, tuple(choices) if choices is not None else None,
-                   nullable or default is None, tuple(also))
+                   nullable or default is None, tuple(also), open_low, hint)
     if isinstance(default, (dict, list, set)):
         raise TypeError("a setting's default must be immutable")
     return dataclasses.field(default=default, metadata={META: meta})
@@ -75,8 +89,10 @@ def violation(meta: Setting, value: Any) -> str | None:
         if isinstance(value, bool) or not isinstance(value, types):
             return f"must be {'an integer' if meta.kind == 'int' else 'a number'}"
         low, high = meta.bounds or (None, None)
-        if (low is not None and value < low) or (high is not None and value > high):
-            return f"must be in [{low}, {high}]"
+        too_low = low is not None and (value <= low if meta.open_low else value < low)
+        if too_low or (high is not None and value > high):
+            text = meta.bounds_text()
+            return f"must be {'an integer' if meta.kind == 'int' else 'a number'} {'in ' * (text[0] in '[(')}{text}"
     if meta.kind == "str" and not isinstance(value, str):
         return "must be a string"
     return None

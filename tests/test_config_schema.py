@@ -83,3 +83,19 @@ def test_typed_round_trips_every_bundled_config(path) -> None:
     spec = drafter_spec(config["drafter"]["type"])
     own = dataclasses.asdict(t.drafter_type) if spec.settings is not None else dict(t.drafter_type)
     assert own == {k: config["drafter"][k] for k in spec.keys}
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ({"http.port": 0}, "http.port: must be an integer in [1, 65535], got 0"),
+    ({"verifier.max_sessions": 0}, "verifier.max_sessions: must be an integer ≥ 1, got 0"),
+    ({"drafter.q_top_k": -1}, "drafter.q_top_k: must be an integer ≥ 0, got -1"),
+    ({"drafter.num_draft_tokens": 100}, "drafter.num_draft_tokens: at most 64, got 100"),
+    ({"launch.drafters": 17}, "launch.drafters: at most 16, got 17 (more can join with --role drafter)"),
+    ({"drafter.overlap": 1}, "drafter.overlap: must be true or false, got 1"),
+    ({"drafter.type": "prompt_lookup", "drafter.max_matching_ngram_size": 0},
+     "drafter.max_matching_ngram_size: must be an integer ≥ 1, got 0"),
+])
+def test_declared_bounds_are_checked_on_load(override, message) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config("cpu.yaml", override)
+    assert str(info.value) == message
