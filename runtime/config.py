@@ -261,9 +261,6 @@ def _check_declared(config: dict[str, Any], spec: DrafterSpec) -> None:
         why = violation(meta, value)
         if why is None:
             continue
-        if meta.kind == "int" and not isinstance(value, bool) and isinstance(value, int) and meta.bounds \
-                and meta.bounds[1] is not None and value > meta.bounds[1]:
-            why = f"at most {meta.bounds[1]}"  # an integer, only too large
         hint = f" ({meta.hint})" if meta.hint else ""
         raise ConfigError(f"{section}.{key}: {why}, got {value!r}{hint}")
 
