@@ -56,7 +56,7 @@ def prepare_models(config: dict[str, Any]) -> None:
     from shared import registry
 
     for section in ("verifier", "drafter"):
-        name = config[section].get("model")
+        name = config[section]["model"]  # a validated config has every key
         if section == "drafter" and not config["launch"]["start_drafter"]:
             continue
         if isinstance(name, str) and registry.is_named_model(name):
