@@ -17,6 +17,8 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from shared.settings import defaults
+
 #: ``local(name)``: the local folder (with a config.json) a model name stands for, or None (a named model not
 #: converted yet, a hub id): a ``check_model`` hook then skips its check (the drafter checks when it starts).
 LocalFolder = Callable[[str], Path | None]
@@ -48,7 +50,11 @@ class DrafterSpec:
     cls: str
     #: What the type is called in messages ("prompt lookup decoding").
     title: str
-    #: The type's own ``drafter.*`` keys and their defaults (the keys every type shares live in runtime/config.py).
+    #: The type's own ``drafter.*`` keys: a frozen dataclass of :func:`shared.settings.setting` fields (the keys
+    #: every type shares are declared in runtime/config_schema.py).
+    settings: type | None = None
+    #: The type's own keys and their defaults: derived from :attr:`settings`; given directly only by a type
+    #: without declarations (its keys then have no doc and only its ``check`` hook checks them).
     keys: Mapping[str, Any] = field(default_factory=dict)
     #: ``drafter.model`` must name a model.
     needs_model: bool = True
@@ -71,7 +77,11 @@ class DrafterSpec:
             raise ValueError(f"drafter type {self.name!r}: cls must be 'module:Class', got {self.cls!r}")
         if self.model_defaults_to_target and not self.needs_model:
             raise ValueError(f"drafter type {self.name!r}: model_defaults_to_target needs needs_model")
-        object.__setattr__(self, "keys", MappingProxyType(dict(self.keys)))
+        if self.keys and self.settings is not None:
+            raise ValueError(f"drafter type {self.name!r}: give settings= or keys=, not both")
+        # one place for each default: the mapping is read off the declarations
+        own = defaults(self.settings) if self.settings is not None else dict(self.keys)
+        object.__setattr__(self, "keys", MappingProxyType(own))
 
 
 def positive_int(config: dict[str, Any], key: str, minimum: int = 1) -> None:

@@ -23,6 +23,7 @@ from http_server.metrics import CONTENT_TYPE, HttpMetrics
 from http_server.schemas import ChatRequest, CompletionRequest, check_supported
 from http_server.sse import BodyLimit, sse
 from runtime.client import AsyncClient, PipespecError
+from runtime.config_schema import HttpConfig
 
 log = logging.getLogger("pipespec.http")
 T = TypeVar("T")
@@ -62,8 +63,10 @@ class _Format:
         return self._choice(finish_reason, text=text)
 
 
-def create_app(client: AsyncClient, model_name: str, *, api_key: str | None = None, default_max_tokens: int = 256,
-               max_body_bytes: int = 4 * 1024 * 1024, scrape_timeout_s: float = 1.0) -> FastAPI:
+def create_app(client: AsyncClient, model_name: str, *, api_key: str | None = None,
+               default_max_tokens: int = HttpConfig.default_max_tokens,
+               max_body_bytes: int = HttpConfig.max_body_bytes,
+               scrape_timeout_s: float = HttpConfig.scrape_timeout_s) -> FastAPI:
     """The app. ``model_name``: the id ``/v1/models`` lists and requests may name; ``api_key``: when set, ``/v1/*``
     and ``/metrics`` need ``Authorization: Bearer <api_key>`` (``/health`` stays open)."""
     app = FastAPI(title="pipespec", docs_url=None, redoc_url=None, openapi_url=None)

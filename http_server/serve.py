@@ -12,6 +12,7 @@ import uvicorn
 
 from http_server.app import create_app
 from runtime.client import AsyncClient
+from runtime.config_schema import HttpConfig
 
 #: Open connections uvicorn serves at once (more get a 503): a bound per verifier session, with room for scrapes.
 CONNECTIONS_PER_SESSION = 2
@@ -35,14 +36,16 @@ class _EmbeddedServer(uvicorn.Server):
 
 
 class HttpServer:
-    """``async with HttpServer(client, config) as server:`` serves ``config["http"]`` until the block ends."""
+    """``async with HttpServer(client, typed(config).http, ...) as server:`` serves that section until the block
+    ends (``http.host`` must be set)."""
 
-    def __init__(self, client: AsyncClient, http: dict[str, Any], model_name: str, max_sessions: int = 64):
-        self.host, self.port = http["host"], http["port"]
-        self.model_name = http.get("model_name") or model_name
-        self.app = create_app(client, self.model_name, api_key=http.get("api_key"),
-                              default_max_tokens=http["default_max_tokens"], max_body_bytes=http["max_body_bytes"],
-                              scrape_timeout_s=http["scrape_timeout_s"])
+    def __init__(self, client: AsyncClient, http: HttpConfig, model_name: str, max_sessions: int = 64):
+        if http.host is None:
+            raise ValueError("HttpServer needs http.host")
+        self.host, self.port = http.host, http.port
+        self.model_name = http.model_name or model_name
+        self.app = create_app(client, self.model_name, api_key=http.api_key, default_max_tokens=http.default_max_tokens,
+                              max_body_bytes=http.max_body_bytes, scrape_timeout_s=http.scrape_timeout_s)
         self._config = uvicorn.Config(self.app, loop="none", lifespan="off", log_level="warning", access_log=False,
                                       timeout_keep_alive=5, timeout_graceful_shutdown=STOP_TIMEOUT_S / 2,
                                       limit_concurrency=max(64, CONNECTIONS_PER_SESSION * max_sessions + 16))

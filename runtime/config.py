@@ -25,36 +25,21 @@ import yaml
 
 from drafter_node.schedule import SCHEDULES
 from drafter_node.spec import DrafterSpec
-from drafter_node.types import DEFAULT_DRAFTER_TYPE, DRAFTER_TYPES, drafter_spec, drafter_specs
+from drafter_node.types import DRAFTER_TYPES, drafter_spec, drafter_specs
+from runtime.config_schema import (
+    SECTIONS,
+    Config,
+    DrafterConfig,
+)
 from shared.models import AUTO, DTYPES
-from shared.protocol import DEFAULT_MAX_MESSAGE_BYTES, MAX_DRAFT_TOKENS
-from shared.sampling import MAX_NEW_TOKENS
+from shared.settings import build, declared, defaults, violation
 from shared.transport import CURVE_MODES, EndpointError, check_endpoint, curve_wanted
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 DEFAULT_CONFIG = "cpu.yaml"
 
-#: The ``drafter`` keys every type has; each type's own keys and their defaults are in its spec.
-DRAFTER_COMMON: dict[str, Any] = {
-    "type": DEFAULT_DRAFTER_TYPE,
-    "model": None,  # required by types with needs_model (some default it to verifier.model)
-    "device": "cpu",
-    "dtype": "auto",
-    "threads": "auto",
-    "profile_s": 20,
-    "num_draft_tokens": 5,
-    "draft_schedule": "cost",
-    "max_draft_tokens": 16,
-    "overlap": True,
-    "tree": False,  # the cost schedule may send token trees (greedy, synchronous rounds; verifier_node/tree.py)
-    "remember_acceptance": True,  # start the cost schedule from this pair's acceptance in earlier runs
-    "batching": True,
-    "max_batch_sessions": 64,
-    "q_top_k": 64,  # read by types that send q
-    "verifier_endpoint": None,
-    "max_memory": None,
-    "target_model": None,  # read by types with reads_target: defaults to verifier.model
-}
+#: The ``drafter`` keys every type has (declared in runtime/config_schema.py); each type's own keys are in its spec.
+DRAFTER_COMMON: dict[str, Any] = defaults(DrafterConfig)
 
 
 def type_keys() -> dict[str, Any]:
@@ -68,42 +53,16 @@ def type_keys() -> dict[str, Any]:
     return keys
 
 
+#: Every section's keys and defaults, read off the declarations (the registered types' own keys as of import;
+#: load_config asks the registry).
 DEFAULTS: dict[str, dict[str, Any]] = {
-    "verifier": {
-        "model": None,
-        "device": "cpu",
-        "dtype": "auto",
-        "threads": "auto",
-        "profile_s": 20,
-        "endpoint": "ipc://{run_dir}/verifier.ipc",
-        "max_memory": None,
-        "draft_timeout_ms": 3000,
-        "max_sessions": 64,
-        "batching": True,
-        "max_batch_sessions": 64,
-        "max_batch_tokens": 1024,
-        "max_prefill_tokens": 2048,
-        "max_message_bytes": DEFAULT_MAX_MESSAGE_BYTES,
-        "allow_remote": False,
-    },
-    # The keys a config may hold (the registered types' own keys as of import; load_config asks the registry).
-    "drafter": {**DRAFTER_COMMON, **type_keys()},
-    "verification": {"ensemble_weight": None},
-    "client": {"endpoint": "ipc://{run_dir}/client.ipc", "timeout_s": 600, "heartbeat_timeout_s": 5.0},
-    "launch": {"ready_timeout_s": 900, "start_drafter": True, "drafters": 1},
-    "security": {"curve": "auto", "keys_dir": None, "drafter_key": "drafter", "client_key": "client"},
-    # The OpenAI-compatible HTTP server (http_server/): off while host is null (`--http HOST:PORT` sets both).
-    "http": {"host": None, "port": 8000, "api_key": None, "allow_remote": False, "model_name": None,
-             "default_max_tokens": 256, "max_body_bytes": 4 * 1024 * 1024, "scrape_timeout_s": 1.0},
+    name: ({**DRAFTER_COMMON, **type_keys()} if name == "drafter" else defaults(cls)) for name, cls in SECTIONS.items()
 }
 
 #: Read when ``http.api_key`` is null: a key kept out of config files and argv (``ps`` shows argv to everyone).
 HTTP_API_KEY_ENV = "PIPESPEC_HTTP_API_KEY"
 #: Shortest ``http.api_key`` accepted (a guessable key on a network address protects nothing).
 MIN_API_KEY_CHARS = 16
-
-#: Most drafter processes one launcher starts (``launch.drafters``).
-MAX_LAUNCHED_DRAFTERS = 16
 
 
 class ConfigError(ValueError):
@@ -189,13 +148,6 @@ def set_key(config: dict[str, Any], dotted: str, value: Any) -> None:
     config[section][key] = value
 
 
-def _positive_int(config: dict, dotted: str, minimum: int = 1) -> None:
-    section, key = dotted.split(".")
-    value = config[section][key]
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(f"{dotted}: must be an integer ≥ {minimum}, got {value!r}")
-
-
 def _check_model(dotted: str, value: Any) -> None:
     from shared.registry import NAMED_MODELS
 
@@ -266,26 +218,9 @@ def validate(config: dict[str, Any]) -> None:
         value = config[section][key]
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 600:
             raise ConfigError(f"{dotted}: must be a number of seconds in [0, 600] (0: no profile), got {value!r}")
-    for dotted in ("drafter.num_draft_tokens", "drafter.max_draft_tokens",
-                   "verifier.max_sessions", "verifier.max_message_bytes", "verifier.draft_timeout_ms",
-                   "verifier.max_batch_sessions", "verifier.max_batch_tokens", "verifier.max_prefill_tokens",
-                   "drafter.max_batch_sessions"):
-        _positive_int(config, dotted)
-    _positive_int(config, "drafter.q_top_k", minimum=0)
-    for key in ("num_draft_tokens", "max_draft_tokens"):  # longer drafts are refused by the verifier
-        if d[key] > MAX_DRAFT_TOKENS:
-            raise ConfigError(f"drafter.{key}: at most {MAX_DRAFT_TOKENS}, got {d[key]}")
-    _positive_int(config, "launch.drafters")
-    if config["launch"]["drafters"] > MAX_LAUNCHED_DRAFTERS:
-        raise ConfigError(f"launch.drafters: at most {MAX_LAUNCHED_DRAFTERS} drafter processes, got "
-                          f"{config['launch']['drafters']} (more can join with --role drafter)")
+    _check_declared(config, spec)
     if not isinstance(d["draft_schedule"], str) or d["draft_schedule"] not in SCHEDULES:
         raise ConfigError(f"drafter.draft_schedule: one of {', '.join(SCHEDULES)}, got {d['draft_schedule']!r}")
-    for dotted in ("drafter.overlap", "verifier.allow_remote", "launch.start_drafter", "verifier.batching",
-                   "drafter.batching", "drafter.remember_acceptance", "drafter.tree"):
-        section, key = dotted.split(".")
-        if not isinstance(config[section][key], bool):
-            raise ConfigError(f"{dotted}: must be true or false, got {config[section][key]!r}")
     _check_ensemble(config)
     for dotted in ("verifier.endpoint", "client.endpoint", "drafter.verifier_endpoint"):
         section, key = dotted.split(".")
@@ -310,6 +245,24 @@ def validate(config: dict[str, Any]) -> None:
             "client.heartbeat_timeout_s: at least 1 s (clients ping every 0.5 s while requests are in flight), got "
             f"{config['client']['heartbeat_timeout_s']!r}"
         )
+
+
+def _check_declared(config: dict[str, Any], spec: DrafterSpec) -> None:
+    """Every integer and true/false key against its declaration (kind and bounds); the other kinds have their own
+    checks above and below, whose messages say more (the seconds, what 0 means, what a device may be)."""
+    own = declared(spec.settings) if spec.settings is not None else ()
+    keyed = [(name, key, meta) for name, cls in SECTIONS.items() for key, _, meta in declared(cls)]
+    for section, key, meta in [*keyed, *(("drafter", key, meta) for key, _, meta in own)]:
+        if meta.kind not in ("int", "bool") or meta.also:  # threads ("auto" or ≥ 1) is checked above
+            continue
+        value = config[section][key]
+        if value is None and meta.nullable and not (section == "drafter" and key in spec.keys):
+            continue  # an unset key of another drafter type; the configured type's own null key is checked
+        why = violation(meta, value)
+        if why is None:
+            continue
+        hint = f" ({meta.hint})" if meta.hint else ""
+        raise ConfigError(f"{section}.{key}: {why}, got {value!r}{hint}")
 
 
 def _check_security(config: dict[str, Any]) -> None:
@@ -364,16 +317,7 @@ def _check_http(config: dict[str, Any]) -> None:
                                      or not h["api_key"].isprintable() or " " in h["api_key"]):
         raise ConfigError(f"http.api_key: a string of at least {MIN_API_KEY_CHARS} printable characters without "
                           f"spaces (e.g. `python -c 'import secrets; print(secrets.token_urlsafe(32))'`), or null")
-    if not isinstance(h["allow_remote"], bool):
-        raise ConfigError(f"http.allow_remote: must be true or false, got {h['allow_remote']!r}")
-    port = h["port"]
-    if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
-        raise ConfigError(f"http.port: must be an integer in [1, 65535], got {port!r}")
-    for dotted, bounds in (("http.default_max_tokens", (1, MAX_NEW_TOKENS)),
-                           ("http.max_body_bytes", (1024, 1 << 30))):
-        value = h[dotted.split(".")[1]]
-        if isinstance(value, bool) or not isinstance(value, int) or not bounds[0] <= value <= bounds[1]:
-            raise ConfigError(f"{dotted}: must be an integer in [{bounds[0]}, {bounds[1]}], got {value!r}")
+    # allow_remote, port, default_max_tokens and max_body_bytes: checked against their declarations
     value = h["scrape_timeout_s"]
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 60:
         raise ConfigError(f"http.scrape_timeout_s: must be a number of seconds in (0, 60], got {value!r}")
@@ -487,3 +431,21 @@ def fill_run_dir(config: dict[str, Any], run_dir: str) -> dict[str, Any]:
         if isinstance(config[section][key], str):
             config[section][key] = config[section][key].replace("{run_dir}", run_dir)
     return config
+
+
+def typed(config: dict[str, Any]) -> Config:
+    """The frozen sections of a config :func:`load_config` returned (its ``drafter.type``'s own keys in
+    ``drafter_type``: an instance of that type's settings class, or a read-only mapping for a type without one)."""
+    from types import MappingProxyType
+
+    spec = drafter_spec(config["drafter"]["type"])
+    d = config["drafter"]
+    own = build(spec.settings, d) if spec.settings is not None else MappingProxyType({k: d[k] for k in spec.keys})
+    sections = {name: build(cls, config[name]) for name, cls in SECTIONS.items()}
+    return Config(drafter_type=own, **sections)
+
+
+def load_typed(source: str | os.PathLike | dict | None = None,
+               overrides: dict[str, Any] | list[str] | None = None) -> Config:
+    """:func:`load_config`, as frozen sections."""
+    return typed(load_config(source, overrides))

@@ -34,6 +34,7 @@ from runtime.config import (
     fill_run_dir,
     load_config,
     parse_overrides,
+    typed,
 )
 from runtime.keys import KeysError
 from shared.models import ModelLoadError
@@ -55,7 +56,7 @@ def prepare_models(config: dict[str, Any]) -> None:
     from shared import registry
 
     for section in ("verifier", "drafter"):
-        name = config[section].get("model")
+        name = config[section]["model"]  # a validated config has every key
         if section == "drafter" and not config["launch"]["start_drafter"]:
             continue
         if isinstance(name, str) and registry.is_named_model(name):
@@ -395,8 +396,9 @@ async def serve_http(client: AsyncClient, config: dict[str, Any], pong: dict[str
 
     pong = pong or await client.ping()
     try:
-        server = HttpServer(client, config["http"], model_name=str(pong.get("target") or config["verifier"]["model"]),
-                            max_sessions=config["verifier"]["max_sessions"])
+        sections = typed(config)
+        server = HttpServer(client, sections.http, model_name=str(pong.get("target") or sections.verifier.model),
+                            max_sessions=sections.verifier.max_sessions)
         async with server:
             yield server
     except HttpStartError as exc:

@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from drafter_node.spec import DrafterSpec, LocalFolder, positive_int
+from shared.settings import setting
+
+
+@dataclass(frozen=True)
+class EarlyExitSettings:
+    """``early_exit``'s own ``drafter`` keys."""
+
+    assistant_early_exit: Any = setting(None, "Target layers the drafter runs (1..layers-1); required.",
+                                        kind="int", bounds=(1, None))
 
 
 def _check_model(config: dict[str, Any], local: LocalFolder) -> None:
@@ -22,7 +32,7 @@ SPEC = DrafterSpec(
     name="early_exit",
     cls="drafter_node.early_exit:EarlyExitDrafter",
     title="early-exit self-speculative drafting",
-    keys={"assistant_early_exit": None},  # target layers the drafter runs (1..layers-1): required
+    settings=EarlyExitSettings,
     model_defaults_to_target=True,
     check=lambda config: positive_int(config, "assistant_early_exit"),
     check_model=_check_model,

@@ -2,9 +2,20 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from drafter_node.spec import DrafterSpec, positive_int
+from shared.settings import setting
+
+
+@dataclass(frozen=True)
+class PromptLookupSettings:
+    """``prompt_lookup``'s own ``drafter`` keys."""
+
+    prompt_lookup_num_tokens: int = setting(10, "Tokens copied per draft block.", kind="int", bounds=(1, None))
+    max_matching_ngram_size: int = setting(2, "Longest n-gram matched in the history.", kind="int",
+                                           bounds=(1, None))
 
 
 def _check(config: dict[str, Any]) -> None:
@@ -16,7 +27,7 @@ SPEC = DrafterSpec(
     name="prompt_lookup",
     cls="drafter_node.prompt_lookup:PromptLookupDrafter",
     title="prompt lookup decoding",
-    keys={"prompt_lookup_num_tokens": 10, "max_matching_ngram_size": 2},  # tokens copied per block; longest n-gram
+    settings=PromptLookupSettings,
     needs_model=False,
     sends_q=False,  # one-hot drafts: no distribution to ensemble with
     check=_check,

@@ -1,0 +1,251 @@
+"""The config's sections as frozen dataclasses: every key's default, bounds and one-line doc, declared once.
+
+``runtime/config.py`` derives its ``DEFAULTS`` and ``DRAFTER_COMMON`` from these classes and validates loaded YAML
+against them; :func:`runtime.config.typed` turns a validated config dict into a :class:`Config`. A drafter type's own
+keys are declared the same way in its spec (``drafter_node/type_specs/<name>.py``). The reference in
+``docs/configuration.md`` is generated from here (``python -m runtime.config_doc``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from drafter_node.schedule import SCHEDULES
+from drafter_node.types import DEFAULT_DRAFTER_TYPE
+from shared.models import AUTO, DTYPES
+from shared.protocol import DEFAULT_MAX_MESSAGE_BYTES, MAX_DRAFT_TOKENS
+from shared.sampling import MAX_NEW_TOKENS
+from shared.settings import setting
+from shared.transport import CURVE_MODES
+
+DTYPE_CHOICES = (AUTO, *DTYPES)
+#: Most drafter processes one launcher starts (``launch.drafters``).
+MAX_LAUNCHED_DRAFTERS = 16
+
+
+@dataclass(frozen=True)
+class VerifierConfig:
+    """``verifier``: the target model and the node that verifies drafts."""
+
+    model: Any = setting(None, "Target model: a named model, a local folder or a hub id (required).", kind="str")
+    device: str = setting(
+        "cpu", "cpu, cuda, cuda:N, mps or auto (spread over GPUs with accelerate's device_map).", kind="str"
+    )
+    dtype: str = setting(
+        "auto",
+        "Weights dtype; auto: the fastest for its shapes, measured at start-up.",
+        kind="str",
+        choices=DTYPE_CHOICES,
+    )
+    threads: Any = setting(
+        "auto",
+        "Torch threads; auto: every core while the other node idles, half while both work.",
+        kind="int",
+        bounds=(1, None),
+        also=(AUTO,),
+    )
+    profile_s: float = setting(
+        20,
+        "Start-up cost profile budget in seconds, cached on disk (0: none, learned online).",
+        kind="number",
+        bounds=(0, 600),
+    )
+    endpoint: str = setting(
+        "ipc://{run_dir}/verifier.ipc", "Where drafters connect; {run_dir}: the launcher's run folder.", kind="str"
+    )
+    max_memory: Any = setting(None, "With device: auto, e.g. {0: 20GiB, 1: 20GiB}.")
+    draft_timeout_ms: int = setting(
+        3000,
+        "Cap on the wait for a draft (the wait follows each session's measured answers).",
+        kind="int",
+        bounds=(1, None),
+    )
+    max_sessions: int = setting(64, "Concurrent requests; more get a busy error.", kind="int", bounds=(1, None))
+    batching: bool = setting(True, "Verify several sessions' drafts in one batched forward.", kind="bool")
+    max_batch_sessions: int = setting(64, "Most sessions in one batched forward.", kind="int", bounds=(1, None))
+    max_batch_tokens: int = setting(
+        1024,
+        "Most tokens (pending + drafts, every row's) in one forward; one session always fits.",
+        kind="int",
+        bounds=(1, None),
+    )
+    max_prefill_tokens: int = setting(2048, "Most prompt tokens prefilled in one step.", kind="int", bounds=(1, None))
+    max_message_bytes: int = setting(
+        DEFAULT_MAX_MESSAGE_BYTES, "Larger messages get an error reply.", kind="int", bounds=(1, None)
+    )
+    allow_remote: bool = setting(
+        False, "With security.curve: off, must be true to listen on a non-loopback address.", kind="bool"
+    )
+
+
+@dataclass(frozen=True)
+class DrafterConfig:
+    """``drafter``: the keys every drafter type has (each type's own keys are declared in its spec)."""
+
+    type: str = setting(
+        DEFAULT_DRAFTER_TYPE,
+        "assistant, prompt_lookup, early_exit, mtp, mtp_drafter or universal (see the per-type tables).",
+        kind="str",
+    )
+    model: Any = setting(
+        None, "Draft model; required by types that need one (some default it to verifier.model).", kind="str"
+    )
+    device: str = setting(
+        "cpu", "cpu, cuda, cuda:N, mps or auto (spread over GPUs with accelerate's device_map).", kind="str"
+    )
+    dtype: str = setting(
+        "auto",
+        "Weights dtype; auto: the fastest for its shapes, measured at start-up.",
+        kind="str",
+        choices=DTYPE_CHOICES,
+    )
+    threads: Any = setting(
+        "auto",
+        "Torch threads; auto: every core while the other node idles, half while both work.",
+        kind="int",
+        bounds=(1, None),
+        also=(AUTO,),
+    )
+    profile_s: float = setting(
+        20,
+        "Start-up cost profile budget in seconds, cached on disk (0: none, learned online).",
+        kind="number",
+        bounds=(0, 600),
+    )
+    num_draft_tokens: int = setting(
+        5, "Block length k (the starting value of an adaptive schedule).", kind="int", bounds=(1, MAX_DRAFT_TOKENS)
+    )
+    draft_schedule: str = setting(
+        "cost",
+        "cost: k (incl. 0), overlap or sync and rows from measured costs; or a fixed rule.",
+        kind="str",
+        choices=SCHEDULES,
+    )
+    max_draft_tokens: int = setting(
+        16, "Cap for the adaptive schedules (cost: the largest k).", kind="int", bounds=(1, MAX_DRAFT_TOKENS)
+    )
+    overlap: bool = setting(True, "false: synchronous mode (draft one block, wait for its commit).", kind="bool")
+    tree: bool = setting(False, "The cost schedule may send token trees (greedy, synchronous rounds).", kind="bool")
+    remember_acceptance: bool = setting(
+        True, "Start the cost schedule from this pair's earlier acceptance.", kind="bool"
+    )
+    batching: bool = setting(True, "Draft for several sessions in one batched forward.", kind="bool")
+    max_batch_sessions: int = setting(64, "Most sessions in one batched draft forward.", kind="int", bounds=(1, None))
+    q_top_k: int = setting(
+        64,
+        "q sent sparse: the top-m entries per position, by types that send q (0: full q).",
+        kind="int",
+        bounds=(0, None),
+    )
+    verifier_endpoint: Any = setting(None, "Verifier address to connect to (null: verifier.endpoint).", kind="str")
+    max_memory: Any = setting(None, "With device: auto, e.g. {0: 20GiB, 1: 20GiB}.")
+    target_model: Any = setting(
+        None, "Target checkpoint read by types that read it (null: verifier.model).", kind="str"
+    )
+
+
+@dataclass(frozen=True)
+class VerificationConfig:
+    """``verification``: how drafts are accepted."""
+
+    ensemble_weight: Any = setting(
+        None,
+        "Static ensemble weight, in the open interval (0, 1); null: standard, lossless verification.",
+        kind="number",
+        bounds=(0, 1),
+        open_low=True,
+    )
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    """``client``: the client socket and its timeouts."""
+
+    endpoint: str = setting("ipc://{run_dir}/client.ipc", "Where clients connect.", kind="str")
+    timeout_s: float = setting(
+        600,
+        "A client raises TimeoutError after this long without a reply.",
+        kind="number",
+        bounds=(0, None),
+        open_low=True,
+    )
+    heartbeat_timeout_s: float = setting(
+        5.0,
+        "Seconds without a client ping before its requests are dropped (at least 1).",
+        kind="number",
+        bounds=(1.0, None),
+    )
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """``launch``: what the launcher starts."""
+
+    ready_timeout_s: float = setting(
+        900, "Start-up bound (includes first-time model conversion).", kind="number", bounds=(0, None), open_low=True
+    )
+    start_drafter: bool = setting(True, "Start drafter processes (false: they join with --role drafter).", kind="bool")
+    drafters: int = setting(
+        1,
+        "Drafter processes to start.",
+        kind="int",
+        bounds=(1, MAX_LAUNCHED_DRAFTERS),
+        hint="more can join with --role drafter",
+    )
+
+
+@dataclass(frozen=True)
+class SecurityConfig:
+    """``security``: CURVE encryption and the key files."""
+
+    curve: str = setting(
+        "auto", "auto: CURVE on every non-loopback tcp link; on: every link; off.", kind="str", choices=CURVE_MODES
+    )
+    keys_dir: Any = setting(None, "Folder made by `python -m runtime.keys init DIR`.", kind="str")
+    drafter_key: str = setting("drafter", "The drafter's key pair: keys_dir/drafters/NAME.key_secret.", kind="str")
+    client_key: str = setting("client", "The launcher's client key pair: keys_dir/clients/NAME.key_secret.", kind="str")
+
+
+@dataclass(frozen=True)
+class HttpConfig:
+    """``http``: the OpenAI-compatible HTTP server, off while host is null (``--http HOST:PORT`` sets both)."""
+
+    host: Any = setting(None, "Address to serve on (null: no HTTP server).", kind="str")
+    port: int = setting(8000, "TCP port.", kind="int", bounds=(1, 65535))
+    api_key: Any = setting(None, "Bearer token clients must send (null: PIPESPEC_HTTP_API_KEY or none).", kind="str")
+    allow_remote: bool = setting(False, "Serve on a non-loopback address (needs api_key).", kind="bool")
+    model_name: Any = setting(None, "Model name the API reports (null: the target's name).", kind="str")
+    default_max_tokens: int = setting(
+        256, "max_tokens when a request gives none.", kind="int", bounds=(1, MAX_NEW_TOKENS)
+    )
+    max_body_bytes: int = setting(4 * 1024 * 1024, "Largest request body accepted.", kind="int", bounds=(1024, 1 << 30))
+    scrape_timeout_s: float = setting(
+        1.0, "Seconds a /metrics scrape waits for the verifier.", kind="number", bounds=(0, 60), open_low=True
+    )
+
+
+#: Section name → its dataclass, in the order of the config reference.
+SECTIONS: dict[str, type] = {
+    "verifier": VerifierConfig,
+    "drafter": DrafterConfig,
+    "verification": VerificationConfig,
+    "client": ClientConfig,
+    "launch": LaunchConfig,
+    "security": SecurityConfig,
+    "http": HttpConfig,
+}
+
+
+@dataclass(frozen=True)
+class Config:
+    """A validated config as frozen sections; ``drafter_type`` holds the configured type's own keys."""
+
+    verifier: VerifierConfig
+    drafter: DrafterConfig
+    drafter_type: Any
+    verification: VerificationConfig
+    client: ClientConfig
+    launch: LaunchConfig
+    security: SecurityConfig
+    http: HttpConfig

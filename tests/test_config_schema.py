@@ -1,0 +1,102 @@
+"""The typed config: setting() declarations, bounds, frozen sections and typed(load_config(...)) round-trips."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from drafter_node.types import drafter_spec, drafter_specs
+from runtime.config import CONFIG_DIR, DEFAULTS, DRAFTER_COMMON, ConfigError, load_config, typed
+from runtime.config_schema import SECTIONS, Config, DrafterConfig, HttpConfig
+from shared.settings import Setting, declared, defaults, setting, violation
+
+pytestmark = pytest.mark.unit
+
+
+def test_setting_carries_doc_and_bounds() -> None:
+    @dataclasses.dataclass(frozen=True)
+    class Toy:
+        width: int = setting(3, "How wide.", kind="int", bounds=(1, 10))
+
+    ((name, default, meta),) = declared(Toy)
+    assert (name, default) == ("width", 3)
+    assert meta == Setting("How wide.", "int", (1, 10), None, False, ())
+    assert defaults(Toy) == {"width": 3}
+
+
+def test_bounds_kinds_and_choices_are_enforced() -> None:
+    meta = Setting("x", "int", (1, 10))
+    assert violation(meta, 1) is None and violation(meta, 10) is None
+    for bad in (0, 11, 2.5, True, "3", None):
+        assert violation(meta, bad) is not None
+    assert violation(Setting("x", "bool"), 1) is not None
+    assert violation(Setting("x", "str", choices=("a", "b")), "c") is not None
+    assert violation(Setting("x", "int", (1, None), also=("auto",)), "auto") is None
+    assert violation(Setting("x", "number", nullable=True), None) is None
+
+
+def test_mutable_default_is_refused() -> None:
+    with pytest.raises(TypeError):
+        setting([], "a list")
+
+
+def test_frozen_sections_cannot_be_mutated() -> None:
+    config = typed(load_config("cpu.yaml"))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.http.port = 1  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.drafter = DrafterConfig()  # type: ignore[misc]
+
+
+def test_defaults_are_the_declarations() -> None:
+    assert list(DEFAULTS) == list(SECTIONS)
+    assert defaults(DrafterConfig) == DRAFTER_COMMON
+    assert DEFAULTS["http"] == defaults(HttpConfig)
+    for spec in drafter_specs():
+        for key, default in spec.keys.items():
+            assert key in DEFAULTS["drafter"]
+            if spec.settings is not None:
+                assert defaults(spec.settings)[key] == default
+
+
+def test_every_section_key_is_declared_with_a_doc() -> None:
+    for cls in SECTIONS.values():
+        for name, _, meta in declared(cls):
+            assert meta.doc.strip(), f"{cls.__name__}.{name} has no doc"
+
+
+@pytest.mark.parametrize("path", sorted(CONFIG_DIR.glob("*.yaml")), ids=lambda p: p.name)
+def test_typed_round_trips_every_bundled_config(path) -> None:
+    try:
+        config = load_config(path)
+    except ConfigError as exc:  # a bundled GPU config on a machine without one: the same config on the CPU
+        if "CUDA device" not in str(exc):
+            raise
+        config = load_config(path, {"verifier.device": "cpu", "drafter.device": "cpu"})
+    t = typed(config)
+    assert isinstance(t, Config)
+    for name, cls in SECTIONS.items():
+        section = dataclasses.asdict(getattr(t, name))
+        assert section == {k: config[name][k] for k in section}, name
+        assert set(section) == {f.name for f in dataclasses.fields(cls)}
+    spec = drafter_spec(config["drafter"]["type"])
+    own = dataclasses.asdict(t.drafter_type) if spec.settings is not None else dict(t.drafter_type)
+    assert own == {k: config["drafter"][k] for k in spec.keys}
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ({"http.port": 0}, "http.port: must be an integer in [1, 65535], got 0"),
+    ({"verifier.max_sessions": 0}, "verifier.max_sessions: must be an integer ≥ 1, got 0"),
+    ({"drafter.q_top_k": -1}, "drafter.q_top_k: must be an integer ≥ 0, got -1"),
+    ({"drafter.num_draft_tokens": 100}, "drafter.num_draft_tokens: must be an integer in [1, 64], got 100"),
+    ({"launch.drafters": 17},
+     "launch.drafters: must be an integer in [1, 16], got 17 (more can join with --role drafter)"),
+    ({"drafter.overlap": 1}, "drafter.overlap: must be true or false, got 1"),
+    ({"drafter.type": "prompt_lookup", "drafter.max_matching_ngram_size": 0},
+     "drafter.max_matching_ngram_size: must be an integer ≥ 1, got 0"),
+])
+def test_declared_bounds_are_checked_on_load(override, message) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config("cpu.yaml", override)
+    assert str(info.value) == message
