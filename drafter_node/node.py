@@ -50,7 +50,6 @@ from drafter_node.base import BatchStep, Drafter, DraftSession
 from drafter_node.cost_model import CostBook
 from drafter_node.schedule import CostSchedule, DraftLengthSchedule
 from drafter_node.types import drafter_class
-from runtime import security
 from shared.batch import feed_rows
 from shared.costs import CostCurve, CurveCheck, NodeProfile, measuring_alone
 from shared.models import ModelLoadError, ProfileSpec, ThreadPlan, profile_node, profile_sizes, set_threads
@@ -72,7 +71,7 @@ from shared.protocol import (
     encode,
 )
 from shared.sampling import GenerationParams
-from shared.transport import AuthWatch, connect_dealer
+from shared.transport import AuthWatch, DrafterLinks, connect_dealer
 
 log = logging.getLogger("pipespec.drafter")
 
@@ -364,8 +363,9 @@ def load_drafter(dcfg: dict[str, Any], profile: ProfileSpec | None = None) -> Dr
 
 class DrafterNode:
     def __init__(self, config: dict[str, Any], drafter: Drafter | None = None,
-                 fixed_costs: tuple[CostCurve, CostCurve] | None = None):
-        """``fixed_costs``: (verify, draft) curves that replace measured ones and are never re-measured or
+                 fixed_costs: tuple[CostCurve, CostCurve] | None = None, *, links: DrafterLinks):
+        """``links``: CURVE keys and run secret, resolved by the launcher (``runtime.security.drafter_links``).
+        ``fixed_costs``: (verify, draft) curves that replace measured ones and are never re-measured or
         remembered (tests on tiny models, whose forwards all cost about the same, pass them to get the plans they
         mean to exercise: tests/node_entry.py)."""
         dcfg = config["drafter"]
@@ -391,10 +391,10 @@ class DrafterNode:
         self.endpoint = dcfg.get("verifier_endpoint") or config["verifier"]["endpoint"]
         self.max_bytes = config["verifier"].get("max_message_bytes", DEFAULT_MAX_MESSAGE_BYTES)
         self.ctx = zmq.Context.instance()
-        self.keys = security.drafter_keys(config)
-        self.key_name = config["security"]["drafter_key"] if self.keys else None
+        self.keys = links.keys
+        self.key_name = links.key_name
         # Shown in hello where the link has no CURVE (there the verifier's key allow-list decides).
-        self.run_secret = None if self.keys else security.run_secret()
+        self.run_secret = links.run_secret
         self.auth_watch: AuthWatch | None = None
         self.sock = self._connect()
         self.sessions: dict[int, NodeSession] = {}
@@ -811,6 +811,6 @@ class DrafterNode:
                 self.memory.session_ended(self.book.acceptance)
 
 
-def run(config: dict[str, Any], fixed_costs: tuple[CostCurve, CostCurve] | None = None) -> int:
-    """Entry point of the drafter process (``fixed_costs``: see :class:`DrafterNode`)."""
-    return DrafterNode(config, fixed_costs=fixed_costs).serve()
+def run(config: dict[str, Any], links: DrafterLinks, fixed_costs: tuple[CostCurve, CostCurve] | None = None) -> int:
+    """Entry point of the drafter process (``links``, ``fixed_costs``: see :class:`DrafterNode`)."""
+    return DrafterNode(config, fixed_costs=fixed_costs, links=links).serve()
