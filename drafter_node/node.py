@@ -55,7 +55,6 @@ from drafter_node.node_handlers import MessageHandler
 from drafter_node.node_picker import LinkPacer, ThreadShare, WorkPicker
 from drafter_node.node_session import NodeSession
 from drafter_node.types import drafter_class
-from runtime import security
 from shared.batch import feed_rows
 from shared.costs import CostCurve, CurveCheck, NodeProfile, measuring_alone
 from shared.models import ModelLoadError, ProfileSpec, ThreadPlan, profile_node, profile_sizes, set_threads
@@ -68,7 +67,7 @@ from shared.protocol import (
     ThreadCounts,
     encode,
 )
-from shared.transport import AuthWatch, ClientKeys, connect_dealer
+from shared.transport import AuthWatch, ClientKeys, DrafterLinks, connect_dealer
 
 log = logging.getLogger("pipespec.drafter")
 
@@ -174,11 +173,12 @@ class DrafterNode:
 
     @classmethod
     def from_config(cls, config: dict[str, Any], fixed_costs: tuple[CostCurve, CostCurve] | None = None,
-                    drafter: Drafter | None = None) -> DrafterNode:
+                    drafter: Drafter | None = None, *, links: DrafterLinks) -> DrafterNode:
         """Load the configured drafter (unless ``drafter`` is given), measure its profile and connect to the
-        verifier. ``fixed_costs``: (verify, draft) curves that replace measured ones and are never re-measured or
-        remembered (tests on tiny models, whose forwards all cost about the same, pass them to get the plans they
-        mean to exercise: tests/node_entry.py)."""
+        verifier. ``links``: CURVE keys and run secret, resolved by the launcher (``runtime.security.drafter_links``).
+        ``fixed_costs``: (verify, draft) curves that replace measured ones and are never re-measured or remembered
+        (tests on tiny models, whose forwards all cost about the same, pass them to get the plans they mean to
+        exercise: tests/node_entry.py)."""
         dcfg = config["drafter"]
         threads = ThreadPlan.for_node(config, "drafter")
         max_k = int(dcfg["max_draft_tokens"])
@@ -193,10 +193,8 @@ class DrafterNode:
         book = cost_book(max_k, drafter, profile, threads, max_batch_sessions > 1, fixed_costs)
         endpoint = dcfg["verifier_endpoint"] or config["verifier"]["endpoint"]
         max_bytes = config["verifier"]["max_message_bytes"]
-        keys = security.drafter_keys(config)
-        key_name = config["security"]["drafter_key"] if keys else None
-        # Shown in hello where the link has no CURVE (there the verifier's key allow-list decides).
-        run_secret = None if keys else security.run_secret()
+        # The run secret is shown in hello where the link has no CURVE (there the verifier's key allow-list decides).
+        keys, key_name, run_secret = links.keys, links.key_name, links.run_secret
         connection = VerifierConnection(zmq.Context.instance(), endpoint, keys)
         return cls(dcfg, drafter, book, connection, WorkPicker(max_batch_sessions, max_k),
                    ThreadShare(threads, set_threads), profile, max_bytes=max_bytes, run_secret=run_secret,
@@ -380,6 +378,6 @@ class DrafterNode:
                         "at the next start", ratio)
 
 
-def run(config: dict[str, Any], fixed_costs: tuple[CostCurve, CostCurve] | None = None) -> int:
-    """Entry point of the drafter process (``fixed_costs``: see :meth:`DrafterNode.from_config`)."""
-    return DrafterNode.from_config(config, fixed_costs=fixed_costs).serve()
+def run(config: dict[str, Any], links: DrafterLinks, fixed_costs: tuple[CostCurve, CostCurve] | None = None) -> int:
+    """Entry point of the drafter process (``links``, ``fixed_costs``: see :meth:`DrafterNode.from_config`)."""
+    return DrafterNode.from_config(config, fixed_costs=fixed_costs, links=links).serve()

@@ -25,12 +25,11 @@ from pathlib import Path
 
 import zmq.auth
 
-from shared.transport import ClientKeys, ServerKeys
+from shared.transport import DOMAINS, ClientKeys, ServerKeys
 
 SERVER = "server"
 ROLES = {"drafter": "drafters", "client": "clients"}
 #: ZAP domain of each allow-list: a key is accepted only on the socket of its own role.
-DOMAINS = {"drafter": "pipespec-drafters", "client": "pipespec-clients"}
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
 

@@ -6,21 +6,29 @@ See the README's "Security" section for the setup and the threat model.
 
 from __future__ import annotations
 
-import hmac
 import os
 import secrets
 import stat
 from pathlib import Path
 from typing import Any
 
-from runtime.keys import DOMAINS, KeysError, peer_keys, server_keys
-from shared.transport import ClientKeys, ServerKeys, curve_wanted
+from runtime.keys import KeysError, peer_keys, server_keys
 
-#: The environment variable that carries the per-run secret from the launcher to its nodes (not argv: ``ps``
-#: shows every user a process's arguments, while ``/proc/PID/environ`` is readable by its own user only).
-SECRET_ENV = "PIPESPEC_RUN_SECRET"
-DRAFTER_DOMAIN = DOMAINS["drafter"]
-CLIENT_DOMAIN = DOMAINS["client"]
+# SECRET_ENV travels in the environment, not argv: ``ps`` shows every user a process's arguments, while
+# ``/proc/PID/environ`` is readable by its own user only. The constants live in shared/ because the nodes name them.
+from shared.transport import (
+    CLIENT_DOMAIN,
+    DRAFTER_DOMAIN,
+    SECRET_ENV,
+    ClientKeys,
+    DrafterLinks,
+    ServerKeys,
+    VerifierLinks,
+    curve_wanted,
+    secret_matches,
+)
+
+__all__ = ["CLIENT_DOMAIN", "DRAFTER_DOMAIN", "SECRET_ENV", "KeysError", "secret_matches"]
 
 
 class RunDirError(ValueError):
@@ -122,6 +130,15 @@ def run_secret() -> str | None:
     return os.environ.get(SECRET_ENV) or None
 
 
-def secret_matches(expected: str, given: Any) -> bool:
-    """Constant-time comparison of a peer's ``run_secret`` with ours."""
-    return isinstance(given, str) and hmac.compare_digest(expected.encode(), given.encode())
+def verifier_links(config: dict[str, Any]) -> VerifierLinks:
+    """Everything the verifier needs to keep strangers out, resolved here so the node reads no keys or env."""
+    curve = curve_links(config)
+    return VerifierLinks(curve_drafters=curve["verifier"], curve_clients=curve["client"],
+                         keys=verifier_keys(config), run_secret=None if curve["verifier"] else run_secret())
+
+
+def drafter_links(config: dict[str, Any]) -> DrafterLinks:
+    """Everything the drafter needs to be let in: CURVE keys where its link runs CURVE, else the run secret."""
+    keys = drafter_keys(config)
+    return DrafterLinks(keys=keys, key_name=config["security"]["drafter_key"] if keys else None,
+                        run_secret=None if keys else run_secret())

@@ -672,7 +672,8 @@ def worker_main(spec_json: str) -> int:
     import torch
     import transformers
 
-    from shared.models import input_device, load_causal_lm, load_tokenizer, set_threads
+    from shared.devices import input_device
+    from shared.models import load_causal_lm, load_tokenizer, set_threads
 
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
@@ -754,7 +755,7 @@ def generate_batch(model: Any, prompts: list[list[int]], max_new_tokens: int) ->
     prompt, cut after its first end token (rows that end early are padded by ``generate`` until the batch ends)."""
     import torch
 
-    from shared.models import input_device
+    from shared.devices import input_device
 
     if not prompts or not all(prompts):
         raise ValueError("generate_batch needs at least one prompt, none of them empty")

@@ -13,7 +13,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from shared.models import input_device
+from shared.devices import input_device
 
 
 class KVRowsError(ValueError):

@@ -188,11 +188,6 @@ def load_causal_lm(
     return model
 
 
-def input_device(model) -> torch.device:
-    """Where input ids must go (the embedding's device when accelerate spread the model)."""
-    return model.get_input_embeddings().weight.device
-
-
 def tokenizer_id(tokenizer) -> str:
     """A fingerprint of the token ↔ id mapping: two tokenizers with the same id encode text identically."""
     vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])

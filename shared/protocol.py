@@ -74,6 +74,8 @@ from typing import Any, ClassVar
 import msgpack
 import torch
 
+from shared.tree_shape import validate_tree_shape
+
 SCHEMA_VERSION = 1
 
 # ----------------------------------------------------------------------------------------------------- limits
@@ -472,10 +474,8 @@ class Draft(Message):
         if not 0 <= self.idle_rounds <= MAX_IDLE_ROUNDS or (self.idle_rounds and self.tokens):
             raise ProtocolError(f"draft: idle_rounds must be an integer in [0, {MAX_IDLE_ROUNDS}], with no tokens")
         if self.parents is not None:
-            from verifier_node.tree import DraftTree  # imported here: it loads transformers, which clients never need
-
             try:
-                DraftTree(self.tokens, self.parents).validate(MAX_DRAFT_TOKENS)
+                validate_tree_shape(self.tokens, self.parents, MAX_DRAFT_TOKENS)
             except ValueError as exc:
                 raise ProtocolError(f"draft: parents: {exc}") from None
 

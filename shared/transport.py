@@ -8,10 +8,12 @@ before any bytes reach Python); no linger on close, so a node never hangs on exi
 
 from __future__ import annotations
 
+import hmac
 import ipaddress
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlparse
 
 import zmq
@@ -46,6 +48,43 @@ class ClientKeys:
     server_public: bytes
     public: bytes
     secret: bytes
+
+
+#: ZAP domain (allow-list) of each kind of peer the verifier lets in over CURVE.
+DOMAINS = {"drafter": "pipespec-drafters", "client": "pipespec-clients"}
+DRAFTER_DOMAIN = DOMAINS["drafter"]
+CLIENT_DOMAIN = DOMAINS["client"]
+#: The environment variable that carries the per-run secret from the launcher to its nodes (named in node errors;
+#: only the launcher, ``runtime.security``, reads it).
+SECRET_ENV = "PIPESPEC_RUN_SECRET"
+
+
+@dataclass(frozen=True)
+class VerifierLinks:
+    """The verifier's link security, resolved by the launcher (``runtime.security.verifier_links``): which of its
+    sockets run CURVE, its keys when either does, and the run secret a drafter's hello must show where the drafter
+    link has no CURVE (None: no secret is asked)."""
+
+    curve_drafters: bool = False
+    curve_clients: bool = False
+    keys: ServerKeys | None = None
+    run_secret: str | None = None
+
+
+@dataclass(frozen=True)
+class DrafterLinks:
+    """The drafter's link security, resolved by the launcher (``runtime.security.drafter_links``): its CURVE keys
+    (None: no CURVE) and their name in the keys folder, and the run secret it shows in hello on a link without
+    CURVE."""
+
+    keys: ClientKeys | None = None
+    key_name: str | None = None
+    run_secret: str | None = None
+
+
+def secret_matches(expected: str, given: Any) -> bool:
+    """Constant-time comparison of a peer's ``run_secret`` with ours."""
+    return isinstance(given, str) and hmac.compare_digest(expected.encode(), given.encode())
 
 
 def is_local_endpoint(endpoint: str) -> bool:

@@ -24,6 +24,7 @@ from drafter_node.lm_drafter import LMDraftSession
 from drafter_node.node import DrafterNode
 from runtime.config import ConfigError, load_config
 from runtime.launch import cluster
+from runtime.security import drafter_links
 from shared.batch import feed_rows
 from shared.protocol import SessionStart
 from shared.sampling import GenerationParams
@@ -203,7 +204,7 @@ def node_for(tiny, tmp_path):
     def make(**keys):
         config = load_config(tiny_config(tiny("llama"), tiny("llama", "random"), num_draft_tokens=4, **keys))
         config["verifier"]["endpoint"] = f"ipc://{tmp_path}/nobody.ipc"
-        node = DrafterNode.from_config(config)
+        node = DrafterNode.from_config(config, links=drafter_links(config))
         nodes.append(node)
         for sid, prompt in enumerate(PROMPTS):
             node.handler.on_session_start(SessionStart(session=sid, token_ids=prompt, params=GREEDY.to_dict()))

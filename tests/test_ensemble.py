@@ -25,6 +25,7 @@ from drafter_node.lm_drafter import choose
 from runtime.client import PipespecError
 from runtime.config import ConfigError, load_config
 from runtime.launch import cluster
+from runtime.security import drafter_links
 from shared.protocol import Capabilities, Error, Hello, Welcome, decode, encode
 from shared.sampling import GenerationParams, make_generator
 from verifier_node.acceptance import accept_greedy, accept_sampling, ensemble_targets
@@ -306,7 +307,7 @@ def test_drafter_node_refused_at_connect_exits_with_the_message(tiny, capsys):
         async with cluster(config) as client:
             cfg = copy.deepcopy(client.config)  # the verifier's config, concrete endpoints
             cfg["drafter"].update(type="prompt_lookup")
-            node = DrafterNode.from_config(cfg, drafter=PromptLookupDrafter(cfg["drafter"]))
+            node = DrafterNode.from_config(cfg, drafter=PromptLookupDrafter(cfg["drafter"]), links=drafter_links(cfg))
             result = {}
             thread = threading.Thread(target=lambda: result.setdefault("rc", node._loop()))
             thread.start()

@@ -216,7 +216,7 @@ def test_drafter_file_errors_become_one_clear_message(monkeypatch):
     import drafter_node.node as node
     from shared.models import ModelLoadError
 
-    def broken(dcfg):
+    def broken(dcfg, profile):  # a drafter type is built as cls(dcfg, profile)
         raise OSError("couldn't connect to the hub, and the files are not cached")
 
     monkeypatch.setattr(node, "drafter_class", lambda name: broken)

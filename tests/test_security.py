@@ -375,7 +375,8 @@ def test_a_drafter_whose_key_is_not_allowed_stops_with_a_clear_error(no_download
     router = bind_router(ctx, endpoint, auth=auth, domain=security.DRAFTER_DOMAIN)
     config = load_config("prompt_lookup.yaml", {"verifier.endpoint": endpoint, "security.curve": "on",
                                                 "security.keys_dir": str(keys), "drafter.profile_s": 0})
-    node = DrafterNode.from_config(config, drafter=PromptLookupDrafter(config["drafter"]))
+    node = DrafterNode.from_config(config, drafter=PromptLookupDrafter(config["drafter"]),
+                                   links=security.drafter_links(config))
     result = {}
     thread = threading.Thread(target=lambda: result.setdefault("rc", node._loop()))
     try:

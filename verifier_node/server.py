@@ -32,7 +32,6 @@ import torch
 import zmq
 
 from drafter_node.types import DRAFTER_TYPES
-from runtime import security
 from shared.batch import Row, can_batch, feed_rows
 from shared.costs import CurveCheck, NodeProfile, measuring_alone
 from shared.kv import CachedLM, KVRowsError
@@ -75,7 +74,15 @@ from shared.protocol import (
     split_state,
 )
 from shared.sampling import GenerationParams, ParamError
-from shared.transport import Authenticator, bind_router
+from shared.transport import (
+    CLIENT_DOMAIN,
+    DRAFTER_DOMAIN,
+    SECRET_ENV,
+    Authenticator,
+    VerifierLinks,
+    bind_router,
+    secret_matches,
+)
 from verifier_node.acceptance import AcceptRule, check_ensemble_weight
 from verifier_node.draft_wait import DraftWait
 from verifier_node.drafters import DrafterLink, DrafterPool
@@ -173,8 +180,9 @@ def _checked_stats(stats: dict[str, Any]) -> dict[str, Any]:
 
 class VerifierServer:
     def __init__(self, config: dict[str, Any], model=None, tokenizer=None, forward_delay_s: float = 0.0,
-                 accept: AcceptRule | None = None):
-        """``forward_delay_s`` and ``accept`` exist for tests (tests/node_entry.py injects them): seconds added
+                 accept: AcceptRule | None = None, *, links: VerifierLinks):
+        """``links``: CURVE keys and run secret, resolved by the launcher (``runtime.security.verifier_links``).
+        ``forward_delay_s`` and ``accept`` exist for tests (tests/node_entry.py injects them): seconds added
         before each target forward, so tests on tiny models (whose forwards take about as long as a drafter's step
         or a message) can rely on drafts made ahead and on requests arriving while a forward runs; and an
         acceptance rule that replaces the method's own (the negative control of the distribution tests)."""
@@ -227,21 +235,21 @@ class VerifierServer:
         check_ensemble_weight(self.ensemble_weight)
         self.ctx = zmq.Context.instance()
         allow_remote = bool(vcfg["allow_remote"])
-        curve, keys = security.curve_links(config), security.verifier_keys(config)
+        keys = links.keys
         self.auth = Authenticator(self.ctx, keys, log) if keys else None  # before binding: no key is let in unchecked
         try:
-            self.drafter_sock = bind_router(self.ctx, vcfg["endpoint"], allow_remote, domain=security.DRAFTER_DOMAIN,
-                                            auth=self.auth if curve["verifier"] else None)
+            self.drafter_sock = bind_router(self.ctx, vcfg["endpoint"], allow_remote, domain=DRAFTER_DOMAIN,
+                                            auth=self.auth if links.curve_drafters else None)
             self.client_sock = bind_router(self.ctx, config["client"]["endpoint"], allow_remote,
-                                           auth=self.auth if curve["client"] else None, domain=security.CLIENT_DOMAIN)
+                                           auth=self.auth if links.curve_clients else None, domain=CLIENT_DOMAIN)
         except BaseException:
             if self.auth is not None:
                 self.auth.close()
             raise
-        log.info("CURVE: drafter link %s, client link %s", "on" if curve["verifier"] else "off",
-                 "on" if curve["client"] else "off")
+        log.info("CURVE: drafter link %s, client link %s", "on" if links.curve_drafters else "off",
+                 "on" if links.curve_clients else "off")
         # Without CURVE on the drafter link, a launcher-given secret is what a drafter's hello must show.
-        self.run_secret = None if curve["verifier"] else security.run_secret()
+        self.run_secret = links.run_secret
         self.poller = zmq.Poller()
         self.poller.register(self.drafter_sock, zmq.POLLIN)
         self.poller.register(self.client_sock, zmq.POLLIN)
@@ -469,10 +477,10 @@ class VerifierServer:
         raise ProtocolError(f"a drafter may not send {msg.TYPE!r}", code="unexpected")
 
     def _on_hello(self, peer: bytes, msg: Hello) -> None:
-        if self.run_secret is not None and not security.secret_matches(self.run_secret, msg.run_secret):
+        if self.run_secret is not None and not secret_matches(self.run_secret, msg.run_secret):
             log.warning("refused a hello from %s: no valid run secret (not a drafter of this run)", peer.hex())
             raise ProtocolError("unauthorized: this verifier takes drafters of its own run only (a hello must carry "
-                                f"the run secret from ${security.SECRET_ENV})", code="unauthorized")
+                                f"the run secret from ${SECRET_ENV})", code="unauthorized")
         if msg.tokenizer_id not in (self.tokenizer_id, ANY_TOKENIZER):
             log.error("refused drafter %r: tokenizer %s != target's %s", msg.drafter_type, msg.tokenizer_id,
                       self.tokenizer_id)
@@ -1066,6 +1074,7 @@ class VerifierServer:
         self._release(s)
 
 
-def run(config: dict[str, Any], forward_delay_s: float = 0.0, accept: AcceptRule | None = None) -> None:
-    """Entry point of the verifier process (``forward_delay_s``, ``accept``: see :class:`VerifierServer`)."""
-    VerifierServer(config, forward_delay_s=forward_delay_s, accept=accept).serve()
+def run(config: dict[str, Any], links: VerifierLinks, forward_delay_s: float = 0.0,
+        accept: AcceptRule | None = None) -> None:
+    """Entry point of the verifier process (``links``, ``forward_delay_s``, ``accept``: see :class:`VerifierServer`)."""
+    VerifierServer(config, forward_delay_s=forward_delay_s, accept=accept, links=links).serve()

@@ -39,6 +39,7 @@ import torch
 from shared.batch import Row, can_batch
 from shared.kv import CachedLM
 from shared.sampling import GenerationParams, process_logits, sample
+from shared.tree_shape import validate_tree_shape
 
 
 @dataclass
@@ -59,22 +60,7 @@ class DraftTree:
 
     def validate(self, max_nodes: int) -> None:
         """Raise ValueError unless this is a well-formed tree of at most ``max_nodes`` nodes."""
-        n = len(self.tokens)
-        if len(self.parents) != n:
-            raise ValueError(f"tree has {n} tokens but {len(self.parents)} parents")
-        if n > max_nodes:
-            raise ValueError(f"tree has {n} nodes, more than the {max_nodes} allowed")
-        seen: set[tuple[int, int]] = set()
-        for i, (token, parent) in enumerate(zip(self.tokens, self.parents)):
-            if isinstance(token, bool) or not isinstance(token, int) or token < 0:
-                raise ValueError(f"node {i}: token {token!r} is not a non-negative integer")
-            if isinstance(parent, bool) or not isinstance(parent, int) or not -1 <= parent < n:
-                raise ValueError(f"node {i}: bad parent index {parent!r} (must be -1 or a node index below {n})")
-            if parent >= i:
-                raise ValueError(f"node {i}: parent {parent} does not come before it (nodes must be topological)")
-            if (parent, token) in seen:
-                raise ValueError(f"node {i}: token {token} appears twice among the children of {parent}")
-            seen.add((parent, token))
+        validate_tree_shape(self.tokens, self.parents, max_nodes)
 
     def depths(self) -> list[int]:
         """Depth of every node (children of the pending token: 1)."""
