@@ -24,37 +24,43 @@ DTYPE_CHOICES = (AUTO, *DTYPES)
 MAX_LAUNCHED_DRAFTERS = 16
 
 
+# The keys both nodes have (verifier and drafter), declared once; each dataclass needs a field object of its own.
+def _node_device() -> Any:
+    return setting("cpu", "cpu, cuda, cuda:N, mps or auto (spread over GPUs with accelerate's device_map).", kind="str")
+
+
+def _node_dtype() -> Any:
+    return setting("auto", "Weights dtype; auto: the fastest for its shapes, measured at start-up.", kind="str",
+                   choices=DTYPE_CHOICES)
+
+
+def _node_threads() -> Any:
+    return setting("auto", "Torch threads; auto: every core while the other node idles, half while both work.",
+                   kind="int", bounds=(1, None), also=(AUTO,))
+
+
+def _node_profile_s() -> Any:
+    return setting(20, "Start-up cost profile budget in seconds, cached on disk (0: none, learned online).",
+                   kind="number", bounds=(0, 600))
+
+
+def _node_max_memory() -> Any:
+    return setting(None, "With device: auto, e.g. {0: 20GiB, 1: 20GiB}.")
+
+
 @dataclass(frozen=True)
 class VerifierConfig:
     """``verifier``: the target model and the node that verifies drafts."""
 
     model: Any = setting(None, "Target model: a named model, a local folder or a hub id (required).", kind="str")
-    device: str = setting(
-        "cpu", "cpu, cuda, cuda:N, mps or auto (spread over GPUs with accelerate's device_map).", kind="str"
-    )
-    dtype: str = setting(
-        "auto",
-        "Weights dtype; auto: the fastest for its shapes, measured at start-up.",
-        kind="str",
-        choices=DTYPE_CHOICES,
-    )
-    threads: Any = setting(
-        "auto",
-        "Torch threads; auto: every core while the other node idles, half while both work.",
-        kind="int",
-        bounds=(1, None),
-        also=(AUTO,),
-    )
-    profile_s: float = setting(
-        20,
-        "Start-up cost profile budget in seconds, cached on disk (0: none, learned online).",
-        kind="number",
-        bounds=(0, 600),
-    )
+    device: str = _node_device()
+    dtype: str = _node_dtype()
+    threads: Any = _node_threads()
+    profile_s: float = _node_profile_s()
     endpoint: str = setting(
         "ipc://{run_dir}/verifier.ipc", "Where drafters connect; {run_dir}: the launcher's run folder.", kind="str"
     )
-    max_memory: Any = setting(None, "With device: auto, e.g. {0: 20GiB, 1: 20GiB}.")
+    max_memory: Any = _node_max_memory()
     draft_timeout_ms: int = setting(
         3000,
         "Cap on the wait for a draft (the wait follows each session's measured answers).",
@@ -91,28 +97,10 @@ class DrafterConfig:
     model: Any = setting(
         None, "Draft model; required by types that need one (some default it to verifier.model).", kind="str"
     )
-    device: str = setting(
-        "cpu", "cpu, cuda, cuda:N, mps or auto (spread over GPUs with accelerate's device_map).", kind="str"
-    )
-    dtype: str = setting(
-        "auto",
-        "Weights dtype; auto: the fastest for its shapes, measured at start-up.",
-        kind="str",
-        choices=DTYPE_CHOICES,
-    )
-    threads: Any = setting(
-        "auto",
-        "Torch threads; auto: every core while the other node idles, half while both work.",
-        kind="int",
-        bounds=(1, None),
-        also=(AUTO,),
-    )
-    profile_s: float = setting(
-        20,
-        "Start-up cost profile budget in seconds, cached on disk (0: none, learned online).",
-        kind="number",
-        bounds=(0, 600),
-    )
+    device: str = _node_device()
+    dtype: str = _node_dtype()
+    threads: Any = _node_threads()
+    profile_s: float = _node_profile_s()
     num_draft_tokens: int = setting(
         5, "Block length k (the starting value of an adaptive schedule).", kind="int", bounds=(1, MAX_DRAFT_TOKENS)
     )
@@ -139,7 +127,7 @@ class DrafterConfig:
         bounds=(0, None),
     )
     verifier_endpoint: Any = setting(None, "Verifier address to connect to (null: verifier.endpoint).", kind="str")
-    max_memory: Any = setting(None, "With device: auto, e.g. {0: 20GiB, 1: 20GiB}.")
+    max_memory: Any = _node_max_memory()
     target_model: Any = setting(
         None, "Target checkpoint read by types that read it (null: verifier.model).", kind="str"
     )
