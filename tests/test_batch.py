@@ -231,35 +231,6 @@ async def _enumerate(aiter):
         i += 1
 
 
-def test_prefill_batches_take_prompts_of_like_length_within_the_budget():
-    """Which waiting prompts share a prefill forward: in order, while the padding stays within PREFILL_PADDING of
-    their own tokens and rows × longest within max_prefill_tokens; a one-token prompt (nothing to cache) always
-    joins."""
-    from collections import deque
-    from types import SimpleNamespace
-
-    from verifier_node.server import VerifierServer
-
-    server = object.__new__(VerifierServer)  # only the scheduling state _prompts_to_prefill reads
-    server.batching, server.max_batch_sessions, server.max_prefill_tokens = True, 64, 2048
-    lengths = {1: 50, 2: 130, 3: 55, 4: 0, 5: 60, 6: 120, 7: 52}
-    server.sessions = {sid: SimpleNamespace(sid=sid, prefilled=False, drafter=None, prompt_to_cache=[7] * n)
-                       for sid, n in lengths.items()}
-    server.order = deque(lengths)
-
-    def picked(first: int) -> list[int]:
-        return [s.sid for s in server._prompts_to_prefill(server.sessions[first], 0.0).sessions]
-
-    assert picked(1) == [1, 3, 4, 5, 7]
-    assert picked(2) == [2, 4, 6]
-    server.max_prefill_tokens = 160  # two rows of 50–55 tokens fit, a third does not
-    assert picked(1) == [1, 3, 4]
-    server.max_batch_sessions = 2
-    assert picked(1) == [1, 3]
-    server.batching = False
-    assert picked(1) == [1]
-
-
 def test_prompts_arriving_together_are_prefilled_in_shared_forwards(tiny):
     """Six requests at once (five prompts of 8 to 10 tokens and one of 1; one of 27 that waits for its own turn):
     their prompts are cached in fewer forwards than prompts (each forward is slowed so that they arrive while one

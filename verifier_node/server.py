@@ -23,7 +23,6 @@ import math
 import secrets
 import signal
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -86,6 +85,7 @@ from shared.transport import (
 from verifier_node.acceptance import AcceptRule, check_ensemble_weight
 from verifier_node.draft_wait import DraftWait
 from verifier_node.drafters import DrafterLink, DrafterPool
+from verifier_node.scheduler import BatchLimits, Prefills, Scheduler
 from verifier_node.session import NumericalError, RoundPlan, RoundResult, Session
 from verifier_node.tree import tree_row
 
@@ -101,8 +101,6 @@ GATHER_MAX_S = 0.005
 #: PROMPT_GATHER_MAX_S in all, so a burst shares one forward instead of its first prompt taking one alone.
 PROMPT_GATHER_S = 0.01
 PROMPT_GATHER_MAX_S = 0.05
-#: Most padding a batched prefill may add, as a fraction of its prompts' own tokens.
-PREFILL_PADDING = 0.25
 #: A session waits at least this multiple of its drafter's longest block (profile: steps × one step's cost).
 BLOCK_WAIT_FACTOR = 1.5
 #: How often the pool is checked for drafters that went silent.
@@ -122,13 +120,6 @@ class PendingRound:
     kv_layers: list[int]
     timed_from: float = 0.0  # when the session's previous round was published (the round's wall time starts)
     draft_wait_s: float = 0.0  # of that, waiting for its drafter's block
-
-
-@dataclass
-class Prefills:
-    """Prompts to cache in the next forward (several in one when batching)."""
-
-    sessions: list[Session]
 
 
 @dataclass
@@ -191,10 +182,8 @@ class VerifierServer:
         self.draft_timeout = vcfg["draft_timeout_ms"] / 1000
         self.max_sessions = vcfg["max_sessions"]
         # Batched verification: one target forward over every session whose round is ready (shared/batch.py).
-        self.max_batch_sessions = int(vcfg["max_batch_sessions"]) if vcfg["batching"] else 1
-        self.max_batch_tokens = int(vcfg["max_batch_tokens"])
+        max_batch_sessions = int(vcfg["max_batch_sessions"]) if vcfg["batching"] else 1
         self.forwards = self.batch_sessions_sum = self.batch_tokens_sum = 0
-        self.max_prefill_tokens = int(vcfg["max_prefill_tokens"])
         self.prefill_forwards = self.prefill_sessions_sum = 0
         self.forward_delay_s = forward_delay_s
         self.accept_rule = accept
@@ -219,8 +208,10 @@ class VerifierServer:
                 self.profile = profile_node(self.model, vcfg["model"], vcfg["device"], spec, "verifier")
         self.curve_check = CurveCheck(self.profile)
         self.dtype = model_dtype(self.model)
-        self.batching = self.max_batch_sessions > 1 and can_batch(CachedLM(self.model))
-        if self.max_batch_sessions > 1 and not self.batching:
+        batching = max_batch_sessions > 1 and can_batch(CachedLM(self.model))
+        self.scheduler = Scheduler(BatchLimits(batching, max_batch_sessions, int(vcfg["max_batch_tokens"]),
+                                               int(vcfg["max_prefill_tokens"])))
+        if max_batch_sessions > 1 and not batching:
             log.warning("verifier: batched verification is not possible with this target (sliding-window layers or "
                         "an attention kernel without custom masks): one forward per session")
         log.info("verifier: %s in %s, threads %d (share) / %d (full)", vcfg["model"], self.dtype, self.threads.share,
@@ -253,13 +244,20 @@ class VerifierServer:
         self.poller = zmq.Poller()
         self.poller.register(self.drafter_sock, zmq.POLLIN)
         self.poller.register(self.client_sock, zmq.POLLIN)
-        self.sessions: dict[int, Session] = {}
         self.by_request: dict[tuple[bytes, int], int] = {}
-        self.order: deque[int] = deque()
         self.next_sid = 1
         self.pool = DrafterPool()
         self._next_reap = 0.0
         self.running = True
+
+    @property
+    def sessions(self) -> dict[int, Session]:
+        """The session table (the scheduler's)."""
+        return self.scheduler.sessions
+
+    @property
+    def batching(self) -> bool:
+        return self.scheduler.limits.batching
 
     # ------------------------------------------------------------------ loop
     def serve(self) -> None:
@@ -270,8 +268,8 @@ class VerifierServer:
         try:
             while self.running:
                 now = time.monotonic()
-                busy = any(self._runnable(s, now) for s in self.sessions.values())
-                timeout_ms = 0 if busy else self._idle_timeout_ms()
+                busy = self.scheduler.any_runnable(now)
+                timeout_ms = 0 if busy else self.scheduler.idle_timeout_ms()
                 events = dict(self.poller.poll(timeout_ms))
                 if self.drafter_sock in events:
                     self._drain(self.drafter_sock, self._on_drafter_message)
@@ -279,13 +277,13 @@ class VerifierServer:
                     self._drain(self.client_sock, self._on_client_message)
                 self._reap()  # after the drains: a long round must not make a drafter that kept talking look dead
                 self._drop_silent_clients()
-                work = self._next_work()
+                work = self.scheduler.next_work()
                 if isinstance(work, list) and self._gather(work):
-                    work = self._next_work()
+                    work = self.scheduler.next_work()
                 elif isinstance(work, Prefills) and self._gather_prompts():
                     first = work.sessions[0]  # the prompt whose turn it is, unless the burst's messages ended it
-                    work = (self._take_prefills(first, time.monotonic()) if first.sid in self.sessions
-                            else self._next_work())
+                    work = (self.scheduler.take_prefills(first, time.monotonic()) if first.sid in self.sessions
+                            else self.scheduler.next_work())
                 if isinstance(work, Prefills):
                     self._prefill_batch(work.sessions)
                 elif work:
@@ -301,13 +299,6 @@ class VerifierServer:
             sock.close(linger=0)
         if self.auth is not None:
             self.auth.close()
-
-    def _idle_timeout_ms(self) -> int:
-        now = time.monotonic()
-        waits = [s.ready_since + s.wait.limit_s() - now for s in self.sessions.values()]
-        if not waits:
-            return 200
-        return max(1, min(200, int(1000 * min(waits)) + 1))
 
     def _drain(self, sock: zmq.Socket, handler) -> None:
         for _ in range(1000):  # bounded, so a flood cannot starve the rounds
@@ -356,56 +347,18 @@ class VerifierServer:
         round started on the first would leave the rest for a forward of their own. While sessions outside ``batch``
         still wait for a draft, read the drafter socket for up to a tenth of a recent forward (≤ GATHER_MAX_S).
         True if anything arrived."""
-        if not self.batching or len(batch) >= self.max_batch_sessions:
+        if not self.batching or len(batch) >= self.scheduler.limits.max_batch_sessions:
             return False
         deadline = time.monotonic() + min(GATHER_MAX_S, 0.1 * self.forward_s_ema)
         got = False
         while True:
             now = time.monotonic()
-            if now >= deadline or not self._drafting_elsewhere(batch, now):
+            if now >= deadline or not self.scheduler.drafting_elsewhere(batch, now):
                 return got
             if not self.drafter_sock.poll(max(1, int(1000 * (deadline - now)))):
                 return got
             self._drain(self.drafter_sock, self._on_drafter_message)
             got = True
-
-    def _runnable(self, s: Session, now: float) -> bool:
-        return not self._may_wait(s, now) or now - s.ready_since >= s.wait.limit_s()
-
-    def _next_work(self) -> Prefills | list[Session] | None:
-        """What to run next, round-robin: prompts to prefill (a forward of their own turn), or the sessions whose
-        next round can run now, up to ``max_batch_sessions`` and ``max_batch_tokens`` (one session when batching is
-        off). Sessions taken move to the back of the order, so every session gets its turn."""
-        now = time.monotonic()
-        batch: list[Session] = []
-        tokens = 0
-        for sid in list(self.order):
-            s = self.sessions[sid]
-            if not self._runnable(s, now):
-                continue
-            if not s.prefilled:
-                if batch:
-                    continue  # prefills come on their own turn
-                return self._take_prefills(s, now)
-            fed = 1 + (len(s.draft["tokens"]) if s.draft is not None else 0)
-            if batch and tokens + fed > self.max_batch_tokens:
-                continue
-            batch.append(s)
-            tokens += fed
-            if len(batch) >= self.max_batch_sessions:
-                break
-        for s in batch:
-            self.order.remove(s.sid)
-            self.order.append(s.sid)
-        return batch or None
-
-    def _take_prefills(self, first: Session, now: float) -> Prefills:
-        """The prompts to prefill with ``first``, moved to the back of the order."""
-        prefills = self._prompts_to_prefill(first, now)
-        for p in prefills.sessions:
-            self.order.remove(p.sid)
-            self.order.append(p.sid)
-        return prefills
 
     def _gather_prompts(self) -> bool:
         """Before a prefill, read the requests of a burst still arriving (see PROMPT_GATHER_S). True if anything
@@ -416,8 +369,8 @@ class VerifierServer:
         got = False
         while True:
             now = time.monotonic()
-            waiting = [s.started for s in self.sessions.values() if not s.prefilled]
-            if len(waiting) >= self.max_batch_sessions:
+            waiting = self.scheduler.prompts_waiting()
+            if len(waiting) >= self.scheduler.limits.max_batch_sessions:
                 break
             until = min(deadline, max(waiting, default=0.0) + PROMPT_GATHER_S)
             if now >= until or not self.client_sock.poll(max(1, int(1000 * (until - now)))):
@@ -425,39 +378,6 @@ class VerifierServer:
             self._drain(self.client_sock, self._on_client_message)
             got = True
         return got
-
-    def _prompts_to_prefill(self, first: Session, now: float) -> Prefills:
-        """``first`` and, when batching, the other prompts waiting, in order, while the padded forward (rows × the
-        longest prompt) stays within ``max_prefill_tokens``, the rows within ``max_batch_sessions``, and padding
-        adds at most PREFILL_PADDING of the prompts' own tokens (padded positions are computed like real ones: a
-        long prompt among short ones would cost more than it saves, so it waits for a turn with prompts like it)."""
-        chosen = [first]
-        if not self.batching:
-            return Prefills(chosen)
-        longest = real = len(first.prompt_to_cache)
-        rows = 1 if real else 0  # a one-token prompt caches nothing: no row
-        for sid in self.order:
-            s = self.sessions[sid]
-            if s is first or s.prefilled or not self._runnable(s, now):
-                continue
-            if len(chosen) >= self.max_batch_sessions:
-                break
-            n = len(s.prompt_to_cache)
-            if n:
-                padded = max(longest, n) * (rows + 1)
-                if padded > self.max_prefill_tokens or padded > (1 + PREFILL_PADDING) * (real + n):
-                    continue
-                longest, real, rows = max(longest, n), real + n, rows + 1
-            chosen.append(s)
-        return Prefills(chosen)
-
-    @staticmethod
-    def _may_wait(s: Session, now: float) -> bool:
-        """The session's next round could use a draft from its drafter: prefilled, announced to a live drafter, no
-        draft yet, not in a run of rounds the drafter gave to the verifier alone."""
-        d = s.drafter
-        return (s.prefilled and s.draft is None and s.announced and s.solo_left == 0 and d is not None
-                and d.alive(now))
 
     # -------------------------------------------------------------- drafter side
     def _on_drafter_message(self, peer: bytes, msg: Message, receipt: Receipt) -> None:
@@ -620,7 +540,7 @@ class VerifierServer:
         tensors, size = _state_tensors(hidden, kv)
         pieces = [] if size <= self._state_budget() else split_state(tensors, len(s.tokens) - 1, self._state_budget())
         self._send_to(d, encode(SessionStart(session=s.sid, token_ids=s.tokens, params=s.params.to_dict(),
-                                             prompt_len=s.prompt_len, decoding=self._decoding(waiting=True),
+                                             prompt_len=s.prompt_len, decoding=self.scheduler.decoding(waiting=True),
                                              tensors={} if pieces else tensors)))
         for end, part in pieces:  # a long prompt's state, in pieces that each fit the message cap
             self._send_to(d, encode(State(session=s.sid, base_len=len(s.tokens), end=end, tensors=part)))
@@ -779,9 +699,8 @@ class VerifierServer:
         wait = DraftWait(self.draft_timeout, adaptive=self.ensemble_weight is None)
         s = Session(sid, self.model, self.tokenizer, prompt, params, peer, rid, self.ensemble_weight, wanted, wait,
                     accept=self.accept_rule)
-        self.sessions[sid] = s
+        self.scheduler.add(s)
         self.by_request[(peer, rid)] = sid
-        self.order.append(sid)
         self._reassign(s)
 
     def _wanted_type(self, value: str | None) -> str | None:
@@ -828,11 +747,9 @@ class VerifierServer:
 
     def _release(self, s: Session) -> None:
         """Free an ended session: out of the tables, and a ``session_end`` to its drafter, if it had one."""
-        if self.sessions.pop(s.sid, None) is None:
+        if not self.scheduler.remove(s):
             return
         self.by_request.pop((s.client, s.request_id), None)
-        with contextlib.suppress(ValueError):
-            self.order.remove(s.sid)
         self._detach(s)
 
     def _prefill_batch(self, sessions: list[Session]) -> None:
@@ -914,7 +831,7 @@ class VerifierServer:
         """Take the session's draft (or none: a plain step) for this round and note what its drafter needs back."""
         d = s.drafter
         now = time.monotonic()
-        could_use = self._may_wait(s, now) or (s.draft is not None and s.solo_left == 0)
+        could_use = self.scheduler.may_wait(s, now) or (s.draft is not None and s.solo_left == 0)
         waited = (s.draft["arrived"] if s.draft is not None else now) - s.ready_since
         demoted = could_use and s.wait.outcome(s.draft is not None, max(0.0, waited))
         draft = s.draft or {"tokens": [], "q": None, "idle_rounds": 0, "overlap": False, "parents": None}
@@ -943,9 +860,9 @@ class VerifierServer:
             return
         # Every core while the drafters idle (k = 0, synchronous blocks, no drafter); the share while one pre-drafts
         # for a row of this round or drafts a block for a session left out of it (its drafter computes meanwhile).
-        busy = any(r.drafter_busy for r in rounds) or self._drafting_elsewhere(batch, time.monotonic())
+        busy = any(r.drafter_busy for r in rounds) or self.scheduler.drafting_elsewhere(batch, time.monotonic())
         self._use_threads(self.threads.share if busy else self.threads.full)
-        decoding = self._decoding()
+        decoding = self.scheduler.decoding()
         forwards = self._forward(rounds)
         if not busy and len(rounds) == 1 and forwards[0][0] is not None:  # timed alone: a sample of the profile
             self._check_profile(forwards[0][4], forwards[0][2], len(rounds[0].session.tokens))
@@ -979,11 +896,6 @@ class VerifierServer:
         if ratio is not None:
             log.warning("verifier: forwards take %.2fx what the cached profile says (measured on a busy machine, or "
                         "the machine changed); the profile is measured again at the next start", ratio)
-
-    def _drafting_elsewhere(self, batch: list[Session], now: float) -> bool:
-        """A session outside ``batch`` waits for a block its drafter is drafting now."""
-        members = {s.sid for s in batch}
-        return any(sid not in members and self._may_wait(s, now) for sid, s in self.sessions.items())
 
     def _forward(self, rounds: list[PendingRound]) -> list[tuple]:
         """The target forward(s) of a round: one over every row when batching is on and the target allows it, else
@@ -1034,15 +946,6 @@ class VerifierServer:
         if count != self._threads_now:
             set_threads(count)
             self._threads_now = count
-
-    def _decoding(self, waiting: bool = False) -> int:
-        """How many sessions would share a forward if every one stepped now (what the drafters' cost models plan
-        for): the prefilled sessions (``waiting``: and those whose prompts wait, as a new session's own will),
-        up to ``max_batch_sessions``; 1 when this verifier does not batch."""
-        if not self.batching:
-            return 1
-        count = sum(1 for s in self.sessions.values() if waiting or s.prefilled)
-        return max(1, min(self.max_batch_sessions, count))
 
     def _publish(self, s: Session, r: RoundResult, decoding: int = 1) -> None:
         t0 = time.monotonic()

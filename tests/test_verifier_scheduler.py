@@ -1,0 +1,144 @@
+"""The verifier's parts without sockets or models: the scheduler (which sessions run next, prefill turns, batch
+gathering, waits on a fake clock) and the pool policy (assignment, failover, demotion)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from types import SimpleNamespace
+
+import pytest
+
+from verifier_node.draft_wait import DraftWait
+from verifier_node.scheduler import IDLE_POLL_MAX_MS, BatchLimits, Prefills, Scheduler
+
+pytestmark = pytest.mark.unit
+
+LIMITS = BatchLimits(batching=True, max_batch_sessions=64, max_batch_tokens=512, max_prefill_tokens=2048)
+
+
+class FakeClock:
+    def __init__(self, t: float = 100.0):
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _link(alive: bool = True) -> SimpleNamespace:
+    return SimpleNamespace(alive=lambda now=None: alive)
+
+
+def _session(sid: int, **state) -> SimpleNamespace:
+    """A session as the scheduler reads it (prefilled and announced to a live drafter, no draft: it may wait)."""
+    base = {"sid": sid, "prefilled": True, "draft": None, "announced": True, "solo_left": 0, "drafter": _link(),
+            "ready_since": 100.0, "started": 100.0, "prompt_to_cache": [], "wait": DraftWait(3.0)}
+    return SimpleNamespace(**{**base, **state})
+
+
+def _scheduler(*sessions, limits: BatchLimits = LIMITS, clock: FakeClock | None = None) -> Scheduler:
+    sched = Scheduler(limits, now=clock or FakeClock())
+    for s in sessions:
+        sched.add(s)
+    return sched
+
+
+def test_prefill_batches_take_prompts_of_like_length_within_the_budget():
+    """Which waiting prompts share a prefill forward: in order, while the padding stays within PREFILL_PADDING of
+    their own tokens and rows × longest within max_prefill_tokens; a one-token prompt (nothing to cache) always
+    joins. (Moved from tests/test_batch.py, where it built a VerifierServer with object.__new__.)"""
+    lengths = {1: 50, 2: 130, 3: 55, 4: 0, 5: 60, 6: 120, 7: 52}
+    sched = _scheduler(*(SimpleNamespace(sid=sid, prefilled=False, drafter=None, prompt_to_cache=[7] * n)
+                         for sid, n in lengths.items()),
+                       limits=replace(LIMITS, batching=True, max_batch_sessions=64, max_prefill_tokens=2048))
+
+    def picked(first: int) -> list[int]:
+        return [s.sid for s in sched.prompts_to_prefill(sched.sessions[first], 0.0).sessions]
+
+    assert picked(1) == [1, 3, 4, 5, 7]
+    assert picked(2) == [2, 4, 6]
+    sched.limits = replace(sched.limits, max_prefill_tokens=160)  # two rows of 50–55 tokens fit, a third does not
+    assert picked(1) == [1, 3, 4]
+    sched.limits = replace(sched.limits, max_batch_sessions=2)
+    assert picked(1) == [1, 3]
+    sched.limits = replace(sched.limits, batching=False)
+    assert picked(1) == [1]
+
+
+def test_drafting_elsewhere_sees_a_session_left_out_that_waits_for_its_draft():
+    ready, waiting = _session(1, draft={"tokens": []}), _session(2)
+    sched = _scheduler(ready, waiting)
+    assert sched.drafting_elsewhere([ready], 0.0)  # session 2's drafter is drafting its block now
+    assert not sched.drafting_elsewhere([ready, waiting], 0.0)
+    waiting.solo_left = 3  # a run of plain rounds: its drafter idles
+    assert not sched.drafting_elsewhere([ready], 0.0)
+    waiting.solo_left, waiting.drafter = 0, _link(alive=False)
+    assert not sched.drafting_elsewhere([ready], 0.0)
+
+
+def test_a_session_waits_for_its_draft_until_its_wait_runs_out():
+    clock = FakeClock(100.0)
+    s = _session(1)
+    sched = _scheduler(s, clock=clock)
+    assert sched.may_wait(s, clock.t) and not sched.runnable(s, clock.t)
+    assert sched.next_work() is None
+    assert sched.idle_timeout_ms() == IDLE_POLL_MAX_MS  # the 3 s cap is further off than the longest poll
+    clock.t = 102.875
+    assert sched.idle_timeout_ms() == 126  # 125 ms left, and a millisecond so the wait has run out on waking
+    clock.t = 103.0
+    assert sched.runnable(s, clock.t) and sched.next_work() == [s]  # waited the cap: a plain step
+    for state in ({"draft": {"tokens": [1]}}, {"solo_left": 2}, {"drafter": None}, {"drafter": _link(False)},
+                  {"announced": False}):
+        other = _session(2, **state)
+        assert not sched.may_wait(other, 100.0) and sched.runnable(other, 100.0), state
+
+
+def test_no_session_polls_at_most_the_idle_maximum():
+    assert _scheduler().idle_timeout_ms() == IDLE_POLL_MAX_MS
+    assert not _scheduler().any_runnable(0.0) and _scheduler().next_work() is None
+
+
+def test_rounds_batch_in_round_robin_order_within_the_limits():
+    drafted = [_session(i, draft={"tokens": [7] * 3}) for i in range(1, 6)]  # 4 tokens fed each
+    sched = _scheduler(*drafted, limits=replace(LIMITS, max_batch_sessions=2))
+    assert [s.sid for s in sched.next_work()] == [1, 2]
+    assert [s.sid for s in sched.next_work()] == [3, 4]  # the first two went to the back
+    assert [s.sid for s in sched.next_work()] == [5, 1]
+    assert list(sched.order) == [2, 3, 4, 5, 1]
+    sched.limits = replace(LIMITS, max_batch_tokens=9)  # two rows of 4 fit, a third does not
+    assert [s.sid for s in sched.next_work()] == [2, 3]
+    sched.limits = replace(LIMITS, max_batch_tokens=1)  # the first row always runs, however long
+    assert [s.sid for s in sched.next_work()] == [4]
+
+
+def test_a_prompt_takes_a_turn_of_its_own():
+    clock = FakeClock()
+    drafted = _session(1, draft={"tokens": [5]})
+    prompt = _session(2, prefilled=False, announced=False, prompt_to_cache=[3] * 8)
+    later = _session(3, prefilled=False, announced=False, prompt_to_cache=[4] * 9)
+    sched = _scheduler(drafted, prompt, later, clock=clock)
+    assert sched.next_work() == [drafted]  # the round comes first in order; prompts are left to their turn
+    work = sched.next_work()
+    assert isinstance(work, Prefills) and [s.sid for s in work.sessions] == [2, 3]  # like lengths: one forward
+    assert list(sched.order) == [1, 2, 3]
+    sched.limits = replace(LIMITS, batching=False)
+    assert sched.next_work() == [drafted]
+    assert [s.sid for s in sched.next_work().sessions] == [2]
+    assert sched.prompts_waiting() == [100.0, 100.0]
+
+
+def test_decoding_counts_the_sessions_a_forward_would_share():
+    sessions = [_session(1), _session(2), _session(3, prefilled=False)]
+    sched = _scheduler(*sessions, limits=replace(LIMITS, max_batch_sessions=2))
+    assert sched.decoding() == 2 and sched.decoding(waiting=True) == 2
+    sched.limits = replace(LIMITS, max_batch_sessions=64)
+    assert sched.decoding() == 2 and sched.decoding(waiting=True) == 3
+    sched.limits = replace(LIMITS, batching=False)
+    assert sched.decoding(waiting=True) == 1
+    assert _scheduler().decoding() == 1
+
+
+def test_an_ended_session_leaves_the_table_once():
+    s = _session(1)
+    sched = _scheduler(s, _session(2))
+    assert sched.remove(s) and not sched.remove(s)
+    assert list(sched.sessions) == [2] and list(sched.order) == [2]
