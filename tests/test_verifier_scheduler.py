@@ -8,7 +8,10 @@ from types import SimpleNamespace
 
 import pytest
 
+from shared.protocol import Capabilities, SessionEnd, decode
 from verifier_node.draft_wait import DraftWait
+from verifier_node.drafters import FORGET_AFTER_S, HEARTBEAT_TIMEOUT_S, DrafterLink, DrafterPool
+from verifier_node.pool_policy import REAP_EVERY_S, PoolPolicy
 from verifier_node.scheduler import IDLE_POLL_MAX_MS, BatchLimits, Prefills, Scheduler
 
 pytestmark = pytest.mark.unit
@@ -142,3 +145,126 @@ def test_an_ended_session_leaves_the_table_once():
     sched = _scheduler(s, _session(2))
     assert sched.remove(s) and not sched.remove(s)
     assert list(sched.sessions) == [2] and list(sched.order) == [2]
+
+
+# ---------------------------------------------------------------------------------------------- the pool policy
+class PolicyBench:
+    """A PoolPolicy over a pool on a fake clock, recording what it sends and announces."""
+
+    def __init__(self, ensemble_weight: float | None = None):
+        self.clock = FakeClock(1000.0)
+        self.pool = DrafterPool()
+        self.sessions: dict[int, SimpleNamespace] = {}
+        self.sent: list[tuple[str, object]] = []
+        self.announced: list[tuple[int, str]] = []
+        self.policy = PoolPolicy(self.pool, self.sessions, ensemble_weight, send=self._send,
+                                 announce=self._announce, now=self.clock)
+
+    def _send(self, link: DrafterLink, frames: list) -> None:
+        self.sent.append((link.id, decode(frames)))
+
+    def _announce(self, s, kv) -> None:
+        s.announced = True
+        self.announced.append((s.sid, s.drafter.id))
+
+    def join(self, kind: str = "lm", **caps) -> DrafterLink:
+        link, _ = self.pool.join(DrafterLink(f"rid-{len(self.pool.links)}".encode(), kind,
+                                             Capabilities(sends_q=True, **caps), host="h"))
+        link.last_seen = self.clock.t
+        return link
+
+    def session(self, sid: int, drafter_type: str | None = None, do_sample: bool = True, **state):
+        base = {"sid": sid, "drafter": None, "drafter_type": drafter_type,
+                "params": SimpleNamespace(do_sample=do_sample),
+                "tried": set(), "served_by": [], "wait": DraftWait(3.0), "prefilled": True, "announced": False,
+                "draft": None, "solo_left": 0, "lm": SimpleNamespace(held_rows=lambda layers: {"kv.0": layers})}
+        s = SimpleNamespace(**{**base, **state})
+        self.sessions[sid] = s
+        return s
+
+
+def test_sessions_go_to_the_least_loaded_drafter_that_fits():
+    bench = PolicyBench()
+    a, b = bench.join("lm"), bench.join("lookup")
+    s1, s2, s3 = bench.session(1), bench.session(2), bench.session(3, drafter_type="lm")
+    for s in (s1, s2, s3):
+        bench.policy.reassign(s)
+    assert (s1.drafter, s2.drafter, s3.drafter) == (a, b, a)  # a tie goes to the earlier drafter
+    assert a.sessions == {1, 3} and b.sessions == {2}
+    assert s1.served_by == ["d1"] and bench.announced == [(1, "d1"), (2, "d2"), (3, "d1")]
+    bench.session(4, drafter_type="other")
+    bench.policy.reassign(bench.sessions[4])
+    assert bench.sessions[4].drafter is None  # nothing fits: plain steps
+
+
+def test_ensemble_verification_keeps_greedy_requests_from_drafters_without_greedy_q():
+    bench = PolicyBench(ensemble_weight=0.5)
+    plain, greedy = bench.join("lm"), bench.join("lm", greedy_q=True)
+    assert bench.policy.lacks_q(SimpleNamespace(do_sample=False), plain)
+    assert not bench.policy.lacks_q(SimpleNamespace(do_sample=True), plain)
+    assert not bench.policy.lacks_q(SimpleNamespace(do_sample=False), greedy)
+    assert not PolicyBench().policy.lacks_q(SimpleNamespace(do_sample=False), plain)
+    greedy.sessions.update({10, 11})  # the one that fits is the more loaded one
+    s = bench.session(1, do_sample=False)
+    bench.policy.reassign(s)
+    assert s.drafter is greedy
+
+
+def test_a_silent_drafters_sessions_fail_over_and_a_forgotten_one_leaves_the_pool():
+    bench = PolicyBench()
+    a = bench.join()
+    s = bench.session(1)
+    bench.policy.reassign(s)
+    b = bench.join()
+    b.last_seen = bench.clock.t + HEARTBEAT_TIMEOUT_S  # b keeps talking, a falls silent
+    bench.clock.t += HEARTBEAT_TIMEOUT_S + 0.01
+    bench.policy.reap()
+    assert s.drafter is b and s.served_by == ["d1", "d2"] and a.reported_dead and a.sessions == set()
+    assert bench.sent == [("d1", SessionEnd(session=1))]  # it was announced there: told, in case it comes back
+    bench.policy.reap()  # within REAP_EVERY_S: not checked again
+    bench.clock.t += FORGET_AFTER_S
+    b.last_seen = bench.clock.t
+    bench.policy.reap()
+    assert list(bench.pool.links.values()) == [b] and not b.reported_dead
+
+
+def test_a_session_without_a_live_drafter_that_fits_stays_and_the_check_is_paced():
+    bench = PolicyBench()
+    a = bench.join()
+    s = bench.session(1)
+    bench.policy.reassign(s)
+    bench.clock.t += HEARTBEAT_TIMEOUT_S
+    bench.policy.reap()
+    assert s.drafter is a and a.reported_dead  # nowhere to go: it stays (plain steps), for when a answers again
+    a.last_seen = bench.clock.t + 0.5 * REAP_EVERY_S
+    bench.clock.t += 0.5 * REAP_EVERY_S
+    bench.policy.reap()
+    assert a.reported_dead  # not checked again yet
+    bench.clock.t += REAP_EVERY_S
+    bench.policy.reap()
+    assert not a.reported_dead
+
+
+def test_a_drafter_saying_hello_again_relearns_its_sessions_and_a_newcomer_takes_the_orphans():
+    bench = PolicyBench()
+    a = bench.join()
+    s1, s2 = bench.session(1), bench.session(2)
+    bench.policy.reassign(s1)
+    bench.policy.on_joined(a, again=True)  # it may have lost them: announced afresh, no session_end
+    assert s1.drafter is a and bench.announced == [(1, "d1"), (1, "d1"), (2, "d1")] and bench.sent == []
+    a.last_seen = bench.clock.t - HEARTBEAT_TIMEOUT_S  # a went silent; b joins and takes both
+    b = bench.join()
+    bench.policy.on_joined(b, again=False)
+    assert s1.drafter is b and s2.drafter is b and a.sessions == set()
+
+
+def test_a_demoted_drafter_is_left_for_another_and_not_chosen_again():
+    bench = PolicyBench()
+    a, b = bench.join(), bench.join()
+    s = bench.session(1)
+    bench.policy.reassign(s)
+    assert s.drafter is a
+    bench.policy.on_demoted(s)
+    assert s.drafter is b and s.tried == {"d1"}
+    bench.policy.on_demoted(s)  # demoted by both: it stays with the last, plain steps and probes
+    assert s.drafter is b and s.tried == {"d1", "d2"}

@@ -62,7 +62,6 @@ from shared.protocol import (
     Ping,
     Pong,
     ProtocolError,
-    SessionEnd,
     SessionStart,
     State,
     ThreadCounts,
@@ -85,6 +84,7 @@ from shared.transport import (
 from verifier_node.acceptance import AcceptRule, check_ensemble_weight
 from verifier_node.draft_wait import DraftWait
 from verifier_node.drafters import DrafterLink, DrafterPool
+from verifier_node.pool_policy import PoolPolicy
 from verifier_node.scheduler import BatchLimits, Prefills, Scheduler
 from verifier_node.session import NumericalError, RoundPlan, RoundResult, Session
 from verifier_node.tree import tree_row
@@ -103,8 +103,6 @@ PROMPT_GATHER_S = 0.01
 PROMPT_GATHER_MAX_S = 0.05
 #: A session waits at least this multiple of its drafter's longest block (profile: steps × one step's cost).
 BLOCK_WAIT_FACTOR = 1.5
-#: How often the pool is checked for drafters that went silent.
-REAP_EVERY_S = 0.1
 
 
 @dataclass
@@ -247,7 +245,8 @@ class VerifierServer:
         self.by_request: dict[tuple[bytes, int], int] = {}
         self.next_sid = 1
         self.pool = DrafterPool()
-        self._next_reap = 0.0
+        self.policy = PoolPolicy(self.pool, self.sessions, self.ensemble_weight, send=self._send_to,
+                                 announce=lambda s, kv: self._announce(s, kv=kv))
         self.running = True
 
     @property
@@ -275,7 +274,7 @@ class VerifierServer:
                     self._drain(self.drafter_sock, self._on_drafter_message)
                 if self.client_sock in events:
                     self._drain(self.client_sock, self._on_client_message)
-                self._reap()  # after the drains: a long round must not make a drafter that kept talking look dead
+                self.policy.reap()  # after the drains: a long round must not make a drafter that kept talking look dead
                 self._drop_silent_clients()
                 work = self.scheduler.next_work()
                 if isinstance(work, list) and self._gather(work):
@@ -444,98 +443,13 @@ class VerifierServer:
                                            want_q=self.ensemble_weight is not None,
                                            profile=self.profile.to_dict() if self.profile else None,
                                            threads=ThreadCounts(self.threads.share, self.threads.full))))
-        self._on_joined(link, again)
-
-    # -------------------------------------------------------------- the pool
-    def _on_joined(self, link: DrafterLink, again: bool) -> None:
-        """A drafter (re)joined: it learns its own sessions afresh (a hello again: it may have lost them), and takes
-        the sessions that have no live drafter (least loaded first: two drafters joining share them)."""
-        if again:
-            for sid in sorted(link.sessions):
-                s = self.sessions[sid]
-                self._detach(s, notify=False)
-                if self._fits(s, link):
-                    self._attach(s, link)
-        for s in list(self.sessions.values()):
-            if s.drafter is None or not s.drafter.alive() or s.wait.demoted:  # a demoted one: the newcomer may draft
-                self._reassign(s)
-
-    def _fits(self, s: Session, link: DrafterLink) -> bool:
-        """``link`` may serve ``s``: the type the request asked for (if any), q where ensemble verification needs it."""
-        return (s.drafter_type is None or link.type == s.drafter_type) and not self._lacks_q(s.params, link)
-
-    def _reassign(self, s: Session) -> None:
-        """Move ``s`` to the least-loaded live drafter that fits (and was not demoted for it); keep it where it is
-        if there is none (a session without a live drafter takes plain steps)."""
-        target = self.pool.pick(lambda d: self._fits(s, d), exclude=s.tried)
-        if target is not None and target is not s.drafter:
-            self._detach(s)
-            self._attach(s, target)
-
-    def _attach(self, s: Session, link: DrafterLink) -> None:
-        s.drafter = link
-        link.sessions.add(s.sid)
-        if not s.served_by or s.served_by[-1] != link.id:
-            s.served_by.append(link.id)
-        s.wait.reset()
-        s.wait.block_floor_s = link.block_s
-        if s.prefilled:  # announced with the state the drafter needs (held K/V rows; hidden states come per commit)
-            self._announce(s, kv=s.lm.held_rows(link.kv_layers) if link.kv_layers else None)
-
-    def _detach(self, s: Session, notify: bool = True) -> None:
-        d = s.drafter
-        if d is None:
-            return
-        if notify and s.announced:
-            self._send_to(d, encode(SessionEnd(session=s.sid)))
-        d.sessions.discard(s.sid)
-        s.drafter = None
-        s.announced = False
-        s.draft = None
-        s.solo_left = 0  # that drafter's k = 0 plan
-
-    def _reap(self) -> None:
-        """Drafters that went silent: their sessions move to a live drafter that fits (else they take plain steps
-        and stay, so a drafter that was only busy resumes them); after FORGET_AFTER_S they leave the pool."""
-        now = time.monotonic()
-        if now < self._next_reap:
-            return
-        self._next_reap = now + REAP_EVERY_S
-        for link in self.pool.forget_silent(now):
-            log.warning("drafter %s removed from the pool (silent for %.0f s)", link.label(), now - link.last_seen)
-            for sid in sorted(link.sessions):
-                s = self.sessions[sid]
-                self._detach(s, notify=False)
-                self._reassign(s)
-        for link in self.pool.dead(now):
-            if not link.reported_dead:
-                link.reported_dead = True
-                log.warning("drafter %s silent for %.1f s: its %d session(s) move to a live drafter or step alone",
-                            link.label(), now - link.last_seen, len(link.sessions))
-            for sid in sorted(link.sessions):
-                self._reassign(self.sessions[sid])
-        for link in self.pool.live(now):
-            link.reported_dead = False
-
-    def _on_demoted(self, s: Session) -> None:
-        """Its drafter kept missing for ``s``: move it to another live drafter (one not demoted for it before) when
-        one fits; else it stays, taking plain steps with a probe now and then (verifier_node.draft_wait)."""
-        d = s.drafter
-        log.info("session %d: drafter %s demoted after %d misses", s.sid, d.label() if d else "?", s.wait.misses)
-        if d is not None:
-            s.tried.add(d.id)
-        self._reassign(s)
-
-    def _lacks_q(self, params: GenerationParams, drafter: DrafterLink | None) -> bool:
-        """Ensemble verification of a request whose drafts would come without q (greedy, drafter without greedy_q)."""
-        return (self.ensemble_weight is not None and drafter is not None and not params.do_sample
-                and not drafter.greedy_q)
+        self.policy.on_joined(link, again)
 
     def _announce(
         self, s: Session, hidden: torch.Tensor | None = None, kv: dict[str, torch.Tensor] | None = None
     ) -> None:
         d = s.drafter
-        if d is None or self._lacks_q(s.params, d):
+        if d is None or self.policy.lacks_q(s.params, d):
             return  # not announced: the session takes plain steps from the target
         tensors, size = _state_tensors(hidden, kv)
         pieces = [] if size <= self._state_budget() else split_state(tensors, len(s.tokens) - 1, self._state_budget())
@@ -681,7 +595,7 @@ class VerifierServer:
             params.seed = secrets.randbits(62)
         wanted = self._wanted_type(msg.drafter_type)
         live = [d for d in self.pool.live() if wanted is None or d.type == wanted]
-        if live and all(self._lacks_q(params, d) for d in live):
+        if live and all(self.policy.lacks_q(params, d) for d in live):
             raise ParamError(
                 f"ensemble verification needs the draft distribution q; drafter type {live[0].type!r} sends none "
                 "under greedy decoding (use do_sample=true, or a drafter that sends q when greedy)"
@@ -701,7 +615,7 @@ class VerifierServer:
                     accept=self.accept_rule)
         self.scheduler.add(s)
         self.by_request[(peer, rid)] = sid
-        self._reassign(s)
+        self.policy.reassign(s)
 
     def _wanted_type(self, value: str | None) -> str | None:
         """``generate.drafter_type``: None (any drafter), or a type name known to pipespec or present in the pool.
@@ -750,7 +664,7 @@ class VerifierServer:
         if not self.scheduler.remove(s):
             return
         self.by_request.pop((s.client, s.request_id), None)
-        self._detach(s)
+        self.policy.detach(s)
 
     def _prefill_batch(self, sessions: list[Session]) -> None:
         """Cache the prompts of ``sessions`` (one forward over all of them when there are several) and announce
@@ -885,7 +799,7 @@ class VerifierServer:
                 if s.finished:
                     self._finish(s, s.finished)
                 elif r.demoted:
-                    self._on_demoted(s)
+                    self.policy.on_demoted(s)
             except Exception as exc:
                 self._round_failed(s, exc)
 
