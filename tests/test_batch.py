@@ -279,33 +279,3 @@ def test_a_burst_of_requests_shares_one_prefill(tiny):
         assert result.token_ids == reference_greedy(target, prompt, 6), prompt
     forwards = after["prefill_forwards"] - before["prefill_forwards"]
     assert forwards <= 2, f"{forwards} prefill forwards for a burst of six prompts"
-
-
-def test_a_failed_batched_forward_falls_back_to_one_forward_per_session():
-    """The mechanism behind batched rounds and prefills: when the one forward over every row raises (before any cache
-    changed), each session gets a forward of its own, and one that fails alone ends only that session."""
-    from types import SimpleNamespace
-
-    from verifier_node.server import VerifierServer
-
-    server = object.__new__(VerifierServer)
-    server.batching = True
-    failed = []
-    server._round_failed = lambda s, exc: failed.append((s.sid, str(exc)))
-    sessions = [SimpleNamespace(sid=i) for i in range(3)]
-
-    def together():
-        raise RuntimeError("batched forward broke")
-
-    def alone(i: int):
-        if i == 1:
-            raise ValueError("row 1 broke")
-        return f"row {i}"
-
-    assert server._together_or_each("forward", 3, sessions, together, alone) == ["row 0", None, "row 2"]
-    assert failed == [(1, "row 1 broke")]
-    assert server._together_or_each("forward", 3, sessions, lambda: ["all"], alone) == ["all"]
-    server.batching = False  # batching off, or a single row: never the batched forward
-    assert server._together_or_each("forward", 3, sessions, lambda: ["all"], alone) == ["row 0", None, "row 2"]
-    server.batching = True
-    assert server._together_or_each("prefill", 1, sessions[:1], lambda: ["all"], alone) == ["row 0"]

@@ -1,5 +1,6 @@
 """The verifier's parts without sockets or models: the scheduler (which sessions run next, prefill turns, batch
-gathering, waits on a fake clock) and the pool policy (assignment, failover, demotion)."""
+gathering, waits on a fake clock), the pool policy (assignment, failover, demotion) and the round runner's fallback
+from a batched forward to one per session."""
 
 from __future__ import annotations
 
@@ -8,10 +9,12 @@ from types import SimpleNamespace
 
 import pytest
 
+from shared.models import ThreadPlan
 from shared.protocol import Capabilities, SessionEnd, decode
 from verifier_node.draft_wait import DraftWait
 from verifier_node.drafters import FORGET_AFTER_S, HEARTBEAT_TIMEOUT_S, DrafterLink, DrafterPool
 from verifier_node.pool_policy import REAP_EVERY_S, PoolPolicy
+from verifier_node.rounds import RoundRunner, ThreadSwitch
 from verifier_node.scheduler import IDLE_POLL_MAX_MS, BatchLimits, Prefills, Scheduler
 
 pytestmark = pytest.mark.unit
@@ -268,3 +271,41 @@ def test_a_demoted_drafter_is_left_for_another_and_not_chosen_again():
     assert s.drafter is b and s.tried == {"d1"}
     bench.policy.on_demoted(s)  # demoted by both: it stays with the last, plain steps and probes
     assert s.drafter is b and s.tried == {"d1", "d2"}
+
+
+# ---------------------------------------------------------------------------------------------- the round runner
+def test_a_failed_batched_forward_falls_back_to_one_forward_per_session():
+    """The mechanism behind batched rounds and prefills: when the one forward over every row raises (before any cache
+    changed), each session gets a forward of its own, and one that fails alone ends only that session. (Moved from
+    tests/test_batch.py, where it built a VerifierServer with object.__new__.)"""
+    failed = []
+    out = SimpleNamespace(round_failed=lambda s, exc: failed.append((s.sid, str(exc))))
+    scheduler = Scheduler(replace(LIMITS, batching=True))
+    runner = RoundRunner(None, scheduler, out, threads=None, curve_check=None)
+    sessions = [SimpleNamespace(sid=i) for i in range(3)]
+
+    def together():
+        raise RuntimeError("batched forward broke")
+
+    def alone(i: int):
+        if i == 1:
+            raise ValueError("row 1 broke")
+        return f"row {i}"
+
+    assert runner.together_or_each("forward", 3, sessions, together, alone) == ["row 0", None, "row 2"]
+    assert failed == [(1, "row 1 broke")]
+    assert runner.together_or_each("forward", 3, sessions, lambda: ["all"], alone) == ["all"]
+    scheduler.limits = replace(LIMITS, batching=False)  # batching off, or a single row: never the batched forward
+    assert runner.together_or_each("forward", 3, sessions, lambda: ["all"], alone) == ["row 0", None, "row 2"]
+    scheduler.limits = replace(LIMITS, batching=True)
+    assert runner.together_or_each("prefill", 1, sessions[:1], lambda: ["all"], alone) == ["row 0"]
+
+
+def test_the_thread_count_is_set_only_when_it_changes():
+    applied: list[int] = []
+    switch = ThreadSwitch(ThreadPlan(share=1, full=4), apply=applied.append)
+    switch.use(1)
+    switch.use(4)
+    switch.use(4)
+    switch.use(1)
+    assert applied == [4, 1] and switch.now == 1

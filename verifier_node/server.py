@@ -23,7 +23,6 @@ import math
 import secrets
 import signal
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,7 +30,7 @@ import torch
 import zmq
 
 from drafter_node.types import DRAFTER_TYPES
-from shared.batch import Row, can_batch, feed_rows
+from shared.batch import can_batch
 from shared.costs import CurveCheck, NodeProfile, measuring_alone
 from shared.kv import CachedLM, KVRowsError
 from shared.models import (
@@ -85,9 +84,9 @@ from verifier_node.acceptance import AcceptRule, check_ensemble_weight
 from verifier_node.draft_wait import DraftWait
 from verifier_node.drafters import DrafterLink, DrafterPool
 from verifier_node.pool_policy import PoolPolicy
+from verifier_node.rounds import RoundRunner, ThreadSwitch
 from verifier_node.scheduler import BatchLimits, Prefills, Scheduler
-from verifier_node.session import NumericalError, RoundPlan, RoundResult, Session
-from verifier_node.tree import tree_row
+from verifier_node.session import NumericalError, RoundResult, Session
 
 #: Error code of a tree draft the verifier will not verify (the draft is dropped; the drafter turns trees off).
 TREE_REFUSED = "tree_refused"
@@ -103,21 +102,6 @@ PROMPT_GATHER_S = 0.01
 PROMPT_GATHER_MAX_S = 0.05
 #: A session waits at least this multiple of its drafter's longest block (profile: steps × one step's cost).
 BLOCK_WAIT_FACTOR = 1.5
-
-
-@dataclass
-class PendingRound:
-    """One session's part of a verification round between taking its draft and the target forward."""
-
-    session: Session
-    plan: RoundPlan
-    solo: bool  # a round the drafter's k = 0 plan gave to the verifier alone
-    demoted: bool  # its drafter missed once too often: move the session after this round
-    drafter_busy: bool  # its drafter pre-drafts while this round runs (the verifier keeps its thread share)
-    want_hidden: bool
-    kv_layers: list[int]
-    timed_from: float = 0.0  # when the session's previous round was published (the round's wall time starts)
-    draft_wait_s: float = 0.0  # of that, waiting for its drafter's block
 
 
 @dataclass
@@ -181,11 +165,7 @@ class VerifierServer:
         self.max_sessions = vcfg["max_sessions"]
         # Batched verification: one target forward over every session whose round is ready (shared/batch.py).
         max_batch_sessions = int(vcfg["max_batch_sessions"]) if vcfg["batching"] else 1
-        self.forwards = self.batch_sessions_sum = self.batch_tokens_sum = 0
-        self.prefill_forwards = self.prefill_sessions_sum = 0
-        self.forward_delay_s = forward_delay_s
         self.accept_rule = accept
-        self.forward_s_ema = 0.0  # recent verification forward time (bounds the wait for drafts on their way)
         self.max_bytes = vcfg["max_message_bytes"]
         # A client silent this long (no heartbeat ping, no message) has gone: its sessions are cancelled.
         self.client_timeout = float(config["client"]["heartbeat_timeout_s"])
@@ -193,7 +173,6 @@ class VerifierServer:
         self._next_sweep = 0.0
         self.threads = ThreadPlan.for_node(config, "verifier")
         set_threads(self.threads.share)
-        self._threads_now = self.threads.share
         path = resolve_model(vcfg["model"])
         self.tokenizer = tokenizer or load_tokenizer(path)
         spec = ProfileSpec(self.threads.counts(), profile_sizes(config), float(vcfg["profile_s"]), role="verifier")
@@ -204,7 +183,6 @@ class VerifierServer:
                                                  profile=spec)
             if spec.budget_s > 0:
                 self.profile = profile_node(self.model, vcfg["model"], vcfg["device"], spec, "verifier")
-        self.curve_check = CurveCheck(self.profile)
         self.dtype = model_dtype(self.model)
         batching = max_batch_sessions > 1 and can_batch(CachedLM(self.model))
         self.scheduler = Scheduler(BatchLimits(batching, max_batch_sessions, int(vcfg["max_batch_tokens"]),
@@ -246,7 +224,9 @@ class VerifierServer:
         self.next_sid = 1
         self.pool = DrafterPool()
         self.policy = PoolPolicy(self.pool, self.sessions, self.ensemble_weight, send=self._send_to,
-                                 announce=lambda s, kv: self._announce(s, kv=kv))
+                                 announce=lambda s, kv: self.announce(s, kv=kv))
+        self.rounds = RoundRunner(self.model, self.scheduler, self, ThreadSwitch(self.threads),
+                                  CurveCheck(self.profile), forward_delay_s)
         self.running = True
 
     @property
@@ -284,9 +264,9 @@ class VerifierServer:
                     work = (self.scheduler.take_prefills(first, time.monotonic()) if first.sid in self.sessions
                             else self.scheduler.next_work())
                 if isinstance(work, Prefills):
-                    self._prefill_batch(work.sessions)
+                    self.rounds.prefill_batch(work.sessions)
                 elif work:
-                    self._run_batch(work)
+                    self.rounds.run_batch(work)
         finally:
             self.close()
 
@@ -336,7 +316,7 @@ class VerifierServer:
             if silent > self.client_timeout:
                 log.warning("session %d (request %d of client %s): cancelled, nothing from the client for %.1f s",
                             s.sid, s.request_id, s.client.hex(), silent)
-                self._finish(s, "client_gone")
+                self.finish(s, "client_gone")
         live = {s.client for s in self.sessions.values()}
         for peer in [p for p in self.client_seen if p not in live and now - self.client_seen[p] > self.client_timeout]:
             del self.client_seen[peer]  # bounded: forget peers that are gone and hold nothing
@@ -348,7 +328,7 @@ class VerifierServer:
         True if anything arrived."""
         if not self.batching or len(batch) >= self.scheduler.limits.max_batch_sessions:
             return False
-        deadline = time.monotonic() + min(GATHER_MAX_S, 0.1 * self.forward_s_ema)
+        deadline = time.monotonic() + min(GATHER_MAX_S, 0.1 * self.rounds.counts.forward_s_ema)
         got = False
         while True:
             now = time.monotonic()
@@ -445,7 +425,7 @@ class VerifierServer:
                                            threads=ThreadCounts(self.threads.share, self.threads.full))))
         self.policy.on_joined(link, again)
 
-    def _announce(
+    def announce(
         self, s: Session, hidden: torch.Tensor | None = None, kv: dict[str, torch.Tensor] | None = None
     ) -> None:
         d = s.drafter
@@ -565,19 +545,18 @@ class VerifierServer:
         elif isinstance(msg, Cancel):
             sid = self.by_request.get((peer, msg.request_id))
             if sid is not None:
-                self._finish(self.sessions[sid], "cancelled")
+                self.finish(self.sessions[sid], "cancelled")
         elif isinstance(msg, Ping):
-            live = self.pool.live()
+            live, n = self.pool.live(), self.rounds.counts
             self.client_sock.send_multipart([peer, *encode(Pong(
                 drafter_connected=bool(live), drafter_type=live[0].type if live else None,
                 drafters=self.pool.describe(), target=self.model_name, sessions=len(self.sessions),
                 max_message_bytes=self.max_bytes, heartbeat_timeout_s=self.client_timeout, batching=self.batching,
-                forwards=self.forwards,
-                mean_batch_sessions=self.batch_sessions_sum / self.forwards if self.forwards else 0.0,
-                mean_batch_tokens=self.batch_tokens_sum / self.forwards if self.forwards else 0.0,
-                prefill_forwards=self.prefill_forwards,
-                mean_prefill_sessions=(self.prefill_sessions_sum / self.prefill_forwards if self.prefill_forwards
-                                       else 0.0),
+                forwards=n.forwards,
+                mean_batch_sessions=n.batch_sessions_sum / n.forwards if n.forwards else 0.0,
+                mean_batch_tokens=n.batch_tokens_sum / n.forwards if n.forwards else 0.0,
+                prefill_forwards=n.prefill_forwards,
+                mean_prefill_sessions=n.prefill_sessions_sum / n.prefill_forwards if n.prefill_forwards else 0.0,
             ))])
         else:
             raise ProtocolError(f"a client may not send {msg.TYPE!r}", code="unexpected")
@@ -666,189 +645,11 @@ class VerifierServer:
         self.by_request.pop((s.client, s.request_id), None)
         self.policy.detach(s)
 
-    def _prefill_batch(self, sessions: list[Session]) -> None:
-        """Cache the prompts of ``sessions`` (one forward over all of them when there are several) and announce
-        each to its drafter. A failure ends only the session it belongs to."""
-        # A prompt is one long forward: every core (a drafter that drafts prefills its own copy meanwhile, one whose
-        # plan is k = 0 waits; the threads follow the plan again from the first round)
-        self._use_threads(self.threads.full)
-        needs = []  # what each session's own drafter needs: hidden states or K/V rows of the prompt
-        for s in list(sessions):
-            d = s.drafter
-            want_hidden, kv_layers = bool(d and d.needs_hidden), list(d.kv_layers) if d else []
-            try:
-                if not (want_hidden or kv_layers):
-                    self._announce(s)  # early: its drafter prefills its own copy while we do
-            except Exception as exc:
-                self._round_failed(s, exc)
-                sessions.remove(s)
-                continue
-            needs.append((want_hidden, kv_layers))
-        fed = self._prompt_forward(sessions, [w for w, _ in needs])
-        for s, (want_hidden, kv_layers), done in zip(sessions, needs, fed):
-            if done is None:
-                continue  # its forward failed (reported)
-            try:
-                hidden, kv = s.prefilled_with(done[0] if want_hidden else None, kv_layers, done[1])
-                if want_hidden or kv_layers:
-                    self._announce(s, hidden, kv)
-                s.wait.ready(len(s.tokens), s.ready_since)
-            except Exception as exc:
-                self._round_failed(s, exc)
+    # ------------------------------------------------------- the rounds' output (verifier_node.rounds.RoundOutput)
+    def demoted(self, s: Session) -> None:
+        self.policy.on_demoted(s)
 
-    def _prompt_forward(self, sessions: list[Session], want_hidden: list[bool]) -> list[tuple | None]:
-        """The prompts' forward: one over every prompt when batching allows it, else one each. Per session:
-        (hidden states or None, forward seconds), or None where its forward failed (the session ended)."""
-        self._forward_delay()
-        rows = [i for i, s in enumerate(sessions) if s.prompt_to_cache]
-
-        def together() -> list[tuple]:
-            t0 = time.monotonic()
-            outs = feed_rows(self.model, [Row(sessions[i].lm, sessions[i].prompt_to_cache) for i in rows],
-                             want_hidden=any(want_hidden[i] for i in rows), logits=False)
-            seconds = time.monotonic() - t0
-            self.prefill_forwards += 1
-            self.prefill_sessions_sum += len(rows)
-            hidden = {i: o.hidden for i, o in zip(rows, outs)}
-            return [(hidden.get(i), seconds) for i in range(len(sessions))]
-
-        def alone(i: int) -> tuple:
-            s, t0 = sessions[i], time.monotonic()
-            hidden = s.feed_prompt(want_hidden[i])
-            if s.prompt_to_cache:
-                self.prefill_forwards += 1
-                self.prefill_sessions_sum += 1
-            return hidden, time.monotonic() - t0
-
-        return self._together_or_each("prefill", len(rows), sessions, together, alone)
-
-    def _together_or_each(self, what: str, rows: int, sessions: list[Session], together: Callable[[], list],
-                          alone: Callable[[int], Any]) -> list:
-        """``together()``: one batched forward's per-session results, when batching is on and there are several
-        ``rows``; if it raises (before any cache changed) or does not apply, ``alone(i)`` for each session, where a
-        failure ends that session only and gives None."""
-        if rows > 1 and self.batching:
-            try:
-                return together()
-            except Exception:  # every session gets a forward of its own instead
-                log.exception("a batched %s over %d sessions failed; running them one by one", what, rows)
-        results = []
-        for i, s in enumerate(sessions):
-            try:
-                results.append(alone(i))
-            except Exception as exc:
-                self._round_failed(s, exc)
-                results.append(None)
-        return results
-
-    def _begin_round(self, s: Session) -> PendingRound:
-        """Take the session's draft (or none: a plain step) for this round and note what its drafter needs back."""
-        d = s.drafter
-        now = time.monotonic()
-        could_use = self.scheduler.may_wait(s, now) or (s.draft is not None and s.solo_left == 0)
-        waited = (s.draft["arrived"] if s.draft is not None else now) - s.ready_since
-        demoted = could_use and s.wait.outcome(s.draft is not None, max(0.0, waited))
-        draft = s.draft or {"tokens": [], "q": None, "idle_rounds": 0, "overlap": False, "parents": None}
-        s.draft = None
-        if draft["idle_rounds"]:
-            s.solo_left = draft["idle_rounds"]
-        solo = s.solo_left > 0
-        s.solo_left = max(0, s.solo_left - 1)
-        drafter_busy = bool(draft["tokens"] and draft["overlap"] and d is not None and d.alive() and not solo)
-        gap = max(0.0, now - s.timed_from)
-        draft_wait = min(gap, max(0.0, waited)) if could_use else 0.0
-        return PendingRound(s, s.plan_round(draft["tokens"], draft["q"], draft["parents"]), solo, demoted, drafter_busy,
-                            bool(d and d.needs_hidden), list(d.kv_layers) if d else [], s.timed_from, draft_wait)
-
-    def _run_batch(self, batch: list[Session]) -> None:
-        """One verification round for every session of ``batch``: one target forward over all of them (batched
-        verification), each row accepted, committed and published on its own. A failure in one row ends that
-        session only."""
-        rounds = []
-        for s in batch:
-            try:
-                rounds.append(self._begin_round(s))
-            except Exception as exc:
-                self._round_failed(s, exc)
-        if not rounds:
-            return
-        # Every core while the drafters idle (k = 0, synchronous blocks, no drafter); the share while one pre-drafts
-        # for a row of this round or drafts a block for a session left out of it (its drafter computes meanwhile).
-        busy = any(r.drafter_busy for r in rounds) or self.scheduler.drafting_elsewhere(batch, time.monotonic())
-        self._use_threads(self.threads.share if busy else self.threads.full)
-        decoding = self.scheduler.decoding()
-        forwards = self._forward(rounds)
-        if not busy and len(rounds) == 1 and forwards[0][0] is not None:  # timed alone: a sample of the profile
-            self._check_profile(forwards[0][4], forwards[0][2], len(rounds[0].session.tokens))
-        for r, (logits, hidden, forward_s, rows, tokens) in zip(rounds, forwards):
-            if logits is None:
-                continue  # that row's own forward failed (already reported)
-            s = r.session
-            try:
-                t_accept = time.monotonic()
-                result = s.finish_round(r.plan, logits, hidden, forward_s, r.kv_layers, rows, tokens)
-                result.threads = self._threads_now
-                if r.solo:
-                    s.metrics.solo_rounds += 1
-                s.wait.ready(len(s.tokens), s.ready_since)
-                t_publish = time.monotonic()
-                self._publish(s, result, decoding)
-                s.timed_from = done = time.monotonic()
-                s.metrics.timing.add(done - r.timed_from, r.draft_wait_s, forward_s, t_publish - t_accept,
-                                     done - t_publish)
-                if s.finished:
-                    self._finish(s, s.finished)
-                elif r.demoted:
-                    self.policy.on_demoted(s)
-            except Exception as exc:
-                self._round_failed(s, exc)
-
-    def _check_profile(self, tokens: int, seconds: float, context: int) -> None:
-        """Compare a forward timed alone with the profile; a profile that keeps missing is re-measured next start
-        (the drafters' plans follow the measured forwards meanwhile: every commit carries its forward's time)."""
-        ratio = self.curve_check.forward(self._threads_now, tokens, context, seconds)
-        if ratio is not None:
-            log.warning("verifier: forwards take %.2fx what the cached profile says (measured on a busy machine, or "
-                        "the machine changed); the profile is measured again at the next start", ratio)
-
-    def _forward(self, rounds: list[PendingRound]) -> list[tuple]:
-        """The target forward(s) of a round: one over every row when batching is on and the target allows it, else
-        one per row. Per row: (logits, hidden, forward seconds, sessions in its forward, tokens in its forward); a
-        row whose forward failed gets ``None`` logits."""
-        self._forward_delay()
-
-        def together() -> list[tuple]:
-            tokens = sum(len(r.plan.fed) for r in rounds)
-            t0 = time.monotonic()
-            rows = [Row(r.session.lm, r.plan.fed) if r.plan.tree is None else
-                    tree_row(r.session.lm, r.plan.fed[0], r.plan.tree) for r in rounds]
-            outs = feed_rows(self.model, rows, any(r.want_hidden for r in rounds))
-            forward_s = time.monotonic() - t0
-            self._count_forward(len(rounds), tokens, forward_s)
-            return [(o.logits, o.hidden if r.want_hidden else None, forward_s, len(rounds), tokens)
-                    for r, o in zip(rounds, outs)]
-
-        def alone(i: int) -> tuple:
-            r, t0 = rounds[i], time.monotonic()
-            logits, hidden = r.session.round_forward(r.plan, want_hidden=r.want_hidden)
-            forward_s = time.monotonic() - t0
-            self._count_forward(1, len(r.plan.fed), forward_s)
-            return logits, hidden, forward_s, 1, len(r.plan.fed)
-
-        results = self._together_or_each("forward", len(rounds), [r.session for r in rounds], together, alone)
-        return [(None, None, 0.0, 1, 0) if out is None else out for out in results]
-
-    def _forward_delay(self) -> None:
-        if self.forward_delay_s:
-            time.sleep(self.forward_delay_s)  # injected by tests: a target slow enough that other work gets ahead
-
-    def _count_forward(self, sessions: int, tokens: int, seconds: float) -> None:
-        self.forward_s_ema = 0.8 * self.forward_s_ema + 0.2 * seconds
-        self.forwards += 1
-        self.batch_sessions_sum += sessions
-        self.batch_tokens_sum += tokens
-
-    def _round_failed(self, s: Session, exc: Exception) -> None:
+    def round_failed(self, s: Session, exc: Exception) -> None:
         if isinstance(exc, NumericalError):
             log.error("session %d failed: %s", s.sid, exc)
             self._fail(s, "numerical_error", str(exc))
@@ -856,12 +657,7 @@ class VerifierServer:
             log.error("session %d failed in a round", s.sid, exc_info=exc)
             self._fail(s, "internal_error", f"the verifier failed on this request: {exc!r:.300}")
 
-    def _use_threads(self, count: int) -> None:
-        if count != self._threads_now:
-            set_threads(count)
-            self._threads_now = count
-
-    def _publish(self, s: Session, r: RoundResult, decoding: int = 1) -> None:
+    def publish(self, s: Session, r: RoundResult, decoding: int) -> None:
         t0 = time.monotonic()
         if s.announced and s.drafter is not None:
             frames = encode(Commit(session=s.sid, base_len=r.base_len, tokens=r.tokens, new_len=len(s.tokens),
@@ -875,7 +671,7 @@ class VerifierServer:
                                                                  text=delta))])
         s.metrics.message_s += time.monotonic() - t0
 
-    def _finish(self, s: Session, reason: str) -> None:
+    def finish(self, s: Session, reason: str) -> None:
         try:
             text = self.tokenizer.decode(s.generated, skip_special_tokens=True)
             d = s.drafter
