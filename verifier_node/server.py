@@ -13,6 +13,12 @@ another live drafter when one fits.
 At start-up the verifier measures its cost curve (forward time over 1..K new tokens, cached on disk) and sends it in
 the welcome; with ``threads: auto`` it verifies with every core when the drafter idles (k = 0 rounds, synchronous
 blocks, no drafter) and with its share while the drafter pre-drafts.
+
+Parts: :mod:`verifier_node.scheduler` (which sessions run next: prefill turns, rounds, batch limits, waits; pure),
+:mod:`verifier_node.pool_policy` (which drafter serves which session: assignment, failover, demotion; no sockets),
+:mod:`verifier_node.rounds` (prefills, batched forwards with the fallback per session, publishing through the
+server). :class:`VerifierServer` is the I/O loop and the message handlers that tie them to the two sockets;
+:meth:`VerifierServer.from_config` loads the target, measures its profile and binds.
 """
 
 from __future__ import annotations
@@ -151,83 +157,148 @@ def _checked_stats(stats: dict[str, Any]) -> dict[str, Any]:
     return stats
 
 
-class VerifierServer:
-    def __init__(self, config: dict[str, Any], model=None, tokenizer=None, forward_delay_s: float = 0.0,
-                 accept: AcceptRule | None = None, *, links: VerifierLinks):
-        """``links``: CURVE keys and run secret, resolved by the launcher (``runtime.security.verifier_links``).
-        ``forward_delay_s`` and ``accept`` exist for tests (tests/node_entry.py injects them): seconds added
-        before each target forward, so tests on tiny models (whose forwards take about as long as a drafter's step
-        or a message) can rely on drafts made ahead and on requests arriving while a forward runs; and an
-        acceptance rule that replaces the method's own (the negative control of the distribution tests)."""
+@dataclass(frozen=True)
+class VerifierSettings:
+    """What the running server reads of the config (taken once by :meth:`from_config`)."""
+
+    model_name: str
+    draft_timeout_s: float  # the cap on a session's wait for a draft
+    max_sessions: int
+    max_message_bytes: int
+    client_timeout_s: float  # a client silent this long (no heartbeat ping, no message) has gone
+    ensemble_weight: float | None  # static ensemble verification (lossy by design), None: off
+    drafter_endpoint: str
+    client_endpoint: str
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> VerifierSettings:
         vcfg = config["verifier"]
-        self.config = config
-        self.draft_timeout = vcfg["draft_timeout_ms"] / 1000
-        self.max_sessions = vcfg["max_sessions"]
-        # Batched verification: one target forward over every session whose round is ready (shared/batch.py).
-        max_batch_sessions = int(vcfg["max_batch_sessions"]) if vcfg["batching"] else 1
-        self.accept_rule = accept
-        self.max_bytes = vcfg["max_message_bytes"]
-        # A client silent this long (no heartbeat ping, no message) has gone: its sessions are cancelled.
-        self.client_timeout = float(config["client"]["heartbeat_timeout_s"])
-        self.client_seen: dict[bytes, float] = {}
-        self._next_sweep = 0.0
-        self.threads = ThreadPlan.for_node(config, "verifier")
-        set_threads(self.threads.share)
-        path = resolve_model(vcfg["model"])
-        self.tokenizer = tokenizer or load_tokenizer(path)
-        spec = ProfileSpec(self.threads.counts(), profile_sizes(config), float(vcfg["profile_s"]), role="verifier")
-        self.profile: NodeProfile | None = None
-        # Load and measure while no other node on this machine does (the drafter starts at the same time).
-        with measuring_alone(vcfg["device"]) if spec.budget_s > 0 else contextlib.nullcontext():
-            self.model = model or load_causal_lm(path, vcfg["device"], vcfg["dtype"], vcfg["max_memory"],
-                                                 profile=spec)
-            if spec.budget_s > 0:
-                self.profile = profile_node(self.model, vcfg["model"], vcfg["device"], spec, "verifier")
-        self.dtype = model_dtype(self.model)
-        batching = max_batch_sessions > 1 and can_batch(CachedLM(self.model))
-        self.scheduler = Scheduler(BatchLimits(batching, max_batch_sessions, int(vcfg["max_batch_tokens"]),
-                                               int(vcfg["max_prefill_tokens"])))
-        if max_batch_sessions > 1 and not batching:
-            log.warning("verifier: batched verification is not possible with this target (sliding-window layers or "
-                        "an attention kernel without custom masks): one forward per session")
-        log.info("verifier: %s in %s, threads %d (share) / %d (full)", vcfg["model"], self.dtype, self.threads.share,
-                 self.threads.full)
-        self.vocab_size = logits_vocab_size(self.model)
-        self.tokenizer_id = tokenizer_id(self.tokenizer)
-        self.default_eos = default_eos_ids(self.model, self.tokenizer)
-        self.max_positions = getattr(self.model.config, "max_position_embeddings", None)
-        self.model_name = vcfg["model"]
-        # Static ensemble verification (lossy by design): verify against w·p + (1 − w)·q; needs q from the drafter.
-        self.ensemble_weight = config["verification"]["ensemble_weight"]
-        check_ensemble_weight(self.ensemble_weight)
-        self.ctx = zmq.Context.instance()
-        allow_remote = bool(vcfg["allow_remote"])
+        weight = config["verification"]["ensemble_weight"]
+        check_ensemble_weight(weight)
+        return cls(model_name=vcfg["model"], draft_timeout_s=vcfg["draft_timeout_ms"] / 1000,
+                   max_sessions=vcfg["max_sessions"], max_message_bytes=vcfg["max_message_bytes"],
+                   client_timeout_s=float(config["client"]["heartbeat_timeout_s"]), ensemble_weight=weight,
+                   drafter_endpoint=vcfg["endpoint"], client_endpoint=config["client"]["endpoint"])
+
+
+@dataclass
+class VerifierSockets:
+    """The verifier's two bound ROUTER sockets (drafters, clients) and the CURVE authenticator guarding them (None:
+    no CURVE on either link)."""
+
+    drafter: zmq.Socket
+    client: zmq.Socket
+    auth: Authenticator | None = None
+
+    @classmethod
+    def bind(cls, config: dict[str, Any], links: VerifierLinks) -> VerifierSockets:
+        """Bind both endpoints of ``config``, each with CURVE where ``links`` says its link runs it."""
+        ctx = zmq.Context.instance()
+        allow_remote = bool(config["verifier"]["allow_remote"])
         keys = links.keys
-        self.auth = Authenticator(self.ctx, keys, log) if keys else None  # before binding: no key is let in unchecked
+        auth = Authenticator(ctx, keys, log) if keys else None  # before binding: no key is let in unchecked
         try:
-            self.drafter_sock = bind_router(self.ctx, vcfg["endpoint"], allow_remote, domain=DRAFTER_DOMAIN,
-                                            auth=self.auth if links.curve_drafters else None)
-            self.client_sock = bind_router(self.ctx, config["client"]["endpoint"], allow_remote,
-                                           auth=self.auth if links.curve_clients else None, domain=CLIENT_DOMAIN)
+            drafter = bind_router(ctx, config["verifier"]["endpoint"], allow_remote, domain=DRAFTER_DOMAIN,
+                                  auth=auth if links.curve_drafters else None)
+            client = bind_router(ctx, config["client"]["endpoint"], allow_remote,
+                                 auth=auth if links.curve_clients else None, domain=CLIENT_DOMAIN)
         except BaseException:
-            if self.auth is not None:
-                self.auth.close()
+            if auth is not None:
+                auth.close()
             raise
         log.info("CURVE: drafter link %s, client link %s", "on" if links.curve_drafters else "off",
                  "on" if links.curve_clients else "off")
-        # Without CURVE on the drafter link, a launcher-given secret is what a drafter's hello must show.
-        self.run_secret = links.run_secret
+        return cls(drafter, client, auth)
+
+    def close(self) -> None:
+        for sock in (self.drafter, self.client):
+            sock.close(linger=0)
+        if self.auth is not None:
+            self.auth.close()
+
+
+class VerifierServer:
+    """The verifier's I/O loop and message handlers; which sessions run is the scheduler's
+    (:mod:`verifier_node.scheduler`), which drafter serves them the pool policy's (:mod:`verifier_node.pool_policy`),
+    the forwards the round runner's (:mod:`verifier_node.rounds`). :meth:`from_config` loads, measures and binds."""
+
+    def __init__(self, settings: VerifierSettings, model: Any, tokenizer: Any, profile: NodeProfile | None,
+                 threads: ThreadPlan, limits: BatchLimits, sockets: VerifierSockets, *, run_secret: str | None = None,
+                 forward_delay_s: float = 0.0, accept: AcceptRule | None = None):
+        """Serve with built parts: the target ``model`` and its ``tokenizer``, its measured ``profile`` (None: not
+        measured), the thread plan (its share already applied), the batch ``limits`` (batching only where the
+        target can), bound ``sockets``. ``run_secret``: what a drafter's hello must show where the drafter link has
+        no CURVE (None: nothing). ``forward_delay_s`` and ``accept``: see :meth:`from_config`."""
+        self.settings = settings
+        self.draft_timeout = settings.draft_timeout_s
+        self.max_sessions = settings.max_sessions
+        self.max_bytes = settings.max_message_bytes
+        self.client_timeout = settings.client_timeout_s
+        self.model_name = settings.model_name
+        self.ensemble_weight = settings.ensemble_weight
+        self.accept_rule = accept
+        self.client_seen: dict[bytes, float] = {}
+        self._next_sweep = 0.0
+        self.threads = threads
+        self.model = model
+        self.tokenizer = tokenizer
+        self.profile = profile
+        self.dtype = model_dtype(model)
+        self.vocab_size = logits_vocab_size(model)
+        self.tokenizer_id = tokenizer_id(tokenizer)
+        self.default_eos = default_eos_ids(model, tokenizer)
+        self.max_positions = getattr(model.config, "max_position_embeddings", None)
+        self.sockets = sockets
+        self.drafter_sock, self.client_sock = sockets.drafter, sockets.client
+        self.run_secret = run_secret
         self.poller = zmq.Poller()
         self.poller.register(self.drafter_sock, zmq.POLLIN)
         self.poller.register(self.client_sock, zmq.POLLIN)
+        self.scheduler = Scheduler(limits)
         self.by_request: dict[tuple[bytes, int], int] = {}
         self.next_sid = 1
         self.pool = DrafterPool()
         self.policy = PoolPolicy(self.pool, self.sessions, self.ensemble_weight, send=self._send_to,
                                  announce=lambda s, kv: self.announce(s, kv=kv))
-        self.rounds = RoundRunner(self.model, self.scheduler, self, ThreadSwitch(self.threads),
-                                  CurveCheck(self.profile), forward_delay_s)
+        self.rounds = RoundRunner(model, self.scheduler, self, ThreadSwitch(threads), CurveCheck(profile),
+                                  forward_delay_s)
         self.running = True
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any], *, links: VerifierLinks, forward_delay_s: float = 0.0,
+                    accept: AcceptRule | None = None, model: Any = None, tokenizer: Any = None) -> VerifierServer:
+        """Load the target (unless ``model`` / ``tokenizer`` are given), measure its profile and bind the sockets.
+        ``links``: CURVE keys and run secret, resolved by the launcher (``runtime.security.verifier_links``).
+        ``forward_delay_s`` and ``accept`` exist for tests (tests/node_entry.py injects them): seconds added
+        before each target forward, so tests on tiny models (whose forwards take about as long as a drafter's step
+        or a message) can rely on drafts made ahead and on requests arriving while a forward runs; and an
+        acceptance rule that replaces the method's own (the negative control of the distribution tests)."""
+        vcfg = config["verifier"]
+        threads = ThreadPlan.for_node(config, "verifier")
+        set_threads(threads.share)
+        path = resolve_model(vcfg["model"])
+        tokenizer = tokenizer or load_tokenizer(path)
+        spec = ProfileSpec(threads.counts(), profile_sizes(config), float(vcfg["profile_s"]), role="verifier")
+        profile: NodeProfile | None = None
+        # Load and measure while no other node on this machine does (the drafter starts at the same time).
+        with measuring_alone(vcfg["device"]) if spec.budget_s > 0 else contextlib.nullcontext():
+            model = model or load_causal_lm(path, vcfg["device"], vcfg["dtype"], vcfg["max_memory"], profile=spec)
+            if spec.budget_s > 0:
+                profile = profile_node(model, vcfg["model"], vcfg["device"], spec, "verifier")
+        # Batched verification: one target forward over every session whose round is ready (shared/batch.py).
+        max_batch_sessions = int(vcfg["max_batch_sessions"]) if vcfg["batching"] else 1
+        batching = max_batch_sessions > 1 and can_batch(CachedLM(model))
+        if max_batch_sessions > 1 and not batching:
+            log.warning("verifier: batched verification is not possible with this target (sliding-window layers or "
+                        "an attention kernel without custom masks): one forward per session")
+        log.info("verifier: %s in %s, threads %d (share) / %d (full)", vcfg["model"], model_dtype(model),
+                 threads.share, threads.full)
+        limits = BatchLimits(batching, max_batch_sessions, int(vcfg["max_batch_tokens"]),
+                             int(vcfg["max_prefill_tokens"]))
+        settings = VerifierSettings.from_config(config)
+        # Without CURVE on the drafter link, a launcher-given secret is what a drafter's hello must show.
+        return cls(settings, model, tokenizer, profile, threads, limits, VerifierSockets.bind(config, links),
+                   run_secret=links.run_secret, forward_delay_s=forward_delay_s, accept=accept)
 
     @property
     def sessions(self) -> dict[int, Session]:
@@ -242,8 +313,8 @@ class VerifierServer:
     def serve(self) -> None:
         signal.signal(signal.SIGTERM, lambda *_: self.stop())
         signal.signal(signal.SIGINT, lambda *_: self.stop())
-        log.info("verifier ready: drafters at %s, clients at %s", self.config["verifier"]["endpoint"],
-                 self.config["client"]["endpoint"])
+        log.info("verifier ready: drafters at %s, clients at %s", self.settings.drafter_endpoint,
+                 self.settings.client_endpoint)
         try:
             while self.running:
                 now = time.monotonic()
@@ -274,10 +345,7 @@ class VerifierServer:
         self.running = False
 
     def close(self) -> None:
-        for sock in (self.drafter_sock, self.client_sock):
-            sock.close(linger=0)
-        if self.auth is not None:
-            self.auth.close()
+        self.sockets.close()
 
     def _drain(self, sock: zmq.Socket, handler) -> None:
         for _ in range(1000):  # bounded, so a flood cannot starve the rounds
@@ -690,4 +758,4 @@ class VerifierServer:
 def run(config: dict[str, Any], links: VerifierLinks, forward_delay_s: float = 0.0,
         accept: AcceptRule | None = None) -> None:
     """Entry point of the verifier process (``links``, ``forward_delay_s``, ``accept``: see :class:`VerifierServer`)."""
-    VerifierServer(config, forward_delay_s=forward_delay_s, accept=accept, links=links).serve()
+    VerifierServer.from_config(config, links=links, forward_delay_s=forward_delay_s, accept=accept).serve()
