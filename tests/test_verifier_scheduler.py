@@ -1,6 +1,6 @@
 """The verifier's parts without sockets or models: the scheduler (which sessions run next, prefill turns, batch
-gathering, waits on a fake clock), the pool policy (assignment, failover, demotion) and the round runner's fallback
-from a batched forward to one per session."""
+gathering, waits on a fake clock), the pool policy (assignment, failover, demotion), the round runner's fallback
+from a batched forward to one per session, and the checks a draft passes before a round uses it."""
 
 from __future__ import annotations
 
@@ -8,9 +8,11 @@ from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from shared.models import ThreadPlan
-from shared.protocol import Capabilities, SessionEnd, decode
+from shared.protocol import Capabilities, ProtocolError, SessionEnd, decode
+from verifier_node.draft_check import TREE_REFUSED, dense_q, tree_parents
 from verifier_node.draft_wait import DraftWait
 from verifier_node.drafters import FORGET_AFTER_S, HEARTBEAT_TIMEOUT_S, DrafterLink, DrafterPool
 from verifier_node.pool_policy import REAP_EVERY_S, PoolPolicy
@@ -309,3 +311,31 @@ def test_the_thread_count_is_set_only_when_it_changes():
     switch.use(4)
     switch.use(1)
     assert applied == [4, 1] and switch.now == 1
+
+
+# ---------------------------------------------------------------------------------------------- the draft checks
+def _draft(**fields) -> SimpleNamespace:
+    return SimpleNamespace(**{"parents": None, "tensors": {}, **fields})
+
+
+def test_q_is_rebuilt_from_its_sparse_encoding_and_checked():
+    idx, prob = torch.tensor([[0, 3], [2, 3]]), torch.tensor([[0.25, 0.75], [1.0, 0.0]])
+    q = dense_q(_draft(tensors={"q_idx": idx, "q_prob": prob}), 2, 5)
+    assert q.tolist() == [[0.25, 0, 0, 0.75, 0], [0, 0, 1.0, 0, 0]]
+    assert dense_q(_draft(), 2, 5) is None  # drafts chosen deterministically: one-hot q
+    for tensors in ({"q": torch.zeros(2, 4)}, {"q_idx": idx, "q_prob": prob[:1]},
+                    {"q_idx": idx + 3, "q_prob": prob}, {"q": torch.full((2, 5), -1.0)}):
+        with pytest.raises(ProtocolError):
+            dense_q(_draft(tensors=tensors), 2, 5)
+
+
+def test_a_tree_is_taken_for_greedy_requests_only_and_a_chain_spelled_as_a_tree_is_a_chain():
+    greedy = SimpleNamespace(params=SimpleNamespace(do_sample=False), lm=None)
+    link = SimpleNamespace(needs_hidden=False, kv_layers=[])
+    assert tree_parents(_draft(parents=[-1, 0, 1]), greedy, link, ensemble=False) is None
+    sampled = SimpleNamespace(params=SimpleNamespace(do_sample=True), lm=None)
+    for s, ensemble, d in ((sampled, False, link), (greedy, True, link),
+                           (greedy, False, SimpleNamespace(needs_hidden=True, kv_layers=[]))):
+        with pytest.raises(ProtocolError) as refused:
+            tree_parents(_draft(parents=[-1, 0, 0]), s, d, ensemble)
+        assert refused.value.code == TREE_REFUSED
