@@ -48,7 +48,7 @@ def test_the_verifier_shares_the_cores_while_a_session_left_out_waits_for_its_dr
         return SimpleNamespace(**{**base, **state})
 
     ready, waiting = session(1, draft={"tokens": []}), session(2)
-    scheduler = Scheduler(BatchLimits(True, 64, 512, 2048))  # only the session table _drafting_elsewhere reads
+    scheduler = Scheduler(BatchLimits(True, 64, 512, 2048))  # only the session table drafting_elsewhere reads
     scheduler.add(ready)
     scheduler.add(waiting)
     assert scheduler.drafting_elsewhere([ready], 0.0)  # session 2's drafter is drafting its block now
