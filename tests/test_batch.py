@@ -231,35 +231,6 @@ async def _enumerate(aiter):
         i += 1
 
 
-def test_prefill_batches_take_prompts_of_like_length_within_the_budget():
-    """Which waiting prompts share a prefill forward: in order, while the padding stays within PREFILL_PADDING of
-    their own tokens and rows × longest within max_prefill_tokens; a one-token prompt (nothing to cache) always
-    joins."""
-    from collections import deque
-    from types import SimpleNamespace
-
-    from verifier_node.server import VerifierServer
-
-    server = object.__new__(VerifierServer)  # only the scheduling state _prompts_to_prefill reads
-    server.batching, server.max_batch_sessions, server.max_prefill_tokens = True, 64, 2048
-    lengths = {1: 50, 2: 130, 3: 55, 4: 0, 5: 60, 6: 120, 7: 52}
-    server.sessions = {sid: SimpleNamespace(sid=sid, prefilled=False, drafter=None, prompt_to_cache=[7] * n)
-                       for sid, n in lengths.items()}
-    server.order = deque(lengths)
-
-    def picked(first: int) -> list[int]:
-        return [s.sid for s in server._prompts_to_prefill(server.sessions[first], 0.0).sessions]
-
-    assert picked(1) == [1, 3, 4, 5, 7]
-    assert picked(2) == [2, 4, 6]
-    server.max_prefill_tokens = 160  # two rows of 50–55 tokens fit, a third does not
-    assert picked(1) == [1, 3, 4]
-    server.max_batch_sessions = 2
-    assert picked(1) == [1, 3]
-    server.batching = False
-    assert picked(1) == [1]
-
-
 def test_prompts_arriving_together_are_prefilled_in_shared_forwards(tiny):
     """Six requests at once (five prompts of 8 to 10 tokens and one of 1; one of 27 that waits for its own turn):
     their prompts are cached in fewer forwards than prompts (each forward is slowed so that they arrive while one
@@ -308,33 +279,3 @@ def test_a_burst_of_requests_shares_one_prefill(tiny):
         assert result.token_ids == reference_greedy(target, prompt, 6), prompt
     forwards = after["prefill_forwards"] - before["prefill_forwards"]
     assert forwards <= 2, f"{forwards} prefill forwards for a burst of six prompts"
-
-
-def test_a_failed_batched_forward_falls_back_to_one_forward_per_session():
-    """The mechanism behind batched rounds and prefills: when the one forward over every row raises (before any cache
-    changed), each session gets a forward of its own, and one that fails alone ends only that session."""
-    from types import SimpleNamespace
-
-    from verifier_node.server import VerifierServer
-
-    server = object.__new__(VerifierServer)
-    server.batching = True
-    failed = []
-    server._round_failed = lambda s, exc: failed.append((s.sid, str(exc)))
-    sessions = [SimpleNamespace(sid=i) for i in range(3)]
-
-    def together():
-        raise RuntimeError("batched forward broke")
-
-    def alone(i: int):
-        if i == 1:
-            raise ValueError("row 1 broke")
-        return f"row {i}"
-
-    assert server._together_or_each("forward", 3, sessions, together, alone) == ["row 0", None, "row 2"]
-    assert failed == [(1, "row 1 broke")]
-    assert server._together_or_each("forward", 3, sessions, lambda: ["all"], alone) == ["all"]
-    server.batching = False  # batching off, or a single row: never the batched forward
-    assert server._together_or_each("forward", 3, sessions, lambda: ["all"], alone) == ["row 0", None, "row 2"]
-    server.batching = True
-    assert server._together_or_each("prefill", 1, sessions[:1], lambda: ["all"], alone) == ["row 0"]

@@ -11,7 +11,7 @@ import pytest
 from drafter_node.cost_model import CostBook
 from drafter_node.node_picker import ThreadShare, WorkPicker
 from shared.models import ThreadPlan
-from verifier_node.server import VerifierServer
+from verifier_node.scheduler import BatchLimits, Scheduler
 
 pytestmark = pytest.mark.unit
 
@@ -41,7 +41,6 @@ def test_the_drafter_takes_every_core_only_while_the_verifier_has_nothing_else(p
 
 
 def test_the_verifier_shares_the_cores_while_a_session_left_out_waits_for_its_draft():
-    server = object.__new__(VerifierServer)  # only the state _drafting_elsewhere reads
     live = SimpleNamespace(alive=lambda now=None: True)
 
     def session(sid: int, **state) -> SimpleNamespace:
@@ -49,10 +48,12 @@ def test_the_verifier_shares_the_cores_while_a_session_left_out_waits_for_its_dr
         return SimpleNamespace(**{**base, **state})
 
     ready, waiting = session(1, draft={"tokens": []}), session(2)
-    server.sessions = {1: ready, 2: waiting}
-    assert server._drafting_elsewhere([ready], 0.0)  # session 2's drafter is drafting its block now
-    assert not server._drafting_elsewhere([ready, waiting], 0.0)
+    scheduler = Scheduler(BatchLimits(True, 64, 512, 2048))  # only the session table drafting_elsewhere reads
+    scheduler.add(ready)
+    scheduler.add(waiting)
+    assert scheduler.drafting_elsewhere([ready], 0.0)  # session 2's drafter is drafting its block now
+    assert not scheduler.drafting_elsewhere([ready, waiting], 0.0)
     waiting.solo_left = 3  # a run of plain rounds: its drafter idles
-    assert not server._drafting_elsewhere([ready], 0.0)
+    assert not scheduler.drafting_elsewhere([ready], 0.0)
     waiting.solo_left, waiting.drafter = 0, SimpleNamespace(alive=lambda now=None: False)
-    assert not server._drafting_elsewhere([ready], 0.0)
+    assert not scheduler.drafting_elsewhere([ready], 0.0)

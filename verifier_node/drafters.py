@@ -93,9 +93,10 @@ class DrafterPool:
     def types(self) -> set[str]:
         return {d.type for d in self.links.values()}
 
-    def pick(self, fits: Callable[[DrafterLink], bool], exclude: Collection[str] = ()) -> DrafterLink | None:
+    def pick(self, fits: Callable[[DrafterLink], bool], exclude: Collection[str] = (),
+             now: float | None = None) -> DrafterLink | None:
         """The least-loaded live drafter that ``fits`` (and is not in ``exclude``, by id), or None."""
-        candidates = [d for d in self.live() if d.id not in exclude and fits(d)]
+        candidates = [d for d in self.live(now) if d.id not in exclude and fits(d)]
         return min(candidates, key=lambda d: (len(d.sessions), d.joined), default=None)
 
     def forget_silent(self, now: float) -> list[DrafterLink]:

@@ -1,0 +1,289 @@
+"""The verifier's forwards: a batch of prompts cached in one prefill, a batch of rounds verified in one target
+forward (each row accepted, committed and published on its own), the fallback to one forward per session when a
+batched one fails or cannot run, the forward counters and the thread count each forward runs with.
+
+The runner knows no socket: what it announces, publishes and ends goes through :class:`RoundOutput` (the server);
+which sessions run, and what their drafters are doing, it reads from the scheduler.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from shared.batch import Row, feed_rows
+from shared.costs import CurveCheck
+from shared.models import ThreadPlan, set_threads
+from verifier_node.scheduler import Scheduler
+from verifier_node.session import RoundPlan, RoundResult, Session
+from verifier_node.tree import tree_row
+
+log = logging.getLogger("pipespec.verifier")
+
+
+class RoundOutput(Protocol):
+    """What the runner's rounds send out and end (the server's side of them)."""
+
+    def announce(self, s: Session, hidden: torch.Tensor | None = None,
+                 kv: dict[str, torch.Tensor] | None = None) -> None:
+        """Tell the session's drafter about it (with the prompt's state where its drafter needs it)."""
+
+    def publish(self, s: Session, result: RoundResult, decoding: int) -> None:
+        """Send a round's commit to the drafter and its chunk to the client."""
+
+    def finish(self, s: Session, reason: str) -> None:
+        """End a session that finished (``done`` to its client)."""
+
+    def round_failed(self, s: Session, exc: Exception) -> None:
+        """End a session whose round failed (an error to its client)."""
+
+    def demoted(self, s: Session) -> None:
+        """Its drafter kept missing for it: move it after this round."""
+
+
+@dataclass
+class PendingRound:
+    """One session's part of a verification round between taking its draft and the target forward."""
+
+    session: Session
+    plan: RoundPlan
+    solo: bool  # a round the drafter's k = 0 plan gave to the verifier alone
+    demoted: bool  # its drafter missed once too often: move the session after this round
+    drafter_busy: bool  # its drafter pre-drafts while this round runs (the verifier keeps its thread share)
+    want_hidden: bool
+    kv_layers: list[int]
+    timed_from: float = 0.0  # when the session's previous round was published (the round's wall time starts)
+    draft_wait_s: float = 0.0  # of that, waiting for its drafter's block
+
+
+@dataclass
+class ForwardCounts:
+    """What the verifier's ``pong`` reports of its forwards, and the recent forward time."""
+
+    forwards: int = 0
+    batch_sessions_sum: int = 0
+    batch_tokens_sum: int = 0
+    prefill_forwards: int = 0
+    prefill_sessions_sum: int = 0
+    forward_s_ema: float = 0.0  # recent verification forward time (bounds the wait for drafts on their way)
+
+    def count_forward(self, sessions: int, tokens: int, seconds: float) -> None:
+        self.forward_s_ema = 0.8 * self.forward_s_ema + 0.2 * seconds
+        self.forwards += 1
+        self.batch_sessions_sum += sessions
+        self.batch_tokens_sum += tokens
+
+    def count_prefill(self, sessions: int) -> None:
+        self.prefill_forwards += 1
+        self.prefill_sessions_sum += sessions
+
+
+class ThreadSwitch:
+    """The node's torch thread count now: its share while a drafter computes at the same time, every core while
+    none does (``threads: auto``). ``apply`` sets it (``set_threads``; tests record it)."""
+
+    def __init__(self, plan: ThreadPlan, apply: Callable[[int], None] = set_threads):
+        self.plan = plan
+        self.apply = apply
+        self.now = plan.share  # set by the node's start-up
+
+    def use(self, count: int) -> None:
+        if count != self.now:
+            self.apply(count)
+            self.now = count
+
+
+class RoundRunner:
+    """Runs the prefills and rounds the scheduler picked. ``forward_delay_s`` (tests): seconds slept before each
+    target forward, a target slow enough that other work gets ahead."""
+
+    def __init__(self, model: Any, scheduler: Scheduler, out: RoundOutput, threads: ThreadSwitch,
+                 curve_check: CurveCheck, forward_delay_s: float = 0.0):
+        self.model = model
+        self.scheduler = scheduler
+        self.out = out
+        self.threads = threads
+        self.curve_check = curve_check
+        self.forward_delay_s = forward_delay_s
+        self.counts = ForwardCounts()
+
+    # ------------------------------------------------------------------ prefills
+    def prefill_batch(self, sessions: list[Session]) -> None:
+        """Cache the prompts of ``sessions`` (one forward over all of them when there are several) and announce
+        each to its drafter. A failure ends only the session it belongs to."""
+        # A prompt is one long forward: every core (a drafter that drafts prefills its own copy meanwhile, one whose
+        # plan is k = 0 waits; the threads follow the plan again from the first round)
+        self.threads.use(self.threads.plan.full)
+        needs = []  # what each session's own drafter needs: hidden states or K/V rows of the prompt
+        for s in list(sessions):
+            d = s.drafter
+            want_hidden, kv_layers = bool(d and d.needs_hidden), list(d.kv_layers) if d else []
+            try:
+                if not (want_hidden or kv_layers):
+                    self.out.announce(s)  # early: its drafter prefills its own copy while we do
+            except Exception as exc:
+                self.out.round_failed(s, exc)
+                sessions.remove(s)
+                continue
+            needs.append((want_hidden, kv_layers))
+        fed = self._prompt_forward(sessions, [w for w, _ in needs])
+        for s, (want_hidden, kv_layers), done in zip(sessions, needs, fed):
+            if done is None:
+                continue  # its forward failed (reported)
+            try:
+                hidden, kv = s.prefilled_with(done[0] if want_hidden else None, kv_layers, done[1])
+                if want_hidden or kv_layers:
+                    self.out.announce(s, hidden, kv)
+                s.wait.ready(len(s.tokens), s.ready_since)
+            except Exception as exc:
+                self.out.round_failed(s, exc)
+
+    def _prompt_forward(self, sessions: list[Session], want_hidden: list[bool]) -> list[tuple | None]:
+        """The prompts' forward: one over every prompt when batching allows it, else one each. Per session:
+        (hidden states or None, forward seconds), or None where its forward failed (the session ended)."""
+        self._forward_delay()
+        rows = [i for i, s in enumerate(sessions) if s.prompt_to_cache]
+
+        def together() -> list[tuple]:
+            t0 = time.monotonic()
+            outs = feed_rows(self.model, [Row(sessions[i].lm, sessions[i].prompt_to_cache) for i in rows],
+                             want_hidden=any(want_hidden[i] for i in rows), logits=False)
+            seconds = time.monotonic() - t0
+            self.counts.count_prefill(len(rows))
+            hidden = {i: o.hidden for i, o in zip(rows, outs)}
+            return [(hidden.get(i), seconds) for i in range(len(sessions))]
+
+        def alone(i: int) -> tuple:
+            s, t0 = sessions[i], time.monotonic()
+            hidden = s.feed_prompt(want_hidden[i])
+            if s.prompt_to_cache:
+                self.counts.count_prefill(1)
+            return hidden, time.monotonic() - t0
+
+        return self.together_or_each("prefill", len(rows), sessions, together, alone)
+
+    def together_or_each(self, what: str, rows: int, sessions: list[Session], together: Callable[[], list],
+                         alone: Callable[[int], Any]) -> list:
+        """``together()``: one batched forward's per-session results, when batching is on and there are several
+        ``rows``; if it raises (before any cache changed) or does not apply, ``alone(i)`` for each session, where a
+        failure ends that session only and gives None."""
+        if rows > 1 and self.scheduler.limits.batching:
+            try:
+                return together()
+            except Exception:  # every session gets a forward of its own instead
+                log.exception("a batched %s over %d sessions failed; running them one by one", what, rows)
+        results = []
+        for i, s in enumerate(sessions):
+            try:
+                results.append(alone(i))
+            except Exception as exc:
+                self.out.round_failed(s, exc)
+                results.append(None)
+        return results
+
+    # ------------------------------------------------------------------ rounds
+    def begin_round(self, s: Session) -> PendingRound:
+        """Take the session's draft (or none: a plain step) for this round and note what its drafter needs back."""
+        d = s.drafter
+        now = time.monotonic()
+        could_use = self.scheduler.may_wait(s, now) or (s.draft is not None and s.solo_left == 0)
+        waited = (s.draft["arrived"] if s.draft is not None else now) - s.ready_since
+        demoted = could_use and s.wait.outcome(s.draft is not None, max(0.0, waited))
+        draft = s.draft or {"tokens": [], "q": None, "idle_rounds": 0, "overlap": False, "parents": None}
+        s.draft = None
+        if draft["idle_rounds"]:
+            s.solo_left = draft["idle_rounds"]
+        solo = s.solo_left > 0
+        s.solo_left = max(0, s.solo_left - 1)
+        drafter_busy = bool(draft["tokens"] and draft["overlap"] and d is not None and d.alive() and not solo)
+        gap = max(0.0, now - s.timed_from)
+        draft_wait = min(gap, max(0.0, waited)) if could_use else 0.0
+        return PendingRound(s, s.plan_round(draft["tokens"], draft["q"], draft["parents"]), solo, demoted, drafter_busy,
+                            bool(d and d.needs_hidden), list(d.kv_layers) if d else [], s.timed_from, draft_wait)
+
+    def run_batch(self, batch: list[Session]) -> None:
+        """One verification round for every session of ``batch``: one target forward over all of them (batched
+        verification), each row accepted, committed and published on its own. A failure in one row ends that
+        session only."""
+        rounds = []
+        for s in batch:
+            try:
+                rounds.append(self.begin_round(s))
+            except Exception as exc:
+                self.out.round_failed(s, exc)
+        if not rounds:
+            return
+        # Every core while the drafters idle (k = 0, synchronous blocks, no drafter); the share while one pre-drafts
+        # for a row of this round or drafts a block for a session left out of it (its drafter computes meanwhile).
+        busy = any(r.drafter_busy for r in rounds) or self.scheduler.drafting_elsewhere(batch, time.monotonic())
+        self.threads.use(self.threads.plan.share if busy else self.threads.plan.full)
+        decoding = self.scheduler.decoding()
+        forwards = self._forward(rounds)
+        if not busy and len(rounds) == 1 and forwards[0][0] is not None:  # timed alone: a sample of the profile
+            self._check_profile(forwards[0][4], forwards[0][2], len(rounds[0].session.tokens))
+        for r, (logits, hidden, forward_s, rows, tokens) in zip(rounds, forwards):
+            if logits is None:
+                continue  # that row's own forward failed (already reported)
+            s = r.session
+            try:
+                t_accept = time.monotonic()
+                result = s.finish_round(r.plan, logits, hidden, forward_s, r.kv_layers, rows, tokens)
+                result.threads = self.threads.now
+                if r.solo:
+                    s.metrics.solo_rounds += 1
+                s.wait.ready(len(s.tokens), s.ready_since)
+                t_publish = time.monotonic()
+                self.out.publish(s, result, decoding)
+                s.timed_from = done = time.monotonic()
+                s.metrics.timing.add(done - r.timed_from, r.draft_wait_s, forward_s, t_publish - t_accept,
+                                     done - t_publish)
+                if s.finished:
+                    self.out.finish(s, s.finished)
+                elif r.demoted:
+                    self.out.demoted(s)
+            except Exception as exc:
+                self.out.round_failed(s, exc)
+
+    def _check_profile(self, tokens: int, seconds: float, context: int) -> None:
+        """Compare a forward timed alone with the profile; a profile that keeps missing is re-measured next start
+        (the drafters' plans follow the measured forwards meanwhile: every commit carries its forward's time)."""
+        ratio = self.curve_check.forward(self.threads.now, tokens, context, seconds)
+        if ratio is not None:
+            log.warning("verifier: forwards take %.2fx what the cached profile says (measured on a busy machine, or "
+                        "the machine changed); the profile is measured again at the next start", ratio)
+
+    def _forward(self, rounds: list[PendingRound]) -> list[tuple]:
+        """The target forward(s) of a round: one over every row when batching is on and the target allows it, else
+        one per row. Per row: (logits, hidden, forward seconds, sessions in its forward, tokens in its forward); a
+        row whose forward failed gets ``None`` logits."""
+        self._forward_delay()
+
+        def together() -> list[tuple]:
+            tokens = sum(len(r.plan.fed) for r in rounds)
+            t0 = time.monotonic()
+            rows = [Row(r.session.lm, r.plan.fed) if r.plan.tree is None else
+                    tree_row(r.session.lm, r.plan.fed[0], r.plan.tree) for r in rounds]
+            outs = feed_rows(self.model, rows, any(r.want_hidden for r in rounds))
+            forward_s = time.monotonic() - t0
+            self.counts.count_forward(len(rounds), tokens, forward_s)
+            return [(o.logits, o.hidden if r.want_hidden else None, forward_s, len(rounds), tokens)
+                    for r, o in zip(rounds, outs)]
+
+        def alone(i: int) -> tuple:
+            r, t0 = rounds[i], time.monotonic()
+            logits, hidden = r.session.round_forward(r.plan, want_hidden=r.want_hidden)
+            forward_s = time.monotonic() - t0
+            self.counts.count_forward(1, len(r.plan.fed), forward_s)
+            return logits, hidden, forward_s, 1, len(r.plan.fed)
+
+        results = self.together_or_each("forward", len(rounds), [r.session for r in rounds], together, alone)
+        return [(None, None, 0.0, 1, 0) if out is None else out for out in results]
+
+    def _forward_delay(self) -> None:
+        if self.forward_delay_s:
+            time.sleep(self.forward_delay_s)  # injected by tests: a target slow enough that other work gets ahead
