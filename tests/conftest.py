@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -22,6 +23,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 #: The tiers of pyproject.toml's markers; every test carries at least one (a file's ``pytestmark`` or its own).
 TIERS = ("unit", "cluster", "statistical", "netns", "slow")
+#: The tiers whose tests start node processes.
+NODE_TIERS = ("cluster", "statistical", "netns", "slow")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -37,6 +40,37 @@ def profile_dir(tmp_path_factory):
     """Cost profiles of the test run's tiny models go to a folder of their own (nodes inherit the variable)."""
     os.environ["PIPESPEC_PROFILE_DIR"] = str(tmp_path_factory.mktemp("profiles"))
 
+
+
+@pytest.fixture(scope="session", autouse=True)
+def node_zygote(request, tmp_path_factory):
+    """When the session starts node processes: one warm interpreter (tests/node_zygote.py) that every test node is
+    forked from, and every node a test starts without an entry of its own goes through tests/node_entry.py so that
+    it is forked too. Saves the import of torch and transformers in each node (seconds per cluster).
+    ``PIPESPEC_TEST_NO_ZYGOTE=1`` starts every node in a fresh interpreter instead (to compare, or to rule it out)."""
+    from node_entry import node_entry
+    from node_zygote import ZYGOTE_ENV, zygote_env_value
+
+    from runtime import launch
+
+    starts_nodes = any(item.get_closest_marker(tier) for item in request.session.items for tier in NODE_TIERS)
+    if not starts_nodes or os.environ.get("PIPESPEC_TEST_NO_ZYGOTE", "") not in ("", "0"):
+        yield None
+        return
+    path = str(tmp_path_factory.mktemp("zygote") / "zygote.sock")
+    env = {**launch.NODE_ENV, **os.environ}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(launch.REPO_ROOT), env.get("PYTHONPATH")]))
+    log = open(Path(path).with_suffix(".log"), "ab")  # noqa: SIM115 - the child keeps it
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("node_zygote.py")), path], env=env,
+                            cwd=launch.REPO_ROOT, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                            preexec_fn=launch._die_with_parent)
+    log.close()
+    os.environ[ZYGOTE_ENV] = zygote_env_value(path)
+    default_entry, launch.NODE_ENTRY = launch.NODE_ENTRY, node_entry("plain")
+    yield proc
+    launch.NODE_ENTRY = default_entry
+    os.environ.pop(ZYGOTE_ENV, None)
+    launch.stop_process(proc, grace_s=5)
 
 
 @pytest.fixture(scope="session")

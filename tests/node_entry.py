@@ -12,22 +12,28 @@ import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+# torch and the node packages are imported where they are used: the script's first job may be to hand the node to
+# the session's warm zygote (tests/node_zygote.py), which a light start keeps fast.
+if TYPE_CHECKING:
+    import torch
 
-from shared.costs import CostCurve
-from shared.sampling import sample
+    from shared.costs import CostCurve
 
 
 def accept_everything(scores: torch.Tensor, draft: list[int], q: torch.Tensor | None,
                       generator: torch.Generator) -> list[int]:
     """NEGATIVE CONTROL: keeps every draft (biased towards q); a lossless check must catch a verifier using it."""
+    from shared.sampling import sample
+
     return [*draft, sample(scores[len(draft)].softmax(-1), generator)]
 
 
 def fixed_costs(spec_json: str) -> tuple[CostCurve, CostCurve]:
     """(verify, draft) curves from JSON ``{"verify": {n: s}, "draft": {n: s}}``."""
+    from shared.costs import CostCurve
+
     spec = json.loads(spec_json)
 
     def curve(points: dict[str, float]) -> CostCurve:
@@ -40,6 +46,9 @@ def fixed_costs(spec_json: str) -> tuple[CostCurve, CostCurve]:
 #: Hook name -> a function building the node's ``run`` keyword arguments from the hook's argument (a string or None).
 HOOKS: dict[str, Callable[[str | None], dict[str, Any]]] = {
     "none": lambda arg: {},
+    # the entry of every node a test starts without one (tests/conftest.py): nothing injected, but a node that goes
+    # through this script, so it is forked from the session's zygote too
+    "plain": lambda arg: {},
     # verifier: the negative control of the distribution tests (tests/sampling_check.py)
     "accept_all": lambda arg: {"accept": accept_everything},
     # verifier: seconds slept before each target forward (a slow target on tiny models)
@@ -61,11 +70,20 @@ def costs_entry(spec_json: str) -> dict[str, list[str]]:
     return {"drafter": node_entry("costs", spec_json)}
 
 
-def main() -> int:
+def run_here(argv: list[str]) -> int:
+    """Run the node ``argv`` (this script's command line) in this process."""
     from runtime.launch import main as launch_main
 
-    hook, _, arg = sys.argv[1].partition("=")
-    return launch_main(sys.argv[2:], hooks=HOOKS[hook](arg or None))
+    hook, _, arg = argv[1].partition("=")
+    return launch_main(argv[2:], hooks=HOOKS[hook](arg or None))
+
+
+def main() -> int:
+    """Forked from the session's zygote when the tests started one (tests/node_zygote.py), else run here."""
+    from node_zygote import delegate
+
+    status = delegate(sys.argv)
+    return run_here(sys.argv) if status is None else status
 
 
 if __name__ == "__main__":

