@@ -41,7 +41,7 @@ def _node_threads() -> Any:
 
 def _node_profile_s() -> Any:
     return setting(20, "Start-up cost profile budget in seconds, cached on disk (0: none, learned online).",
-                   kind="number", bounds=(0, 600))
+                   kind="number", bounds=(0, 600), unit="seconds", hint="0: no profile")
 
 
 def _node_max_memory() -> Any:
@@ -143,6 +143,8 @@ class VerificationConfig:
         kind="number",
         bounds=(0, 1),
         open_low=True,
+        open_high=True,
+        hint="leave it unset, null, for standard, lossless verification",
     )
 
 
@@ -157,12 +159,15 @@ class ClientConfig:
         kind="number",
         bounds=(0, None),
         open_low=True,
+        unit="seconds",
     )
     heartbeat_timeout_s: float = setting(
         5.0,
         "Seconds without a client ping before its requests are dropped (at least 1).",
         kind="number",
         bounds=(1.0, None),
+        unit="seconds",
+        hint="clients ping every 0.5 s while requests are in flight",
     )
 
 
@@ -171,7 +176,12 @@ class LaunchConfig:
     """``launch``: what the launcher starts."""
 
     ready_timeout_s: float = setting(
-        900, "Start-up bound (includes first-time model conversion).", kind="number", bounds=(0, None), open_low=True
+        900,
+        "Start-up bound (includes first-time model conversion).",
+        kind="number",
+        bounds=(0, None),
+        open_low=True,
+        unit="seconds",
     )
     start_drafter: bool = setting(True, "Start drafter processes (false: they join with --role drafter).", kind="bool")
     drafters: int = setting(
@@ -209,7 +219,12 @@ class HttpConfig:
     )
     max_body_bytes: int = setting(4 * 1024 * 1024, "Largest request body accepted.", kind="int", bounds=(1024, 1 << 30))
     scrape_timeout_s: float = setting(
-        1.0, "Seconds a /metrics scrape waits for the verifier.", kind="number", bounds=(0, 60), open_low=True
+        1.0,
+        "Seconds a /metrics scrape waits for the verifier.",
+        kind="number",
+        bounds=(0, 60),
+        open_low=True,
+        unit="seconds",
     )
 
 
