@@ -146,7 +146,7 @@ def set_key(config: dict[str, Any], dotted: str, value: Any) -> None:
 
 
 def _check_model(dotted: str, value: Any) -> None:
-    from shared.registry import NAMED_MODELS
+    from shared.named_models import NAMED_MODELS
 
     if not value or not isinstance(value, str):
         raise ConfigError(f"{dotted}: missing model (a named model, a local folder or a hub id)")
@@ -361,12 +361,12 @@ def check_model_dependent(config: dict[str, Any]) -> None:
     """The drafter type's checks that need the model's own config.json (its spec's ``check_model``); a model that
     is not a local folder yet is skipped: a named model not converted yet (the launcher calls this again after
     converting) or a hub id (the drafter then checks when it starts)."""
-    from shared import registry
+    from shared.named_models import is_named_model, model_dir
 
     def local(name: Any) -> Path | None:
         if not isinstance(name, str) or not name:
             return None
-        folder = Path(registry.model_dir(name) if registry.is_named_model(name) else Path(name).expanduser())
+        folder = Path(model_dir(name) if is_named_model(name) else Path(name).expanduser())
         return folder if (folder / "config.json").exists() else None
 
     _run_hook(drafter_spec(config["drafter"]["type"]).check_model, config, local)

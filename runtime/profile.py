@@ -30,8 +30,9 @@ from shared.costs import (
     resolve_auto_dtype,
     verify_score,
 )
-from shared.models import ModelLoadError, ThreadPlan, load_causal_lm, profile_sizes, resolve_model
-from shared.registry import RegistryError
+from shared.models import ModelLoadError, ThreadPlan, load_causal_lm, profile_sizes
+from shared.named_models import RegistryError
+from weights import resolve_model
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO_ROOT / "results" / "profile"

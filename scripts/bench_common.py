@@ -350,7 +350,7 @@ def _sized_dtype(dtype: str) -> str:
 def cluster_models(cfg: dict[str, Any]) -> dict[str, float]:
     """GiB of the models a cluster of the loaded config ``cfg`` holds: the target in the verifier and the drafter's
     model (none for prompt lookup; for early exit its first layers plus, roughly, the embeddings and LM head)."""
-    from shared.models import resolve_model
+    from weights import resolve_model
 
     v, d = cfg["verifier"], cfg["drafter"]
     models = {"verifier": model_gib(resolve_model(v["model"]), _sized_dtype(v["dtype"]))}

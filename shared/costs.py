@@ -379,7 +379,7 @@ def _gpu_name(device: str) -> str | None:
 def profile_cache_dir() -> Path:
     """Where profiles are cached: ``$PIPESPEC_PROFILE_DIR`` if set, else ``$PIPESPEC_CACHE/profiles`` (default
     ``~/.cache/pipespec/profiles``)."""
-    from shared.registry import cache_root
+    from shared.named_models import cache_root
 
     override = os.environ.get("PIPESPEC_PROFILE_DIR")
     return Path(override).expanduser() if override else cache_root() / "profiles"

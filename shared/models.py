@@ -1,7 +1,8 @@
 """Model and tokenizer loading shared by both nodes.
 
 ``model:`` in a config may be a hub id, a local folder, or one of the named offline models of
-:mod:`shared.registry` (installed from registry packages and converted once into a cache folder). Everything is
+:mod:`shared.named_models` (installed by the launcher, with the ``weights`` package, before it starts the nodes; the
+nodes only look their folder up). Everything is
 loaded through ``from_pretrained``, so tests with tiny saved models exercise the same path as real runs.
 """
 
@@ -120,13 +121,17 @@ def set_threads(threads: int) -> None:
         torch.set_num_interop_threads(max(1, threads))
 
 
-def resolve_model(name: str, progress: Any = None) -> str:
-    """Map a config's ``model`` value to something ``from_pretrained`` accepts, installing named models."""
-    from shared import registry
+def resolve_model(name: str) -> str:
+    """Map a config's ``model`` value to something ``from_pretrained`` accepts: a named model's converted folder
+    (installed beforehand: the launcher runs ``weights.ensure_model``), else the folder or hub id as given."""
+    from shared.named_models import installed_folder, is_named_model, model_dir
 
-    if registry.is_named_model(name):
-        kwargs = {"progress": progress} if progress else {}
-        return str(registry.ensure_model(name, **kwargs))
+    if is_named_model(name):
+        folder = installed_folder(name)
+        if folder is None:
+            raise ModelLoadError(f"named model {name!r} is not installed in {model_dir(name)}: run `python -m "
+                                 f"weights {name}` (the launcher installs named models before it starts the nodes)")
+        return str(folder)
     return os.path.expanduser(name)
 
 
