@@ -56,7 +56,9 @@ from drafter_node.node_picker import LinkPacer, ThreadShare, WorkPicker
 from drafter_node.node_session import NodeSession
 from drafter_node.types import drafter_class
 from shared.batch import feed_rows
-from shared.costs import CostCurve, CurveCheck, NodeProfile, measuring_alone
+from shared.costs.cache import CurveCheck
+from shared.costs.curve import CostCurve, NodeProfile
+from shared.costs.measure import measuring_alone
 from shared.models import ModelLoadError, ProfileSpec, ThreadPlan, profile_node, profile_sizes, set_threads
 from shared.protocol import (
     DEFAULT_MAX_MESSAGE_BYTES,

@@ -21,7 +21,7 @@ from drafter_node.cost_model import CostBook
 from drafter_node.node_picker import LinkPacer, WorkPicker
 from drafter_node.node_session import NodeSession
 from drafter_node.schedule import CostSchedule, DraftLengthSchedule
-from shared.costs import NodeProfile
+from shared.costs.curve import NodeProfile
 from shared.protocol import (
     DEFAULT_MAX_MESSAGE_BYTES,
     Commit,

@@ -80,7 +80,7 @@ def heuristic_dtype(device: str) -> str:
         return "bfloat16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "float16"
     if device == "mps":
         return "float16"
-    from shared.costs import hardware_flags
+    from shared.costs.hardware import hardware_flags
 
     flags = hardware_flags()
     return "bfloat16" if flags.get("avx512_bf16") or flags.get("amx") else "float32"
@@ -98,14 +98,14 @@ def model_dtype(model) -> str:
 def profile_sizes(config: dict[str, Any]) -> list[int]:
     """Forward sizes both nodes measure: 1 .. max_draft_tokens + 1 new tokens (verifier) or rows (drafter), on the
     ladder 1, 2, 3, 4, 6, 8, 12, … (the curve interpolates between them)."""
-    from shared.costs import sizes_up_to
+    from shared.costs.measure import sizes_up_to
 
     return sizes_up_to(min(int(config["drafter"]["max_draft_tokens"]), 64) + 1)
 
 
 def profile_node(model, source: str, device: str, spec: ProfileSpec, role: str):
     """The node's cost profile of ``model`` (measured within ``spec.budget_s``, or read from the disk cache)."""
-    from shared.costs import load_or_measure
+    from shared.costs.measure import load_or_measure
 
     def progress(line: str) -> None:
         log.info("%s: %s", role, line)
@@ -156,7 +156,9 @@ def load_causal_lm(
     on a GPU, it takes :func:`heuristic_dtype`. The choice is logged."""
     if dtype == AUTO:
         if profile is not None and profile.budget_s > 0 and device == "cpu":
-            from shared.costs import measuring_alone, resolve_auto_dtype, verify_score
+            from shared.costs.curve import verify_score
+            from shared.costs.dtype_choice import resolve_auto_dtype
+            from shared.costs.measure import measuring_alone
 
             verifier = profile.role == "verifier"
 

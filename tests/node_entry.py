@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from shared.costs import CostCurve
+from shared.costs.curve import CostCurve
 from shared.sampling import sample
 
 

@@ -13,7 +13,7 @@ from drafter_node.cost_model import CostBook
 from drafter_node.node_session import NodeSession, tree_block
 from drafter_node.schedule import CostSchedule
 from runtime.config import ConfigError, load_config
-from shared.costs import CostCurve
+from shared.costs.curve import CostCurve
 from shared.sampling import GenerationParams
 from verifier_node.session import Session
 from verifier_node.tree import DraftTree
