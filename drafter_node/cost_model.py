@@ -323,9 +323,9 @@ def best_plan(acc: Acceptance, costs: Costs, max_k: int, rows_ok: bool, **allowe
 
 
 class CostBook:
-    """A node's view of both sides' cost curves (``shared.costs.CostCurve``), shared by its sessions and refined by
-    every round they run. ``share``: the curve at the thread count a node uses while the other node works too;
-    ``full``: while the other node idles (the same curve when ``threads`` is a fixed number)."""
+    """A node's view of both sides' cost curves (``shared.costs.curve.CostCurve``), shared by its sessions and
+    refined by every round they run. ``share``: the curve at the thread count a node uses while the other node works
+    too; ``full``: while the other node idles (the same curve when ``threads`` is a fixed number)."""
 
     def __init__(self, max_k: int = 16) -> None:
         self.acceptance = Acceptance(max_k)  # across sessions: where a new session's estimate starts
@@ -372,7 +372,7 @@ class CostBook:
 
     def set_free_drafter(self) -> None:
         """A drafter without a model (prompt lookup): its steps cost nothing worth planning for."""
-        from shared.costs import CostCurve
+        from shared.costs.curve import CostCurve
 
         free = CostCurve(sizes=[1], seconds=[1e-5], prefix_len=0)
         self.draft = {"share": free, "full": free}
@@ -383,7 +383,7 @@ class CostBook:
 
     def _observe(self, curves: dict[str, object], threads: dict[str, int], n: int, seconds: float, used: int,
                  context: int) -> None:
-        from shared.costs import CostCurve
+        from shared.costs.curve import CostCurve
 
         if self.frozen:
             return

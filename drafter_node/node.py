@@ -54,9 +54,12 @@ from drafter_node.cost_model import CostBook
 from drafter_node.node_handlers import MessageHandler
 from drafter_node.node_picker import LinkPacer, ThreadShare, WorkPicker
 from drafter_node.node_session import NodeSession
+from drafter_node.settings import DrafterConfig
 from drafter_node.types import drafter_class
 from shared.batch import feed_rows
-from shared.costs import CostCurve, CurveCheck, NodeProfile, measuring_alone
+from shared.costs.cache import CurveCheck
+from shared.costs.curve import CostCurve, NodeProfile
+from shared.costs.measure import measuring_alone
 from shared.models import ModelLoadError, ProfileSpec, ThreadPlan, profile_node, profile_sizes, set_threads
 from shared.protocol import (
     DEFAULT_MAX_MESSAGE_BYTES,
@@ -67,6 +70,7 @@ from shared.protocol import (
     ThreadCounts,
     encode,
 )
+from shared.settings import build
 from shared.transport import AuthWatch, ClientKeys, DrafterLinks, connect_dealer
 
 log = logging.getLogger("pipespec.drafter")
@@ -150,13 +154,13 @@ class DrafterNode:
     """The drafter's loop over built parts: it reads the verifier's messages into ``handler``, asks ``picker`` what
     to do next and does it (send blocks, step sessions alone or in one batched forward)."""
 
-    def __init__(self, dcfg: dict[str, Any], drafter: Drafter, book: CostBook, connection: VerifierConnection,
+    def __init__(self, settings: DrafterConfig, drafter: Drafter, book: CostBook, connection: VerifierConnection,
                  picker: WorkPicker[NodeSession], threads: ThreadShare, profile: NodeProfile | None = None, *,
                  max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, run_secret: str | None = None,
                  key_name: str | None = None, costs_fixed: bool = False, link: LinkPacer | None = None):
         """``run_secret``: shown in hello where the link has no CURVE; ``key_name``: the CURVE key's name, for the
         refusal message; ``costs_fixed``: the book's curves are fixed (see :meth:`from_config`)."""
-        self.dcfg = dcfg
+        self.settings = settings
         self.drafter = drafter
         self.profile = profile
         self.book = book
@@ -166,7 +170,7 @@ class DrafterNode:
         self.run_secret = run_secret
         self.key_name = key_name
         self.link = link or LinkPacer()
-        self.handler = MessageHandler(dcfg, drafter, book, picker, self.link, self._rejoin, max_bytes, costs_fixed)
+        self.handler = MessageHandler(settings, drafter, book, picker, self.link, self._rejoin, max_bytes, costs_fixed)
         self.curve_check = CurveCheck(profile)
         self.running = True
         self.rejoins = 0
@@ -179,24 +183,25 @@ class DrafterNode:
         ``fixed_costs``: (verify, draft) curves that replace measured ones and are never re-measured or remembered
         (tests on tiny models, whose forwards all cost about the same, pass them to get the plans they mean to
         exercise: tests/node_entry.py)."""
-        dcfg = config["drafter"]
+        dcfg = config["drafter"]  # the drafter types read the dict (their own keys too)
+        settings: DrafterConfig = build(DrafterConfig, dcfg)  # the keys every type has, typed
         threads = ThreadPlan.for_node(config, "drafter")
-        max_k = int(dcfg["max_draft_tokens"])
+        max_k = settings.max_draft_tokens
         # Batched drafting: one drafter forward advances every session that wants a step (drafter.batching).
-        max_batch_sessions = int(dcfg["max_batch_sessions"]) if dcfg["batching"] else 1
+        max_batch_sessions = settings.max_batch_sessions if settings.batching else 1
         set_threads(threads.share)
         spec = profile_spec(config, threads)
         # Load and measure while no other node on this machine does (the verifier starts at the same time).
-        with measuring_alone(dcfg["device"]) if dcfg["profile_s"] > 0 else contextlib.nullcontext():
+        with measuring_alone(settings.device) if settings.profile_s > 0 else contextlib.nullcontext():
             drafter = drafter or load_drafter(dcfg, spec)
             profile = measure_profile(config, drafter, spec)
         book = cost_book(max_k, drafter, profile, threads, max_batch_sessions > 1, fixed_costs)
-        endpoint = dcfg["verifier_endpoint"] or config["verifier"]["endpoint"]
+        endpoint = settings.verifier_endpoint or config["verifier"]["endpoint"]
         max_bytes = config["verifier"]["max_message_bytes"]
         # The run secret is shown in hello where the link has no CURVE (there the verifier's key allow-list decides).
         keys, key_name, run_secret = links.keys, links.key_name, links.run_secret
         connection = VerifierConnection(zmq.Context.instance(), endpoint, keys)
-        return cls(dcfg, drafter, book, connection, WorkPicker(max_batch_sessions, max_k),
+        return cls(settings, drafter, book, connection, WorkPicker(max_batch_sessions, max_k),
                    ThreadShare(threads, set_threads), profile, max_bytes=max_bytes, run_secret=run_secret,
                    key_name=key_name, costs_fixed=bool(fixed_costs))
 

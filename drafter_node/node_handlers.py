@@ -21,7 +21,8 @@ from drafter_node.cost_model import CostBook
 from drafter_node.node_picker import LinkPacer, WorkPicker
 from drafter_node.node_session import NodeSession
 from drafter_node.schedule import CostSchedule, DraftLengthSchedule
-from shared.costs import NodeProfile
+from drafter_node.settings import DrafterConfig
+from shared.costs.curve import NodeProfile
 from shared.protocol import (
     DEFAULT_MAX_MESSAGE_BYTES,
     Commit,
@@ -49,10 +50,10 @@ class MessageHandler:
     ``rejoin(reason)``: the node's reconnect (called when the verifier says it does not know us); ``costs_fixed``:
     the book's curves are fixed (tests), so the verifier's profile and this pair's memory are not used."""
 
-    def __init__(self, dcfg: dict[str, Any], drafter: Drafter, book: CostBook, picker: WorkPicker[NodeSession],
+    def __init__(self, settings: DrafterConfig, drafter: Drafter, book: CostBook, picker: WorkPicker[NodeSession],
                  link: LinkPacer, rejoin: Callable[[str], None], max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
                  costs_fixed: bool = False):
-        self.dcfg = dcfg
+        self.settings = settings
         self.drafter = drafter
         self.book = book
         self.picker = picker
@@ -62,7 +63,7 @@ class MessageHandler:
         self.max_bytes = max_bytes
         self.costs_fixed = costs_fixed
         self.want_q = False  # the verifier wants q with greedy drafts too (ensemble verification)
-        self.trees = bool(dcfg["tree"])  # token trees allowed (off after the verifier refuses one)
+        self.trees = settings.tree  # token trees allowed (off after the verifier refuses one)
         self.memory: pair_memory.PairMemory | None = None  # this pair's remembered acceptance (set at the welcome)
         self._handlers: dict[type, Callable[[Any], int | None]] = {
             Welcome: self.on_welcome, Error: self.on_error, SessionStart: self.on_session_start,
@@ -81,7 +82,7 @@ class MessageHandler:
         """A new connection: no session survives it, and a new verifier may take token trees."""
         for s in self.picker.clear():
             s.draft.close()
-        self.trees = bool(self.dcfg["tree"])  # a new verifier may take them
+        self.trees = self.settings.tree  # a new verifier may take them
 
     @contextlib.contextmanager
     def dropped_on_failure(self, sid: int, doing: str = "drafting") -> Iterator[None]:
@@ -128,17 +129,17 @@ class MessageHandler:
         if first:  # the welcomes of the other queued hellos change nothing worth a line each
             log.info("connected to verifier (target %s)", msg.target)
             self._recall_pair(msg.target)
-        if first and self.book.ready and self.dcfg["draft_schedule"] == "cost":
+        if first and self.book.ready and self.settings.draft_schedule == "cost":
             for row in self.book.plans_by_batch(self.book.session_acceptance(), self.max_k, True, 0,
-                                                overlap=bool(self.dcfg["overlap"])):
+                                                overlap=self.settings.overlap):
                 log.info("plan at batch %(batch)d (prior acceptance): k=%(k)d overlap=%(overlap)s rows=%(rows)d, "
                          "%(tokens_per_s).1f tok/s vs %(plain_tokens_per_s).1f plain", row)
 
     def _recall_pair(self, target: str) -> None:
         """Start the cost schedule from what earlier runs of this pair accepted (``drafter.remember_acceptance``)."""
-        if not self.dcfg["remember_acceptance"] or self.costs_fixed:
+        if not self.settings.remember_acceptance or self.costs_fixed:
             return
-        path = pair_memory.memory_path(self.drafter.type_name, self.dcfg["model"], target)
+        path = pair_memory.memory_path(self.drafter.type_name, self.settings.model, target)
         remembered = pair_memory.load(path, self.max_k)
         self.memory = pair_memory.PairMemory(path, remembered[1] if remembered else 0)
         if remembered is not None:
@@ -183,16 +184,17 @@ class MessageHandler:
         self.picker.add(NodeSession(sid, draft, self._schedule_for(draft), self.book))
 
     def _schedule_for(self, draft: DraftSession) -> DraftLengthSchedule:
-        overlap = bool(self.dcfg["overlap"])
+        s = self.settings
+        overlap = s.overlap
         fixed = self.drafter.block_len
-        if self.dcfg["draft_schedule"] == "cost":
+        if s.draft_schedule == "cost":
             max_k = fixed if fixed is not None else self.max_k
-            start = min(fixed if fixed is not None else int(self.dcfg["num_draft_tokens"]), max_k)
+            start = min(fixed if fixed is not None else s.num_draft_tokens, max_k)
             return CostSchedule(start, max_k, self.book, lambda: len(draft.committed), overlap,
                                 rows_ok=draft.predrafts_rows, tree=self._trees_for(draft))
         if fixed is not None:
             return DraftLengthSchedule(fixed, "constant", overlap=overlap)
-        return DraftLengthSchedule.from_config(self.dcfg)
+        return DraftLengthSchedule(s.num_draft_tokens, s.draft_schedule, s.max_draft_tokens, overlap)
 
     def _trees_for(self, draft: DraftSession) -> bool:
         """Blocks may be token trees (``drafter.tree``): greedy requests without q (the verifier verifies trees

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from drafter_node.cost_model import Acceptance
-from shared.costs import profile_cache_dir
+from shared.costs.cache import profile_cache_dir
 
 log = logging.getLogger("pipespec.drafter")
 

@@ -20,7 +20,6 @@ All are capped at ``max_draft_tokens``.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 from drafter_node.cost_model import (
     Acceptance,
@@ -86,11 +85,6 @@ class DraftLengthSchedule:
 
     def observe_confidence(self, probs: list[float | None], accepted: int) -> None:
         """A verified block's drafter probabilities and how many of its tokens were accepted (``cost`` only)."""
-
-    @classmethod
-    def from_config(cls, dcfg: dict[str, Any]) -> DraftLengthSchedule:
-        return cls(int(dcfg["num_draft_tokens"]), dcfg["draft_schedule"], int(dcfg["max_draft_tokens"]),
-                   bool(dcfg["overlap"]))
 
     @property
     def alpha(self) -> float:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import copy
 import ipaddress
-import math
 import os
 import re
 from pathlib import Path
@@ -23,7 +22,6 @@ from typing import Any
 
 import yaml
 
-from drafter_node.schedule import SCHEDULES
 from drafter_node.spec import DrafterSpec
 from drafter_node.types import DRAFTER_TYPES, drafter_spec, drafter_specs
 from runtime.config_schema import (
@@ -31,9 +29,8 @@ from runtime.config_schema import (
     Config,
     DrafterConfig,
 )
-from shared.models import AUTO, DTYPES
-from shared.settings import build, declared, defaults, violation
-from shared.transport import CURVE_MODES, EndpointError, check_endpoint, curve_wanted
+from shared.settings import build, checked, declared, defaults, violation
+from shared.transport import EndpointError, check_endpoint, curve_wanted
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 DEFAULT_CONFIG = "cpu.yaml"
@@ -149,7 +146,7 @@ def set_key(config: dict[str, Any], dotted: str, value: Any) -> None:
 
 
 def _check_model(dotted: str, value: Any) -> None:
-    from shared.registry import NAMED_MODELS
+    from shared.named_models import NAMED_MODELS
 
     if not value or not isinstance(value, str):
         raise ConfigError(f"{dotted}: missing model (a named model, a local folder or a hub id)")
@@ -204,23 +201,8 @@ def validate(config: dict[str, Any]) -> None:
     _run_hook(spec.check, config)
     check_model_dependent(config)
     _check_device("drafter.device", d["device"], hint)
-    for dotted in ("verifier.dtype", "drafter.dtype"):
-        section, key = dotted.split(".")
-        if not isinstance(config[section][key], str) or config[section][key] not in (AUTO, *DTYPES):
-            raise ConfigError(f"{dotted}: must be auto or one of {', '.join(DTYPES)}, got {config[section][key]!r}")
-    for dotted in ("verifier.threads", "drafter.threads"):
-        section, key = dotted.split(".")
-        value = config[section][key]
-        if value != AUTO and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ConfigError(f"{dotted}: must be auto or an integer ≥ 1, got {value!r}")
-    for dotted in ("verifier.profile_s", "drafter.profile_s"):
-        section, key = dotted.split(".")
-        value = config[section][key]
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 600:
-            raise ConfigError(f"{dotted}: must be a number of seconds in [0, 600] (0: no profile), got {value!r}")
+    _curve_from_yaml_bool(config["security"])
     _check_declared(config, spec)
-    if not isinstance(d["draft_schedule"], str) or d["draft_schedule"] not in SCHEDULES:
-        raise ConfigError(f"drafter.draft_schedule: one of {', '.join(SCHEDULES)}, got {d['draft_schedule']!r}")
     _check_ensemble(config)
     for dotted in ("verifier.endpoint", "client.endpoint", "drafter.verifier_endpoint"):
         section, key = dotted.split(".")
@@ -235,25 +217,15 @@ def validate(config: dict[str, Any]) -> None:
         raise ConfigError("client.endpoint: must differ from verifier.endpoint (drafters and clients are separate)")
     _check_security(config)
     _check_http(config)
-    for dotted in ("launch.ready_timeout_s", "client.timeout_s", "client.heartbeat_timeout_s"):
-        section, key = dotted.split(".")
-        value = config[section][key]
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-            raise ConfigError(f"{dotted}: must be a number of seconds > 0, got {value!r}")
-    if config["client"]["heartbeat_timeout_s"] < 1.0:
-        raise ConfigError(
-            "client.heartbeat_timeout_s: at least 1 s (clients ping every 0.5 s while requests are in flight), got "
-            f"{config['client']['heartbeat_timeout_s']!r}"
-        )
 
 
 def _check_declared(config: dict[str, Any], spec: DrafterSpec) -> None:
-    """Every integer and true/false key against its declaration (kind and bounds); the other kinds have their own
-    checks above and below, whose messages say more (the seconds, what 0 means, what a device may be)."""
+    """Every key whose declaration says what it may be (a kind, bounds, choices, extra values such as ``auto``)
+    against it; free-form strings (models, devices, endpoints, paths) have their own checks above and below."""
     own = declared(spec.settings) if spec.settings is not None else ()
     keyed = [(name, key, meta) for name, cls in SECTIONS.items() for key, _, meta in declared(cls)]
     for section, key, meta in [*keyed, *(("drafter", key, meta) for key, _, meta in own)]:
-        if meta.kind not in ("int", "bool") or meta.also:  # threads ("auto" or ≥ 1) is checked above
+        if not checked(meta):
             continue
         value = config[section][key]
         if value is None and meta.nullable and not (section == "drafter" and key in spec.keys):
@@ -270,11 +242,7 @@ def _check_security(config: dict[str, Any]) -> None:
     needs a keys folder, and listening on a network interface without CURVE needs ``allow_remote: true``."""
     from runtime.keys import KeysError, check_name
 
-    sec = config["security"]
-    if isinstance(sec["curve"], bool):  # YAML 1.1 reads a bare on / off as true / false
-        sec["curve"] = "on" if sec["curve"] else "off"
-    if not isinstance(sec["curve"], str) or sec["curve"] not in CURVE_MODES:
-        raise ConfigError(f"security.curve: one of {', '.join(CURVE_MODES)}, got {sec['curve']!r}")
+    sec = config["security"]  # curve: checked against its declared choices
     for key in ("drafter_key", "client_key"):
         try:
             check_name(sec[key])
@@ -317,10 +285,7 @@ def _check_http(config: dict[str, Any]) -> None:
                                      or not h["api_key"].isprintable() or " " in h["api_key"]):
         raise ConfigError(f"http.api_key: a string of at least {MIN_API_KEY_CHARS} printable characters without "
                           f"spaces (e.g. `python -c 'import secrets; print(secrets.token_urlsafe(32))'`), or null")
-    # allow_remote, port, default_max_tokens and max_body_bytes: checked against their declarations
-    value = h["scrape_timeout_s"]
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 60:
-        raise ConfigError(f"http.scrape_timeout_s: must be a number of seconds in (0, 60], got {value!r}")
+    # allow_remote, port, default_max_tokens, max_body_bytes and scrape_timeout_s: checked against their declarations
     if h["model_name"] is not None and (not isinstance(h["model_name"], str) or not h["model_name"]
                                         or len(h["model_name"]) > 256):
         raise ConfigError(f"http.model_name: a non-empty name (at most 256 characters), or null for the target's "
@@ -373,15 +338,16 @@ def check_security(config: dict[str, Any], roles: tuple[str, ...] = ("verifier",
             raise ConfigError(f"security.keys_dir: {exc}") from None
 
 
+def _curve_from_yaml_bool(sec: dict[str, Any]) -> None:
+    """YAML 1.1 reads a bare on / off as true / false (a config file or ``--set security.curve=off``)."""
+    if isinstance(sec["curve"], bool):
+        sec["curve"] = "on" if sec["curve"] else "off"
+
+
 def _check_ensemble(config: dict[str, Any]) -> None:
-    w = config["verification"]["ensemble_weight"]
-    if w is None:
+    """Static ensemble verification needs q; the weight's own range is checked against its declaration."""
+    if config["verification"]["ensemble_weight"] is None:
         return
-    if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or not 0 < w < 1:
-        raise ConfigError(
-            f"verification.ensemble_weight: must be a number in the open interval (0, 1), got {w!r}; "
-            "leave it unset (null) for standard, lossless verification"
-        )
     kind = config["drafter"]["type"]
     spec = drafter_spec(kind)
     if not spec.sends_q:
@@ -395,12 +361,12 @@ def check_model_dependent(config: dict[str, Any]) -> None:
     """The drafter type's checks that need the model's own config.json (its spec's ``check_model``); a model that
     is not a local folder yet is skipped: a named model not converted yet (the launcher calls this again after
     converting) or a hub id (the drafter then checks when it starts)."""
-    from shared import registry
+    from shared.named_models import is_named_model, model_dir
 
     def local(name: Any) -> Path | None:
         if not isinstance(name, str) or not name:
             return None
-        folder = Path(registry.model_dir(name) if registry.is_named_model(name) else Path(name).expanduser())
+        folder = Path(model_dir(name) if is_named_model(name) else Path(name).expanduser())
         return folder if (folder / "config.json").exists() else None
 
     _run_hook(drafter_spec(config["drafter"]["type"]).check_model, config, local)

@@ -2,7 +2,9 @@
 
 ``runtime/config.py`` derives its ``DEFAULTS`` and ``DRAFTER_COMMON`` from these classes and validates loaded YAML
 against them; :func:`runtime.config.typed` turns a validated config dict into a :class:`Config`. A drafter type's own
-keys are declared the same way in its spec (``drafter_node/type_specs/<name>.py``). The reference in
+keys are declared the same way in its spec (``drafter_node/type_specs/<name>.py``); the ``drafter`` section's
+common keys beside the node that reads them (``drafter_node/settings.py``), and the keys both nodes have in
+``shared/node_keys.py``. The reference in
 ``docs/configuration.md`` is generated from here (``python -m runtime.config_doc``).
 """
 
@@ -11,41 +13,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from drafter_node.schedule import SCHEDULES
-from drafter_node.types import DEFAULT_DRAFTER_TYPE
-from shared.models import AUTO, DTYPES
-from shared.protocol import DEFAULT_MAX_MESSAGE_BYTES, MAX_DRAFT_TOKENS
+from drafter_node.settings import DrafterConfig
+from shared.node_keys import node_device, node_dtype, node_max_memory, node_profile_s, node_threads
+from shared.protocol import DEFAULT_MAX_MESSAGE_BYTES
 from shared.sampling import MAX_NEW_TOKENS
 from shared.settings import setting
 from shared.transport import CURVE_MODES
 
-DTYPE_CHOICES = (AUTO, *DTYPES)
+__all__ = ["SECTIONS", "ClientConfig", "Config", "DrafterConfig", "HttpConfig", "LaunchConfig", "SecurityConfig",
+           "VerificationConfig", "VerifierConfig"]
+
 #: Most drafter processes one launcher starts (``launch.drafters``).
 MAX_LAUNCHED_DRAFTERS = 16
-
-
-# The keys both nodes have (verifier and drafter), declared once; each dataclass needs a field object of its own.
-def _node_device() -> Any:
-    return setting("cpu", "cpu, cuda, cuda:N, mps or auto (spread over GPUs with accelerate's device_map).", kind="str")
-
-
-def _node_dtype() -> Any:
-    return setting("auto", "Weights dtype; auto: the fastest for its shapes, measured at start-up.", kind="str",
-                   choices=DTYPE_CHOICES)
-
-
-def _node_threads() -> Any:
-    return setting("auto", "Torch threads; auto: every core while the other node idles, half while both work.",
-                   kind="int", bounds=(1, None), also=(AUTO,))
-
-
-def _node_profile_s() -> Any:
-    return setting(20, "Start-up cost profile budget in seconds, cached on disk (0: none, learned online).",
-                   kind="number", bounds=(0, 600))
-
-
-def _node_max_memory() -> Any:
-    return setting(None, "With device: auto, e.g. {0: 20GiB, 1: 20GiB}.")
 
 
 @dataclass(frozen=True)
@@ -53,14 +32,14 @@ class VerifierConfig:
     """``verifier``: the target model and the node that verifies drafts."""
 
     model: Any = setting(None, "Target model: a named model, a local folder or a hub id (required).", kind="str")
-    device: str = _node_device()
-    dtype: str = _node_dtype()
-    threads: Any = _node_threads()
-    profile_s: float = _node_profile_s()
+    device: str = node_device()
+    dtype: str = node_dtype()
+    threads: Any = node_threads()
+    profile_s: float = node_profile_s()
     endpoint: str = setting(
         "ipc://{run_dir}/verifier.ipc", "Where drafters connect; {run_dir}: the launcher's run folder.", kind="str"
     )
-    max_memory: Any = _node_max_memory()
+    max_memory: Any = node_max_memory()
     draft_timeout_ms: int = setting(
         3000,
         "Cap on the wait for a draft (the wait follows each session's measured answers).",
@@ -86,54 +65,6 @@ class VerifierConfig:
 
 
 @dataclass(frozen=True)
-class DrafterConfig:
-    """``drafter``: the keys every drafter type has (each type's own keys are declared in its spec)."""
-
-    type: str = setting(
-        DEFAULT_DRAFTER_TYPE,
-        "assistant, prompt_lookup, early_exit, mtp, mtp_drafter or universal (see the per-type tables).",
-        kind="str",
-    )
-    model: Any = setting(
-        None, "Draft model; required by types that need one (some default it to verifier.model).", kind="str"
-    )
-    device: str = _node_device()
-    dtype: str = _node_dtype()
-    threads: Any = _node_threads()
-    profile_s: float = _node_profile_s()
-    num_draft_tokens: int = setting(
-        5, "Block length k (the starting value of an adaptive schedule).", kind="int", bounds=(1, MAX_DRAFT_TOKENS)
-    )
-    draft_schedule: str = setting(
-        "cost",
-        "cost: k (incl. 0), overlap or sync and rows from measured costs; or a fixed rule.",
-        kind="str",
-        choices=SCHEDULES,
-    )
-    max_draft_tokens: int = setting(
-        16, "Cap for the adaptive schedules (cost: the largest k).", kind="int", bounds=(1, MAX_DRAFT_TOKENS)
-    )
-    overlap: bool = setting(True, "false: synchronous mode (draft one block, wait for its commit).", kind="bool")
-    tree: bool = setting(False, "The cost schedule may send token trees (greedy, synchronous rounds).", kind="bool")
-    remember_acceptance: bool = setting(
-        True, "Start the cost schedule from this pair's earlier acceptance.", kind="bool"
-    )
-    batching: bool = setting(True, "Draft for several sessions in one batched forward.", kind="bool")
-    max_batch_sessions: int = setting(64, "Most sessions in one batched draft forward.", kind="int", bounds=(1, None))
-    q_top_k: int = setting(
-        64,
-        "q sent sparse: the top-m entries per position, by types that send q (0: full q).",
-        kind="int",
-        bounds=(0, None),
-    )
-    verifier_endpoint: Any = setting(None, "Verifier address to connect to (null: verifier.endpoint).", kind="str")
-    max_memory: Any = _node_max_memory()
-    target_model: Any = setting(
-        None, "Target checkpoint read by types that read it (null: verifier.model).", kind="str"
-    )
-
-
-@dataclass(frozen=True)
 class VerificationConfig:
     """``verification``: how drafts are accepted."""
 
@@ -143,6 +74,8 @@ class VerificationConfig:
         kind="number",
         bounds=(0, 1),
         open_low=True,
+        open_high=True,
+        hint="leave it unset, null, for standard, lossless verification",
     )
 
 
@@ -157,12 +90,15 @@ class ClientConfig:
         kind="number",
         bounds=(0, None),
         open_low=True,
+        unit="seconds",
     )
     heartbeat_timeout_s: float = setting(
         5.0,
         "Seconds without a client ping before its requests are dropped (at least 1).",
         kind="number",
         bounds=(1.0, None),
+        unit="seconds",
+        hint="clients ping every 0.5 s while requests are in flight",
     )
 
 
@@ -171,7 +107,12 @@ class LaunchConfig:
     """``launch``: what the launcher starts."""
 
     ready_timeout_s: float = setting(
-        900, "Start-up bound (includes first-time model conversion).", kind="number", bounds=(0, None), open_low=True
+        900,
+        "Start-up bound (includes first-time model conversion).",
+        kind="number",
+        bounds=(0, None),
+        open_low=True,
+        unit="seconds",
     )
     start_drafter: bool = setting(True, "Start drafter processes (false: they join with --role drafter).", kind="bool")
     drafters: int = setting(
@@ -209,7 +150,12 @@ class HttpConfig:
     )
     max_body_bytes: int = setting(4 * 1024 * 1024, "Largest request body accepted.", kind="int", bounds=(1024, 1 << 30))
     scrape_timeout_s: float = setting(
-        1.0, "Seconds a /metrics scrape waits for the verifier.", kind="number", bounds=(0, 60), open_low=True
+        1.0,
+        "Seconds a /metrics scrape waits for the verifier.",
+        kind="number",
+        bounds=(0, 60),
+        open_low=True,
+        unit="seconds",
     )
 
 

@@ -38,7 +38,7 @@ from runtime.config import (
 )
 from runtime.keys import KeysError
 from shared.models import ModelLoadError
-from shared.registry import RegistryError
+from shared.named_models import RegistryError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -53,14 +53,15 @@ def _progress(message: str) -> None:
 
 def prepare_models(config: dict[str, Any]) -> None:
     """Install and convert named offline models once, in the foreground, with progress (nodes then load fast)."""
-    from shared import registry
+    from shared.named_models import is_named_model
+    from weights import install  # looked up at call time, so tests can forbid installing
 
     for section in ("verifier", "drafter"):
         name = config[section]["model"]  # a validated config has every key
         if section == "drafter" and not config["launch"]["start_drafter"]:
             continue
-        if isinstance(name, str) and registry.is_named_model(name):
-            registry.ensure_model(name, progress=_progress)
+        if isinstance(name, str) and is_named_model(name):
+            install.ensure_model(name, progress=_progress)
     check_model_dependent(config)
 
 

@@ -3,8 +3,9 @@ verifier's and the drafter's model takes for n new tokens, at the configured thr
 cores), prints a table and writes ``profile.json`` and ``profile.png`` into ``--out`` (default ``results/profile/``).
 
 ``dtype: auto`` (in the config or ``--set verifier.dtype=auto``) picks the dtype as a node would
-(:func:`shared.costs.resolve_auto_dtype`) and shows both candidates' scores. Profiles are cached on disk
-(:func:`shared.costs.profile_cache_dir`); ``--fresh`` measures again. Progress goes to stderr, the table to stdout.
+(:func:`shared.costs.dtype_choice.resolve_auto_dtype`) and shows both candidates' scores. Profiles are cached on
+disk (:func:`shared.costs.cache.profile_cache_dir`); ``--fresh`` measures again. Progress goes to stderr, the table
+to stdout.
 """
 
 from __future__ import annotations
@@ -21,17 +22,14 @@ from pathlib import Path
 from typing import Any
 
 from runtime.config import ConfigError, load_config
-from shared.costs import (
-    NodeProfile,
-    cpu_model_name,
-    hardware_flags,
-    load_or_measure,
-    profile_cache_dir,
-    resolve_auto_dtype,
-    verify_score,
-)
-from shared.models import ModelLoadError, ThreadPlan, load_causal_lm, profile_sizes, resolve_model
-from shared.registry import RegistryError
+from shared.costs.cache import profile_cache_dir
+from shared.costs.curve import NodeProfile, verify_score
+from shared.costs.dtype_choice import resolve_auto_dtype
+from shared.costs.hardware import cpu_model_name, hardware_flags
+from shared.costs.measure import load_or_measure
+from shared.models import ModelLoadError, ThreadPlan, load_causal_lm, profile_sizes
+from shared.named_models import RegistryError
+from weights import resolve_model
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO_ROOT / "results" / "profile"

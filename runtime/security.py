@@ -1,6 +1,9 @@
 """What a config's nodes use to keep strangers out: CURVE per link (with the keys of ``security.keys_dir``), the
 launcher's private run folder, and the per-run secret its drafter shows in ``hello`` on links without CURVE.
 
+Every function takes a config :func:`runtime.config.load_config` returned (merged with its declared defaults), so
+the keys are read without fallbacks: their defaults are declared once, in ``runtime/config_schema.py``.
+
 See the README's "Security" section for the setup and the threat model.
 """
 
@@ -37,13 +40,13 @@ class RunDirError(ValueError):
 
 def drafter_link(config: dict[str, Any]) -> str:
     """The endpoint the drafter connects to."""
-    return config["drafter"].get("verifier_endpoint") or config["verifier"]["endpoint"]
+    return config["drafter"]["verifier_endpoint"] or config["verifier"]["endpoint"]
 
 
 def curve_links(config: dict[str, Any]) -> dict[str, bool]:
     """Which links run CURVE: ``verifier`` (the drafter socket the verifier binds), ``drafter`` (the endpoint the
     drafter connects to) and ``client`` (the client socket)."""
-    mode = (config.get("security") or {}).get("curve", "auto")
+    mode = config["security"]["curve"]
     return {
         "verifier": curve_wanted(mode, config["verifier"]["endpoint"]),
         "drafter": curve_wanted(mode, drafter_link(config)),
@@ -52,7 +55,7 @@ def curve_links(config: dict[str, Any]) -> dict[str, bool]:
 
 
 def _keys_dir(config: dict[str, Any]) -> str:
-    keys_dir = (config.get("security") or {}).get("keys_dir")
+    keys_dir = config["security"]["keys_dir"]
     if not keys_dir:
         raise KeysError("CURVE is on but security.keys_dir is not set: run `python -m runtime.keys init DIR` and set "
                         "security.keys_dir: DIR")
@@ -69,14 +72,14 @@ def drafter_keys(config: dict[str, Any]) -> ClientKeys | None:
     """The drafter's keys (``security.drafter_key``) when its link runs CURVE."""
     if not curve_links(config)["drafter"]:
         return None
-    return peer_keys(_keys_dir(config), "drafter", config["security"].get("drafter_key", "drafter"))
+    return peer_keys(_keys_dir(config), "drafter", config["security"]["drafter_key"])
 
 
 def client_keys_for(config: dict[str, Any]) -> ClientKeys | None:
     """The launcher's client keys (``security.client_key``) when the client link runs CURVE."""
     if not curve_links(config)["client"]:
         return None
-    return peer_keys(_keys_dir(config), "client", config["security"].get("client_key", "client"))
+    return peer_keys(_keys_dir(config), "client", config["security"]["client_key"])
 
 
 # ------------------------------------------------------------------------------------------ run folder, secret

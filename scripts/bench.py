@@ -411,7 +411,8 @@ def main(argv: list[str] | None = None) -> int:
         write_reports(args.out, report, final=True)
         return 0
     from runtime.config import load_config
-    from shared.models import load_tokenizer, resolve_model
+    from shared.models import load_tokenizer
+    from weights import resolve_model
 
     defs = define_rows(parse_variants(args.pipespec_variants, args.pipespec_set))
     keys = select_rows(args.rows, list(defs), "bench")

@@ -45,7 +45,8 @@ PROCESS_GIB = 0.5  # resident memory of one Python process with torch and transf
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 DTYPE_TAGS = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
-from shared.costs import cpu_model_name, hardware_flags, measure_curve  # noqa: E402
+from shared.costs.hardware import cpu_model_name, hardware_flags  # noqa: E402
+from shared.costs.measure import measure_curve  # noqa: E402
 
 _START = time.time()  # progress lines show seconds since this (workers get the parent's through their spec)
 
@@ -350,7 +351,7 @@ def _sized_dtype(dtype: str) -> str:
 def cluster_models(cfg: dict[str, Any]) -> dict[str, float]:
     """GiB of the models a cluster of the loaded config ``cfg`` holds: the target in the verifier and the drafter's
     model (none for prompt lookup; for early exit its first layers plus, roughly, the embeddings and LM head)."""
-    from shared.models import resolve_model
+    from weights import resolve_model
 
     v, d = cfg["verifier"], cfg["drafter"]
     models = {"verifier": model_gib(resolve_model(v["model"]), _sized_dtype(v["dtype"]))}

@@ -152,20 +152,20 @@ def parse_levels(text: str) -> list[int]:
 
 def check_models_installed(cfg: dict[str, Any], sections: list[str]) -> None:
     """Named offline models must be converted already (this benchmark never downloads): a clear error if not."""
-    from shared import registry
+    from shared.named_models import MARKER_NAME, is_named_model, model_dir
 
     missing = []
     for section in sections:
         name = cfg[section].get("model")
-        if isinstance(name, str) and registry.is_named_model(name):
-            folder = registry.model_dir(name)
-            if not (folder / registry.MARKER_NAME).is_file() or not (folder / "config.json").is_file():
+        if isinstance(name, str) and is_named_model(name):
+            folder = model_dir(name)
+            if not (folder / MARKER_NAME).is_file() or not (folder / "config.json").is_file():
                 missing.append((section, name, folder))
     if missing:
         lines = [f"  {section}.model {name}: not installed in {folder}" for section, name, folder in missing]
         names = " ".join(dict.fromkeys(name for _, name, _ in missing))
         raise SystemExit("bench_concurrency: models missing:\n" + "\n".join(lines) + "\ninstall them first with "
-                         f"`.venv/bin/python -m shared.registry {names}` (downloads and converts them once), or run "
+                         f"`.venv/bin/python -m weights {names}` (downloads and converts them once), or run "
                          "with --random for a small random pair")
 
 
@@ -676,7 +676,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(args: argparse.Namespace, keys: list[str], source: str | dict[str, Any]) -> int:
     from runtime.config import ConfigError, load_config, parse_overrides
-    from shared.models import ThreadPlan, concrete_dtype, load_tokenizer, resolve_model
+    from shared.models import ThreadPlan, concrete_dtype, load_tokenizer
+    from weights import resolve_model
 
     try:
         user = parse_overrides(args.set)

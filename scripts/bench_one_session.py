@@ -35,9 +35,10 @@ def main(argv: list[str] | None = None) -> int:
     from bench_common import chat_prompts  # the benchmarks' templating, as the verifier templates messages
 
     from shared.kv import CachedLM
-    from shared.models import load_causal_lm, load_tokenizer, resolve_model, set_threads
+    from shared.models import load_causal_lm, load_tokenizer, set_threads
     from shared.sampling import GenerationParams
     from verifier_node.session import Session
+    from weights import resolve_model
 
     set_threads(args.threads)
     path = resolve_model(args.model)

@@ -231,7 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     keys = select_rows(args.rows, list(ROWS), "bench_types")
     from runtime.config import load_config
-    from shared.models import load_tokenizer, resolve_model
+    from shared.models import load_tokenizer
+    from weights import resolve_model
 
     base = load_config("cpu.yaml")
     # transformers rows: --dtype, else the config's (bf16 for auto: the fastest transformers setup measured on CPUs

@@ -10,7 +10,8 @@ Everything is built on the spot (no downloads, no real weights) and the run prin
   since a batched verification forward and one-token forwards may round differently.
 - ``b`` cost curves: random-weight models with the shapes of Qwen2.5-1.5B and Qwen2.5-0.5B, bf16: median time of
   one cached forward of n = 1, 2, 4, 8, 16 new tokens after a 200-token prefix (``shared.kv.CachedLM``, synchronised).
-  ``shared.costs.measure_curve`` is used when the tree has it (its column is then shown beside this script's own).
+  ``shared.costs.measure.measure_curve`` is used when the tree has it (its column is then shown beside this script's
+  own).
 - ``c`` per-round overhead: the same random pair as a cluster with ``configs/gpu.yaml``'s settings (model folders
   and device replaced), one greedy generation of 64 tokens, against transformers on the target alone and
   transformers assisted generation on the same device. Random weights mean near-zero acceptance: this part
@@ -437,14 +438,14 @@ def own_curve(model, sizes: tuple[int, ...], prefix_len: int, reps: int, device:
 
 
 def shared_costs_curve(model, sizes: tuple[int, ...], prefix_len: int, budget_s: float) -> list[float] | None:
-    """``shared.costs.measure_curve`` when the tree has it (another part of the project), else None."""
+    """``shared.costs.measure.measure_curve`` when the tree has it (another part of the project), else None."""
     try:
-        import shared.costs
+        import shared.costs.measure
     except ImportError:
         return None
-    if not Path(shared.costs.__file__).resolve().is_relative_to(REPO_ROOT):
+    if not Path(shared.costs.measure.__file__).resolve().is_relative_to(REPO_ROOT):
         return None  # an editable install's fallback to another checkout: not this tree's code
-    measure_curve = shared.costs.measure_curve
+    measure_curve = shared.costs.measure.measure_curve
     curve = measure_curve(model, list(sizes), prefix_len, budget_s)
     by_size = dict(zip(list(curve.sizes), list(curve.seconds)))
     return [by_size.get(n) for n in sizes]

@@ -1,7 +1,8 @@
 """Model and tokenizer loading shared by both nodes.
 
 ``model:`` in a config may be a hub id, a local folder, or one of the named offline models of
-:mod:`shared.registry` (installed from registry packages and converted once into a cache folder). Everything is
+:mod:`shared.named_models` (installed by the launcher, with the ``weights`` package, before it starts the nodes; the
+nodes only look their folder up). Everything is
 loaded through ``from_pretrained``, so tests with tiny saved models exercise the same path as real runs.
 """
 
@@ -79,7 +80,7 @@ def heuristic_dtype(device: str) -> str:
         return "bfloat16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "float16"
     if device == "mps":
         return "float16"
-    from shared.costs import hardware_flags
+    from shared.costs.hardware import hardware_flags
 
     flags = hardware_flags()
     return "bfloat16" if flags.get("avx512_bf16") or flags.get("amx") else "float32"
@@ -97,14 +98,14 @@ def model_dtype(model) -> str:
 def profile_sizes(config: dict[str, Any]) -> list[int]:
     """Forward sizes both nodes measure: 1 .. max_draft_tokens + 1 new tokens (verifier) or rows (drafter), on the
     ladder 1, 2, 3, 4, 6, 8, 12, … (the curve interpolates between them)."""
-    from shared.costs import sizes_up_to
+    from shared.costs.measure import sizes_up_to
 
     return sizes_up_to(min(int(config["drafter"]["max_draft_tokens"]), 64) + 1)
 
 
 def profile_node(model, source: str, device: str, spec: ProfileSpec, role: str):
     """The node's cost profile of ``model`` (measured within ``spec.budget_s``, or read from the disk cache)."""
-    from shared.costs import load_or_measure
+    from shared.costs.measure import load_or_measure
 
     def progress(line: str) -> None:
         log.info("%s: %s", role, line)
@@ -120,13 +121,17 @@ def set_threads(threads: int) -> None:
         torch.set_num_interop_threads(max(1, threads))
 
 
-def resolve_model(name: str, progress: Any = None) -> str:
-    """Map a config's ``model`` value to something ``from_pretrained`` accepts, installing named models."""
-    from shared import registry
+def resolve_model(name: str) -> str:
+    """Map a config's ``model`` value to something ``from_pretrained`` accepts: a named model's converted folder
+    (installed beforehand: the launcher runs ``weights.ensure_model``), else the folder or hub id as given."""
+    from shared.named_models import installed_folder, is_named_model, model_dir
 
-    if registry.is_named_model(name):
-        kwargs = {"progress": progress} if progress else {}
-        return str(registry.ensure_model(name, **kwargs))
+    if is_named_model(name):
+        folder = installed_folder(name)
+        if folder is None:
+            raise ModelLoadError(f"named model {name!r} is not installed in {model_dir(name)}: run `python -m "
+                                 f"weights {name}` (the launcher installs named models before it starts the nodes)")
+        return str(folder)
     return os.path.expanduser(name)
 
 
@@ -151,7 +156,9 @@ def load_causal_lm(
     on a GPU, it takes :func:`heuristic_dtype`. The choice is logged."""
     if dtype == AUTO:
         if profile is not None and profile.budget_s > 0 and device == "cpu":
-            from shared.costs import measuring_alone, resolve_auto_dtype, verify_score
+            from shared.costs.curve import verify_score
+            from shared.costs.dtype_choice import resolve_auto_dtype
+            from shared.costs.measure import measuring_alone
 
             verifier = profile.role == "verifier"
 

@@ -23,7 +23,7 @@ Message types and who sends them (``*``: optional, with its default):
 type               direction        fields
 =================  ===============  ============================================================================
 hello              drafter → verif  drafter_type, tokenizer_id, capabilities (:class:`Capabilities`); profile*
-                                    (shared.costs NodeProfile dict, checked by the verifier), threads*
+                                    (shared.costs.curve NodeProfile dict, checked by the verifier), threads*
                                     (:class:`ThreadCounts`), host* (its hostname), run_secret* (the launcher's
                                     per-run secret, on links without CURVE)
 welcome            verif → drafter  target (model name), vocab_size, want_q (send q with every draft, greedy
@@ -396,7 +396,7 @@ class Hello(Message):
     drafter_type: str
     tokenizer_id: str
     capabilities: Capabilities
-    profile: dict[str, Any] | None = None  # shared.costs.NodeProfile.to_dict(); the verifier checks it
+    profile: dict[str, Any] | None = None  # shared.costs.curve.NodeProfile.to_dict(); the verifier checks it
     threads: ThreadCounts | None = None
     host: str | None = None  # the drafter's hostname (shown in pong.drafters)
     run_secret: str | None = None  # the launcher's per-run secret (links without CURVE; see runtime.security)

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-    from shared.costs import CostCurve
+    from shared.costs.curve import CostCurve
 
 
 def accept_everything(scores: torch.Tensor, draft: list[int], q: torch.Tensor | None,
@@ -32,7 +32,7 @@ def accept_everything(scores: torch.Tensor, draft: list[int], q: torch.Tensor | 
 
 def fixed_costs(spec_json: str) -> tuple[CostCurve, CostCurve]:
     """(verify, draft) curves from JSON ``{"verify": {n: s}, "draft": {n: s}}``."""
-    from shared.costs import CostCurve
+    from shared.costs.curve import CostCurve
 
     spec = json.loads(spec_json)
 

@@ -26,7 +26,8 @@ from runtime.config import (
     load_config,
     parse_overrides,
 )
-from shared import registry
+from shared import named_models
+from weights import install
 
 pytestmark = pytest.mark.unit
 
@@ -53,8 +54,8 @@ def _no_downloads(monkeypatch):
     def forbidden(*args, **kwargs):
         raise AssertionError("load_config tried to fetch a model")
 
-    monkeypatch.setattr(registry, "ensure_model", forbidden)
-    monkeypatch.setattr(registry, "download_wheels", forbidden)
+    monkeypatch.setattr(install, "ensure_model", forbidden)
+    monkeypatch.setattr(install, "download_wheels", forbidden)
 
 
 # ------------------------------------------------------------------------------------------ bundled configs
@@ -74,9 +75,9 @@ def test_bundled_config_loads(name):
     for section, keys in DEFAULTS.items():
         assert set(config[section]) == set(keys), section
     # Named offline models, or hub ids for models no registry package carries (Gemma 4 and its -assistant)
-    assert config["verifier"]["model"] in registry.NAMED_MODELS or name in HUB_CONFIGS
+    assert config["verifier"]["model"] in named_models.NAMED_MODELS or name in HUB_CONFIGS
     if config["drafter"]["type"] != "prompt_lookup":  # the only type without a drafter model
-        assert config["drafter"]["model"] in registry.NAMED_MODELS or name in HUB_CONFIGS
+        assert config["drafter"]["model"] in named_models.NAMED_MODELS or name in HUB_CONFIGS
     assert config["verifier"]["device"] == "cpu"
     assert config["verifier"]["endpoint"] != config["client"]["endpoint"]
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 
@@ -28,14 +29,24 @@ def test_setting_carries_doc_and_bounds() -> None:
 def test_bounds_kinds_and_choices_are_enforced() -> None:
     meta = Setting("x", "int", (1, 10))
     assert violation(meta, 1) is None and violation(meta, 10) is None
-    for bad in (0, 11):  # the phrase says why: out of bounds, with the bounds
-        assert violation(meta, bad) == "must be an integer in [1, 10]"
-    for bad in (2.5, True, "3", None):  # not an integer at all
-        assert violation(meta, bad) == "must be an integer"
+    for bad in (0, 11, 2.5, True, "3", None):  # the phrase states the kind and the bounds
+        assert violation(meta, bad) == "must be an integer in [1, 10]", bad
     assert violation(Setting("x", "bool"), 1) == "must be true or false"
-    assert violation(Setting("x", "str", choices=("a", "b")), "c") == "one of a, b"
+    assert violation(Setting("x", "str", choices=("a", "b")), "c") == "must be one of a, b"
     assert violation(Setting("x", "int", (1, None), also=("auto",)), "auto") is None
     assert violation(Setting("x", "number", nullable=True), None) is None
+
+
+def test_open_bounds_nan_and_extra_values_in_violation() -> None:
+    weight = Setting("w", "number", (0, 1), open_low=True, open_high=True)
+    assert violation(weight, 0.5) is None
+    for bad in (0, 1, 1.5, -0.1, math.nan, math.inf, "0.5", True):
+        assert violation(weight, bad) == "must be a number in the open interval (0, 1)", bad
+    timeout = Setting("t", "number", (0, None), open_low=True, unit="seconds")
+    assert violation(timeout, math.nan) == "must be a number of seconds > 0"  # nan passes every comparison
+    threads = Setting("n", "int", (1, None), also=("auto",))
+    assert violation(threads, "two") == "must be auto or an integer ≥ 1"
+    assert violation(Setting("c", "str", choices=("a", "b")), ["a"]) == "must be one of a, b"
 
 
 def test_mutable_default_is_refused() -> None:
@@ -95,6 +106,17 @@ def test_typed_round_trips_every_bundled_config(path) -> None:
     ({"launch.drafters": 17},
      "launch.drafters: must be an integer in [1, 16], got 17 (more can join with --role drafter)"),
     ({"drafter.overlap": 1}, "drafter.overlap: must be true or false, got 1"),
+    ({"verifier.threads": 0}, "verifier.threads: must be auto or an integer ≥ 1, got 0"),
+    ({"drafter.dtype": "float64"}, "drafter.dtype: must be one of auto, float32, bfloat16, float16, got 'float64'"),
+    ({"drafter.draft_schedule": "fastest"},
+     "drafter.draft_schedule: must be one of cost, pipeline, adaptive, heuristic, constant, got 'fastest'"),
+    ({"verifier.profile_s": 601},
+     "verifier.profile_s: must be a number of seconds in [0, 600], got 601 (0: no profile)"),
+    ({"client.timeout_s": 0}, "client.timeout_s: must be a number of seconds > 0, got 0"),
+    ({"http.scrape_timeout_s": 61}, "http.scrape_timeout_s: must be a number of seconds in (0, 60], got 61"),
+    ({"security.curve": "maybe"}, "security.curve: must be one of auto, on, off, got 'maybe'"),
+    ({"verification.ensemble_weight": 1}, "verification.ensemble_weight: must be a number in the open interval "
+     "(0, 1), got 1 (leave it unset, null, for standard, lossless verification)"),
     ({"drafter.type": "prompt_lookup", "drafter.max_matching_ngram_size": 0},
      "drafter.max_matching_ngram_size: must be an integer ≥ 1, got 0"),
 ])

@@ -14,7 +14,7 @@ from drafter_node.cost_model import (
     plans,
 )
 from drafter_node.schedule import SOLO_ROUNDS_MAX, SOLO_ROUNDS_MIN, CostSchedule
-from shared.costs import CostCurve, NodeProfile
+from shared.costs.curve import CostCurve, NodeProfile
 
 pytestmark = pytest.mark.unit
 

@@ -1,4 +1,4 @@
-"""Cost profiles (shared/costs.py) and the profiling CLI (runtime/profile.py), on tiny models: curve arithmetic,
+"""Cost profiles (shared/costs/) and the profiling CLI (runtime/profile.py), on tiny models: curve arithmetic,
 online refinement, validation of dicts from peers, measuring within a budget, the disk cache, ``dtype: auto``."""
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ import yaml
 
 from runtime import profile as profile_cli
 from runtime.config import load_config
-from shared import costs
-from shared.costs import CostCurve, NodeProfile
+from shared.costs import cache, dtype_choice, hardware
+from shared.costs import measure as measuring
+from shared.costs.curve import CostCurve, NodeProfile, verify_score
 from shared.models import DTYPES, load_causal_lm
 
 pytestmark = pytest.mark.unit
@@ -38,7 +39,7 @@ def cache_dir(tmp_path, monkeypatch) -> Path:
 def quiet_machine(monkeypatch):
     """Profiles measured here count as taken on a quiet machine (other jobs may run beside the tests; the one test
     of a busy machine sets its own readings)."""
-    monkeypatch.setattr(costs, "_cpu_times", lambda: (0.0, 0.0))
+    monkeypatch.setattr(measuring, "_cpu_times", lambda: (0.0, 0.0))
 
 
 def curve(sizes=(1, 4, 8), seconds=(0.010, 0.020, 0.040), prefix=64, slope=0.0) -> CostCurve:
@@ -223,15 +224,15 @@ def test_profile_curve_picks_the_nearest_thread_count():
 
 
 def test_shape_first_order_measures_the_ends_then_the_middles():
-    order = costs._shape_first_order([1, 2, 3, 4, 6, 8, 12, 17])
+    order = measuring._shape_first_order([1, 2, 3, 4, 6, 8, 12, 17])
     assert order[:3] == [1, 17, 8]
     assert sorted(order) == [1, 2, 3, 4, 6, 8, 12, 17]
 
 
 def test_sizes_up_to():
-    assert costs.sizes_up_to(17) == [1, 2, 3, 4, 6, 8, 12, 16, 17]
-    assert costs.sizes_up_to(9) == [1, 2, 3, 4, 6, 8, 9]
-    assert costs.sizes_up_to(1) == [1]
+    assert measuring.sizes_up_to(17) == [1, 2, 3, 4, 6, 8, 12, 16, 17]
+    assert measuring.sizes_up_to(9) == [1, 2, 3, 4, 6, 8, 9]
+    assert measuring.sizes_up_to(1) == [1]
 
 
 @pytest.fixture(scope="module")
@@ -243,7 +244,7 @@ def llama(tiny):
 def test_measure_curve_on_a_tiny_model(llama):
     _, model = llama
     requested = [1, 2, 4, 8]
-    c = costs.measure_curve(model, requested, prefix_len=16, budget_s=2.0)
+    c = measuring.measure_curve(model, requested, prefix_len=16, budget_s=2.0)
     assert set(c.sizes) <= set(requested) and 1 in c.sizes
     assert all(math.isfinite(s) and s > 0 for s in c.seconds)
     assert c.prefix_len == 16 and c.per_context_token_s >= 0
@@ -252,7 +253,7 @@ def test_measure_curve_on_a_tiny_model(llama):
 
 def test_measure_curve_with_no_budget_measures_the_first_size_only(llama):
     _, model = llama
-    c = costs.measure_curve(model, [2, 3, 5], prefix_len=8, budget_s=0.0)
+    c = measuring.measure_curve(model, [2, 3, 5], prefix_len=8, budget_s=0.0)
     assert c.sizes == [2]
     assert c.per_context_token_s == 0.0
     assert c.cost(5) == pytest.approx(c.seconds[0])
@@ -262,15 +263,15 @@ def test_load_or_measure_caches_and_the_key_separates_thread_counts(llama, cache
     path, model = llama
     threads_before = torch.get_num_threads()
     lines = []
-    first = costs.load_or_measure(model, str(path), "cpu", "float32", [1], [1, 2, 4], budget_s=1.0,
+    first = measuring.load_or_measure(model, str(path), "cpu", "float32", [1], [1, 2, 4], budget_s=1.0,
                                   progress=lines.append)
     assert not first.cached and sorted(first.curves) == [1]
     assert any("1 thread" in line and "ms" in line for line in lines)
     assert len(list(cache_dir.glob("*.json"))) == 1
     # A hit must not touch the model: with None in its place, measuring would fail.
-    again = costs.load_or_measure(None, str(path), "cpu", "float32", [1], [1, 2, 4], budget_s=1.0)
+    again = measuring.load_or_measure(None, str(path), "cpu", "float32", [1], [1, 2, 4], budget_s=1.0)
     assert again.cached and again.curves == first.curves
-    other = costs.load_or_measure(model, str(path), "cpu", "float32", [2], [1, 2, 4], budget_s=1.0)
+    other = measuring.load_or_measure(model, str(path), "cpu", "float32", [2], [1, 2, 4], budget_s=1.0)
     assert not other.cached and sorted(other.curves) == [2]
     assert len(list(cache_dir.glob("*.json"))) == 2
     assert torch.get_num_threads() == threads_before
@@ -279,29 +280,29 @@ def test_load_or_measure_caches_and_the_key_separates_thread_counts(llama, cache
 def test_a_corrupt_cache_file_is_measured_again_and_overwritten(llama, cache_dir):
     path, model = llama
     args = (str(path), "cpu", "float32", [1], [1, 2])
-    costs.load_or_measure(model, *args, budget_s=0.5)
+    measuring.load_or_measure(model, *args, budget_s=0.5)
     (file,) = cache_dir.glob("*.json")
     file.write_text('{"key": "', encoding="utf-8")
-    redone = costs.load_or_measure(model, *args, budget_s=0.5)
+    redone = measuring.load_or_measure(model, *args, budget_s=0.5)
     assert not redone.cached
     assert json.loads(file.read_text(encoding="utf-8"))["key"] == file.stem
-    assert costs.load_or_measure(None, *args, budget_s=0.5).cached
+    assert measuring.load_or_measure(None, *args, budget_s=0.5).cached
 
 
 def test_profile_key_changes_with_what_changes_the_numbers(tiny, tmp_path):
     folder = tmp_path / "model"
     shutil.copytree(tiny("llama"), folder)
-    base = costs.profile_key(str(folder), "cpu", "float32", [1, 2], [1, 2, 4])
-    assert costs.profile_key(str(folder), "cpu", "float32", [2, 1, 2], [4, 2, 1]) == base  # order-free
-    for other in (costs.profile_key(str(folder), "cpu", "bfloat16", [1, 2], [1, 2, 4]),
-                  costs.profile_key(str(folder), "cpu", "float32", [1], [1, 2, 4]),
-                  costs.profile_key(str(folder), "cpu", "float32", [1, 2], [1, 2]),
-                  costs.profile_key(str(folder), "cpu", "float32", [1, 2], [1, 2, 4], variant="early_exit:1")):
+    base = cache.profile_key(str(folder), "cpu", "float32", [1, 2], [1, 2, 4])
+    assert cache.profile_key(str(folder), "cpu", "float32", [2, 1, 2], [4, 2, 1]) == base  # order-free
+    for other in (cache.profile_key(str(folder), "cpu", "bfloat16", [1, 2], [1, 2, 4]),
+                  cache.profile_key(str(folder), "cpu", "float32", [1], [1, 2, 4]),
+                  cache.profile_key(str(folder), "cpu", "float32", [1, 2], [1, 2]),
+                  cache.profile_key(str(folder), "cpu", "float32", [1, 2], [1, 2, 4], variant="early_exit:1")):
         assert other != base
     config = json.loads((folder / "config.json").read_text())
     config["rms_norm_eps"] = 1e-5 if config.get("rms_norm_eps") != 1e-5 else 1e-6
     (folder / "config.json").write_text(json.dumps(config))
-    assert costs.profile_key(str(folder), "cpu", "float32", [1, 2], [1, 2, 4]) != base
+    assert cache.profile_key(str(folder), "cpu", "float32", [1, 2], [1, 2, 4]) != base
 
 
 def test_resolve_auto_dtype_on_cpu_measures_both_then_loads_only_the_winner(tiny):
@@ -312,24 +313,24 @@ def test_resolve_auto_dtype_on_cpu_measures_both_then_loads_only_the_winner(tiny
         loads.append(dtype)
         return load_causal_lm(path, "cpu", dtype)
 
-    model, profile = costs.resolve_auto_dtype(load, path, "cpu", [1], [1, 2, 4], budget_s=1.0)
+    model, profile = dtype_choice.resolve_auto_dtype(load, path, "cpu", [1], [1, 2, 4], budget_s=1.0)
     assert sorted(loads[:2]) == ["bfloat16", "float32"] and len(loads) <= 3  # a third load: the winner again
     assert set(profile.candidates) == {"float32", "bfloat16"}
     assert profile.dtype == min(profile.candidates, key=profile.candidates.get)
     assert {p.dtype for p in model.parameters()} == {DTYPES[profile.dtype]}
     del model
     loads.clear()
-    model, again = costs.resolve_auto_dtype(load, path, "cpu", [1], [1, 2, 4], budget_s=1.0)
+    model, again = dtype_choice.resolve_auto_dtype(load, path, "cpu", [1], [1, 2, 4], budget_s=1.0)
     assert loads == [profile.dtype]  # both profiles cached: only the winner is loaded
     assert again.cached and again.dtype == profile.dtype and again.candidates == profile.candidates
     assert {p.dtype for p in model.parameters()} == {DTYPES[profile.dtype]}
 
 
 def test_hardware_description():
-    flags = costs.hardware_flags()
+    flags = hardware.hardware_flags()
     assert set(flags) == {"avx2", "avx512_bf16", "amx", "gpu"}
     assert all(isinstance(flags[k], bool) for k in ("avx2", "avx512_bf16", "amx"))
-    assert isinstance(costs.cpu_model_name(), str) and costs.cpu_model_name()
+    assert isinstance(hardware.cpu_model_name(), str) and hardware.cpu_model_name()
 
 
 # ------------------------------------------------------------------------------------------ CLI
@@ -422,13 +423,13 @@ def test_verify_score_prefers_the_dtype_fast_at_its_best_shape():
     fp32 = NodeProfile("m", "cpu", "float32", {1: CostCurve([1, 8], [0.43, 1.39], 64),
                                                2: CostCurve([1, 8], [0.41, 1.35], 64)})
     sizes = [1, 2, 4, 8]
-    assert costs.verify_score(bf16, sizes) < costs.verify_score(fp32, sizes)
-    assert abs(costs.verify_score(bf16, [1]) - 0.22) < 1e-9  # k = 0 at every core
+    assert verify_score(bf16, sizes) < verify_score(fp32, sizes)
+    assert abs(verify_score(bf16, [1]) - 0.22) < 1e-9  # k = 0 at every core
 
 
 def test_a_thread_count_the_budget_cut_short_takes_the_shape_of_the_richest():
     measured = {1: {1: 0.4, 9: 3.0}, 2: {1: 0.3}}
-    costs.fill_from_richest(measured)
+    measuring.fill_from_richest(measured)
     assert measured[2] == {1: 0.3, 9: 0.3 * 3.0 / 0.4}
     assert measured[1] == {1: 0.4, 9: 3.0}
 
@@ -451,25 +452,26 @@ def test_a_busy_measurement_is_repeated_and_not_reused_from_the_cache(llama, cac
         return readings["others"] + 1e6, 0.0
 
     def measure(progress=None):
-        return costs.load_or_measure(model, str(path), "cpu", "float32", [1], [1, 2], budget_s=0.5, progress=progress)
+        return measuring.load_or_measure(model, str(path), "cpu", "float32", [1], [1, 2], budget_s=0.5,
+                                         progress=progress)
 
-    monkeypatch.setattr(costs, "_cpu_times", busy_times)
-    monkeypatch.setattr(costs, "BUSY_RETRY_PAUSE_S", 0.0)
+    monkeypatch.setattr(measuring, "_cpu_times", busy_times)
+    monkeypatch.setattr(measuring, "BUSY_RETRY_PAUSE_S", 0.0)
     lines: list[str] = []
     busy = measure(lines.append)
     assert not busy.quiet and any("busy" in line for line in lines) and any("next start" in line for line in lines)
     assert not measure().cached, "a busy profile is measured again at the next start"
-    monkeypatch.setattr(costs, "_cpu_times", lambda: (0.0, 0.0))  # a quiet machine
+    monkeypatch.setattr(measuring, "_cpu_times", lambda: (0.0, 0.0))  # a quiet machine
     quiet = measure()
     assert quiet.quiet and not quiet.cached
     cached = measure()
     assert cached.cached and cached.key == quiet.key
-    assert costs.mark_stale(cached.key)  # a node's rounds found it wrong: measured again next time
+    assert cache.mark_stale(cached.key)  # a node's rounds found it wrong: measured again next time
     assert not measure().cached
 
 
 def test_curve_check_flags_a_profile_its_forwards_keep_missing():
-    from shared.costs import CurveCheck
+    from shared.costs.cache import CurveCheck
 
     ok = CurveCheck()
     assert all(ok.observe(0.010, 0.011) is None for _ in range(64))
@@ -480,5 +482,12 @@ def test_curve_check_flags_a_profile_its_forwards_keep_missing():
 
 
 def test_measured_points_never_fall_with_more_tokens():
-    assert costs.nondecreasing([0.258, 0.290, 0.691, 0.302]) == [0.258, 0.290, 0.302, 0.302]
-    assert costs.nondecreasing([0.1, 0.2, 0.3]) == [0.1, 0.2, 0.3]
+    assert measuring.nondecreasing([0.258, 0.290, 0.691, 0.302]) == [0.258, 0.290, 0.302, 0.302]
+    assert measuring.nondecreasing([0.1, 0.2, 0.3]) == [0.1, 0.2, 0.3]
+
+
+def test_the_curve_type_loads_without_torch():
+    """shared.costs.curve is the type the wire and the cost model need; measuring (torch) lives beside it."""
+    code = "import sys, shared.costs.curve\nassert 'torch' not in sys.modules, 'shared.costs.curve imported torch'"
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr

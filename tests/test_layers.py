@@ -1,4 +1,4 @@
-"""Layers run one way: shared/ (bottom) -> verifier_node/, drafter_node/ -> runtime/, http_server/ (top).
+"""Layers run one way: shared/ (bottom) -> verifier_node/, drafter_node/ -> runtime/, http_server/, weights/ (top).
 
 Every ``.py`` under the layered packages is parsed with ``ast`` and every import, including those inside functions
 (a lazy import still ties the modules together), becomes an edge of the module graph. The tests assert that no edge
@@ -18,13 +18,15 @@ pytestmark = pytest.mark.unit
 ROOT = Path(__file__).resolve().parent.parent
 
 #: Layer of each top-level package; an import may only go to the same or a lower number. runtime/ starts the HTTP
-#: server (runtime/launch.py), so runtime/ and http_server/ form one top layer.
+#: server (runtime/launch.py), so runtime/ and http_server/ form one top layer. weights/ (the named models'
+#: installer) is up there too: the launcher installs, the nodes and shared/ only look a model's folder up.
 LAYERS: dict[str, int] = {
     "shared": 0,
     "verifier_node": 1,
     "drafter_node": 1,
     "runtime": 2,
     "http_server": 2,
+    "weights": 2,
 }
 
 
@@ -49,7 +51,7 @@ def _imported(node: ast.AST, module: str, is_package: bool, known: set[str]) -> 
         package = package[: len(package) - (node.level - 1)]
         base = ".".join([*package, base] if base else package)
     yield base
-    for alias in node.names:  # ``from shared import registry`` loads shared.registry
+    for alias in node.names:  # ``from shared import models`` loads shared.models
         if f"{base}.{alias.name}" in known:
             yield f"{base}.{alias.name}"
 

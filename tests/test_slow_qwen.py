@@ -10,7 +10,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from runtime.launch import cluster
-from shared.models import load_tokenizer, resolve_model
+from shared.models import load_tokenizer
+from weights import resolve_model
 
 pytestmark = pytest.mark.slow
 

@@ -13,7 +13,7 @@ from drafter_node.cost_model import CostBook
 from drafter_node.node_session import NodeSession, tree_block
 from drafter_node.schedule import CostSchedule
 from runtime.config import ConfigError, load_config
-from shared.costs import CostCurve
+from shared.costs.curve import CostCurve
 from shared.sampling import GenerationParams
 from verifier_node.session import Session
 from verifier_node.tree import DraftTree
@@ -92,6 +92,7 @@ def test_a_refused_tree_turns_trees_off_on_the_drafter_node():
 
     from drafter_node.node_handlers import MessageHandler
     from drafter_node.node_picker import LinkPacer, WorkPicker
+    from drafter_node.settings import DrafterConfig
     from shared.protocol import Error
 
     schedule = CostSchedule(4, 8, book(FLAT), lambda: 10, overlap=False, tree=True)
@@ -99,7 +100,7 @@ def test_a_refused_tree_turns_trees_off_on_the_drafter_node():
     picker.add(SimpleNamespace(sid=1, schedule=schedule))
     link = LinkPacer()
     link.welcomed = True
-    node = MessageHandler({"tree": True}, SimpleNamespace(), schedule.book, picker, link, rejoin=print)
+    node = MessageHandler(DrafterConfig(tree=True), SimpleNamespace(), schedule.book, picker, link, rejoin=print)
     assert node.trees is True
     assert node.on_error(Error(message="no trees here", code="tree_refused")) is None  # goes on serving
     assert node.trees is False and schedule.tree is False

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 import torch
 
 from shared.batch import Row, feed_rows
-from shared.costs import CurveCheck
+from shared.costs.cache import CurveCheck
 from shared.models import ThreadPlan, set_threads
 from verifier_node.scheduler import Scheduler
 from verifier_node.session import RoundPlan, RoundResult, Session

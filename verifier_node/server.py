@@ -36,7 +36,9 @@ import zmq
 
 from drafter_node.types import DRAFTER_TYPES
 from shared.batch import can_batch
-from shared.costs import CurveCheck, NodeProfile, measuring_alone
+from shared.costs.cache import CurveCheck
+from shared.costs.curve import NodeProfile
+from shared.costs.measure import measuring_alone
 from shared.kv import CachedLM, KVRowsError
 from shared.models import (
     ProfileSpec,

@@ -1,0 +1,63 @@
+"""The ``drafter`` section's keys every drafter type has, declared once (each type's own keys are declared in its
+spec, ``drafter_node/type_specs/<name>.py``). Here, beside the node, so the node reads its section typed;
+runtime/config_schema.py lists it with the other sections.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from drafter_node.schedule import SCHEDULES
+from drafter_node.types import DEFAULT_DRAFTER_TYPE
+from shared.node_keys import node_device, node_dtype, node_max_memory, node_profile_s, node_threads
+from shared.protocol import MAX_DRAFT_TOKENS
+from shared.settings import setting
+
+
+@dataclass(frozen=True)
+class DrafterConfig:
+    """``drafter``: the keys every drafter type has (each type's own keys are declared in its spec)."""
+
+    type: str = setting(
+        DEFAULT_DRAFTER_TYPE,
+        "assistant, prompt_lookup, early_exit, mtp, mtp_drafter or universal (see the per-type tables).",
+        kind="str",
+    )
+    model: Any = setting(
+        None, "Draft model; required by types that need one (some default it to verifier.model).", kind="str"
+    )
+    device: str = node_device()
+    dtype: str = node_dtype()
+    threads: Any = node_threads()
+    profile_s: float = node_profile_s()
+    num_draft_tokens: int = setting(
+        5, "Block length k (the starting value of an adaptive schedule).", kind="int", bounds=(1, MAX_DRAFT_TOKENS)
+    )
+    draft_schedule: str = setting(
+        "cost",
+        "cost: k (incl. 0), overlap or sync and rows from measured costs; or a fixed rule.",
+        kind="str",
+        choices=SCHEDULES,
+    )
+    max_draft_tokens: int = setting(
+        16, "Cap for the adaptive schedules (cost: the largest k).", kind="int", bounds=(1, MAX_DRAFT_TOKENS)
+    )
+    overlap: bool = setting(True, "false: synchronous mode (draft one block, wait for its commit).", kind="bool")
+    tree: bool = setting(False, "The cost schedule may send token trees (greedy, synchronous rounds).", kind="bool")
+    remember_acceptance: bool = setting(
+        True, "Start the cost schedule from this pair's earlier acceptance.", kind="bool"
+    )
+    batching: bool = setting(True, "Draft for several sessions in one batched forward.", kind="bool")
+    max_batch_sessions: int = setting(64, "Most sessions in one batched draft forward.", kind="int", bounds=(1, None))
+    q_top_k: int = setting(
+        64,
+        "q sent sparse: the top-m entries per position, by types that send q (0: full q).",
+        kind="int",
+        bounds=(0, None),
+    )
+    verifier_endpoint: Any = setting(None, "Verifier address to connect to (null: verifier.endpoint).", kind="str")
+    max_memory: Any = node_max_memory()
+    target_model: Any = setting(
+        None, "Target checkpoint read by types that read it (null: verifier.model).", kind="str"
+    )

@@ -1,0 +1,35 @@
+"""The config keys both nodes have (``verifier`` and ``drafter``): device, dtype, threads, profile budget and memory
+map, declared once. Each section's dataclass calls these (a dataclass needs a field object of its own)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from shared.models import AUTO, DTYPES
+from shared.settings import setting
+
+#: ``dtype``: auto or a torch dtype's name.
+DTYPE_CHOICES = (AUTO, *DTYPES)
+
+
+def node_device() -> Any:
+    return setting("cpu", "cpu, cuda, cuda:N, mps or auto (spread over GPUs with accelerate's device_map).", kind="str")
+
+
+def node_dtype() -> Any:
+    return setting("auto", "Weights dtype; auto: the fastest for its shapes, measured at start-up.", kind="str",
+                   choices=DTYPE_CHOICES)
+
+
+def node_threads() -> Any:
+    return setting("auto", "Torch threads; auto: every core while the other node idles, half while both work.",
+                   kind="int", bounds=(1, None), also=(AUTO,))
+
+
+def node_profile_s() -> Any:
+    return setting(20, "Start-up cost profile budget in seconds, cached on disk (0: none, learned online).",
+                   kind="number", bounds=(0, 600), unit="seconds", hint="0: no profile")
+
+
+def node_max_memory() -> Any:
+    return setting(None, "With device: auto, e.g. {0: 20GiB, 1: 20GiB}.")
