@@ -18,7 +18,6 @@ import pytest
 import zmq
 import zmq.asyncio
 from conftest import tiny_config
-from tiny_models import reference_greedy
 
 from runtime import security
 from runtime.client import AsyncClient
@@ -30,6 +29,7 @@ from shared import registry
 from shared.models import load_tokenizer, tokenizer_id
 from shared.protocol import Capabilities, Generate, Hello, decode, encode
 from shared.transport import Authenticator, ClientKeys, bind_router, connect_dealer
+from testkit.tiny_models import reference_greedy
 
 pytestmark = pytest.mark.cluster
 
