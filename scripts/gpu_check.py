@@ -3,7 +3,7 @@
 
 Everything is built on the spot (no downloads, no real weights) and the run prints one table:
 
-- ``a`` greedy identity: tiny Llama and Qwen2 targets (``tests/tiny_models.py``) with an identical and a random
+- ``a`` greedy identity: tiny Llama and Qwen2 targets (``testkit/tiny_models.py``) with an identical and a random
   drafter, in float32 and bfloat16. Each runs as a real cluster (``runtime.launch.cluster``, both nodes on
   ``--device``) and is compared token by token with transformers ``generate(do_sample=False)`` of the target alone on
   the same device and dtype. float32 must match everywhere (else the exit code is 1); bfloat16 is reported only,
@@ -46,8 +46,6 @@ import datetime as dt
 import gc
 import importlib
 import importlib.metadata
-import importlib.util
-import json
 import os
 import platform
 import statistics
@@ -60,7 +58,6 @@ from pathlib import Path
 from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-TINY_MODELS = REPO_ROOT / "tests" / "tiny_models.py"
 GPU_CONFIG = REPO_ROOT / "configs" / "gpu.yaml"
 DEFAULT_BUDGET_S = 270.0
 
@@ -219,12 +216,9 @@ def device_name(device: str) -> str:
 
 
 def load_tiny_models():
-    """``tests/tiny_models.py`` imported by path (the builders the tests use)."""
-    spec = importlib.util.spec_from_file_location("gpu_check_tiny_models", TINY_MODELS)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """:mod:`testkit.tiny_models`, the builders the tests use (imported late: the repo root goes on the path in
+    :func:`main` first)."""
+    return importlib.import_module("testkit.tiny_models")
 
 
 def sync(device: str) -> None:
@@ -630,6 +624,8 @@ def main(argv: list[str] | None = None) -> int:
               "`python3 scripts/gpu_check.py --install-wheels wheels ...` (see the script's docstring).",
               file=sys.stderr)
         return 2
+    # a bare GPU machine runs this from a copy of the tree, no install: the repo root makes runtime/ and testkit/
+    # importable (the nodes get it through PYTHONPATH)
     sys.path.insert(0, str(REPO_ROOT))
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import torch
@@ -672,8 +668,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "gpu_check.md").write_text(text)
-        (args.out / "gpu_check.json").write_text(json.dumps(
-            {"meta": meta, "rows": report.rows, "notes": notes, "raw": report.raw}, indent=1))
+        from benchmarks.results import write_result  # importable once main() put the repo root on the path
+
+        write_result(args.out / "gpu_check.json",
+                     {"meta": meta, "rows": report.rows, "notes": notes, "raw": report.raw})
     return 1 if report.failed else 0
 
 

@@ -15,7 +15,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tiny_models import build_model, build_small_vocab_tokenizer, build_tokenizer
+from testkit.tiny_models import build_model, build_small_vocab_tokenizer, build_tokenizer
 
 torch.set_num_threads(1)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -10,13 +10,13 @@ import pytest
 import torch
 from conftest import tiny_config, wait_for_drafter
 from node_entry import node_entry
-from tiny_models import reference_greedy
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from runtime.launch import cluster
 from shared.batch import Row, can_batch, feed_rows
 from shared.kv import CachedLM
 from shared.sampling import GenerationParams
+from testkit.tiny_models import reference_greedy
 from verifier_node.session import Session
 
 pytestmark = pytest.mark.cluster

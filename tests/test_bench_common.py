@@ -1,30 +1,20 @@
-"""The benchmark machinery of scripts/bench_common.py on tiny models: the persistent transformers worker answers
+"""The benchmark machinery of the benchmarks package on tiny models: the persistent transformers worker answers
 like transformers itself, the pass planner packs setups into a memory budget with the reference in every pass, and
 the runner interleaves rows prompt by prompt (transformers workers and a real pipespec cluster)."""
 
 from __future__ import annotations
 
 import asyncio
-import sys
 from pathlib import Path
 
 import pytest
 from conftest import tiny_config
-from tiny_models import reference_greedy
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-from bench_common import (
-    ClusterSetup,
-    HFSetup,
-    Row,
-    Runner,
-    Worker,
-    WorkerError,
-    plan_passes,
-    rotated,
-    tps,
-    vs_anchor,
-)
+from benchmarks.passes import ClusterSetup, HFSetup, Row, plan_passes, rotated
+from benchmarks.runner import Runner
+from benchmarks.summary import tps, vs_anchor
+from benchmarks.workers import Worker, WorkerError
+from testkit.tiny_models import reference_greedy
 
 pytestmark = pytest.mark.cluster
 

@@ -1,19 +1,16 @@
-"""scripts/bench_concurrency.py: its helpers (percentiles, ratios, pong deltas, a level's summary), transformers'
+"""benchmarks/concurrency.py: its helpers (percentiles, ratios, pong deltas, a level's summary), transformers'
 left-padded batched generate against unpadded greedy decoding, and one end-to-end run on a small random pair
 (``--random``, float32) whose pipespec rows must match transformers' batched row token for token."""
 
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
-from tiny_models import reference_greedy
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-import bench_concurrency as bc
-from bench_common import generate_batch
+import benchmarks.concurrency as bc
+from benchmarks.workers import generate_batch
+from testkit.tiny_models import reference_greedy
 
 pytestmark = pytest.mark.cluster
 
@@ -121,7 +118,7 @@ def test_generate_batch_left_pads_like_unpadded_greedy(tiny):
 
 
 def test_the_headline_pair_shares_a_pass_when_the_setups_do_not_all_fit():
-    from bench_common import ClusterSetup, HFSetup, Row, plan_passes
+    from benchmarks.passes import ClusterSetup, HFSetup, Row, plan_passes
 
     keys = list(bc.ROW_DEFS)
     assert bc.pass_units(keys) == [["pipespec-batched", "hf-batched"], ["pipespec-unbatched"], ["hf-assisted"]]

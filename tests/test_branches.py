@@ -10,7 +10,6 @@ import math
 
 import pytest
 import torch
-from tiny_models import build_gemma4_pair
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from transformers import AutoModelForCausalLM, DynamicCache
@@ -21,6 +20,7 @@ from drafter_node.branches import Branches, rank_outcomes, supports_flat_rows
 from drafter_node.lm_drafter import LMDraftSession, choose
 from shared.kv import CachedLM
 from shared.sampling import GenerationParams
+from testkit.tiny_models import build_gemma4_pair
 
 pytestmark = pytest.mark.unit
 

@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import tiny_config
-from tiny_models import reference_greedy
 
 from runtime.client import AsyncClient, Chunk, PipespecError
 from runtime.launch import REPO_ROOT, cluster
 from shared.models import load_tokenizer
+from testkit.tiny_models import reference_greedy
 
 pytestmark = pytest.mark.cluster
 

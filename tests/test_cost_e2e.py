@@ -17,9 +17,9 @@ import pytest
 from conftest import hand_played, peer_messages, peer_socket, tiny_config, wait_for_drafter
 from node_entry import costs_entry as costs
 from sampling_check import check_lossless_sampling, exact_joint
-from tiny_models import reference_greedy
 
 from runtime.launch import cluster
+from testkit.tiny_models import reference_greedy
 
 pytestmark = pytest.mark.cluster
 

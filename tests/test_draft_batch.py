@@ -15,7 +15,6 @@ import pytest
 import torch
 from conftest import tiny_config
 from node_entry import node_entry
-from tiny_models import reference_greedy
 from transformers import AutoModelForCausalLM
 
 import drafter_node.node
@@ -28,6 +27,7 @@ from runtime.security import drafter_links
 from shared.batch import feed_rows
 from shared.protocol import SessionStart
 from shared.sampling import GenerationParams
+from testkit.tiny_models import reference_greedy
 
 pytestmark = pytest.mark.cluster
 
@@ -177,7 +177,7 @@ def test_pre_draft_rows_of_several_sessions_in_one_forward(tiny, arch, attn):
 
 
 def test_sessions_that_cannot_batch_step_alone(tiny, model_dir, tokenizer_dir):
-    from tiny_models import build_gemma4_pair
+    from testkit.tiny_models import build_gemma4_pair
 
     gemma, _ = build_gemma4_pair(model_dir / "draftbatch", tokenizer_dir)
     model = load(gemma)

@@ -10,12 +10,12 @@ import pytest
 import torch
 from conftest import tiny_config
 from sampling_check import check_lossless_sampling, exact_joint, tv
-from tiny_models import build_model, build_small_vocab_tokenizer, reference_greedy
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from drafter_node.early_exit import EarlyExitDrafter
 from runtime.config import ConfigError, load_config
 from runtime.launch import cluster
+from testkit.tiny_models import build_model, build_small_vocab_tokenizer, reference_greedy
 
 pytestmark = pytest.mark.cluster
 

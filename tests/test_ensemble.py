@@ -9,9 +9,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import math
-import sys
 import threading
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,7 +17,6 @@ import zmq
 import zmq.asyncio
 from conftest import tiny_config
 from sampling_check import PROMPT, VOCAB, exact_joint, tv
-from tiny_models import reference_greedy
 
 from drafter_node.lm_drafter import choose
 from runtime.client import PipespecError
@@ -28,6 +25,7 @@ from runtime.launch import cluster
 from runtime.security import drafter_links
 from shared.protocol import Capabilities, Error, Hello, Welcome, decode, encode
 from shared.sampling import GenerationParams, make_generator
+from testkit.tiny_models import reference_greedy
 from verifier_node.acceptance import accept_greedy, accept_sampling, ensemble_targets
 
 pytestmark = pytest.mark.cluster
@@ -325,8 +323,7 @@ def test_drafter_node_refused_at_connect_exits_with_the_message(tiny, capsys):
 @pytest.mark.slow
 def test_qwen_pair_acceptance_gain_at_w_07():
     """Acceptance at w = 0.7 is at least the lossless acceptance on the same 2 prompts (Qwen 1.5B + 0.5B)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-    from ensemble_gain import load_prompts, measure
+    from benchmarks.ensemble_gain import load_prompts, measure
 
     rows = asyncio.run(measure("cpu.yaml", load_prompts(None, 2), max_new_tokens=48, weights=[None, 0.7]))
     lossless, ensemble = rows

@@ -10,7 +10,6 @@ import pytest
 import zmq
 import zmq.asyncio
 from conftest import hand_played, peer_socket, tiny_config, wait_for_drafter
-from tiny_models import build_model, build_small_vocab_tokenizer, reference_greedy
 
 from runtime.client import AsyncClient, Chunk, PipespecError
 from runtime.launch import LaunchError, cluster
@@ -26,6 +25,7 @@ from shared.protocol import (
     decode,
     encode,
 )
+from testkit.tiny_models import build_model, build_small_vocab_tokenizer, reference_greedy
 
 pytestmark = pytest.mark.cluster
 

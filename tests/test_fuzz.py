@@ -31,7 +31,6 @@ import msgpack
 import pytest
 from conftest import peer_socket, tiny_config, wait_for_drafter
 from fuzz_messages import Mutator, samples
-from tiny_models import reference_greedy
 
 from runtime.launch import cluster
 from shared.models import load_tokenizer, tokenizer_id
@@ -51,6 +50,7 @@ from shared.protocol import (
     encode,
 )
 from shared.sampling import GenerationParams, ParamError
+from testkit.tiny_models import reference_greedy
 
 pytestmark = pytest.mark.cluster
 

@@ -11,9 +11,9 @@ import asyncio
 
 import pytest
 from conftest import tiny_config
-from tiny_models import reference_greedy
 
 from runtime.launch import cluster
+from testkit.tiny_models import reference_greedy
 
 pytestmark = pytest.mark.cluster
 

@@ -11,11 +11,9 @@ import json
 import shutil
 import socket
 import subprocess
-import sys
 import time
 import types
 import urllib.request
-from pathlib import Path
 
 import openai
 import pytest
@@ -23,12 +21,10 @@ import yaml
 from conftest import tiny_config
 from prometheus_client.parser import text_string_to_metric_families
 
+from benchmarks.http_overhead import free_port, start_launcher  # the benchmark starts its launcher the same way
 from runtime.client import AsyncClient, Chunk
 from runtime.config import load_config
 from runtime.launch import serve_http, stop_process
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-from bench_http import free_port, start_launcher  # the benchmark starts its launcher the same way
 
 pytestmark = pytest.mark.cluster
 

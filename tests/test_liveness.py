@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import peer_socket, tiny_config
-from tiny_models import reference_greedy
 
 from runtime.client import AsyncClient, Chunk, PipespecError
 from runtime.launch import REPO_ROOT, cluster
 from shared.protocol import MAX_HEADER_BYTES, Error, Generate, Ping, decode, encode
+from testkit.tiny_models import reference_greedy
 
 pytestmark = pytest.mark.cluster
 

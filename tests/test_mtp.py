@@ -14,8 +14,6 @@ import safetensors
 import torch
 from conftest import tiny_config
 from sampling_check import check_lossless_sampling, exact_joint
-from tiny_models import build_small_vocab_tokenizer, build_tokenizer, reference_greedy
-from tiny_mtp import build_mtp_model
 from transformers import AutoModelForCausalLM
 
 from drafter_node.base import DraftToken
@@ -23,6 +21,8 @@ from drafter_node.mtp import MTPDrafter, MTPError
 from runtime.config import ConfigError, load_config
 from runtime.launch import cluster
 from shared.sampling import GenerationParams
+from testkit.tiny_models import build_small_vocab_tokenizer, build_tokenizer, reference_greedy
+from testkit.tiny_mtp import build_mtp_model
 
 pytestmark = pytest.mark.cluster
 

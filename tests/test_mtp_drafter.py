@@ -12,7 +12,6 @@ import safetensors
 import torch
 from conftest import tiny_config
 from sampling_check import check_lossless_sampling, exact_joint
-from tiny_models import build_gemma4_pair, build_small_vocab_tokenizer, reference_greedy
 from transformers import AutoModelForCausalLM
 
 from drafter_node.mtp_drafter import AssistantMTPDrafter, MTPDrafterError
@@ -21,6 +20,7 @@ from runtime.launch import cluster
 from shared.kv import CachedLM, KVRowsError
 from shared.protocol import split_state
 from shared.sampling import GenerationParams
+from testkit.tiny_models import build_gemma4_pair, build_small_vocab_tokenizer, reference_greedy
 from verifier_node.session import Session
 
 pytestmark = pytest.mark.cluster
@@ -301,8 +301,9 @@ def agreeing_gemma4(gemma4, tokenizer_dir, tmp_path_factory):
     the target's own greedy tokens, so blocks are accepted whole (every committed row streamed, chains kept)."""
     root = tmp_path_factory.mktemp("agreeing")
     target = AutoModelForCausalLM.from_pretrained(gemma4[0], dtype=torch.float32)
-    from tiny_models import gemma4_text_config
     from transformers import AutoTokenizer, Gemma4AssistantConfig, Gemma4AssistantForCausalLM
+
+    from testkit.tiny_models import gemma4_text_config
 
     text = gemma4_text_config(target.config.vocab_size, 64, ["sliding_attention", "full_attention"],
                               hidden_size_per_layer_input=0, vocab_size_per_layer_input=0)

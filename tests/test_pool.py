@@ -17,12 +17,12 @@ import pytest
 import yaml
 from conftest import peer_socket, tiny_config
 from test_client import _free_port
-from tiny_models import reference_greedy
 
 from runtime.client import AsyncClient, PipespecError
 from runtime.launch import REPO_ROOT, cluster
 from shared.models import load_tokenizer, tokenizer_id
 from shared.protocol import Capabilities, Heartbeat, Hello, SessionStart, decode, encode
+from testkit.tiny_models import reference_greedy
 
 pytestmark = pytest.mark.cluster
 

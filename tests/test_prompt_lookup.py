@@ -8,11 +8,11 @@ import asyncio
 import pytest
 from conftest import tiny_config
 from sampling_check import check_lossless_sampling, exact_joint
-from tiny_models import reference_greedy
 
 from drafter_node.prompt_lookup import lookup
 from runtime.config import ConfigError, load_config
 from runtime.launch import cluster
+from testkit.tiny_models import reference_greedy
 
 pytestmark = pytest.mark.cluster
 

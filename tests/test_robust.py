@@ -20,7 +20,6 @@ import torch
 import zmq
 import zmq.asyncio
 from conftest import peer_socket, tiny_config, wait_for_drafter
-from tiny_models import reference_greedy
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from runtime.client import PipespecError
@@ -41,6 +40,7 @@ from shared.protocol import (
     decode,
     encode,
 )
+from testkit.tiny_models import reference_greedy
 
 pytestmark = pytest.mark.cluster
 

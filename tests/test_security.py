@@ -18,7 +18,6 @@ import pytest
 import zmq
 import zmq.asyncio
 from conftest import tiny_config
-from tiny_models import reference_greedy
 
 from runtime import security
 from runtime.client import AsyncClient
@@ -29,6 +28,7 @@ from runtime.launch import Cluster, LaunchError, cluster
 from shared.models import load_tokenizer, tokenizer_id
 from shared.protocol import Capabilities, Generate, Hello, decode, encode
 from shared.transport import Authenticator, ClientKeys, bind_router, connect_dealer
+from testkit.tiny_models import reference_greedy
 from weights import install
 
 pytestmark = pytest.mark.cluster

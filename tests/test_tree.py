@@ -14,7 +14,6 @@ import time
 import pytest
 import torch
 from sampling_check import PROMPT, TV_BOUND, VOCAB, exact_joint, tv
-from tiny_models import reference_greedy
 from transformers import AutoModelForCausalLM
 
 from drafter_node.cost_model import Acceptance
@@ -22,6 +21,7 @@ from drafter_node.tree_plan import TreePlan, expected_tokens, plan_from_acceptan
 from shared.batch import feed_rows
 from shared.kv import CachedLM
 from shared.sampling import GenerationParams, make_generator, process_block, sample
+from testkit.tiny_models import reference_greedy
 from verifier_node.acceptance import accept_greedy
 from verifier_node.tree import (
     DraftTree,

@@ -17,9 +17,9 @@ import pytest
 import torch
 from conftest import hand_played, peer_messages, peer_socket, tiny_config, wait_for_drafter
 from node_entry import costs_entry as costs
-from tiny_models import reference_greedy
 
 from runtime.launch import cluster
+from testkit.tiny_models import reference_greedy
 
 pytestmark = pytest.mark.cluster
 

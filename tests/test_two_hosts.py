@@ -17,15 +17,14 @@ from pathlib import Path
 
 import pytest
 from conftest import tiny_config
-from tiny_models import reference_greedy
 
 from runtime.keys import client_keys, init, peer_keys
 from runtime.launch import cluster
 from shared.protocol import SCHEMA_VERSION
+from testkit.netns import NetnsPair, delay_proxy, netns_pair, unavailable_reason
+from testkit.tiny_models import reference_greedy
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT / "scripts"))
-from netns import NetnsPair, delay_proxy, netns_pair, unavailable_reason  # noqa: E402
 
 pytestmark = pytest.mark.netns
 

@@ -17,7 +17,6 @@ import pytest
 import torch
 from conftest import tiny_config
 from sampling_check import TV_BOUND, check_lossless_sampling, exact_joint, sample_pairs, tv
-from tiny_models import CHAT_TEMPLATE, CORPUS, build_model, reference_greedy
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
@@ -26,6 +25,7 @@ from runtime.config import ConfigError, load_config
 from runtime.launch import LaunchError, cluster
 from shared.models import tokenizer_id
 from shared.sampling import GenerationParams
+from testkit.tiny_models import CHAT_TEMPLATE, CORPUS, build_model, reference_greedy
 
 pytestmark = pytest.mark.cluster
 

@@ -9,13 +9,13 @@ import threading
 import pytest
 import torch
 import zmq
-from tiny_models import reference_greedy
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from shared.batch import can_batch
 from shared.kv import CachedLM
 from shared.models import ThreadPlan
 from shared.protocol import Done, Generate, Ping, Pong, decode, encode
+from testkit.tiny_models import reference_greedy
 from verifier_node.scheduler import BatchLimits
 from verifier_node.server import VerifierServer, VerifierSettings, VerifierSockets
 

@@ -13,10 +13,10 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
-from tiny_models import save_tiny
 from transformers import AutoModelForCausalLM, DeepseekV3Config, Glm4MoeConfig, PreTrainedTokenizerFast
 
 from drafter_node.mtp import MTPModule, _modeling_classes
+from testkit.tiny_models import save_tiny
 
 
 def mtp_config(arch: str, vocab_size: int, mtp_layers: int, layers: int = 2):

@@ -1,0 +1,312 @@
+"""Benchmark every drafter type against the target alone and against transformers' own implementation of the
+same strategy, interleaved prompt by prompt, on the real models of this machine (see the README, "Models").
+
+Each type runs on the prompts where it makes sense:
+
+- ``edit`` prompts (``scripts/prompts/edit_prompts.json``: code-edit requests that repeat their input) for prompt
+  lookup;
+- ``code`` prompts (``scripts/prompts/code_prompts.json``) for the model-based types.
+
+Every prompt set has its own reference row, transformers ``generate(do_sample=False)`` on the target alone in the
+same dtype at all threads (``--hf-threads``); each other row's tokens/s is divided by it and its output compared
+with it token by token (mismatches are counted, never hidden). Rows (greedy, chat template of the target, one
+warm-up generation per row):
+
+===================  ==========================================================================================
+``target-code``      transformers target alone, code prompts (reference)
+``hf-assistant``     transformers assisted generation with the 0.5B drafter
+``pipespec-assistant``  ``configs/cpu.yaml``
+``pipespec-ensemble``   ``configs/cpu.yaml`` with ``verification.ensemble_weight`` = ``--ensemble-weight`` (lossy by
+                     design: its mismatches are expected; the point is the acceptance next to ``pipespec-assistant``)
+``hf-early-exit``    transformers ``assistant_early_exit=E`` (E from ``configs/early_exit.yaml``)
+``pipespec-early-exit`` ``configs/early_exit.yaml``
+``hf-universal``     transformers universal assisted decoding (``assistant_model``, ``tokenizer``,
+                     ``assistant_tokenizer``) with the drafter of ``configs/universal.yaml``
+``pipespec-universal``  ``configs/universal.yaml``
+``target-edit``      transformers target alone, edit prompts (reference)
+``hf-prompt-lookup`` transformers ``prompt_lookup_num_tokens`` / ``max_matching_ngram_size`` from
+                     ``configs/prompt_lookup.yaml``
+``pipespec-prompt-lookup`` ``configs/prompt_lookup.yaml``
+===================  ==========================================================================================
+
+The transformers rows share one persistent worker subprocess (``--hf-threads`` threads, ``--dtype``) that holds the
+target and loads each assistant once; each pipespec row is one cluster kept open across prompts (the configs' thread
+counts, one per node; ``--dtype`` overrides their dtype when it differs). For each prompt every row runs once before
+the next prompt starts, in an order rotated per prompt. When not all clusters fit in memory (``--memory-gib``) the
+rows are grouped into passes, each type with transformers' same strategy and its reference, interleaved within the
+pass. ``mtp`` and ``mtp_drafter`` need checkpoints this machine does not have (DeepSeek-V3 / GLM-4.5 with MTP layers,
+a Gemma 4 target with its -assistant); the table says so instead of inventing a row.
+
+Outputs in ``--out`` (default ``results/``): ``types.md`` and ``types.json`` (rewritten after every prompt).
+
+Usage::
+
+    .venv/bin/python scripts/bench_types.py                                   # all rows, 5 prompts × 96 tokens
+    .venv/bin/python scripts/bench_types.py --rows target-edit,hf-prompt-lookup,pipespec-prompt-lookup
+    .venv/bin/python scripts/bench_types.py --prompts 1 --max-new-tokens 8 --out /tmp/t   # a quick smoke
+    .venv/bin/python scripts/bench_types.py --dry-run                         # the passes, without running
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from benchmarks.machine import available_threads, machine_info, memory_budget_gib
+from benchmarks.models import DTYPE_TAGS, cluster_models, model_gib
+from benchmarks.passes import ClusterSetup, HFSetup, Row, plan_passes, plan_text, select_rows
+from benchmarks.progress import log, utc_now
+from benchmarks.prompts import chat_prompts
+from benchmarks.results import write_result
+from benchmarks.runner import Runner
+from benchmarks.summary import speed_ratio, start_row, token_mismatches, tps, vs_anchor
+from benchmarks.tables import fmt, header_lines, md_table
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+PROMPT_SETS = {"code": REPO_ROOT / "scripts" / "prompts" / "code_prompts.json",
+               "edit": REPO_ROOT / "scripts" / "prompts" / "edit_prompts.json"}
+REFERENCES = {"code": "target-code", "edit": "target-edit"}
+
+# key -> (label, drafter type, runner, prompt set, config); runner "hf:<strategy>" or "pipespec". Table order.
+ROWS: dict[str, tuple[str, str, str, str, str]] = {
+    "target-code": ("hf target alone", "—", "hf:target", "code", "cpu.yaml"),
+    "hf-assistant": ("hf assisted", "assistant", "hf:assistant", "code", "cpu.yaml"),
+    "pipespec-assistant": ("pipespec assistant", "assistant", "pipespec", "code", "cpu.yaml"),
+    "pipespec-ensemble": ("pipespec assistant + ensemble", "assistant+ensemble", "pipespec", "code", "cpu.yaml"),
+    "hf-early-exit": ("hf early exit", "early_exit", "hf:early_exit", "code", "early_exit.yaml"),
+    "pipespec-early-exit": ("pipespec early_exit", "early_exit", "pipespec", "code", "early_exit.yaml"),
+    "hf-universal": ("hf universal", "universal", "hf:universal", "code", "universal.yaml"),
+    "pipespec-universal": ("pipespec universal", "universal", "pipespec", "code", "universal.yaml"),
+    "target-edit": ("hf target alone (edit prompts)", "—", "hf:target", "edit", "prompt_lookup.yaml"),
+    "hf-prompt-lookup": ("hf prompt lookup", "prompt_lookup", "hf:prompt_lookup", "edit", "prompt_lookup.yaml"),
+    "pipespec-prompt-lookup": ("pipespec prompt_lookup", "prompt_lookup", "pipespec", "edit", "prompt_lookup.yaml"),
+}
+NOT_RUNNABLE = {
+    "mtp": "needs a DeepSeek-V3 / GLM-4.5 checkpoint with MTP layers (none installable here)",
+    "mtp_drafter": "needs a Gemma 4 target and its -assistant checkpoint (none installable here)",
+}
+
+
+def strategy_of(key: str) -> str:
+    """The strategy group of a row: its drafter type without the ensemble suffix; references have none."""
+    return ROWS[key][1].split("+")[0]
+
+
+def hf_same_strategy(key: str) -> str | None:
+    """The transformers row a pipespec row is compared with."""
+    return next((k for k, row in ROWS.items() if row[2] == f"hf:{strategy_of(key)}"), None)
+
+
+# ---------------------------------------------------------------------------------------------- report
+
+
+def summarize(key: str, report: dict[str, Any]) -> dict[str, Any]:
+    label, kind, runner, prompt_set, config = ROWS[key]
+    raw = report["raw"].get(key) or {"per_prompt": [], "pass": None}
+    row: dict[str, Any] = {"key": key, "label": label, "type": kind, "prompt_set": prompt_set, "config": config}
+    pp = start_row(row, raw)
+    if not pp:
+        return row
+    names = ("drafts", "draft_tokens", "accepted_tokens", "rounds")
+    s = None if runner == "hf:target" else {
+        n: sum((p.get("stats") or p.get("metrics"))[n] for p in pp) for n in names}
+    if s and s["draft_tokens"]:
+        row |= {"alpha": s["accepted_tokens"] / s["draft_tokens"], "tau": 1 + s["accepted_tokens"] / s["drafts"],
+                "k": s["draft_tokens"] / s["drafts"], "drafts": s["drafts"], "rounds": s["rounds"]}
+    elif s:
+        row |= {"alpha": 0.0, "tau": 1.0, "drafts": 0, "rounds": s["rounds"]}
+    ref_key = REFERENCES[prompt_set]
+    row["vs_target"] = vs_anchor(report, key, ref_key)
+    ref = report["raw"].get(ref_key)
+    if ref and ref["per_prompt"] and key != ref_key:
+        row["mismatches"] = len(token_mismatches(pp, ref["per_prompt"]))
+        row["compared"] = min(len(pp), len(ref["per_prompt"]))
+    same = hf_same_strategy(key) if runner == "pipespec" else None
+    other = report["raw"].get(same or "")
+    if other and other["per_prompt"]:
+        if other["pass"] == raw["pass"]:
+            row["vs_hf_same"] = speed_ratio(pp, other["per_prompt"])
+        elif row["vs_target"] and vs_anchor(report, same, ref_key):  # across passes: through the references
+            row["vs_hf_same"] = row["vs_target"] / vs_anchor(report, same, ref_key)
+        row["hf_same_vs_target"] = vs_anchor(report, same, ref_key)
+    return row
+
+
+def write_markdown(path: Path, report: dict[str, Any]) -> None:
+    meta = report["meta"]
+    lines = [
+        "# pipespec drafter types benchmark",
+        "",
+        *header_lines(meta),
+        f"- greedy; {meta['prompts']} prompts per set, max_new_tokens {meta['max_new_tokens']}",
+        f"- ensemble weight w = {meta['ensemble_weight']}",
+        "- vs target = tokens/s ÷ the target alone on the same prompts in the same pass (transformers, same dtype, "
+        f"{meta['hf_threads']} threads); vs hf = ÷ transformers' same strategy (in brackets: that row's own ratio to "
+        "the target); mismatches = prompts whose tokens differ from the target alone",
+        "",
+    ]
+    table, notes = [], []
+    for r in report["rows"]:
+        if "tokens_per_s" not in r:
+            table.append([r["label"], r["type"], r["prompt_set"], f"`{r['config']}`", str(r["pass"] or "—"),
+                          "error", *[""] * 6])
+            notes.append(f"- {r['label']} failed: `{r['error'].splitlines()[0][:300]}`")
+            continue
+        if "error" in r:
+            notes.append(f"- {r['label']} failed after {r['prompts']} prompt(s): `{r['error'].splitlines()[0][:300]}`")
+        mism = f"{r['mismatches']}/{r['compared']}" if "mismatches" in r else "ref"
+        hf_same = fmt(r.get("vs_hf_same"), ".2f", "×")
+        if r.get("hf_same_vs_target"):
+            hf_same += f" ({r['hf_same_vs_target']:.2f}×)"
+        table.append([r["label"] + (" (partial)" if "error" in r else ""), r["type"], r["prompt_set"],
+                      f"`{r['config']}`", str(r["pass"]), f"{r['tokens_per_s']:.2f}", fmt(r.get("alpha")),
+                      fmt(r.get("tau")), fmt(r.get("k")), fmt(r.get("vs_target"), ".2f", "×"), hf_same, mism])
+    for kind, why in NOT_RUNNABLE.items():
+        table.append([f"pipespec {kind}", kind, "—", "—", "—", f"not run: {why}", *[""] * 6])
+    lines += md_table(["row", "type", "prompts", "config", "pass", "tok/s", "α", "τ", "k", "vs target",
+                       "vs hf same strategy", "mismatches"], table, "lllll" + "r" * 7)
+    for key, r in report["raw"].items():
+        if "hf" in r:
+            notes.append(f"- {ROWS[key][0]}: transformers used `{r['hf']['generator']}` with "
+                         f"{r['hf']['settings'] or '—'}")
+    for ref in REFERENCES.values():
+        repeats = report.get("anchor_runs", {}).get(ref, {})
+        if repeats and ref in report["raw"]:
+            own = report["raw"][ref]
+            speeds = {own["pass"]: own["per_prompt"], **{int(p): r["per_prompt"] for p, r in repeats.items()}}
+            notes.append(f"- `{ref}` per pass (a host that changed speed between passes shows here): " + ", ".join(
+                f"pass {p} {fmt(tps(pp))} tok/s" for p, pp in sorted(speeds.items()) if pp))
+    path.write_text("\n".join(lines + (["", "Notes:", *notes] if notes else [])) + "\n")
+
+
+# ---------------------------------------------------------------------------------------------- main
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog="rows: " + ", ".join(ROWS))
+    p.add_argument("--out", type=Path, default=REPO_ROOT / "results", help="output folder (default: results/)")
+    p.add_argument("--rows", default=",".join(ROWS), help="comma list of row keys or key prefixes (default: all)")
+    p.add_argument("--prompts", type=int, default=5, help="prompts per set, from the start of each file (default: 5)")
+    p.add_argument("--max-new-tokens", type=int, default=96, help="new tokens per prompt (default: 96)")
+    p.add_argument("--hf-threads", type=int, default=None,
+                   help="threads of the transformers worker (default: all usable, the affinity count)")
+    p.add_argument("--dtype", choices=list(DTYPE_TAGS), default=None,
+                   help="dtype of every row: the transformers worker and, by override, the pipespec configs "
+                        "(default: the configs' own, bfloat16)")
+    p.add_argument("--ensemble-weight", type=float, default=0.7,
+                   help="verification.ensemble_weight of the pipespec-ensemble row (default: 0.7)")
+    p.add_argument("--memory-gib", type=float, default=None,
+                   help="memory the setups of one pass may use together (default: 90%% of MemAvailable at start)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the rows, the passes and their estimated memory, and exit without running (named models "
+                        "that are missing are installed first, as a run would)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    keys = select_rows(args.rows, list(ROWS), "bench_types")
+    from runtime.config import load_config
+    from shared.models import load_tokenizer
+    from weights import resolve_model
+
+    base = load_config("cpu.yaml")
+    # transformers rows: --dtype, else the config's (bf16 for auto: the fastest transformers setup measured on CPUs
+    # so far); pipespec rows keep their config's dtype (auto: chosen at start-up) unless --dtype is given
+    dtype = args.dtype or (base["verifier"]["dtype"] if base["verifier"]["dtype"] != "auto" else "bfloat16")
+    threads = args.hf_threads or available_threads()
+    device = "cpu"
+    target_path = resolve_model(base["verifier"]["model"])
+    tokenizer = load_tokenizer(target_path)
+    prompts = {name: chat_prompts(tokenizer, [p["messages"] for p in json.loads(path.read_text())[: args.prompts]])
+               for name, path in PROMPT_SETS.items()}
+
+    hf = HFSetup(f"hf-{DTYPE_TAGS[dtype]}-{threads}t", dtype, threads, device, target_path,
+                 model_gib(target_path, dtype))
+    setups: dict[str, HFSetup | ClusterSetup] = {hf.key: hf}
+    rows: dict[str, Row] = {}
+    for key in keys:
+        label, kind, runner, prompt_set, config = ROWS[key]
+        d = load_config(config)["drafter"]
+        anchor = REFERENCES[prompt_set] if REFERENCES[prompt_set] in keys and key != REFERENCES[prompt_set] else None
+        if runner == "pipespec":
+            overrides: dict[str, Any] = {}
+            if kind.endswith("ensemble"):
+                overrides["verification.ensemble_weight"] = args.ensemble_weight
+            v = load_config(config)
+            for section in ("verifier", "drafter"):
+                if args.dtype and v[section]["dtype"] != dtype:
+                    overrides[f"{section}.dtype"] = dtype
+            v = load_config(config, overrides)
+            setups[key] = ClusterSetup(key, config, overrides, cluster_models(v),
+                                       processes=2 if v["launch"]["start_drafter"] else 1)
+            rows[key] = Row(key, label, key, prompt_set, anchor=anchor)
+            continue
+        strategy: dict[str, Any] = {"kind": runner.split(":", 1)[1]}
+        models: dict[str, float] = {}
+        if strategy["kind"] in ("assistant", "universal"):
+            strategy["model"] = resolve_model(d["model"])
+            models[strategy["model"]] = model_gib(strategy["model"], dtype)
+        elif strategy["kind"] == "early_exit":
+            strategy["assistant_early_exit"] = d["assistant_early_exit"]
+        elif strategy["kind"] == "prompt_lookup":
+            strategy |= {"prompt_lookup_num_tokens": d["prompt_lookup_num_tokens"],
+                         "max_matching_ngram_size": d["max_matching_ngram_size"]}
+        rows[key] = Row(key, label, hf.key, prompt_set, strategy=strategy, anchor=anchor, models=models)
+
+    # units: the references first (measured in pass 1), then each type with transformers' same strategy
+    units = [[k for k in REFERENCES.values() if k in rows]]
+    for key in rows:
+        group = strategy_of(key)
+        if group != "—":
+            same = next((u for u in units[1:] if strategy_of(u[0]) == group), None)
+            if same is None:
+                units.append([key])
+            else:
+                same.append(key)
+    budget = memory_budget_gib(args.memory_gib)
+    passes = plan_passes([u for u in units if u], rows, setups, budget)
+    if args.dry_run:
+        print(plan_text(passes, rows, setups, budget))
+        return 0
+
+    meta: dict[str, Any] = {
+        "start": utc_now(), "end": None, "machine": machine_info(), "memory_budget_gib": budget,
+        "models": f"target `{base['verifier']['model']}`; drafters as each row's config (assistant and ensemble "
+                  f"`{base['drafter']['model']}`, universal `{load_config('universal.yaml')['drafter']['model']}`, "
+                  "early exit the target's first layers, prompt lookup none)",
+        "dtypes": f"transformers rows {dtype}; pipespec rows " + (
+            f"{dtype}" if args.dtype else "their configs' (auto: chosen at start-up, see each request's "
+            "verifier_dtype / drafter_dtype in types.json)"),
+        "threads": f"transformers rows {threads} (one worker process); pipespec rows their configs' (auto: every "
+                   "core while the other node idles, half while both work; one process per node)",
+        "prompts": args.prompts, "max_new_tokens": args.max_new_tokens, "hf_threads": threads, "dtype": dtype,
+        "ensemble_weight": args.ensemble_weight, "rows": keys,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    log(f"rows: {', '.join(keys)}; {len(passes)} pass(es) within {budget:.1f} GiB")
+
+    def save() -> dict[str, Any]:
+        meta["passes"] = runner.passes
+        report = {"meta": meta, **runner.state()}
+        report["rows"] = [summarize(k, report) for k in keys if k in report["raw"]]
+        write_result(args.out / "types.json", report)
+        write_markdown(args.out / "types.md", report)
+        return report
+
+    runner = Runner(rows, setups, prompts, args.max_new_tokens, save)
+    asyncio.run(runner.run(passes))
+    meta["end"] = utc_now()
+    report = save()
+    print((args.out / "types.md").read_text())
+    return 1 if any("error" in r for r in report["rows"]) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

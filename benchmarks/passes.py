@@ -1,0 +1,153 @@
+"""Pass planning: setups (a persistent transformers worker, or a pipespec cluster) and the table rows run in them,
+packed into passes that fit the memory budget; the rows chosen on the command line and their order per prompt."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from benchmarks.progress import log
+
+PROCESS_GIB = 0.5  # resident memory of one Python process with torch and transformers, before any model (measured)
+
+
+@dataclass
+class HFSetup:
+    """One persistent transformers worker: the target at one dtype and thread count, assistants loaded on demand."""
+
+    key: str
+    dtype: str
+    threads: int
+    device: str
+    target_path: str
+    target_gib: float
+    curves: list[tuple[str, str, list[int]]] = field(default_factory=list)  # (name, "target" or a path, sizes)
+    curve_models: dict[str, float] = field(default_factory=dict)  # GiB of the models the curves need
+
+    processes = 1
+
+    @property
+    def base_models(self) -> dict[str, float]:
+        return {"target": self.target_gib}
+
+    @property
+    def threads_label(self) -> str:
+        return "GPU" if self.device == "cuda" else f"{self.threads} thread" + ("s" if self.threads > 1 else "")
+
+
+@dataclass
+class ClusterSetup:
+    """One pipespec cluster (a verifier and a drafter process) of ``config`` with ``overrides``."""
+
+    key: str
+    config: str | dict[str, Any]
+    overrides: dict[str, Any]
+    models: dict[str, float]
+    processes: int = 2
+    curves: list[tuple[str, str, list[int]]] = field(default_factory=list)
+    curve_models: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def base_models(self) -> dict[str, float]:
+        return self.models
+
+
+Setup = HFSetup | ClusterSetup
+
+
+@dataclass
+class Row:
+    """A table row. ``strategy`` (transformers rows): the worker's generate request; ``anchor``: the row whose
+    same-pass speed this row's ratio is taken against; ``models``: GiB this row needs loaded in its setup;
+    ``curves_only``: no generations, the row only brings its setup (and its cost curves) into a pass."""
+
+    key: str
+    label: str
+    setup: str
+    prompt_set: str = "default"
+    strategy: dict[str, Any] | None = None
+    anchor: str | None = None
+    models: dict[str, float] = field(default_factory=dict)
+    curves_only: bool = False
+
+
+@dataclass
+class Pass:
+    rows: list[str] = field(default_factory=list)  # keys, in the order the rows were added
+    owned: set[str] = field(default_factory=set)  # rows measured for the table here (the others repeat an anchor)
+    curves: set[str] = field(default_factory=set)  # setups whose cost curves are measured in this pass
+    estimated_gib: float = 0.0
+
+
+def pass_gib(keys: list[str], curves: set[str], rows: dict[str, Row], setups: dict[str, Setup]) -> float:
+    need: dict[str, dict[str, float]] = {}
+    for key in keys:
+        s = setups[rows[key].setup]
+        models = need.setdefault(s.key, dict(s.base_models))
+        models.update(rows[key].models)
+        if s.key in curves:
+            models.update(s.curve_models)
+    return sum(setups[s].processes * PROCESS_GIB + sum(m.values()) for s, m in need.items())
+
+
+def plan_passes(units: list[list[str]], rows: dict[str, Row], setups: dict[str, Setup],
+                budget_gib: float) -> list[Pass]:
+    """Pack units (lists of row keys that must share a pass, e.g. the rows of one setup, or a pipespec row with
+    transformers' same strategy) into passes that fit ``budget_gib``, first fit in the given order; each pass
+    also gets the anchors of its rows. A unit too large for any pass gets a pass of its own (and a warning)."""
+    passes: list[Pass] = []
+    curved: set[str] = set()
+    for unit in units:
+        for p in [*passes, None]:
+            new = [k for k in unit if p is None or k not in p.rows]
+            anchors = [rows[k].anchor for k in unit if rows[k].anchor]
+            keys = (p.rows if p else []) + new + [a for a in dict.fromkeys(anchors)
+                                                  if a not in new and (p is None or a not in p.rows)]
+            unit_setups = {rows[k].setup for k in unit} - curved
+            curves = (p.curves if p else set()) | {s for s in unit_setups if setups[s].curves}
+            gib = pass_gib(keys, curves, rows, setups)
+            if p is None or gib <= budget_gib:
+                if p is None:
+                    p = Pass()
+                    passes.append(p)
+                    if gib > budget_gib:
+                        log(f"WARNING: {', '.join(unit)} need about {gib:.1f} GiB, more than the budget of "
+                            f"{budget_gib:.1f} GiB; running them anyway")
+                p.rows, p.curves, p.estimated_gib = keys, curves, gib
+                p.owned.update(unit)
+                curved |= curves
+                break
+    return passes
+
+
+def plan_text(passes: list[Pass], rows: dict[str, Row], setups: dict[str, Setup], budget_gib: float) -> str:
+    """The passes, their setups and estimated memory, for ``--dry-run``."""
+    lines = [f"{len(passes)} pass(es) within a memory budget of {budget_gib:.1f} GiB:"]
+    for i, p in enumerate(passes, 1):
+        lines.append(f"pass {i}: estimated {p.estimated_gib:.1f} GiB")
+        for skey in dict.fromkeys(rows[k].setup for k in p.rows):
+            keys = [k for k in p.rows if rows[k].setup == skey]
+            shown = ", ".join(k + ("" if k in p.owned else " (reference repeat)") for k in keys)
+            curves = " + cost curves" if skey in p.curves else ""
+            lines.append(f"  {skey}: {shown}{curves}")
+    return "\n".join(lines)
+
+
+def select_rows(spec: str, keys: list[str], script: str) -> list[str]:
+    """``"hf-target-bf16,pipespec"`` → the matching ``keys`` in their order; a token matches a key or a
+    ``-``-separated prefix of keys."""
+    wanted = set()
+    for token in filter(None, (t.strip() for t in spec.split(","))):
+        hits = [k for k in keys if k == token or k.startswith(token + "-")]
+        if not hits:
+            raise SystemExit(f"{script}: unknown row {token!r} (rows: {', '.join(keys)})")
+        wanted.update(hits)
+    return [k for k in keys if k in wanted]
+
+
+def rotated(items: list[Any], i: int) -> list[Any]:
+    """``items`` rotated left by ``i`` (the row order for prompt ``i``)."""
+    if not items:
+        return []
+    i %= len(items)
+    return items[i:] + items[:i]
