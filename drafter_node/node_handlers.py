@@ -193,8 +193,8 @@ class MessageHandler:
             return CostSchedule(start, max_k, self.book, lambda: len(draft.committed), overlap,
                                 rows_ok=draft.predrafts_rows, tree=self._trees_for(draft))
         if fixed is not None:
-            return DraftLengthSchedule(fixed, "constant", overlap=overlap)
-        return DraftLengthSchedule(s.num_draft_tokens, s.draft_schedule, s.max_draft_tokens, overlap)
+            return DraftLengthSchedule(fixed, "constant", max_k=s.max_draft_tokens, overlap=overlap)
+        return DraftLengthSchedule(s.num_draft_tokens, s.draft_schedule, max_k=s.max_draft_tokens, overlap=overlap)
 
     def _trees_for(self, draft: DraftSession) -> bool:
         """Blocks may be token trees (``drafter.tree``): greedy requests without q (the verifier verifies trees

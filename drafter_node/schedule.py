@@ -56,7 +56,13 @@ def expected_tokens(alpha: float, k: int) -> float:
 
 
 class DraftLengthSchedule:
-    def __init__(self, k: int, mode: str, max_k: int = 16, overlap: bool = True):
+    """The draft length of each round under the ``heuristic``, ``adaptive``, ``constant`` and ``pipeline`` schedules.
+
+    No defaults here: ``max_k`` and ``overlap`` come from the validated ``drafter`` section (declared once, in
+    ``drafter_node/settings.py``).
+    """
+
+    def __init__(self, k: int, mode: str, *, max_k: int, overlap: bool):
         self.k = k
         self.mode = mode
         self.max_k = max(max_k, k)
@@ -141,9 +147,9 @@ class CostSchedule(DraftLengthSchedule):
 
     Until both sides' curves are known (profiles off and no round measured yet) it keeps the configured k."""
 
-    def __init__(self, k: int, max_k: int, book: CostBook, context: Callable[[], int], overlap: bool = True,
+    def __init__(self, k: int, max_k: int, book: CostBook, context: Callable[[], int], overlap: bool,
                  rows_ok: bool = True, tree: bool = False):
-        super().__init__(k, "cost", max_k, overlap)
+        super().__init__(k, "cost", max_k=max_k, overlap=overlap)
         self.max_k = max_k
         self.book = book
         self.context = context

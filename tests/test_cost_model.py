@@ -122,7 +122,7 @@ def test_cost_schedule_goes_solo_then_probes_and_returns():
 
 
 def test_cost_schedule_without_curves_keeps_the_configured_k():
-    s = CostSchedule(5, 8, CostBook(), context=lambda: 10)
+    s = CostSchedule(5, 8, CostBook(), context=lambda: 10, overlap=True)
     s.update(5, 1)
     assert s.k == 5 and s.overlap_now
 

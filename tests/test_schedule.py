@@ -16,7 +16,7 @@ def test_expected_tokens_matches_the_formula():
 
 
 def test_heuristic_is_transformers_schedule():
-    s = DraftLengthSchedule(5, "heuristic", max_k=8)
+    s = DraftLengthSchedule(5, "heuristic", max_k=8, overlap=True)
     s.update(5, 5)
     assert s.k == 7
     s.update(7, 6)
@@ -30,7 +30,7 @@ def test_heuristic_is_transformers_schedule():
 
 
 def test_adaptive_keeps_k_after_a_late_miss():
-    s = DraftLengthSchedule(6, "adaptive")
+    s = DraftLengthSchedule(6, "adaptive", max_k=16, overlap=True)
     s.update(6, 4)
     assert s.k == 6
     s.update(6, 1)
@@ -38,7 +38,7 @@ def test_adaptive_keeps_k_after_a_late_miss():
 
 
 def test_constant_never_moves():
-    s = DraftLengthSchedule(4, "constant")
+    s = DraftLengthSchedule(4, "constant", max_k=16, overlap=True)
     s.update(4, 4)
     s.update(4, 0)
     assert s.k == 4 and s.k_if_accepted() == 4
@@ -62,6 +62,6 @@ def test_pipeline_picks_the_speed_model_optimum():
 
 
 def test_pipeline_without_timings_keeps_the_configured_k():
-    s = DraftLengthSchedule(5, "pipeline")
+    s = DraftLengthSchedule(5, "pipeline", max_k=16, overlap=True)
     s.update(5, 2)
     assert s.k == 5
