@@ -288,6 +288,14 @@ class Costs:
     draft_share: Curve
     draft_full: Curve
     overhead_s: float = 0.0
+    rollback_refeeds: bool = False  # a rejection costs the verifier a forward over the pending + accepted tokens
+
+
+def rollback_s(acc: Acceptance, k: int, verify: Curve) -> float:
+    """Expected re-feed time of a round of k drafts on a target that rolls back by re-feeding (shared.kv): with a
+    drafted tokens accepted before a rejection, one forward over a + 1 tokens (the pending token and those a)."""
+    s = acc.survival(k)
+    return sum((s[a] - s[a + 1]) * verify(a + 1) for a in range(k))
 
 
 def plans(acc: Acceptance, costs: Costs, max_k: int, rows_ok: bool, allow_solo: bool = True,
@@ -303,9 +311,13 @@ def plans(acc: Acceptance, costs: Costs, max_k: int, rows_ok: bool, allow_solo: 
         e = acc.expected_tokens(k)
         if allow_sync:
             t = k * d1_full + costs.verify_full(k + 1) + o
+            if costs.rollback_refeeds:
+                t += rollback_s(acc, k, costs.verify_full)
             out.append(Plan(k, False, 0, e / max(t, 1e-9)))
         if allow_overlap:
             tv = costs.verify_share(k + 1) + o
+            if costs.rollback_refeeds:
+                tv += rollback_s(acc, k, costs.verify_share)
             hits = acc.outcome_hits(k)
             if not rows_ok:
                 hits = [acc.survival(k)[k] * acc.bonus_guess.value]
@@ -340,6 +352,7 @@ class CostBook:
         self._overheads: deque[float] = deque(maxlen=OVERHEAD_WINDOW)
         self.batch_sessions = 1.0  # sessions that share a verifier forward, recently (the commits' decoding; EMA)
         self.draft_batched = True  # the drafter advances all its sessions in one forward per step
+        self.rollback_refeeds = False  # the verifier re-feeds the accepted tokens after a rejection (hybrid target)
 
     def session_acceptance(self) -> Acceptance:
         """A new session's acceptance estimate: the node's so far, with little weight, so the session's own text
@@ -447,7 +460,8 @@ class CostBook:
         vf = self.verify.get("full") or vs
         ds = self.draft.get("share") or self.draft.get("full")
         df = self.draft.get("full") or ds
-        return Costs(together(vs), together(vf), drafting(ds), drafting(df), self.overhead_s or 0.0)
+        return Costs(together(vs), together(vf), drafting(ds), drafting(df), self.overhead_s or 0.0,
+                     self.rollback_refeeds)
 
     def plans_by_batch(self, acc: Acceptance, max_k: int, rows_ok: bool, context: int,
                        batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64), overlap: bool = True) -> list[dict]:

@@ -125,6 +125,7 @@ class MessageHandler:
                 self.book.set_verifier(NodeProfile.from_dict(msg.profile), threads.share, threads.full)
         except (ValueError, TypeError) as exc:
             log.warning("ignored the verifier's cost profile: %s", exc)
+        self.book.rollback_refeeds = msg.rollback_refeeds
         self.want_q = msg.want_q and self.drafter.capabilities.greedy_q
         if first:  # the welcomes of the other queued hellos change nothing worth a line each
             log.info("connected to verifier (target %s)", msg.target)

@@ -3,21 +3,95 @@ and by model-based drafters, so cache handling and rollback are written once.
 
 Sliding-window layers (Gemma 2/3/4 and others) keep only their window in transformers' ``DynamicCache``; past
 recording is switched on so that a rollback can restore the window, and every ``crop`` trims such layers back to it.
+
+Hybrid and state-space models (Qwen3-Next's gated delta net, Mamba2, Falcon-H1, LFM2's short convolutions) keep
+convolution and recurrent state in ``LinearAttentionLayer`` cache layers, which cannot be cropped: a state summarises
+every token it has seen. Here each forward first keeps a copy of those states (:class:`StateSnapshot`, a few tensors
+per layer, no sequence dimension); a rollback restores that copy, crops the attention layers to the same length and
+re-feeds the kept tokens after it (for the verifier: the pending token and the accepted drafts). So a rejection
+costs one more forward over the accepted tokens, which the cost model counts (``CachedLM.refed_total``). A model
+whose cache holds a layer kind none of this covers is refused when it is loaded (:func:`rollback_problem`).
 """
 
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionCacheLayerMixin
 
 from shared.devices import input_device
 
 
 class KVRowsError(ValueError):
     """A drafter asked for K/V rows of layers this model's cache does not hold."""
+
+
+class UnsupportedCacheError(ValueError):
+    """The model's cache holds state pipespec cannot roll back after a rejected draft."""
+
+
+def _is_recurrent(layer) -> bool:
+    return isinstance(layer, LinearAttentionCacheLayerMixin)
+
+
+def rollback_problem(config) -> str | None:
+    """Why a rejected draft could not be rolled back exactly in the cache of a model with this ``config`` (None: it
+    can).
+
+    Supported cache layers: attention (``DynamicLayer``), sliding-window attention, and layers holding convolution or
+    recurrent state (``LinearAttentionLayer``, alone or with full attention in one layer). Checked when a node loads
+    its model, so an unsupported model fails at start, not at its first rejected draft."""
+    model_type = getattr(config, "model_type", type(config).__name__)
+    try:
+        cache = DynamicCache(config=config)
+    except Exception as exc:
+        return f"model type {model_type!r}: transformers cannot build a DynamicCache for it ({exc})"
+    for index, layer in enumerate(cache.layers):
+        recurrent, sliding = _is_recurrent(layer), isinstance(layer, DynamicSlidingWindowLayer)
+        if recurrent and sliding:
+            return (f"model type {model_type!r}: cache layer {index} ({type(layer).__name__}) mixes recurrent state "
+                    "with a sliding window, which pipespec cannot roll back")
+        if not (recurrent or isinstance(layer, DynamicLayer)):
+            return (f"model type {model_type!r}: cache layer {index} is a {type(layer).__name__}, which pipespec "
+                    "cannot roll back after a rejected draft (supported: attention, sliding-window attention, "
+                    "linear-attention / state-space layers)")
+    return None
+
+
+@dataclass
+class StateSnapshot:
+    """The convolution and recurrent states of a cache's recurrent layers at ``length`` cached tokens."""
+
+    length: int
+    layers: dict[int, dict[str, object]]
+
+    @classmethod
+    def take(cls, cache: DynamicCache, length: int) -> StateSnapshot:
+        layers = {}
+        for index, layer in enumerate(cache.layers):
+            if _is_recurrent(layer):
+                layers[index] = {
+                    "conv": {i: None if t is None else t.clone() for i, t in layer.conv_states.items()},
+                    "recurrent": {i: None if t is None else t.clone() for i, t in layer.recurrent_states.items()},
+                    "previous": dict(layer.has_previous_state),
+                    "conv_init": dict(layer.is_conv_states_initialized),
+                    "recurrent_init": dict(layer.is_recurrent_states_initialized),
+                    "count": layer.cumulative_length_linear.clone(),
+                }
+        return cls(length, layers)
+
+    def restore(self, cache: DynamicCache) -> None:
+        """Put the recurrent layers back as they were (the snapshot's tensors are handed over, not copied again)."""
+        for index, saved in self.layers.items():
+            layer = cache.layers[index]
+            layer.conv_states, layer.recurrent_states = saved["conv"], saved["recurrent"]
+            layer.has_previous_state = saved["previous"]
+            layer.is_conv_states_initialized = saved["conv_init"]
+            layer.is_recurrent_states_initialized = saved["recurrent_init"]
+            layer.cumulative_length_linear = saved["count"]
 
 
 class CachedLM:
@@ -28,6 +102,7 @@ class CachedLM:
         self.length = 0
         self.last_fed = 0  # tokens of the last forward (a cost-curve sample's size)
         self.fed_total = 0  # tokens of every forward so far (a step that ran more than one forward is no sample)
+        self.refed_total = 0  # tokens fed again to roll back recurrent state (hybrid models)
         self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
         self._device = input_device(model)
         self.reset()
@@ -40,6 +115,9 @@ class CachedLM:
         hidden states."""
         ids = torch.tensor([token_ids], dtype=torch.long, device=self._device)
         extra = {"logits_to_keep": 1} if last_logits_only and self._keeps_logits else {}
+        if self.recurrent:
+            self._snapshot = StateSnapshot.take(self.cache, self.length)
+            self._ids = self._ids[: self.length] + list(token_ids)
         out = self.model(input_ids=ids, cache=self.cache, use_cache=True, output_hidden_states=want_hidden, **extra)
         self.grew(len(token_ids))
         hidden = out.hidden_states[-1][0] if want_hidden else None
@@ -67,16 +145,50 @@ class CachedLM:
 
     def crop(self, keep: int) -> None:
         """Drop cached positions beyond ``keep`` (rollback after a rejection); trim sliding layers to their window."""
-        if keep < self.length or self._sliding:
+        if self.recurrent:
+            self._roll_back_states(keep)
+        elif keep < self.length or self._sliding:
             self.cache.crop(min(0, keep - self.length))  # transformers 5: a negative count removes that many tokens
             self.length = min(keep, self.length)
 
+    def _roll_back_states(self, keep: int) -> None:
+        """``crop`` for a cache with recurrent layers: back to the last forward's start, then re-feed up to ``keep``."""
+        if keep >= self.length:
+            self._crop_attention(0)  # sliding layers: trim the recorded round back to the window
+            return
+        snapshot, ids = self._snapshot, self._ids[:keep]
+        if snapshot is None or snapshot.length > keep:  # before the last forward's start: rebuild from the start
+            self.reset()
+            self.refed_total += keep
+        else:
+            snapshot.restore(self.cache)
+            self._crop_attention(self.length - snapshot.length)
+            self.length, self._snapshot = snapshot.length, None
+            self.refed_total += keep - snapshot.length
+        if keep > self.length:
+            self.feed(ids[self.length :], last_logits_only=True)
+
+    def _crop_attention(self, count: int) -> None:
+        """Remove the last ``count`` positions from the attention layers (recurrent layers are restored instead)."""
+        for layer in self.cache.layers:
+            if isinstance(layer, DynamicSlidingWindowLayer):
+                DynamicSlidingWindowLayer.crop(layer, -count)
+            elif isinstance(layer, DynamicLayer) and count:
+                DynamicLayer.crop(layer, -count)
+
     def reset(self) -> None:
         self.cache = DynamicCache(config=self.model.config)
+        self.recurrent = any(_is_recurrent(layer) for layer in self.cache.layers)
         self._sliding = any(getattr(layer, "is_sliding", False) for layer in self.cache.layers)
-        if self._sliding:
+        self._snapshot: StateSnapshot | None = None
+        self._ids: list[int] = []  # the cached tokens, kept only for recurrent caches (their rollback re-feeds)
+        if self._sliding and not self.recurrent:
             # Keep a round's states until ``crop`` so a sliding layer can be rolled back past its window.
             self.cache.activate_past_recording()
+        elif self._sliding:  # the sliding layers only: a recurrent layer recording its past keeps a state per token
+            for layer in self.cache.layers:
+                if getattr(layer, "is_sliding", False) and not _is_recurrent(layer):
+                    layer.activate_past_recording()
         self.length = 0
 
     def check_kv_layers(self, layers: list[int]) -> None:

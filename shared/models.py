@@ -189,6 +189,10 @@ def load_causal_lm(
         model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     except Exception as exc:
         raise ModelLoadError(f"cannot load the model {path!r}: {exc}") from exc
+    from shared.kv import rollback_problem
+
+    if (problem := rollback_problem(model.config)) is not None:  # at load, not at the first rejected draft
+        raise ModelLoadError(f"cannot serve the model {path!r}: {problem}")
     if device != "auto":
         model.to(device)
     model.eval()

@@ -422,6 +422,9 @@ class Welcome(Message):
     want_q: bool
     profile: dict[str, Any] | None = None
     threads: ThreadCounts | None = None
+    # The target's cache holds recurrent state (a hybrid or state-space model): a rejected draft costs one more
+    # forward over the accepted tokens (shared.kv), which the drafter's cost model counts.
+    rollback_refeeds: bool = False
 
     def validate(self) -> None:
         if self.vocab_size < 1:

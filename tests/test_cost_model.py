@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from drafter_node.cost_model import (
@@ -12,6 +14,7 @@ from drafter_node.cost_model import (
     Costs,
     best_plan,
     plans,
+    rollback_s,
 )
 from drafter_node.schedule import SOLO_ROUNDS_MAX, SOLO_ROUNDS_MIN, CostSchedule
 from shared.costs.curve import CostCurve, NodeProfile
@@ -399,3 +402,27 @@ def test_batched_sessions_are_neither_tried_nor_recorded():
         s.observe_round(s.k + 1, 0.1)
         s.update(s.k, s.k)
     assert book.sized.sized.samples == book.sized.overlap.samples == book.sized.tries == 0
+
+
+def test_a_target_that_refeeds_on_rollback_pays_for_rejections():
+    """A hybrid target (shared.kv) re-feeds the pending token and the accepted drafts after a rejection: a sync round
+    of k costs Σ_a P(exactly a accepted, then a rejection) · V(a + 1) more, and overlap pays it on the verifier."""
+    acc = accepting(0.5)
+    plain = costs(linear(0.1), linear(0.01))
+    refeeding = dataclasses.replace(plain, rollback_refeeds=True)
+    s = acc.survival(4)
+    extra = sum((s[a] - s[a + 1]) * 0.1 * (a + 1) for a in range(4))
+    assert abs(rollback_s(acc, 4, plain.verify_full) - extra) < 1e-12
+    assert rollback_s(accepting(1.0), 4, plain.verify_full) < 0.02  # nearly all accepted: almost nothing re-fed
+
+    def sync(c: Costs, k: int) -> float:
+        return next(p.rate for p in plans(acc, c, 8, rows_ok=True) if p.k == k and not p.overlap)
+
+    t_plain = acc.expected_tokens(4) / sync(plain, 4)
+    t_refeed = acc.expected_tokens(4) / sync(refeeding, 4)
+    assert abs((t_refeed - t_plain) - extra) < 1e-9
+    # On a flat-cost verifier (a GPU: V(k + 1) ≈ V(1)) a re-feed costs about a whole forward: at α = 0.5 the plain
+    # target speculates, the re-feeding one runs alone.
+    gpu = costs(flat(0.3), linear(0.03))
+    assert best_plan(acc, gpu, 8, rows_ok=True).k == 2
+    assert best_plan(acc, dataclasses.replace(gpu, rollback_refeeds=True), 8, rows_ok=True).k == 0

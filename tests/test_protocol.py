@@ -73,7 +73,7 @@ VALID: dict[str, Message] = {
                    profile={"model": "m", "curves": {"1": {"sizes": [1]}}}, threads=ThreadCounts(share=1, full=2),
                    host="box", run_secret="ab" * 32),
     "welcome": Welcome(target="tiny", vocab_size=151936, want_q=True, profile={"dtype": "float32"},
-                       threads=ThreadCounts(share=2, full=4)),
+                       threads=ThreadCounts(share=2, full=4), rollback_refeeds=True),
     "session_start": SessionStart(session=3, token_ids=[1, 2, 3], params={"max_new_tokens": 8, "do_sample": False},
                                   prompt_len=2, decoding=4),
     "draft": Draft(session=3, base_len=10, epoch=1, tokens=[4, 5, 6], idle_rounds=0, overlap=False,

@@ -214,6 +214,7 @@ class VerifierServer:
         self.profile = profile
         self.dtype = model_dtype(model)
         self.vocab_size = logits_vocab_size(model)
+        self.rollback_refeeds = CachedLM(model).recurrent  # hybrid / state-space target: see shared/kv.py
         self.tokenizer_id = tokenizer_id(tokenizer)
         self.default_eos = default_eos_ids(model, tokenizer)
         self.max_positions = getattr(model.config, "max_position_embeddings", None)
@@ -459,7 +460,8 @@ class VerifierServer:
         self._send_to(link, encode(Welcome(target=self.model_name, vocab_size=self.vocab_size,
                                            want_q=self.ensemble_weight is not None,
                                            profile=self.profile.to_dict() if self.profile else None,
-                                           threads=ThreadCounts(self.threads.share, self.threads.full))))
+                                           threads=ThreadCounts(self.threads.share, self.threads.full),
+                                           rollback_refeeds=self.rollback_refeeds)))
         self.policy.on_joined(link, again)
 
     def announce(
