@@ -425,7 +425,7 @@ class Draft(Message):
 
     session: int  # the session the block is for
     base_len: int  # the committed length the block was built on; any other is stale and dropped
-    epoch: int  # the drafter's block count for this session (the verifier does not act on it)
+    epoch: int  # the drafter's count of blocks sent for the session (the verifier does not act on it)
     tokens: list[int]  # the drafted block, at most MAX_DRAFT_TOKENS tokens
     idle_rounds: int = 0  # k = 0: the verifier steps alone this many rounds (no tokens then)
     overlap: bool = True  # the drafter pre-drafts while this block is verified

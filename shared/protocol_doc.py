@@ -49,6 +49,7 @@ Missing optional fields get their defaults; **unknown extra fields are ignored**
 fields without breaking an older one. Checks that need a node's state (token ids below the vocabulary size, a
 matching `base_len`) stay in the nodes. Anything malformed gets an `error` reply and the node goes on serving.
 
+<!-- docs-check: run -->
 ```python
 import torch
 from shared.protocol import Draft, decode, encode
