@@ -19,7 +19,7 @@ the reference row then runs in every pass and each row's speedup is taken agains
 - speedup: tokens/s ÷ the reference (``--reference``, default the target alone in the config's dtype at all threads)
 - vs best hf: speedup ÷ the best transformers row's speedup
 - mismatches: prompts whose token ids differ from the target alone in the same dtype (1 thread where it ran)
-- speed model (README, "Benchmark"): with α the acceptance, k the mean drafted block and c = drafter ÷ target cost of a
+- speed model (docs/architecture.md): with α the acceptance, k the mean drafted block, c = drafter ÷ target cost of a
   1-token cached forward (from the cost curves at the config's dtype and verifier threads),
   E = (1 − α^(k+1)) / (1 − α); ideal overlapped speedup E / max(1, k·c), synchronous bound E / (1 + k·c);
   efficiency = speedup over the target alone at the config's dtype and threads ÷ ideal

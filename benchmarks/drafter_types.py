@@ -1,5 +1,5 @@
 """Benchmark every drafter type against the target alone and against transformers' own implementation of the
-same strategy, interleaved prompt by prompt, on the real models of this machine (see the README, "Models").
+same strategy, interleaved prompt by prompt, on the real models of this machine (see docs/getting-started.md, "Models").
 
 Each type runs on the prompts where it makes sense:
 
