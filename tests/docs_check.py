@@ -18,6 +18,7 @@ import shlex
 import subprocess
 import sys
 import urllib.parse
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -245,7 +246,9 @@ def parse_python(prog: str, argv: list[str]) -> None:
     saved = sys.argv
     sys.argv = [str(script or module), *argv]
     try:
-        with stop_after_parse():
+        with stop_after_parse(), warnings.catch_warnings():
+            # a module the check imported already is run afresh as __main__, which is what `python -m` does
+            warnings.filterwarnings("ignore", message=".*found in sys.modules", category=RuntimeWarning)
             if module:
                 runpy.run_module(module, run_name="__main__", alter_sys=True)
             else:
