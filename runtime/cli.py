@@ -192,6 +192,20 @@ def build_config(args: argparse.Namespace, serve: bool = False) -> dict[str, Any
     return config
 
 
+def flags_markdown() -> str:
+    """:data:`MODEL_FLAGS` and :data:`NOT_ALIASED` as a Markdown table (for the docs, generated or checked)."""
+    rows = ["| flag | config keys it sets | transformers |", "|---|---|---|"]
+    for flag, spec in MODEL_FLAGS.items():
+        keys = ", ".join(f"`{key}={'VALUE' if v is VALUE else v}`" for key, v in spec.keys.items())
+        if flag == "--num-draft-tokens":
+            keys += "; prompt_lookup: also " + ", ".join(f"`{k}=VALUE`" for k in BLOCK_LENGTH_KEYS.values())
+        arg = f" {spec.metavar}" if spec.metavar else ""
+        rows.append(f"| `{flag}{arg}` | {keys} | {f'`{spec.transformers}`' if spec.transformers else ''} |")
+    for flag, why in NOT_ALIASED.items():
+        rows.append(f"| `{flag}` | none: {why} | `{flag.lstrip('-').replace('-', '_')}` |")
+    return "\n".join(rows)
+
+
 # ---------------------------------------------------------------------------------------------- parser
 
 

@@ -51,6 +51,13 @@ def test_every_flag_names_declared_keys():
             assert flag == "--" + spec.transformers.replace("_", "-")
 
 
+def test_flag_table_for_the_docs_names_every_flag():
+    table = cli.flags_markdown()
+    for flag in [*cli.MODEL_FLAGS, *cli.NOT_ALIASED]:
+        assert f"| `{flag}" in table
+    assert "`drafter.draft_schedule=constant`" in table and "`verifier.model=VALUE`" in table
+
+
 def test_model_flags_map_onto_config_keys_and_relative_paths_resolve(pair):
     config = config_of("--model", "t", "--draft-model", "./d")
     assert config["verifier"]["model"] == str(pair / "t")  # absolute: the nodes run in another directory

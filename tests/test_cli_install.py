@@ -180,9 +180,11 @@ def test_pip_install_into_a_fresh_venv_then_serve(tmp_path, elsewhere):
     pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q"]
     subprocess.run([*pip, TORCH], check=True, timeout=1800, cwd=tmp_path)
     subprocess.run([*pip, "."], check=True, timeout=1800, cwd=src)
-    site = Path(subprocess.run([str(venv / "bin" / "python"), "-c", "import runtime, pathlib; "
-                                "print(pathlib.Path(runtime.__file__).parent.parent)"], cwd=elsewhere,
-                               capture_output=True, text=True, check=True).stdout.strip())
+    probe = subprocess.run([str(venv / "bin" / "python"), "-c", "import runtime, pathlib, torch; "
+                            "print(pathlib.Path(runtime.__file__).parent.parent); print(torch.version.cuda)"],
+                           cwd=elsewhere, capture_output=True, text=True, check=True).stdout.split()
+    site = Path(probe[0])
+    assert probe[1] == "None"  # the pinned torch is its CPU build (no multi-GB CUDA download)
     assert site.is_relative_to(venv) and "site-packages" in site.parts
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     generate = subprocess.run([str(venv / "bin" / "pipespec"), "generate", "--config", "cpu.yaml", "--set",
