@@ -5,6 +5,7 @@ relative links name files and headings that exist. The ``run`` blocks run in tes
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -142,3 +143,28 @@ def test_docs_use_no_lab_notebook_language() -> None:
     found = [f"{p.name}: {phrase!r}" for p in DOC_FILES for phrase in phrases
              if phrase in p.read_text(encoding="utf-8").lower()]
     assert not found, found
+
+
+def test_getting_started_flag_table_is_the_clis() -> None:
+    from runtime.cli import flags_markdown
+
+    text = (ROOT / "docs" / "getting-started.md").read_text(encoding="utf-8")
+    m = re.search(r"<!-- flags-table: runtime.cli.flags_markdown\(\) -->\n(.*?)\n<!-- end flags-table -->", text, re.S)
+    assert m, "docs/getting-started.md lost its flag table"
+    assert m.group(1) == flags_markdown(), "the flag table is stale: paste runtime.cli.flags_markdown()"
+
+
+def test_flags_the_readme_maps_to_exist() -> None:
+    """Every pipespec flag in the README's "coming from" table is one the CLI accepts (or refuses by name)."""
+    from runtime.cli import NOT_ALIASED, parser
+
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = text[text.index("## Coming from"):text.index("## Documentation")]
+    known = {*NOT_ALIASED}
+    for action in parser()._subparsers._group_actions[0].choices["serve"]._actions:  # the serve subcommand's flags
+        known.update(action.option_strings)
+    for action in parser()._subparsers._group_actions[0].choices["generate"]._actions:
+        known.update(action.option_strings)
+    rows = [line.split("|")[2] for line in section.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    used = {flag for cell in rows for flag in re.findall(r"(?<![\w-])--[a-z][\w-]*", cell)}
+    assert used and not used - known, f"flags the CLI does not have: {sorted(used - known)}"
