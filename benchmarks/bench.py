@@ -19,7 +19,7 @@ the reference row then runs in every pass and each row's speedup is taken agains
 - speedup: tokens/s ÷ the reference (``--reference``, default the target alone in the config's dtype at all threads)
 - vs best hf: speedup ÷ the best transformers row's speedup
 - mismatches: prompts whose token ids differ from the target alone in the same dtype (1 thread where it ran)
-- speed model (README, "Benchmark"): with α the acceptance, k the mean drafted block and c = drafter ÷ target cost of a
+- speed model (docs/architecture.md): with α the acceptance, k the mean drafted block, c = drafter ÷ target cost of a
   1-token cached forward (from the cost curves at the config's dtype and verifier threads),
   E = (1 − α^(k+1)) / (1 − α); ideal overlapped speedup E / max(1, k·c), synchronous bound E / (1 + k·c);
   efficiency = speedup over the target alone at the config's dtype and threads ÷ ideal
@@ -54,15 +54,14 @@ from benchmarks.models import DTYPE_TAGS, cluster_models, model_gib
 from benchmarks.passes import ClusterSetup, HFSetup, Row, plan_passes, plan_text, select_rows
 from benchmarks.plots import write_curve_plot
 from benchmarks.progress import log, utc_now
-from benchmarks.prompts import chat_prompts
+from benchmarks.prompts import chat_prompts, prompt_dir
 from benchmarks.results import read_result, write_result
 from benchmarks.runner import Runner
 from benchmarks.summary import start_row, token_mismatches, tps, vs_anchor
 from benchmarks.tables import curve_table_lines, fmt, header_lines, md_table
+from runtime.paths import results_dir
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-
-DEFAULT_PROMPTS = REPO_ROOT / "scripts" / "prompts" / "code_prompts.json"
+DEFAULT_PROMPTS = prompt_dir() / "code_prompts.json"
 CONFIG = "cpu.yaml"
 HF_DTYPES = ("float32", "bfloat16")
 
@@ -347,12 +346,12 @@ def write_reports(out: Path, report: dict[str, Any], final: bool) -> None:
 # ---------------------------------------------------------------------------------------------- main
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser(prog: str | None = None) -> argparse.ArgumentParser:
     variants = ", ".join(named_variants())
     p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog=prog, description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="rows on this machine: " + ", ".join(define_rows({})) + f", pipespec-NAME (variants: {variants})")
-    p.add_argument("--out", type=Path, default=REPO_ROOT / "results", help="output folder (default: results/)")
+    p.add_argument("--out", type=Path, default=results_dir(), help="output folder (default: results/)")
     p.add_argument("--rows", default="hf,pipespec",
                    help="comma list of row keys or key prefixes, e.g. hf-target-bf16,pipespec (default: all rows)")
     p.add_argument("--reference", default=None,
@@ -386,8 +385,8 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    args = _parser(prog).parse_args(argv)
     if args.replot:
         report = read_result(args.out / "bench.json")  # older, pretty-printed files read the same
         write_reports(args.out, report, final=True)

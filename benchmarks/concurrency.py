@@ -54,16 +54,15 @@ from benchmarks.machine import machine_info, memory_budget_gib, peak_rss_gib
 from benchmarks.models import build_random_pair, cluster_models, model_gib
 from benchmarks.passes import ClusterSetup, HFSetup, Row, plan_passes, plan_text, rotated, select_rows
 from benchmarks.progress import log, utc_now
-from benchmarks.prompts import chat_prompts
+from benchmarks.prompts import chat_prompts, prompt_dir
 from benchmarks.results import read_result, write_result
 from benchmarks.runner import WARMUP_TOKENS
 from benchmarks.summary import token_mismatches
 from benchmarks.tables import fmt, header_lines, md_table
 from benchmarks.workers import Worker
+from runtime.paths import results_dir
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-
-PROMPT_FILES = sorted((REPO_ROOT / "scripts" / "prompts").glob("*.json"))
+PROMPT_FILES = sorted(prompt_dir().glob("*.json"))
 HF_SETUP = "hf"
 TOKEN_REF = "hf-batched"
 
@@ -622,7 +621,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="most seconds one row may take at one level (default 7200)")
     p.add_argument("--start-timeout-s", type=float, default=900.0, help="most seconds a worker may take to load")
     p.add_argument("--progress-s", type=float, default=30.0, help="progress line period within a level (0: none)")
-    p.add_argument("--out", type=Path, default=REPO_ROOT / "results", help="output folder (default: results/)")
+    p.add_argument("--out", type=Path, default=results_dir(), help="output folder (default: results/)")
     p.add_argument("--dry-run", action="store_true",
                    help="print the rows, prompts, threads, dtypes and passes, and exit without starting anything")
     p.add_argument("--replot", action="store_true", help="only rebuild the .md and .png from --out's concurrency.json")

@@ -1,5 +1,5 @@
 """Benchmark every drafter type against the target alone and against transformers' own implementation of the
-same strategy, interleaved prompt by prompt, on the real models of this machine (see the README, "Models").
+same strategy, interleaved prompt by prompt, on the real models of this machine (see docs/getting-started.md, "Models").
 
 Each type runs on the prompts where it makes sense:
 
@@ -60,16 +60,15 @@ from benchmarks.machine import available_threads, machine_info, memory_budget_gi
 from benchmarks.models import DTYPE_TAGS, cluster_models, model_gib
 from benchmarks.passes import ClusterSetup, HFSetup, Row, plan_passes, plan_text, select_rows
 from benchmarks.progress import log, utc_now
-from benchmarks.prompts import chat_prompts
+from benchmarks.prompts import chat_prompts, prompt_dir
 from benchmarks.results import write_result
 from benchmarks.runner import Runner
 from benchmarks.summary import speed_ratio, start_row, token_mismatches, tps, vs_anchor
 from benchmarks.tables import fmt, header_lines, md_table
+from runtime.paths import results_dir
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-
-PROMPT_SETS = {"code": REPO_ROOT / "scripts" / "prompts" / "code_prompts.json",
-               "edit": REPO_ROOT / "scripts" / "prompts" / "edit_prompts.json"}
+PROMPT_SETS = {"code": prompt_dir() / "code_prompts.json",
+               "edit": prompt_dir() / "edit_prompts.json"}
 REFERENCES = {"code": "target-code", "edit": "target-edit"}
 
 # key -> (label, drafter type, runner, prompt set, config); runner "hf:<strategy>" or "pipespec". Table order.
@@ -190,7 +189,7 @@ def write_markdown(path: Path, report: dict[str, Any]) -> None:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog="rows: " + ", ".join(ROWS))
-    p.add_argument("--out", type=Path, default=REPO_ROOT / "results", help="output folder (default: results/)")
+    p.add_argument("--out", type=Path, default=results_dir(), help="output folder (default: results/)")
     p.add_argument("--rows", default=",".join(ROWS), help="comma list of row keys or key prefixes (default: all)")
     p.add_argument("--prompts", type=int, default=5, help="prompts per set, from the start of each file (default: 5)")
     p.add_argument("--max-new-tokens", type=int, default=96, help="new tokens per prompt (default: 96)")

@@ -3,7 +3,7 @@ alone, greedy, the same prompt, at a fixed thread count. Prints, per repetition,
 ``--max-new-tokens``, a bare prefill forward with and without an attention mask, ``CachedLM.feed`` (prefill plus
 one-token steps, the verifier's cache path) and ``Session.verify`` rounds without drafts (the verifier's round),
 each checked token for token against ``generate``. Used to tell a slow code path from a slow host: on the 2-core
-AVX2 VM all three took 24–27 s for 32 tokens of the 1.5B model (README, "Concurrency benchmark").
+AVX2 VM all three took 24–27 s for 32 tokens of the 1.5B model (docs/benchmarks.md, "Concurrency").
 
     .venv/bin/python scripts/bench_one_session.py --model qwen2.5-coder-1.5b-instruct --threads 2
 """

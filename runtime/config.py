@@ -29,10 +29,21 @@ from runtime.config_schema import (
     Config,
     DrafterConfig,
 )
+from runtime.paths import PACKAGE_ROOT
 from shared.settings import build, checked, declared, defaults, violation
 from shared.transport import EndpointError, check_endpoint, curve_wanted
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+def bundled_config_dir() -> Path:
+    """The bundled configs: package data ``runtime/configs/`` in an installed package (pyproject.toml maps the
+    checkout's top-level ``configs/`` there), else a checkout's ``configs/``."""
+    from importlib.resources import files
+
+    packaged = Path(str(files("runtime") / "configs"))  # runtime is a plain folder: never imported from a zip
+    return packaged if packaged.is_dir() else PACKAGE_ROOT / "configs"
+
+
+CONFIG_DIR = bundled_config_dir()
 DEFAULT_CONFIG = "cpu.yaml"
 
 #: The ``drafter`` keys every type has (declared in runtime/config_schema.py); each type's own keys are in its spec.
@@ -145,9 +156,12 @@ def set_key(config: dict[str, Any], dotted: str, value: Any) -> None:
     config[section][key] = value
 
 
-def _check_model(dotted: str, value: Any) -> None:
+def _check_model(config: dict[str, Any], dotted: str) -> None:
+    """A named model, a saved model's folder (made absolute: the nodes run in another directory) or a hub id."""
     from shared.named_models import NAMED_MODELS
 
+    section, key = dotted.split(".")
+    value = config[section][key]
     if not value or not isinstance(value, str):
         raise ConfigError(f"{dotted}: missing model (a named model, a local folder or a hub id)")
     if value in NAMED_MODELS:
@@ -156,6 +170,7 @@ def _check_model(dotted: str, value: Any) -> None:
     if path.exists():
         if not (path / "config.json").exists():
             raise ConfigError(f"{dotted}: folder {value!r} has no config.json (not a saved transformers model)")
+        config[section][key] = absolute(value)
         return
     if value.startswith((".", "/", "~")):
         raise ConfigError(f"{dotted}: folder {value!r} does not exist")
@@ -164,6 +179,12 @@ def _check_model(dotted: str, value: Any) -> None:
             f"{dotted}: {value!r} is not a named model ({', '.join(NAMED_MODELS)}), an existing folder, "
             "or a hub id of the form org/name"
         )
+
+
+def absolute(path: str) -> str:
+    """``path`` against the caller's directory (``~`` expanded); an absolute path as it is."""
+    expanded = os.path.expanduser(path)
+    return path if os.path.isabs(path) else os.path.abspath(expanded)
 
 
 def _check_device(dotted: str, value: Any, config_hint: str) -> None:
@@ -184,7 +205,7 @@ def _check_device(dotted: str, value: Any, config_hint: str) -> None:
 def validate(config: dict[str, Any]) -> None:
     v, d = config["verifier"], config["drafter"]
     hint = "on a machine without GPUs use configs/cpu.yaml (--config cpu.yaml)"
-    _check_model("verifier.model", v["model"])
+    _check_model(config, "verifier.model")
     _check_device("verifier.device", v["device"], hint)
     if not isinstance(d["type"], str) or d["type"] not in DRAFTER_TYPES:
         raise ConfigError(f"drafter.type: unknown drafter type {d['type']!r} (known: {', '.join(DRAFTER_TYPES)})")
@@ -193,11 +214,11 @@ def validate(config: dict[str, Any]) -> None:
     if spec.model_defaults_to_target and d["model"] is None:
         d["model"] = v["model"]
     if spec.needs_model:
-        _check_model("drafter.model", d["model"])
+        _check_model(config, "drafter.model")
     if spec.reads_target:
         if d["target_model"] is None:
             d["target_model"] = v["model"]
-        _check_model("drafter.target_model", d["target_model"])
+        _check_model(config, "drafter.target_model")
     _run_hook(spec.check, config)
     check_model_dependent(config)
     _check_device("drafter.device", d["device"], hint)
@@ -250,6 +271,8 @@ def _check_security(config: dict[str, Any]) -> None:
             raise ConfigError(f"security.{key}: {exc}") from None
     if sec["keys_dir"] is not None and (not isinstance(sec["keys_dir"], str) or not sec["keys_dir"]):
         raise ConfigError(f"security.keys_dir: a folder path, got {sec['keys_dir']!r}")
+    if sec["keys_dir"] is not None and Path(sec["keys_dir"]).expanduser().is_dir():
+        sec["keys_dir"] = absolute(sec["keys_dir"])  # the nodes run in another directory
     endpoints = {"verifier.endpoint": config["verifier"]["endpoint"], "client.endpoint": config["client"]["endpoint"],
                  "drafter.verifier_endpoint": config["drafter"]["verifier_endpoint"]}
     for dotted, endpoint in endpoints.items():

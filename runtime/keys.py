@@ -166,8 +166,8 @@ def add(keys_dir: str | os.PathLike, role: str, name: str, force: bool = False) 
     return _write_pair(folder / ROLES[role], check_name(name), force)
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m runtime.keys", description=__doc__.split("\n\n")[0])
+def _parser(prog: str = "python -m runtime.keys") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
     i = sub.add_parser("init", help="write the verifier's key pair and named drafter and client key pairs")
     i.add_argument("dir", help="the keys folder (created 0700)")
@@ -182,8 +182,8 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+def main(argv: list[str] | None = None, prog: str = "python -m runtime.keys") -> int:
+    args = _parser(prog).parse_args(argv)
     try:
         if args.command == "init":
             written = init(args.dir, args.clients, args.drafters, args.force)

@@ -21,7 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,10 +37,14 @@ from runtime.config import (
     typed,
 )
 from runtime.keys import KeysError
+from runtime.paths import PACKAGE_ROOT
 from shared.models import ModelLoadError
 from shared.named_models import RegistryError
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+#: Node processes run in the folder that holds the packages (a checkout's root, or site-packages), so what they
+#: import never depends on the caller's directory; paths in the config are made absolute before they start
+#: (:func:`runtime.config.validate`).
+REPO_ROOT = PACKAGE_ROOT
 
 
 class LaunchError(RuntimeError):
@@ -94,6 +98,17 @@ NODE_ENV = {"GOMP_SPINCOUNT": "10000"}
 NODE_ENTRY = ["-m", "runtime.launch"]
 
 
+def node_pythonpath(current: str | None) -> str:
+    """A node's PYTHONPATH: :data:`REPO_ROOT` first (a checkout need not be installed, and a worktree runs its own
+    code), except when it is a site-packages folder, which the interpreter puts on the path itself (before it, it
+    would come ahead of the standard library)."""
+    import site
+
+    site_dirs = {Path(d).resolve() for d in [*site.getsitepackages(), site.getusersitepackages()]}
+    first = None if REPO_ROOT in site_dirs else str(REPO_ROOT)
+    return os.pathsep.join(filter(None, [first, current]))
+
+
 class Cluster:
     """The node processes of one config, started and supervised by this process."""
 
@@ -132,7 +147,7 @@ class Cluster:
         """Start one node process; ``name`` (default: the role) keys ``processes`` and names its log."""
         name = name or role
         env = {**NODE_ENV, **os.environ, **(self.env or {})}
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+        env["PYTHONPATH"] = node_pythonpath(env.get("PYTHONPATH"))
         if self.run_secret:
             env[security.SECRET_ENV] = self.run_secret  # the environment, not argv: ps shows argv to everyone
         log = open(self.log_path(name), "ab")  # noqa: SIM115 - the child keeps it
@@ -243,12 +258,22 @@ async def cluster(
 # ---------------------------------------------------------------------------------------------------- CLI
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m runtime.launch", description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", default="cpu.yaml", help="config file, or a bare name looked up in configs/")
-    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config key")
-    p.add_argument("--role", choices=["verifier", "drafter"], help="start one node alone (for multi-host setups)")
-    src = p.add_mutually_exclusive_group()
+def add_config_args(p: argparse.ArgumentParser) -> None:
+    """``--config`` and ``--set``: the config every command starts from (``python -m runtime.launch`` and the
+    ``pipespec`` subcommands share them)."""
+    p.add_argument("--config", default="cpu.yaml",
+                   help="config file, or the name of a bundled config (cpu.yaml, gpu.yaml, …; default cpu.yaml)")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override a config key (repeatable; wins over every other flag)")
+
+
+def add_run_dir_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--run-dir", help="folder for ipc sockets and logs (default: a new temporary folder)")
+
+
+def add_generation_args(p: argparse.ArgumentParser, required: bool = False) -> None:
+    """The flags of one generation (``--prompt`` or ``--messages``, ``--json``, the sampling parameters)."""
+    src = p.add_mutually_exclusive_group(required=required)
     src.add_argument("--prompt", help="run one generation on this text and exit")
     src.add_argument("--messages", help="run one generation on chat messages from this JSON file and exit")
     p.add_argument("--chat", action="store_true", help="send --prompt as one user message (chat template)")
@@ -259,7 +284,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int)
     p.add_argument("--top-p", type=float)
     p.add_argument("--seed", type=int)
-    p.add_argument("--run-dir", help="folder for ipc sockets and logs (default: a new temporary folder)")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m runtime.launch", description=__doc__.split("\n\n")[0])
+    add_config_args(p)
+    p.add_argument("--role", choices=["verifier", "drafter"], help="start one node alone (for multi-host setups)")
+    add_generation_args(p)
+    add_run_dir_arg(p)
     p.add_argument("--http", metavar="HOST:PORT",
                    help="also serve an OpenAI-compatible HTTP API there (e.g. 127.0.0.1:8000; sets http.host and "
                         "http.port; a non-loopback host needs http.api_key and http.allow_remote: true)")
@@ -414,25 +446,48 @@ def _run_async(coro) -> int:
     return uvloop.run(coro)
 
 
+#: What a command reports as one ``pipespec: error:`` line and exit code 2, without a traceback.
+USER_ERRORS = (ConfigError, LaunchError, PipespecError, TimeoutError, ModelLoadError, RegistryError, KeysError)
+
+
+def report_errors(run: Callable[[], int]) -> int:
+    """``run()``, with a user error (:data:`USER_ERRORS`) printed as one line and exit code 2, Ctrl-C as 130."""
+    try:
+        return run()
+    except USER_ERRORS as exc:
+        print(f"pipespec: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+def run_command(config: dict[str, Any], *, role: str | None = None, generation: argparse.Namespace | None = None,
+                run_dir: str | None = None, hooks: dict[str, Any] | None = None) -> int:
+    """Run a loaded config: one node (``role``), one generation (``generation``: the :func:`add_generation_args`
+    flags) or the cluster until SIGINT/SIGTERM."""
+    if run_dir is not None:
+        run_dir = os.path.abspath(os.path.expanduser(run_dir))  # the nodes run in another directory
+    if role:
+        return _run_role(config, role, run_dir, hooks)
+    return _run_async(_one_shot(generation, config) if generation is not None else _serve(config, run_dir))
+
+
 def main(argv: list[str] | None = None, hooks: dict[str, Any] | None = None) -> int:
     """The CLI; ``hooks`` go to a ``--role`` node's ``run`` (tests/node_entry.py injects test behaviour)."""
     args = _parser().parse_args(argv)
-    try:
+
+    def run() -> int:
         overrides = parse_overrides(args.set)
         if args.http is not None:
             if args.role or args.prompt is not None or args.messages:
                 raise ConfigError("--http serves the cluster's API: it goes without --role, --prompt and --messages")
             overrides.update(parse_http_address(args.http))
         config = load_config(args.config, overrides)
-        if args.role:
-            return _run_role(config, args.role, args.run_dir, hooks)
-        coro = _one_shot(args, config) if args.prompt is not None or args.messages else _serve(config, args.run_dir)
-        return _run_async(coro)
-    except (ConfigError, LaunchError, PipespecError, TimeoutError, ModelLoadError, RegistryError, KeysError) as exc:
-        print(f"pipespec: error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
+        one_shot = args.prompt is not None or args.messages
+        return run_command(config, role=args.role, generation=args if one_shot else None, run_dir=args.run_dir,
+                           hooks=hooks)
+
+    return report_errors(run)
 
 
 if __name__ == "__main__":

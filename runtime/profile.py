@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from runtime.config import ConfigError, load_config
+from runtime.paths import results_dir
 from shared.costs.cache import profile_cache_dir
 from shared.costs.curve import NodeProfile, verify_score
 from shared.costs.dtype_choice import resolve_auto_dtype
@@ -31,8 +32,7 @@ from shared.models import ModelLoadError, ThreadPlan, load_causal_lm, profile_si
 from shared.named_models import RegistryError
 from weights import resolve_model
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_OUT = REPO_ROOT / "results" / "profile"
+DEFAULT_OUT = results_dir() / "profile"
 DEFAULT_BUDGET_S = 20.0
 #: Drafter types whose model is a plain causal LM that can be profiled on its own.
 PLAIN_MODEL_TYPES = {"assistant", "universal"}
@@ -228,8 +228,8 @@ def run(config: dict[str, Any], config_name: str, out: Path, budget_s: float, fr
     return table, written
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m runtime.profile", description=__doc__.split("\n\n")[0])
+def _parser(prog: str = "python -m runtime.profile") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default="cpu.yaml", help="config file, or a bare name looked up in configs/")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config key")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output folder (default: results/profile/)")
@@ -240,8 +240,8 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+def main(argv: list[str] | None = None, prog: str = "python -m runtime.profile") -> int:
+    args = _parser(prog).parse_args(argv)
     from drafter_node.early_exit import EarlyExitError
 
     try:

@@ -17,42 +17,8 @@ range checks (``validate()``: a draft's length, ``idle_rounds``, non-negative co
 fields are ignored** (not an error, not kept): a newer peer may add optional fields without breaking an older one.
 Checks that need a node's state (token ids below the vocabulary size, a matching ``base_len``) stay in the nodes.
 
-Message types and who sends them (``*``: optional, with its default):
-
-=================  ===============  ============================================================================
-type               direction        fields
-=================  ===============  ============================================================================
-hello              drafter → verif  drafter_type, tokenizer_id, capabilities (:class:`Capabilities`); profile*
-                                    (shared.costs.curve NodeProfile dict, checked by the verifier), threads*
-                                    (:class:`ThreadCounts`), host* (its hostname), run_secret* (the launcher's
-                                    per-run secret, on links without CURVE)
-welcome            verif → drafter  target (model name), vocab_size, want_q (send q with every draft, greedy
-                                    requests included: the verifier runs ensemble verification); profile*,
-                                    threads* (the verifier's cost curves and thread counts)
-session_start      verif → drafter  session, token_ids (whole committed prefix), params (GenerationParams dict),
-                                    prompt_len* (None: all of token_ids); tensors: extras
-draft              drafter → verif  session, base_len, epoch, tokens[k ≤ MAX_DRAFT_TOKENS]; idle_rounds* (0; k = 0:
-                                    step alone this many rounds, ≤ MAX_IDLE_ROUNDS), overlap* (True), sent_at*,
-                                    stats*, parents* (None: a chain; else a token tree, one parent index per
-                                    token, -1 or an earlier index); tensors q_idx/q_prob (sparse q) or q (dense)
-commit             verif → drafter  session, base_len, tokens[n+1], new_len; drafted* (0), accepted* (0),
-                                    verify_s*, threads* (0); tensors: extras
-state              verif → drafter  session, base_len, end; tensors: extras for positions before ``end`` (a part of
-                                    a session_start's state too large for one message, in position order)
-session_end        verif → drafter  session
-heartbeat          drafter ↔ verif  (liveness while idle; the verifier answers each one)
-generate           client → verif   request_id, params; exactly one of token_ids*, prompt*, messages*;
-                                    drafter_type* (only a drafter of this type serves it)
-chunk              verif → client   request_id, token_ids (new committed tokens), text (new text)
-done               verif → client   request_id, token_ids (all new tokens), text, metrics, finish_reason
-cancel             client → verif   request_id
-ping / pong        client ↔ verif   pong: drafter_connected; drafter_type*, target*, sessions* (0), drafters*
-                                    ([{id, type, host, sessions, alive}]), max_message_bytes* (0: unknown; the
-                                    verifier's cap on one message), heartbeat_timeout_s* (0.0: unknown; silence
-                                    after which it cancels a client's sessions). Clients ping every ~0.5 s as
-                                    their heartbeat
-error              any              message; code* ("error"), request_id*, session* (when known)
-=================  ===============  ============================================================================
+The message types, their fields and the limits are listed in docs/protocol.md, generated from the classes below
+(``python -m shared.protocol_doc --write``; the comment next to a field is its description there).
 
 Capabilities: ``sends_q`` — sampled drafts come with the distribution they were drawn from; ``greedy_q`` — when
 the welcome says ``want_q``, greedy drafts come with q too: the drafter's softmax over its processed scores,
@@ -393,11 +359,12 @@ class Hello(Message):
     TYPE = "hello"
     DIRECTION = "drafter→verifier"
 
-    drafter_type: str
+    drafter_type: str  # the drafter type's name (drafter.type)
+    # fingerprint of the tokenizer its tokens are in ("any": prompt lookup); a mismatch is refused (tokenizer_mismatch)
     tokenizer_id: str
-    capabilities: Capabilities
+    capabilities: Capabilities  # what the verifier must send it and may expect from it
     profile: dict[str, Any] | None = None  # shared.costs.curve.NodeProfile.to_dict(); the verifier checks it
-    threads: ThreadCounts | None = None
+    threads: ThreadCounts | None = None  # its torch thread counts
     host: str | None = None  # the drafter's hostname (shown in pong.drafters)
     run_secret: str | None = None  # the launcher's per-run secret (links without CURVE; see runtime.security)
 
@@ -417,13 +384,12 @@ class Welcome(Message):
     TYPE = "welcome"
     DIRECTION = "verifier→drafter"
 
-    target: str
-    vocab_size: int
-    want_q: bool
-    profile: dict[str, Any] | None = None
-    threads: ThreadCounts | None = None
-    # The target's cache holds recurrent state (a hybrid or state-space model): a rejected draft costs one more
-    # forward over the accepted tokens (shared.kv), which the drafter's cost model counts.
+    target: str  # the target model's name
+    vocab_size: int  # the target's vocabulary size
+    want_q: bool  # send q with greedy drafts too (the verifier runs ensemble verification)
+    profile: dict[str, Any] | None = None  # the verifier's cost curves (NodeProfile.to_dict())
+    threads: ThreadCounts | None = None  # the verifier's torch thread counts
+    # a rejected draft costs the verifier a forward over the accepted tokens (hybrid / state-space target)
     rollback_refeeds: bool = False
 
     def validate(self) -> None:
@@ -438,13 +404,14 @@ class SessionStart(Message):
     TYPE = "session_start"
     DIRECTION = "verifier→drafter"
 
-    session: int
-    token_ids: list[int]
+    session: int  # the session id the verifier gives the request
+    token_ids: list[int]  # the whole committed prefix
     params: dict[str, Any]  # shared.sampling.GenerationParams.to_dict()
     prompt_len: int | None = None  # None: all of token_ids is the prompt
     # Sessions that will share a verifier forward once this one is cached, this one included (as Commit.decoding;
     # 0: unknown): the new session's first plan is made for that batch, not for the one before it arrived.
     decoding: int = 0
+    # extras: hidden, kv.{layer} for the prefix (what fits under the size cap; the rest follows in state pieces)
     tensors: dict[str, torch.Tensor] = _tensors()
 
     def validate(self) -> None:
@@ -458,10 +425,10 @@ class Draft(Message):
     TYPE = "draft"
     DIRECTION = "drafter→verifier"
 
-    session: int
-    base_len: int
-    epoch: int
-    tokens: list[int]
+    session: int  # the session the block is for
+    base_len: int  # the committed length the block was built on; any other is stale and dropped
+    epoch: int  # the drafter's count of blocks sent for the session (the verifier does not act on it)
+    tokens: list[int]  # the drafted block, at most MAX_DRAFT_TOKENS tokens
     idle_rounds: int = 0  # k = 0: the verifier steps alone this many rounds (no tokens then)
     overlap: bool = True  # the drafter pre-drafts while this block is verified
     sent_at: float | None = None  # the drafter's wall clock at send (same-host transit time)
@@ -488,12 +455,12 @@ class Commit(Message):
     TYPE = "commit"
     DIRECTION = "verifier→drafter"
 
-    session: int
-    base_len: int
-    tokens: list[int]
-    new_len: int
+    session: int  # the session the round was for
+    base_len: int  # the committed length before the round
+    tokens: list[int]  # the n accepted drafts plus the target's own token (correction or bonus)
+    new_len: int  # the committed length after the round
     drafted: int = 0  # draft tokens the verifier checked (0: the round used no draft)
-    accepted: int = 0
+    accepted: int = 0  # of those, the accepted ones
     verify_s: float | None = None  # the round's target forward time
     threads: int = 0  # the verifier's torch threads in that forward (0: unknown)
     batch_sessions: int = 1  # sessions verified in that forward (batched verification; verify_s is the whole one's)
@@ -514,10 +481,10 @@ class State(Message):
     TYPE = "state"
     DIRECTION = "verifier→drafter"
 
-    session: int
-    base_len: int
-    end: int
-    tensors: dict[str, torch.Tensor] = _tensors()
+    session: int  # the session whose start state this piece belongs to
+    base_len: int  # the committed length of that session_start
+    end: int  # the piece covers the positions just before this one
+    tensors: dict[str, torch.Tensor] = _tensors()  # extras (hidden, kv.{layer}) for positions before end
 
     def validate(self) -> None:
         _non_negative(self.TYPE, self, "base_len", "end")
@@ -528,7 +495,7 @@ class SessionEnd(Message):
     TYPE = "session_end"
     DIRECTION = "verifier→drafter"
 
-    session: int
+    session: int  # the session that ended (done, cancelled or failed)
 
 
 @_message
@@ -542,7 +509,7 @@ class Generate(Message):
     TYPE = "generate"
     DIRECTION = "client→verifier"
 
-    request_id: int
+    request_id: int  # chosen by the client, unique among its requests in flight
     params: dict[str, Any]  # shared.sampling.GenerationParams fields; the verifier checks them
     token_ids: list[int] | None = None
     prompt: str | None = None
@@ -562,7 +529,7 @@ class Chunk(Message):
     TYPE = "chunk"
     DIRECTION = "verifier→client"
 
-    request_id: int
+    request_id: int  # the request it answers
     token_ids: list[int]  # tokens committed in this round
     text: str  # the text they complete
 
@@ -572,11 +539,11 @@ class Done(Message):
     TYPE = "done"
     DIRECTION = "verifier→client"
 
-    request_id: int
+    request_id: int  # the request it answers
     token_ids: list[int]  # every new token
     text: str
-    metrics: dict[str, Any]
-    finish_reason: str
+    metrics: dict[str, Any]  # the request's metrics (docs/metrics.md)
+    finish_reason: str  # stop, length, cancelled or client_gone
 
 
 @_message
@@ -584,7 +551,7 @@ class Cancel(Message):
     TYPE = "cancel"
     DIRECTION = "client→verifier"
 
-    request_id: int
+    request_id: int  # the request to cancel
 
 
 @_message
@@ -618,10 +585,10 @@ class Error(Message):
     TYPE = "error"
     DIRECTION = "any"
 
-    message: str
-    code: str = "error"
-    request_id: int | None = None
-    session: int | None = None
+    message: str  # what went wrong, for a person
+    code: str = "error"  # machine-readable reason (see "Errors and robustness")
+    request_id: int | None = None  # the request it ends, when known
+    session: int | None = None  # the session it concerns, when known
 
 
 # ------------------------------------------------------------------------------------------------------ codec
