@@ -180,7 +180,7 @@ class ProfileRelay:
                 m = _LOG_LINE.match(line)
                 if m is None:
                     continue
-                msg = m["msg"].removeprefix(f"{m['role']}: ")
+                msg = m["msg"].removeprefix(f"{m['role']}: ").replace("dtype auto: dtype auto for", "dtype auto for")
                 hit = _RELAYED.search(msg)
                 if hit is None:
                     continue

@@ -87,7 +87,7 @@ def test_profile_relay_relays_the_profiling_lines_of_node_logs(tmp_path):
     relay = ProfileRelay({"verifier": log}, out.append, terminal=False)
     relay.poll()
     assert out == ["verifier: profiling m bfloat16 at 1 thread (budget 20.0 s) ...",
-                   "verifier: dtype auto: dtype auto for m: bfloat16 (score ...)"]
+                   "verifier: dtype auto for m: bfloat16 (score ...)"]
     relay.poll()
     assert len(out) == 2  # nothing new; the incomplete last line waits
     relay.close()
