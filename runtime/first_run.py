@@ -145,7 +145,7 @@ def run_summary(metrics: dict[str, Any], reports: list[dict[str, Any]] | None = 
 
 
 #: Node log messages the launcher relays while it waits for the nodes (profiling is their long start-up step).
-_RELAYED = re.compile(r"\(budget (?P<budget>[\d.]+) s\) \.\.\.$|: cached$|^dtype auto: dtype auto for |busy|"
+_RELAYED = re.compile(r"\(budget (?P<budget>[\d.]+) s\) \.\.\.$|: cached$|^dtype auto for |busy|"
                       r"waiting for another node")
 _LOG_LINE = re.compile(r"^\S+ \S+ (?P<role>\S+) INFO (?P<msg>.*)$")
 
