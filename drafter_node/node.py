@@ -55,6 +55,7 @@ from drafter_node.node_handlers import MessageHandler
 from drafter_node.node_picker import LinkPacer, ThreadShare, WorkPicker
 from drafter_node.node_session import NodeSession
 from drafter_node.settings import DrafterConfig
+from drafter_node.start_report import start_report
 from drafter_node.types import drafter_class
 from shared.batch import feed_rows
 from shared.costs.cache import CurveCheck
@@ -67,6 +68,7 @@ from shared.protocol import (
     Draft,
     Heartbeat,
     Hello,
+    StartReport,
     ThreadCounts,
     encode,
 )
@@ -283,9 +285,35 @@ class DrafterNode:
             status = self.handler.on_message(frames)
             if status is not None:
                 return status
+            if self.handler.report_due:
+                self._send_report()
             if self.sock is not sock:
                 break  # rejoined: what the old socket still holds is for a verifier that is gone
         return None
+
+    def start_report(self) -> StartReport:
+        """What this node and its verifier chose, and the plan the cost model implies (the launcher prints it)."""
+        plan = self.threads.plan
+        handler = self.handler
+        return start_report(self.settings, self.book, block_len=self.drafter.block_len,
+                            free=self.drafter.free_drafting, drafter_profile=self.profile,
+                            verifier_profile=handler.verifier_profile, drafter_threads=ThreadCounts(plan.share,
+                                                                                                    plan.full),
+                            verifier_threads=handler.verifier_threads, drafter_dtype=self.dtype_name,
+                            verifier_dtype=handler.verifier_dtype)
+
+    def _send_report(self) -> None:
+        self.handler.report_due = False
+        try:
+            report = self.start_report()
+        except Exception:  # a report is a courtesy: never the reason a drafter stops serving
+            log.exception("could not build the start-up report")
+            return
+        log.info("start-up plan: %s k=%d overlap=%s, expected %.2fx the target alone (verify 1 token %.1f ms, "
+                 "%d+1 tokens %.1f ms, draft step %.1f ms, acceptance assumed %.2f)", report.decision, report.k,
+                 report.overlap, report.speedup, report.verify_1_s * 1e3, report.verify_k, report.verify_k_s * 1e3,
+                 report.draft_s * 1e3, report.alpha)
+        self._send(encode(Heartbeat(report=report)))
 
     def _do(self, work: NodeSession) -> None:
         """One unit of work: ``work``'s block (and every other ready one) goes out, or it steps, with others where

@@ -65,6 +65,11 @@ class MessageHandler:
         self.want_q = False  # the verifier wants q with greedy drafts too (ensemble verification)
         self.trees = settings.tree  # token trees allowed (off after the verifier refuses one)
         self.memory: pair_memory.PairMemory | None = None  # this pair's remembered acceptance (set at the welcome)
+        # Set by a welcome: the node sends its start-up report (drafter_node.start_report) in its next heartbeat.
+        self.report_due = False
+        self.verifier_profile: NodeProfile | None = None
+        self.verifier_threads: ThreadCounts | None = None
+        self.verifier_dtype: str | None = None
         self._handlers: dict[type, Callable[[Any], int | None]] = {
             Welcome: self.on_welcome, Error: self.on_error, SessionStart: self.on_session_start,
             Commit: self.on_commit, State: self.on_state, SessionEnd: self.on_session_end,
@@ -121,15 +126,20 @@ class MessageHandler:
         self.drafter.target_vocab_size = msg.vocab_size
         threads = msg.threads or ThreadCounts()
         try:
-            if msg.profile is not None and not self.costs_fixed:
-                self.book.set_verifier(NodeProfile.from_dict(msg.profile), threads.share, threads.full)
+            if msg.profile is not None:
+                self.verifier_profile = NodeProfile.from_dict(msg.profile)
+                if not self.costs_fixed:
+                    self.book.set_verifier(self.verifier_profile, threads.share, threads.full)
         except (ValueError, TypeError) as exc:
             log.warning("ignored the verifier's cost profile: %s", exc)
         self.book.rollback_refeeds = msg.rollback_refeeds
+        self.verifier_threads = msg.threads
+        self.verifier_dtype = msg.dtype
         self.want_q = msg.want_q and self.drafter.capabilities.greedy_q
         if first:  # the welcomes of the other queued hellos change nothing worth a line each
             log.info("connected to verifier (target %s)", msg.target)
             self._recall_pair(msg.target)
+            self.report_due = True
         if first and self.book.ready and self.settings.draft_schedule == "cost":
             for row in self.book.plans_by_batch(self.book.session_acceptance(), self.max_k, True, 0,
                                                 overlap=self.settings.overlap):

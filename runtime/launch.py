@@ -36,10 +36,12 @@ from runtime.config import (
     parse_overrides,
     typed,
 )
+from runtime.first_run import ProfileRelay, run_summary, startup_lines, with_reports
 from runtime.keys import KeysError
 from runtime.paths import PACKAGE_ROOT
 from shared.models import ModelLoadError
 from shared.named_models import RegistryError
+from weights.progress import quiet_library_bars
 
 #: Node processes run in the folder that holds the packages (a checkout's root, or site-packages), so what they
 #: import never depends on the caller's directory; paths in the config are made absolute before they start
@@ -194,7 +196,16 @@ class Cluster:
         in the pool."""
         deadline = time.monotonic() + self.config["launch"]["ready_timeout_s"]
         need = self.drafter_count
+        relay = ProfileRelay({name: self.log_path(name) for name in self.processes}, _progress)
+        try:
+            return await self._wait_ready(client, deadline, need, relay)
+        finally:
+            relay.close()
+
+    async def _wait_ready(self, client: AsyncClient, deadline: float, need: int,
+                          relay: ProfileRelay) -> dict[str, Any]:
         while True:
+            relay.poll()
             self.check_alive()
             try:
                 pong = await client.ping(timeout_s=1.0)
@@ -245,7 +256,8 @@ async def cluster(
         client = AsyncClient(nodes.client_address, timeout_s=timeout_s or cfg["client"]["timeout_s"],
                              curve=security.client_keys_for(nodes.config))
         async with client:
-            await nodes.wait_ready(client)
+            pong = await nodes.wait_ready(client)
+            client.startup = await with_reports(client, pong, nodes.drafter_count)  # type: ignore[attr-defined]
             client.processes = nodes.processes  # type: ignore[attr-defined]
             client.config = nodes.config  # type: ignore[attr-defined]
             client.cluster = nodes  # type: ignore[attr-defined]
@@ -312,6 +324,7 @@ def parse_http_address(text: str) -> dict[str, Any]:
 def _run_role(config: dict[str, Any], role: str, run_dir: str | None, hooks: dict[str, Any] | None = None) -> int:
     """Run one node in this process; ``hooks``: keyword arguments for the node's ``run`` (tests inject objects)."""
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role} %(levelname)s %(message)s")
+    quiet_library_bars()  # a node's output is a log file: no redrawn loading bars in it
     check_security(config, (role,))
     if "{run_dir}" in json.dumps(config):
         try:  # the default folder is ours by name: made private if an older version left it open
@@ -353,6 +366,8 @@ async def _one_shot(args: argparse.Namespace, config: dict[str, Any]) -> int:
     if args.chat and prompt is not None:
         prompt, messages = None, [{"role": "user", "content": args.prompt}]
     async with cluster(config) as client:
+        for line in startup_lines(client.startup):
+            _progress(line)
         if args.json:
             r = await client.generate(prompt, messages=messages, **params)
             print(json.dumps({"text": r.text, "token_ids": r.token_ids, "metrics": r.metrics}))
@@ -366,6 +381,7 @@ async def _one_shot(args: argparse.Namespace, config: dict[str, Any]) -> int:
                 # the stream holds back a trailing half character; the final text has all of it
                 print(item.text[len(shown):] if item.text.startswith(shown) else "")
                 print(format_metrics(item.metrics), file=sys.stderr)
+                _progress(run_summary(item.metrics, client.startup.get("reports")))
     return 0
 
 
@@ -400,9 +416,11 @@ async def _serve(config: dict[str, Any], run_dir: str | None) -> int:
     try:
         async with AsyncClient(nodes.client_address, timeout_s=config["client"]["timeout_s"],
                                curve=security.client_keys_for(nodes.config)) as client:
-            pong = await nodes.wait_ready(client)
+            pong = await with_reports(client, await nodes.wait_ready(client), nodes.drafter_count)
             drafters = ", ".join(f"{d['id']} {d['type']}@{d['host']}" for d in pong.get("drafters") or []) or "none"
             print(f"pipespec ready: target {pong.get('target')}, drafters: {drafters}", flush=True)
+            for line in startup_lines(pong):
+                _progress(line)
             print(f"client address: {nodes.client_address}", flush=True)
             async with contextlib.AsyncExitStack() as stack:
                 if config["http"]["host"] is not None:

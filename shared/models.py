@@ -110,8 +110,12 @@ def profile_node(model, source: str, device: str, spec: ProfileSpec, role: str):
     def progress(line: str) -> None:
         log.info("%s: %s", role, line)
 
-    return load_or_measure(model, resolve_model(source), device, model_dtype(model), spec.threads, spec.sizes,
-                           spec.budget_s, progress=progress, variant=spec.variant)
+    profile = load_or_measure(model, resolve_model(source), device, model_dtype(model), spec.threads, spec.sizes,
+                              spec.budget_s, progress=progress, variant=spec.variant)
+    scores = getattr(model, DTYPE_SCORES_ATTR, None)
+    if profile is not None and scores:  # dtype auto's comparison, so the node can say why it runs in this dtype
+        profile.candidates = dict(scores)
+    return profile
 
 
 def set_threads(threads: int) -> None:
@@ -165,14 +169,21 @@ def load_causal_lm(
             def load(name: str):
                 return load_causal_lm(path, device, name, max_memory, config)
 
+            probe = probe_config(path, config)
+
+            def load_probe(name: str):  # the candidates are compared on a cut model: one full load, the winner's
+                return load_causal_lm(path, device, name, max_memory, probe)
+
             def progress(line: str) -> None:
                 log.info("dtype auto: %s", line)
 
             with measuring_alone(device):  # load and measure while no other node on this machine measures
                 model, prof = resolve_auto_dtype(load, path, device, profile.threads, profile.sizes,
                                                  profile.budget_s, progress=progress, variant=profile.variant,
-                                                 score=verify_score if verifier else None)
+                                                 score=verify_score if verifier else None,
+                                                 load_probe=load_probe if probe is not None else None)
             log.info("dtype auto: %s chose %s (scores %s)", path, prof.dtype, prof.candidates)
+            setattr(model, DTYPE_SCORES_ATTR, dict(prof.candidates))  # profile_node puts them in the node's profile
             return model
         dtype = heuristic_dtype(device)
         log.info("dtype auto: %s on %s -> %s", path, device, dtype)
@@ -197,6 +208,34 @@ def load_causal_lm(
         model.to(device)
     model.eval()
     return model
+
+
+#: The model attribute where :func:`load_causal_lm` leaves ``dtype: auto``'s scores (dtype -> seconds per token).
+DTYPE_SCORES_ATTR = "_pipespec_dtype_scores"
+#: ``dtype: auto`` compares its candidates on the model cut to 1/PROBE_DEPTH_DIVISOR of its layers (at least one):
+#: the embeddings, the head and some layers of each, so only the winner is ever loaded whole (peak memory).
+PROBE_DEPTH_DIVISOR = 4
+
+
+def probe_config(path: str, config: Any = None):
+    """The config of ``path`` (or ``config``) cut to 1/PROBE_DEPTH_DIVISOR of its layers; None when it names no
+    layer count or is too shallow to cut (the candidates are then compared on the whole model)."""
+    import copy
+
+    from transformers import AutoConfig
+
+    try:
+        cut = copy.deepcopy(config) if config is not None else AutoConfig.from_pretrained(path)
+    except Exception:  # no readable config: compare on the whole model, which reports its own error
+        return None
+    key = next((k for k in ("num_hidden_layers", "n_layer") if isinstance(getattr(cut, k, None), int)), None)
+    if key is None or getattr(cut, key) < PROBE_DEPTH_DIVISOR:
+        return None
+    depth = getattr(cut, key) // PROBE_DEPTH_DIVISOR
+    setattr(cut, key, depth)
+    if isinstance(getattr(cut, "layer_types", None), list):
+        cut.layer_types = cut.layer_types[:depth]
+    return cut
 
 
 def tokenizer_id(tokenizer) -> str:

@@ -59,6 +59,10 @@ MAX_IDLE_ROUNDS = 1024
 MAX_DIM = 2**31
 #: Longest ``hello.host`` (a hostname) a verifier accepts.
 MAX_HOST_CHARS = 255
+#: Longest text field of a :class:`StartReport` (a dtype's reason, a schedule's name).
+MAX_REPORT_CHARS = 200
+#: Most start-up reports one pong lists (one per live drafter).
+MAX_REPORTS = 256
 #: ``tokenizer_id`` of a drafter that only copies token ids (prompt lookup): it fits any target tokenizer.
 ANY_TOKENIZER = "any"
 
@@ -323,6 +327,8 @@ class Message:
 
 
 def _plain(v: Any) -> Any:
+    if type(v) is list and v and isinstance(getattr(type(v[0]), "_SPEC", None), _Spec):
+        return [_plain(x) for x in v]  # a list of nested structures (pong.reports)
     spec = getattr(type(v), "_SPEC", None)
     return {name: _plain(x) for name, x in v.__dict__.items()} if isinstance(spec, _Spec) else v
 
@@ -344,6 +350,55 @@ class ThreadCounts:
 
     share: int = 0
     full: int = 0
+
+
+#: :attr:`StartReport.decision`: what the drafter's cost model concluded at start-up.
+REPORT_DECISIONS = (
+    "pays",  # speculation beats the target alone at the assumed acceptance
+    "cannot_pay",  # not even a drafter whose every token is accepted would beat the target alone: k = 0
+    "unsure",  # the target alone wins at the assumed acceptance; blocks are still tried while it is uncertain
+    "fixed",  # a schedule other than cost: k as configured, the expected speed-up as the cost model sees it
+    "unmeasured",  # a side's costs are not known yet (no profile): the plan is learned from the rounds
+)
+
+
+@_struct
+class StartReport:
+    """What a drafter chose at start-up and the plan its cost model (drafter_node.cost_model) implies for a new
+    session: both nodes' dtypes and why, thread counts, the measured seconds of verifying 1 and k + 1 tokens and of
+    one draft step, and the expected speed-up over the target alone. Sent in a heartbeat after each welcome; the
+    verifier lists the latest of each drafter in ``pong.reports`` (``drafter``: its pool id, set by the verifier)."""
+
+    decision: str = "unmeasured"  # one of REPORT_DECISIONS
+    schedule: str = ""  # drafter.draft_schedule
+    k: int = 0  # the first plan's block length (0: the target steps alone)
+    overlap: bool = False  # the first plan pre-drafts while its block is verified
+    speedup: float = 0.0  # expected committed tokens per second over the target alone's (0: unknown)
+    alpha: float = 0.0  # the per-token acceptance assumed (the prior, or this pair's remembered one)
+    verify_1_s: float = 0.0  # the verifier's forward over 1 token (0: unknown)
+    verify_k_s: float = 0.0  # over k + 1 tokens (k ≥ 1: the plan's, else num_draft_tokens)
+    verify_k: int = 0  # that k
+    draft_s: float = 0.0  # one draft step (1 row)
+    verifier_dtype: str = ""
+    verifier_dtype_why: str = ""
+    verifier_threads: ThreadCounts | None = None
+    drafter_dtype: str = ""
+    drafter_dtype_why: str = ""
+    drafter_threads: ThreadCounts | None = None
+    drafter: str = ""
+
+    def check(self, where: str) -> None:
+        """Range checks (nested structures have no ``validate`` of their own)."""
+        if self.decision not in REPORT_DECISIONS:
+            raise ProtocolError(f"{where}: decision must be one of {', '.join(REPORT_DECISIONS)}")
+        for name in ("schedule", "verifier_dtype", "verifier_dtype_why", "drafter_dtype", "drafter_dtype_why",
+                     "drafter"):
+            if len(getattr(self, name)) > MAX_REPORT_CHARS:
+                raise ProtocolError(f"{where}: {name} must be at most {MAX_REPORT_CHARS} characters")
+        _non_negative(where, self, "k", "speedup", "alpha", "verify_1_s", "verify_k_s", "verify_k", "draft_s")
+        for threads in (self.verifier_threads, self.drafter_threads):
+            if threads is not None:
+                _non_negative(f"{where}: threads", threads, "share", "full")
 
 
 def _non_negative(where: str, obj: Any, *names: str) -> None:
@@ -391,8 +446,11 @@ class Welcome(Message):
     threads: ThreadCounts | None = None  # the verifier's torch thread counts
     # a rejected draft costs the verifier a forward over the accepted tokens (hybrid / state-space target)
     rollback_refeeds: bool = False
+    dtype: str | None = None  # the target's dtype (also where it has no profile), for the drafter's start-up report
 
     def validate(self) -> None:
+        if self.dtype is not None and len(self.dtype) > MAX_REPORT_CHARS:
+            raise ProtocolError(f"welcome: dtype must be at most {MAX_REPORT_CHARS} characters")
         if self.vocab_size < 1:
             raise ProtocolError(f"welcome: vocab_size must be ≥ 1, got {self.vocab_size}")
         if self.threads is not None:
@@ -503,6 +561,12 @@ class Heartbeat(Message):
     TYPE = "heartbeat"
     DIRECTION = "drafter↔verifier"  # the verifier answers each one
 
+    report: StartReport | None = None  # a drafter's, once after each welcome
+
+    def validate(self) -> None:
+        if self.report is not None:
+            self.report.check(f"{self.TYPE}: report")
+
 
 @_message
 class Generate(Message):
@@ -578,6 +642,13 @@ class Pong(Message):
     mean_batch_tokens: float = 0.0  # tokens per such forward (every row's), on average
     prefill_forwards: int = 0  # target forwards that cached prompts (a batched one over several counts once)
     mean_prefill_sessions: float = 0.0  # prompts per such forward, on average
+    reports: list[StartReport] = field(default_factory=list)  # each live drafter's latest start-up report
+
+    def validate(self) -> None:
+        if len(self.reports) > MAX_REPORTS:
+            raise ProtocolError(f"pong: at most {MAX_REPORTS} reports")
+        for i, report in enumerate(self.reports):
+            report.check(f"{self.TYPE}: reports[{i}]")
 
 
 @_message

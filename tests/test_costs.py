@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from transformers import AutoConfig
 
 from runtime import profile as profile_cli
 from runtime.config import load_config
@@ -324,6 +325,40 @@ def test_resolve_auto_dtype_on_cpu_measures_both_then_loads_only_the_winner(tiny
     assert loads == [profile.dtype]  # both profiles cached: only the winner is loaded
     assert again.cached and again.dtype == profile.dtype and again.candidates == profile.candidates
     assert {p.dtype for p in model.parameters()} == {DTYPES[profile.dtype]}
+
+
+def test_resolve_auto_dtype_with_a_probe_loads_the_whole_model_once(tiny):
+    """Peak memory: the candidates are measured on the cut model, and only the winner is ever loaded whole."""
+    from shared.models import probe_config
+
+    path = str(tiny("llama"))
+    cut = probe_config(path)
+    assert cut is None  # two layers: too shallow to cut; a deeper copy of its config is
+    deep = AutoConfig.from_pretrained(path)
+    deep.num_hidden_layers = 8
+    cut = probe_config(path, deep)
+    assert cut.num_hidden_layers == 2 and deep.num_hidden_layers == 8  # the given config is left as it was
+    whole, probes = [], []
+
+    def load(dtype):
+        whole.append(dtype)
+        return load_causal_lm(path, "cpu", dtype)
+
+    def load_probe(dtype):
+        probes.append(dtype)
+        return load_causal_lm(path, "cpu", dtype, config=cut)
+
+    model, profile = dtype_choice.resolve_auto_dtype(load, path, "cpu", [1], [1, 2, 4], budget_s=1.0,
+                                                     load_probe=load_probe)
+    assert sorted(probes) == ["bfloat16", "float32"] and whole == [profile.dtype]
+    assert profile.dtype == min(profile.candidates, key=profile.candidates.get)
+    assert {p.dtype for p in model.parameters()} == {DTYPES[profile.dtype]}
+    assert model.config.num_hidden_layers == 2  # the whole model
+    assert dtype_choice.dtype_reason(profile).startswith(f"dtype auto: measured faster here, {profile.dtype} ")
+    probes.clear()
+    whole.clear()
+    dtype_choice.resolve_auto_dtype(load, path, "cpu", [1], [1, 2, 4], budget_s=1.0, load_probe=load_probe)
+    assert probes == [] and whole == [profile.dtype]  # the probes' profiles are cached
 
 
 def test_hardware_description():

@@ -45,6 +45,7 @@ from shared.protocol import (
     ProtocolError,
     SessionEnd,
     SessionStart,
+    StartReport,
     State,
     ThreadCounts,
     Welcome,
@@ -73,7 +74,8 @@ VALID: dict[str, Message] = {
                    profile={"model": "m", "curves": {"1": {"sizes": [1]}}}, threads=ThreadCounts(share=1, full=2),
                    host="box", run_secret="ab" * 32),
     "welcome": Welcome(target="tiny", vocab_size=151936, want_q=True, profile={"dtype": "float32"},
-                       threads=ThreadCounts(share=2, full=4), rollback_refeeds=True),
+                       threads=ThreadCounts(share=2, full=4), rollback_refeeds=True,
+                       dtype="bfloat16"),
     "session_start": SessionStart(session=3, token_ids=[1, 2, 3], params={"max_new_tokens": 8, "do_sample": False},
                                   prompt_len=2, decoding=4),
     "draft": Draft(session=3, base_len=10, epoch=1, tokens=[4, 5, 6], idle_rounds=0, overlap=False,
@@ -82,7 +84,8 @@ VALID: dict[str, Message] = {
                      threads=2, batch_sessions=3, batch_tokens=9, decoding=5),
     "state": State(session=3, base_len=10, end=9),
     "session_end": SessionEnd(session=3),
-    "heartbeat": Heartbeat(),
+    "heartbeat": Heartbeat(report=StartReport(decision="pays", schedule="cost", k=4, overlap=True, speedup=1.6,
+                                              verify_1_s=0.29, drafter_threads=ThreadCounts(share=1, full=2))),
     "generate": Generate(request_id=7, params={"temperature": 0.7, "seed": None}, token_ids=[5, 6],
                          drafter_type="assistant"),
     "chunk": Chunk(request_id=7, token_ids=[1], text="é ✓"),
@@ -93,7 +96,8 @@ VALID: dict[str, Message] = {
     "pong": Pong(drafter_connected=True, drafter_type="assistant", target="tiny", sessions=2,
                  drafters=[{"id": "d1", "type": "assistant", "host": "box", "sessions": 2, "alive": True}],
                  max_message_bytes=4096, heartbeat_timeout_s=5.0, batching=True, forwards=9, mean_batch_sessions=2.5,
-                 mean_batch_tokens=7.5, prefill_forwards=3, mean_prefill_sessions=1.5),
+                 mean_batch_tokens=7.5, prefill_forwards=3, mean_prefill_sessions=1.5,
+                 reports=[StartReport(decision="cannot_pay", draft_s=0.095, drafter="d1")]),
     "error": Error(message="boom", code="bad_message", request_id=7, session=4),
 }
 VARIANTS: list[Message] = [
@@ -330,7 +334,8 @@ def test_to_dict_gives_plain_values():
                                                         "batching": False, "forwards": 0,
                                                         "mean_batch_sessions": 0.0,
                                                         "mean_batch_tokens": 0.0, "prefill_forwards": 0,
-                                                        "mean_prefill_sessions": 0.0}
+                                                        "mean_prefill_sessions": 0.0, "reports": []}
+    assert VALID["pong"].to_dict()["reports"][0]["draft_s"] == 0.095  # nested structures as plain maps
 
 
 @pytest.mark.parametrize("msg_type", sorted(MESSAGE_TYPES))
@@ -472,6 +477,9 @@ WRONG_VALUES: dict[Any, list[Any]] = {
     Capabilities: [[], "x", True, {"sends_q": 1}, {"greedy_q": "yes"}, {"needs_kv_layers": [True]},
                    {"needs_kv_layers": 3}],
     ThreadCounts: [[], 2, {"share": "1"}, {"full": True}, {"share": 1.0}],
+    StartReport: [[], "x", {"k": "4"}, {"overlap": 1}, {"speedup": "fast"}, {"decision": "maybe"},
+                  {"k": -1}, {"verify_1_s": -0.1}, {"schedule": "x" * 201}, {"drafter_threads": {"share": -1}}],
+    list[StartReport]: ["x", {}, [1], [{"k": "4"}], [{"decision": "maybe"}]],
     list[dict[str, Any]]: ["x", {}, [1], [["id", "d1"]], [None]],
 }
 

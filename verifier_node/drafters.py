@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Collection
 from typing import Any
 
-from shared.protocol import Capabilities
+from shared.protocol import Capabilities, StartReport
 
 #: Silent this long: not alive (no wait for its drafts; its sessions move to a live drafter that fits).
 HEARTBEAT_TIMEOUT_S = 3.0
@@ -41,6 +41,7 @@ class DrafterLink:
         self.sessions: set[int] = set()
         self.joined = 0  # join order: ties in load go to the earlier drafter
         self.reported_dead = False
+        self.report: StartReport | None = None  # its start-up report (a heartbeat after the welcome), for pongs
 
     def refresh(self, hello: DrafterLink) -> None:
         """Take a new hello's announcement (same routing id: the same drafter, said hello again)."""

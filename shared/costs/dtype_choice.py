@@ -5,6 +5,8 @@ up for the conversion elsewhere); both candidates' profiles are cached, so a lat
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import gc
 from collections.abc import Callable
 from pathlib import Path
@@ -29,25 +31,40 @@ def _auto_gpu_dtype(device: str) -> str | None:
     return None
 
 
-def _free(model: Any) -> None:
-    del model
+def _collect() -> None:
+    """Free what the last dropped model held (call it after its last reference is gone)."""
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+    release_freed_memory()
+
+
+def release_freed_memory() -> None:
+    """Hand memory freed by Python back to the system (glibc keeps freed heap pages; the next model would otherwise
+    be counted on top of the last one's)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def resolve_auto_dtype(load: Callable[[str], Any], model_path: str, device: str, threads: list[int],
                        sizes: list[int], budget_s: float = 20.0, progress: ProgressFn | None = None, *,
                        variant: str = "", fresh: bool = False,
-                       score: Callable[[NodeProfile, list[int]], float] | None = None) -> tuple[Any, NodeProfile]:
+                       score: Callable[[NodeProfile, list[int]], float] | None = None,
+                       load_probe: Callable[[str], Any] | None = None) -> tuple[Any, NodeProfile]:
     """``dtype: auto``: pick the dtype for this node and return ``(model loaded in it, its profile)``.
 
     ``load(dtype_name)`` loads the model. A GPU takes bfloat16 where supported, else float16 (MPS: float16). A CPU
     measures float32 and bfloat16 (half the budget each) and keeps the one with the lower ``score`` (default
     :func:`profile_score`; a verifier passes :func:`verify_score`);
     both profiles are cached, so a later start looks both up and loads only the winner. At most one candidate is
-    in memory at a time. ``profile.candidates`` holds the scores."""
+    in memory at a time. ``profile.candidates`` holds the scores.
+
+    ``load_probe(dtype_name)``: the model cut to a few of its layers (``shared.models.probe_config``). Given, the
+    CPU candidates are measured on it (profiles cached under ``variant + "|probe"``) and only the winner is loaded
+    whole, so the peak memory is the winner's, not the larger candidate's; the profile returned is then the
+    probe's (the node measures the whole model's next, ``shared.models.profile_node``)."""
     score = score or profile_score
+    full_load = load
     gpu_dtype = _auto_gpu_dtype(device)
     if gpu_dtype is not None:
         model = load(gpu_dtype)
@@ -56,6 +73,8 @@ def resolve_auto_dtype(load: Callable[[str], Any], model_path: str, device: str,
         profile.candidates = {gpu_dtype: score(profile, sizes)}
         return model, profile
 
+    if load_probe is not None:
+        load, variant = load_probe, f"{variant}|probe"
     profiles: dict[str, NodeProfile | None] = {}
     for dtype in AUTO_CPU_DTYPES:
         cached = None
@@ -73,8 +92,8 @@ def resolve_auto_dtype(load: Callable[[str], Any], model_path: str, device: str,
         if profiles[dtype] is not None:
             continue
         if held is not None:
-            _free(held[1])
             held = None
+            _collect()
         model = load(dtype)
         profiles[dtype] = load_or_measure(model, model_path, device, dtype, threads, sizes, budget_s / 2, progress,
                                           variant=variant, fresh=fresh)
@@ -82,12 +101,14 @@ def resolve_auto_dtype(load: Callable[[str], Any], model_path: str, device: str,
         del model
     scores = {dtype: score(p, sizes) for dtype, p in profiles.items() if p is not None}
     winner = min(scores, key=lambda d: (scores[d], d != "bfloat16"))  # a tie goes to the smaller footprint
-    if held is not None and held[0] == winner:
+    if load_probe is not None:  # the probes were cut models: the winner is loaded whole, after the last probe is freed
+        load = full_load
+    if held is not None and held[0] == winner and load_probe is None:
         model = held[1]
-    else:
-        if held is not None:
-            _free(held[1])
         held = None
+    else:
+        held = None
+        _collect()
         model = load(winner)
     profile = profiles[winner]
     assert profile is not None
@@ -96,3 +117,17 @@ def resolve_auto_dtype(load: Callable[[str], Any], model_path: str, device: str,
         listed = ", ".join(f"{d} {s * 1e3:.1f} ms" for d, s in scores.items())
         progress(f"dtype auto for {Path(model_path).name}: {winner} (score {listed})")
     return model, profile
+
+
+def dtype_reason(profile: NodeProfile) -> str:
+    """Why a node runs in ``profile.dtype``, in words: measured against the other candidate (``dtype: auto`` on a
+    CPU: the scores, seconds per token), the device's half type (``auto`` on a GPU), or as configured."""
+    scores = profile.candidates
+    if len(scores) >= 2:
+        others = ", ".join(f"{d} {s * 1e3:.0f} ms" for d, s in sorted(scores.items(), key=lambda kv: kv[1])
+                           if d != profile.dtype)
+        return f"dtype auto: measured faster here, {profile.dtype} {scores.get(profile.dtype, 0) * 1e3:.0f} ms vs " \
+               f"{others} per token"
+    if len(scores) == 1:
+        return f"dtype auto: the half type {profile.device} supports"
+    return "as configured"
