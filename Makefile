@@ -16,7 +16,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 run: setup
-	$(PY) -m runtime.launch --config cpu.yaml --max-new-tokens 64 --chat --prompt "$(PROMPT)"
+	$(VENV)/bin/pipespec generate --config cpu.yaml --max-new-tokens 64 --chat --prompt "$(PROMPT)"
 
 test: setup
 	$(PY) -m pytest -q

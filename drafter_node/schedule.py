@@ -8,7 +8,7 @@
   from the measured cost curves of both nodes, per-position acceptance and the round trip
   (:mod:`drafter_node.cost_model`). While it chooses k = 0 it probes now and then (one synchronous block) so it can
   come back when acceptance recovers.
-* ``pipeline``: picks the k that maximises the speed model (README, "Architecture") from running estimates —
+* ``pipeline``: picks the k that maximises the speed model (docs/architecture.md) from running estimates —
   E(α, k) / max(1, (k+1)·c) when drafting overlaps verification (a round drafts the next block and its bonus
   guess), E(α, k) / (1 + k·c) when it does not — with α the
   per-token acceptance and c = (drafter step time) / (verification round trip), both measured as the session runs.

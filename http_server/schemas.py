@@ -1,7 +1,7 @@
 """Request bodies of ``/v1/completions`` and ``/v1/chat/completions`` (pydantic), and the check that turns the
 OpenAI fields pipespec does not implement into a 400 instead of silently ignoring them.
 
-Field policy (documented in the README, "Serving over HTTP"):
+Field policy (documented in docs/http.md):
 
 - implemented: ``model``, ``prompt`` / ``messages``, ``max_tokens`` / ``max_completion_tokens``, ``temperature``,
   ``top_p``, ``seed``, ``stop``, ``stream``, ``stream_options.include_usage``, and pipespec's own ``top_k`` and

@@ -296,7 +296,7 @@ class AsyncClient:
 
         Parameters: ``max_new_tokens``, ``do_sample``, ``temperature``, ``top_k``, ``top_p``,
         ``repetition_penalty``, ``min_new_tokens``, ``eos_token_ids``, ``stop_token_ids``, ``seed``.
-        ``drafter_type``: only a drafter of this type may serve the request (see the README, "Drafter pool").
+        ``drafter_type``: only a drafter of this type may serve the request (see docs/deployment.md, "Drafter pool").
         """
         result = None
         async for item in self._run(prompt, token_ids, messages, params, drafter_type):

@@ -386,7 +386,7 @@ async def _one_shot(args: argparse.Namespace, config: dict[str, Any]) -> int:
 
 
 def format_metrics(m: dict[str, Any]) -> str:
-    """One readable block of the metrics the README's "Metrics" section names."""
+    """One readable block of the metrics docs/metrics.md names."""
     return (
         f"[pipespec] {m['new_tokens']} tokens in {m['elapsed_s']:.2f} s ({m['tokens_per_second']:.2f} tok/s), "
         f"{m['rounds']} rounds, acceptance {m['acceptance_rate']:.2f} ({m['accepted_tokens']}/{m['draft_tokens']}), "

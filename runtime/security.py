@@ -4,7 +4,7 @@ launcher's private run folder, and the per-run secret its drafter shows in ``hel
 Every function takes a config :func:`runtime.config.load_config` returned (merged with its declared defaults), so
 the keys are read without fallbacks: their defaults are declared once, in ``runtime/config_schema.py``.
 
-See the README's "Security" section for the setup and the threat model.
+See docs/deployment.md, "Security", for the setup and the threat model.
 """
 
 from __future__ import annotations

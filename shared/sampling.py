@@ -21,7 +21,7 @@ class ParamError(ValueError):
 
 # Bounds that keep the processed scores finite in float32 (scores are processed in float32 whatever the model's
 # dtype): a logit of a real model is far below 1e4 in magnitude, and temperature and repetition penalty scale it by at
-# most 1 / MIN each, so |score| stays below 1e8 (float32 overflows at 3.4e38). Documented in the README
+# most 1 / MIN each, so |score| stays below 1e8 (float32 overflows at 3.4e38). Documented in docs/client.md
 # ("Generation parameters").
 MIN_TEMPERATURE = 1e-2  # when sampling; a greedy request ignores temperature (any finite value > 0 is accepted)
 MAX_TEMPERATURE = 100.0

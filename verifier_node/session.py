@@ -99,7 +99,7 @@ class RoundTiming:
 
 @dataclass
 class SessionMetrics:
-    """Counters in vLLM's terms plus the pipeline's own (see the README, "Metrics")."""
+    """Counters in vLLM's terms plus the pipeline's own (see docs/metrics.md)."""
 
     drafts: int = 0
     draft_tokens: int = 0
