@@ -20,7 +20,12 @@ from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionCacheLayerMixin
+from transformers.cache_utils import (
+    DummyLayer,
+    DynamicLayer,
+    DynamicSlidingWindowLayer,
+    LinearAttentionCacheLayerMixin,
+)
 
 from shared.devices import input_device
 
@@ -41,9 +46,10 @@ def rollback_problem(config) -> str | None:
     """Why a rejected draft could not be rolled back exactly in the cache of a model with this ``config`` (None: it
     can).
 
-    Supported cache layers: attention (``DynamicLayer``), sliding-window attention, and layers holding convolution or
-    recurrent state (``LinearAttentionLayer``, alone or with full attention in one layer). Checked when a node loads
-    its model, so an unsupported model fails at start, not at its first rejected draft."""
+    Supported cache layers: attention (``DynamicLayer``), sliding-window attention, KV-sharing layers that hold
+    nothing of their own (``DummyLayer``, Gemma 3n / 4), and layers holding convolution or recurrent state
+    (``LinearAttentionLayer``, alone or with full attention in one layer). Checked when a node loads its model, so an
+    unsupported model fails at start, not at its first rejected draft."""
     model_type = getattr(config, "model_type", type(config).__name__)
     try:
         cache = DynamicCache(config=config)
@@ -54,7 +60,7 @@ def rollback_problem(config) -> str | None:
         if recurrent and sliding:
             return (f"model type {model_type!r}: cache layer {index} ({type(layer).__name__}) mixes recurrent state "
                     "with a sliding window, which pipespec cannot roll back")
-        if not (recurrent or isinstance(layer, DynamicLayer)):
+        if not (recurrent or isinstance(layer, DynamicLayer | DummyLayer)):  # DummyLayer: reuses another's K/V
             return (f"model type {model_type!r}: cache layer {index} is a {type(layer).__name__}, which pipespec "
                     "cannot roll back after a rejected draft (supported: attention, sliding-window attention, "
                     "linear-attention / state-space layers)")

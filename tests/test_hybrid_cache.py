@@ -102,6 +102,16 @@ def test_hybrids_verify_one_session_per_forward(hybrids):
         assert not can_batch(CachedLM(hybrids[family])), family  # ragged batching stacks K/V only
 
 
+def test_attention_caches_pass_the_load_check():
+    from testkit.tiny_models import gemma4_text_config, model_config
+
+    assert rollback_problem(model_config("llama", 160)) is None
+    # Gemma 4: sliding layers and KV-sharing consumers (DummyLayer: no K/V of their own)
+    gemma = gemma4_text_config(160, 64, ["sliding_attention", "full_attention", "sliding_attention"],
+                               num_kv_shared_layers=1)
+    assert rollback_problem(gemma) is None
+
+
 def test_an_unsupported_cache_layer_is_refused_at_load(hybrids, monkeypatch):
     class OddLayer:
         pass
