@@ -103,8 +103,14 @@ def test_keys_cli_writes_private_key_folders_and_never_overwrites(tmp_path):
 def reaches(ctx: zmq.Context, router: zmq.Socket, endpoint: str, curve: ClientKeys | None, wait_ms: int) -> bool:
     """Whether a message from a DEALER with ``curve`` keys arrives at ``router`` within ``wait_ms``."""
     dealer = connect_dealer(ctx, endpoint, curve)
+    # Bounded send: a DEALER whose handshake was refused has no pipe, so a plain send would block for ever (this
+    # test hung a whole suite run when the refusal happened before the send).
+    dealer.setsockopt(zmq.SNDTIMEO, wait_ms)
     try:
-        dealer.send(b"hello")
+        try:
+            dealer.send(b"hello")
+        except zmq.Again:
+            return False
         if not router.poll(wait_ms):
             return False
         router.recv_multipart()
