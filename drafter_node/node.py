@@ -234,7 +234,14 @@ class DrafterNode:
         self.running = False
 
     def _send(self, frames: list) -> None:
-        self.sock.send_multipart(frames, copy=False)
+        try:
+            # Never block: with no connection to the verifier (a refused CURVE handshake, a verifier not up yet) a
+            # blocking send would stall the node's loop; a dropped message is safe (hellos are re-sent, a missing
+            # draft or heartbeat costs the verifier a wait, never a wrong token).
+            self.sock.send_multipart(frames, copy=False, flags=zmq.NOBLOCK)
+        except zmq.Again:
+            log.debug("verifier link not ready: a message was dropped")
+            return
         self.link.sent()
 
     def _hello(self) -> None:
