@@ -21,7 +21,6 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.machine import machine_info
 from benchmarks.progress import utc_now
 from benchmarks.results import write_result
 
@@ -86,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{name:18s} a={accepted}  verify {row['verify_ms']:7.2f} ms  rollback {row['rollback_ms']:7.2f}"
                       f" ms  ({row['rollback_share']:.2f} of a verify forward)", flush=True)
     report = {"meta": {"date": utc_now(), "command": "python scripts/bench_rollback.py", "args": vars(args) | {
-        "out": str(args.out)}, "machine": machine_info(), "dtype": "float32"}, "rows": rows}
+        "out": str(args.out)}, "dtype": "float32"}, "rows": rows}  # write_result adds the machine and git state
     args.out.parent.mkdir(parents=True, exist_ok=True)
     write_result(args.out, report)
     print(f"wrote {args.out}")

@@ -9,8 +9,9 @@ convolution and recurrent state in ``LinearAttentionLayer`` cache layers, which 
 every token it has seen. Here each forward first keeps a copy of those states (:class:`StateSnapshot`, a few tensors
 per layer, no sequence dimension); a rollback restores that copy, crops the attention layers to the same length and
 re-feeds the kept tokens after it (for the verifier: the pending token and the accepted drafts). So a rejection
-costs one more forward over the accepted tokens, which the cost model counts (``CachedLM.refed_total``). A model
-whose cache holds a layer kind none of this covers is refused when it is loaded (:func:`rollback_problem`).
+costs one more forward over the accepted tokens (counted in ``CachedLM.refed_total``; the drafter's cost model
+charges it from the verifier's curve, ``drafter_node.cost_model.rollback_s``). A model whose cache holds a layer kind
+none of this covers is refused when it is loaded (:func:`rollback_problem`).
 """
 
 from __future__ import annotations
@@ -32,10 +33,6 @@ from shared.devices import input_device
 
 class KVRowsError(ValueError):
     """A drafter asked for K/V rows of layers this model's cache does not hold."""
-
-
-class UnsupportedCacheError(ValueError):
-    """The model's cache holds state pipespec cannot roll back after a rejected draft."""
 
 
 def _is_recurrent(layer) -> bool:
@@ -123,7 +120,8 @@ class CachedLM:
         extra = {"logits_to_keep": 1} if last_logits_only and self._keeps_logits else {}
         if self.recurrent:
             self._snapshot = StateSnapshot.take(self.cache, self.length)
-            self._ids = self._ids[: self.length] + list(token_ids)
+            del self._ids[self.length :]  # in place: no copy of the whole context per forward
+            self._ids.extend(token_ids)
         out = self.model(input_ids=ids, cache=self.cache, use_cache=True, output_hidden_states=want_hidden, **extra)
         self.grew(len(token_ids))
         hidden = out.hidden_states[-1][0] if want_hidden else None

@@ -22,7 +22,7 @@ NEXT = [30, 31, 32]
 
 
 @pytest.fixture(scope="module")
-def hybrids(tmp_path_factory, request):
+def hybrids(tmp_path_factory):
     from testkit.tiny_models import build_tokenizer
 
     root = tmp_path_factory.mktemp("hybrid")
