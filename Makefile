@@ -7,12 +7,17 @@ PROMPT ?= Write a Python function is_prime(n) that returns True when n is a prim
 
 setup: $(VENV)/.installed
 
-# torch is pinned explicitly: an unpinned torch would pull a multi-GB CUDA build.
+# torch is pinned explicitly: an unpinned torch would pull a multi-GB CUDA build. xgrammar (structured output) is
+# installed without its dependencies: its wheel requires triton on Linux x86-64, a large GPU compiler it never uses
+# on CPU; the rest of what it needs (pydantic, numpy, torch, transformers) is already there.
+XGRAMMAR := xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2
+
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test,bench]'
+	$(PY) -m pip install -q --no-deps $(XGRAMMAR)
 	touch $@
 
 run: setup

@@ -8,6 +8,7 @@ sampling; warpers (temperature, top-k, top-p) only when sampling.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
@@ -31,6 +32,52 @@ MAX_NEW_TOKENS = 1_000_000
 MAX_TOP_K = 2**31 - 1
 MAX_TOKEN_ID = 2**31 - 1  # token ids fit an int32 whatever the vocabulary
 MAX_END_TOKENS = 1024  # eos_token_ids / stop_token_ids entries
+#: Structured output (``GenerationParams.grammar``): the kinds, and the longest spec text a request may carry (a
+#: compile costs time on the verifier's loop; real schemas are a few KB).
+GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "grammar", "choice")
+MAX_GRAMMAR_CHARS = 64 * 1024
+MAX_CHOICES = 256
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """A request's output constraint: ``kind`` (one of :data:`GRAMMAR_KINDS`) and its text ``value`` — a JSON
+    schema as JSON text, nothing for ``json_object``, a regex, an EBNF grammar, or a JSON list of strings for
+    ``choice``. The verifier compiles it with xgrammar (:mod:`verifier_node.grammar`)."""
+
+    kind: str
+    value: str = ""
+
+    @classmethod
+    def from_wire(cls, data: Any) -> GrammarSpec:
+        """Check the ``grammar`` parameter (``{"kind", "value"}``): the shape and size only; the engine judges the
+        content when the verifier compiles it."""
+        if not isinstance(data, dict) or set(data) - {"kind", "value"} or "kind" not in data:
+            raise ParamError('grammar must be {"kind": ..., "value": ...}')
+        kind, value = data["kind"], data.get("value", "")
+        if kind not in GRAMMAR_KINDS:
+            raise ParamError(f"grammar kind must be one of {', '.join(GRAMMAR_KINDS)}, got {kind!r}")
+        if value is None:
+            value = ""
+        if not isinstance(value, str):
+            raise ParamError(f"grammar value must be a string (a JSON schema as JSON text for json_schema), got "
+                             f"{type(value).__name__}")
+        if len(value) > MAX_GRAMMAR_CHARS:
+            raise ParamError(f"grammar value is {len(value)} characters; at most {MAX_GRAMMAR_CHARS} are accepted")
+        if kind != "json_object" and not value:
+            raise ParamError(f"grammar kind {kind} needs a non-empty value")
+        if kind == "choice":
+            try:
+                choices = json.loads(value)
+            except ValueError:
+                choices = None
+            if not (isinstance(choices, list) and 0 < len(choices) <= MAX_CHOICES
+                    and all(isinstance(c, str) and c for c in choices)):
+                raise ParamError(f"choice must be a list of 1 to {MAX_CHOICES} non-empty strings")
+        return cls(kind, value)
+
+    def to_wire(self) -> dict[str, str]:
+        return {"kind": self.kind, "value": self.value}
 
 
 @dataclass
@@ -47,6 +94,7 @@ class GenerationParams:
     eos_token_ids: list[int] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     seed: int | None = None
+    grammar: dict[str, str] | None = None  # structured output: GrammarSpec.to_wire(); the verifier compiles it
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], vocab_size: int | None = None) -> GenerationParams:
@@ -100,6 +148,18 @@ class GenerationParams:
                 raise ParamError(f"{name} has an id outside the vocabulary (size {vocab_size})")
         if vocab_size is not None and self.min_new_tokens and len(set(self.eos_token_ids)) >= vocab_size:
             raise ParamError("min_new_tokens with every token an eos_token_id leaves no token to generate")
+        if self.grammar is not None:
+            GrammarSpec.from_wire(self.grammar)
+            if not self.eos_token_ids and not self.stop_token_ids:
+                raise ParamError("a grammar needs an end token (eos_token_ids or stop_token_ids may not both be "
+                                 "empty): the grammar allows it where the output is complete")
+            if self.min_new_tokens:
+                # a complete output allows only end tokens, which min_new_tokens forbids: nothing would be left
+                raise ParamError("min_new_tokens cannot be combined with a grammar (response_format, regex, ...)")
+
+    @property
+    def grammar_spec(self) -> GrammarSpec | None:
+        return GrammarSpec.from_wire(self.grammar) if self.grammar is not None else None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -110,12 +170,15 @@ class GenerationParams:
 
 
 def process_logits(
-    logits: torch.Tensor, context: torch.Tensor, params: GenerationParams, num_generated: int
+    logits: torch.Tensor, context: torch.Tensor, params: GenerationParams, num_generated: int,
+    allowed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Turn one row of raw logits into processed float32 scores (``-inf`` for excluded tokens).
 
     ``context`` holds every token before the predicted position (prompt and generated), as transformers'
-    ``input_ids`` would; ``num_generated`` is how many new tokens precede the predicted one.
+    ``input_ids`` would; ``num_generated`` is how many new tokens precede the predicted one. ``allowed`` (bool, one
+    per logit): a grammar's mask, applied after the processors and before the warpers — where transformers runs a
+    ``logits_processor=`` passed to ``generate`` (so top-k and top-p choose among allowed tokens).
     """
     scores = logits.float().clone()
     if params.repetition_penalty != 1.0 and context.numel():
@@ -125,6 +188,8 @@ def process_logits(
         scores.scatter_(0, ids, picked)
     if num_generated < params.min_new_tokens and params.eos_token_ids:
         scores[torch.tensor(params.eos_token_ids, device=scores.device)] = -math.inf
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed.to(scores.device), -math.inf)
     if not params.do_sample:
         return scores
     if params.temperature != 1.0:
@@ -143,13 +208,16 @@ def process_logits(
 
 
 def process_block(
-    logits: torch.Tensor, prefix: torch.Tensor, block: torch.Tensor, params: GenerationParams, num_generated: int
+    logits: torch.Tensor, prefix: torch.Tensor, block: torch.Tensor, params: GenerationParams, num_generated: int,
+    allowed: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Process ``logits[i]`` (rows predicting the token after ``prefix + block[:i]``) for every row i."""
+    """Process ``logits[i]`` (rows predicting the token after ``prefix + block[:i]``) for every row i; ``allowed``:
+    a grammar's mask row per logits row."""
     rows = []
     for i in range(logits.shape[0]):
         context = torch.cat([prefix, block[:i]]) if i else prefix
-        rows.append(process_logits(logits[i], context, params, num_generated + i))
+        rows.append(process_logits(logits[i], context, params, num_generated + i,
+                                   allowed[i] if allowed is not None else None))
     return torch.stack(rows)
 
 

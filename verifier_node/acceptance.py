@@ -99,7 +99,8 @@ def accept_sampling(
         if ensemble_weight is not None:  # accept with v(x)/q(x) = 1 − w + w·p(x)/q(x)
             p_token = ensemble_weight * p_token + (1.0 - ensemble_weight) * q_token
         u = float(torch.rand((), generator=generator))
-        if q_token > 0 and u * q_token <= p_token:
+        # p_token > 0: a token the target excludes (a grammar's mask, top-k) is never kept, even on a draw of u = 0
+        if q_token > 0 and p_token > 0 and u * q_token <= p_token:
             out.append(token)
             continue
         if q is not None:

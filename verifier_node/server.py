@@ -92,6 +92,7 @@ from verifier_node.acceptance import AcceptRule, check_ensemble_weight
 from verifier_node.draft_check import checked_stats, dense_q, tree_parents
 from verifier_node.draft_wait import DraftWait
 from verifier_node.drafters import DrafterLink, DrafterPool
+from verifier_node.grammar import GrammarCompiler
 from verifier_node.pool_policy import PoolPolicy
 from verifier_node.rounds import RoundRunner, ThreadSwitch
 from verifier_node.scheduler import BatchLimits, Prefills, Scheduler
@@ -218,6 +219,7 @@ class VerifierServer:
         self.rollback_refeeds = CachedLM(model).recurrent  # hybrid / state-space target: see shared/kv.py
         self.tokenizer_id = tokenizer_id(tokenizer)
         self.default_eos = default_eos_ids(model, tokenizer)
+        self.grammars: GrammarCompiler | None = None  # built at the first request with a grammar (xgrammar optional)
         self.max_positions = getattr(model.config, "max_position_embeddings", None)
         self.sockets = sockets
         self.drafter_sock, self.client_sock = sockets.drafter, sockets.client
@@ -595,10 +597,22 @@ class VerifierServer:
         # so there the wait stays the cap; lossless sessions wait as long as their drafter's answers take.
         wait = DraftWait(self.draft_timeout, adaptive=self.ensemble_weight is None)
         s = Session(sid, self.model, self.tokenizer, prompt, params, peer, rid, self.ensemble_weight, wanted, wait,
-                    accept=self.accept_rule)
+                    accept=self.accept_rule, grammar=self._grammar(params))
         self.scheduler.add(s)
         self.by_request[(peer, rid)] = sid
         self.policy.reassign(s)
+
+    def _grammar(self, params: GenerationParams):
+        """The request's grammar matcher (structured output), or None. Compiled here, on the loop (cached per spec);
+        a spec the engine refuses, or a verifier without xgrammar, is a ``ParamError`` (the client's 400)."""
+        spec = params.grammar_spec
+        if spec is None:
+            return None
+        if self.ensemble_weight is not None:
+            raise ParamError("structured output cannot be combined with static ensemble verification")
+        if self.grammars is None:
+            self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.default_eos)
+        return self.grammars.session(spec, params.end_token_ids)
 
     def _wanted_type(self, value: str | None) -> str | None:
         """``generate.drafter_type``: None (any drafter), or a type name known to pipespec or present in the pool.

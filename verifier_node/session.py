@@ -16,6 +16,7 @@ from shared.sampling import GenerationParams, make_generator, process_block
 from verifier_node.acceptance import AcceptRule, accept_greedy, accept_sampling
 from verifier_node.detokenize import IncrementalText
 from verifier_node.draft_wait import DraftWait
+from verifier_node.grammar import GrammarPlan, SessionGrammar
 from verifier_node.tree import DraftTree, accept_tree_greedy, keep_path, process_tree, tree_forward
 
 
@@ -50,6 +51,7 @@ class RoundPlan:
     started: float
     fed: list[int]  # the pending token and the draft: what the forward feeds
     tree: DraftTree | None = None  # the draft as a token tree (cut to the budget); None: a chain
+    grammar: GrammarPlan | None = None  # structured output: the masks of every row, the matcher steps taken
 
 
 #: The parts of a round's wall time (``RoundTiming``), in the order the metrics list them.
@@ -168,9 +170,10 @@ class Session:
     def __init__(
         self, sid: int, model, tokenizer, prompt: list[int], params: GenerationParams, client: bytes, request_id: int,
         ensemble_weight: float | None = None, drafter_type: str | None = None, wait: DraftWait | None = None,
-        accept: AcceptRule | None = None,
+        accept: AcceptRule | None = None, grammar: SessionGrammar | None = None,
     ):
         self.sid = sid
+        self.grammar = grammar  # structured output: the request's matcher (verifier_node.grammar)
         self.params = params
         self.ensemble_weight = ensemble_weight  # static ensemble verification against w·p + (1 − w)·q (lossy)
         self.accept_rule = accept  # replaces the method's rule: tests' negative controls only (tests/node_entry.py)
@@ -242,6 +245,14 @@ class Session:
         to the nodes of depth at most the budget."""
         base_len = len(self.tokens)
         remaining = self.params.max_new_tokens - (base_len - self.prompt_len)
+        if self.grammar is not None:
+            # Trees are not masked (a matcher per branch): a grammar session verifies chains only, and a tree's
+            # tokens are dropped for this round (the drafter's next block follows the commit as usual).
+            if parents is not None:
+                draft, q = [], None
+            g = self.grammar.plan(list(draft), q, max(0, remaining - 1))
+            return RoundPlan(base_len, remaining, g.draft, g.q, time.monotonic(), [self.tokens[-1], *g.draft],
+                             grammar=g)
         if parents is not None:
             tree = DraftTree(list(draft), list(parents)).truncate(max(0, remaining - 1))
             if len(tree):
@@ -281,8 +292,9 @@ class Session:
             return self._finish_tree(plan, logits, forward_s, batch_sessions, batch_tokens)
         base_len, remaining, draft, q = plan.base_len, plan.remaining, plan.draft, plan.q
         prefix = torch.tensor(self.tokens, dtype=torch.long)
+        masks = plan.grammar.masks if plan.grammar is not None else None
         scores = process_block(
-            logits, prefix, torch.tensor(draft, dtype=torch.long), self.params, base_len - self.prompt_len
+            logits, prefix, torch.tensor(draft, dtype=torch.long), self.params, base_len - self.prompt_len, masks
         )
         self._check_finite(scores, base_len)
         if self.accept_rule is not None:
@@ -293,15 +305,18 @@ class Session:
             out = accept_greedy(scores, draft, q, self.ensemble_weight)
         accepted = len(out) - 1
         out = self._cut_at_end(out, remaining)
+        if plan.grammar is not None and not self.finished:
+            self.grammar.commit(plan.grammar, out, accepted)  # the matcher follows the committed text
         self.tokens.extend(out)
         # The cache gains len(out) positions: the pending token and the accepted drafts (the rest are cropped).
         kv = self.lm.new_rows(list(kv_layers), len(draft) + 1, len(out)) if kv_layers else None
         self.lm.crop(len(self.tokens) - 1)
-        self.metrics.record(len(draft), accepted)
+        drafted, ours = plan.grammar.drafter_counts(accepted) if plan.grammar is not None else (len(draft), accepted)
+        self.metrics.record(drafted, ours)
         self._round_done(plan, batch_sessions)
         if hidden is not None:
             hidden = hidden[: len(out)]
-        return RoundResult(base_len, out, accepted, len(draft), hidden, kv, forward_s,
+        return RoundResult(base_len, out, ours, drafted, hidden, kv, forward_s,
                            batch_sessions=batch_sessions, batch_tokens=batch_tokens or len(draft) + 1)
 
     def _finish_tree(self, plan: RoundPlan, logits: torch.Tensor, forward_s: float, batch_sessions: int,
@@ -401,5 +416,7 @@ class Session:
             "drafter_timing": _drafter_timing(m.drafter_stats),
             "plan_rates": _plan_rates(m.drafter_stats),
             "seed": self.params.seed,
+            # structured output: tokens the grammar forced, drafted for free (not in the draft/accept counts)
+            "grammar_forced_tokens": self.grammar.forced_tokens if self.grammar is not None else 0,
             "ensemble_weight": self.ensemble_weight,  # not None: lossy by design (output distribution w·p + (1−w)·q)
         }

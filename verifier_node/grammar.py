@@ -1,0 +1,231 @@
+"""Structured output on the verifier: grammars compiled with xgrammar, one matcher per session, the mask of every
+draft position, forced tokens drafted for free, and the matcher rolled back with the cache.
+
+The output distribution of a grammar session is the grammar-masked target's, token by token: at every position
+p_masked(x) ∝ p(x)·1[x allowed after the committed text], applied after the processors and before the warpers, as
+transformers' ``generate`` does with xgrammar's logits processor. Speculation keeps it exact because the verifier
+masks the scores of every draft position (and the bonus row) with the matcher state after the drafts before it,
+before the acceptance rule runs (see docs/correctness.md and docs/architecture.md#structured-output).
+
+xgrammar is optional (``pip install 'pipespec[structured]'``): it is imported the first time a request carries a
+grammar, and a request with a grammar on a verifier without it is refused with a clear message.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from shared.sampling import GrammarSpec, ParamError
+
+#: Compiled grammars kept per verifier (a compile can take a while on a large vocabulary: a repeated schema is free).
+COMPILED_CACHE = 64
+#: ``[12:07:59] /project/cpp/x.cc:94: `` and ``Check failed: (...) is false: `` prefixes of xgrammar's messages.
+_ENGINE_PREFIX = re.compile(r"^\s*\[[^\]]*\]\s*\S+:\d+:\s*(Check failed: \(.*?\) is false:\s*)?")
+
+
+class GrammarUnavailable(ParamError):
+    """A request carries a grammar but xgrammar is not installed on the verifier."""
+
+
+def _import_xgrammar() -> Any:
+    try:
+        import xgrammar
+    except ImportError as exc:
+        raise GrammarUnavailable(
+            "structured output (response_format, regex, grammar) needs the xgrammar package on the verifier, which "
+            f"is not installed ({exc}); install it with `pip install 'pipespec[structured]'` (see README, Install)"
+        ) from None
+    return xgrammar
+
+
+def engine_message(exc: BaseException) -> str:
+    """xgrammar's own message without its source-location prefix."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
+    return _ENGINE_PREFIX.sub("", text)[:500]
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """xgrammar's packed int32 bitmask rows ``[n, ceil(V / 32)]`` as bool rows ``[n, V]`` (True: allowed)."""
+    shifts = torch.arange(32, dtype=torch.int32)
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1
+    return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()
+
+
+class GrammarCompiler:
+    """Compiles grammar specs against the target's tokenizer (one per verifier), caching the compiled grammars."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]):
+        self.xgr = _import_xgrammar()
+        self.vocab_size = vocab_size
+        # The target's logits row may be longer than the tokenizer (padded embeddings): the bitmask covers the row.
+        self.info = self.xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                            stop_token_ids=list(stop_token_ids) or None)
+        self.compiler = self.xgr.GrammarCompiler(self.info, max_threads=1)
+        self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def compile(self, spec: GrammarSpec) -> Any:
+        """The compiled grammar of ``spec``; a spec the engine refuses raises :class:`ParamError` with its message."""
+        key = (spec.kind, spec.value)
+        with self._lock:
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                return self._cache[key]
+        try:
+            compiled = self._compile(spec)
+        except ParamError:
+            raise
+        except Exception as exc:  # xgrammar raises RuntimeError with the parser's message
+            raise ParamError(f"{spec.kind}: refused by the grammar engine (xgrammar): {engine_message(exc)}") from None
+        with self._lock:
+            self._cache[key] = compiled
+            while len(self._cache) > COMPILED_CACHE:
+                self._cache.popitem(last=False)
+        return compiled
+
+    def _compile(self, spec: GrammarSpec) -> Any:
+        c = self.compiler
+        if spec.kind == "json_schema":
+            # Compact JSON (no free whitespace): a model cannot wander into endless whitespace, and more tokens are
+            # forced (drafted for free). strict_mode: no properties the schema does not name.
+            return c.compile_json_schema(spec.value, any_whitespace=False, strict_mode=True)
+        if spec.kind == "json_object":
+            return c.compile_builtin_json_grammar()
+        if spec.kind == "regex":
+            return c.compile_regex(spec.value)
+        if spec.kind == "choice":
+            choices = json.loads(spec.value)
+            return c.compile_grammar("root ::= " + " | ".join(json.dumps(s) for s in choices))
+        return c.compile_grammar(spec.value)  # "grammar": EBNF (GBNF-style, as in vLLM and llama.cpp)
+
+    def session(self, spec: GrammarSpec, end_token_ids: set[int]) -> SessionGrammar:
+        """A fresh matcher of ``spec`` for one request; it accepts an end token only where the grammar is complete."""
+        compiled = self.compile(spec)
+        matcher = self.xgr.GrammarMatcher(compiled, override_stop_tokens=sorted(end_token_ids) or None)
+        grammar = SessionGrammar(self.xgr, matcher, self.vocab_size, end_token_ids)
+        if not grammar.mask().any():
+            raise ParamError(f"{spec.kind}: the grammar allows no token at all (an impossible schema or grammar)")
+        return grammar
+
+
+@dataclass
+class GrammarPlan:
+    """What the grammar made of one round's draft: the tokens the forward verifies (the drafter's kept part, then
+    forced tokens), their q rows, one mask row per position plus the bonus row, and the matcher steps taken."""
+
+    draft: list[int]
+    q: torch.Tensor | None
+    masks: torch.Tensor  # bool [len(draft) + 1, vocab]
+    advanced: int  # tokens the matcher accepted while planning (rolled back after acceptance)
+    forced: int  # tokens the grammar forced past the drafter's own (drafted for free)
+    chain: int  # the leading draft tokens that are the drafter's own block (forced ones it also proposed included)
+
+    def drafter_counts(self, accepted: int) -> tuple[int, int]:
+        """(the drafter's tokens verified, how many of them were accepted): what the commit tells the drafter and
+        the acceptance metrics count; tokens the grammar added past the drafter's block are left out."""
+        return self.chain, min(accepted, self.chain)
+
+
+class SessionGrammar:
+    """One request's matcher. Between rounds it sits at the committed text; :meth:`plan` advances it through a
+    draft to build the masks, :meth:`commit` rolls it back to the committed length and accepts the round's
+    outcome."""
+
+    def __init__(self, xgr: Any, matcher: Any, vocab_size: int, end_token_ids: set[int]):
+        self.xgr = xgr
+        self.matcher = matcher
+        self.vocab_size = vocab_size
+        self.end_token_ids = set(end_token_ids)
+        self.bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+        self.forced_tokens = 0  # over the session (metrics)
+
+    def mask(self) -> torch.Tensor:
+        """Bool [vocab]: the tokens allowed after the matcher's current state."""
+        self.matcher.fill_next_token_bitmask(self.bitmask, 0)
+        return unpack_bitmask(self.bitmask, self.vocab_size)[0]
+
+    def plan(self, draft: list[int], q: torch.Tensor | None, limit: int) -> GrammarPlan:
+        """Masks for ``draft`` (at most ``limit`` tokens verified), forced tokens appended or swapped in.
+
+        * A draft token the grammar allows is kept and the matcher steps over it.
+        * Where the mask allows one token only, that token is the target's choice whatever the scores (greedy: the
+          only finite score; sampling: p_masked is one-hot), so it is drafted for free with a one-hot q; a drafter
+          token that differs there is replaced and the drafter's tokens after it are dropped (built on a prefix
+          the target will not commit).
+        * The first token the grammar refuses stays in the draft so the acceptance rule rejects it (p_masked = 0)
+          and draws the correction from the residual, exactly as for any rejected draft; dropping it instead would
+          bias the correction towards p. Its following row is never read (acceptance stops there): all True.
+        """
+        kept: list[int] = []
+        q_rows: list[torch.Tensor | None] = []
+        masks: list[torch.Tensor] = []
+        advanced = forced = 0
+        on_draft = True  # the drafter's tokens still continue what was kept
+        while True:
+            allowed = self.mask()
+            masks.append(allowed)
+            i = len(kept)
+            if i >= limit or self.matcher.is_terminated():
+                break
+            only = allowed.nonzero()
+            if only.numel() == 1:  # forced: drafted for free
+                token = int(only[0, 0])
+                if not (on_draft and i < len(draft) and draft[i] == token):
+                    on_draft = False
+                kept.append(token)
+                q_rows.append(None)
+                forced += not on_draft
+            elif on_draft and i < len(draft) and bool(allowed[draft[i]]):
+                kept.append(draft[i])
+                q_rows.append(q[i] if q is not None and i < q.shape[0] else None)
+            else:
+                if on_draft and i < len(draft):  # refused: verified (and rejected) like any wrong draft
+                    kept.append(draft[i])
+                    q_rows.append(q[i] if q is not None and i < q.shape[0] else None)
+                    masks.append(torch.ones(self.vocab_size, dtype=torch.bool))
+                break
+            if not self.matcher.accept_token(kept[-1]):
+                raise RuntimeError(f"grammar matcher refused token {kept[-1]} that its own mask allowed")
+            advanced += 1
+            if kept[-1] in self.end_token_ids:  # the grammar ended: nothing after it is verified
+                masks.append(torch.ones(self.vocab_size, dtype=torch.bool))
+                break
+        chain = 0
+        while chain < min(len(kept), len(draft)) and kept[chain] == draft[chain]:
+            chain += 1
+        plan = GrammarPlan(kept, self._q(q, q_rows, kept), torch.stack(masks), advanced, forced, chain)
+        self.forced_tokens += plan.forced
+        return plan
+
+    @staticmethod
+    def _q(q: torch.Tensor | None, rows: list[torch.Tensor | None], tokens: list[int]) -> torch.Tensor | None:
+        """The q rows of the planned draft: the drafter's where it drew the token, one-hot where the grammar forced
+        it. Without a drafter q (deterministic drafts) none is needed: a forced token is deterministic too."""
+        if q is None or not tokens:
+            return None
+        out = torch.zeros(len(tokens), q.shape[1], dtype=q.dtype)
+        for i, (row, token) in enumerate(zip(rows, tokens)):
+            if row is not None:
+                out[i] = row
+            else:
+                out[i, token] = 1.0
+        return out
+
+    def commit(self, plan: GrammarPlan, out: list[int], accepted: int) -> None:
+        """After acceptance: back to the committed prefix (the accepted drafts), then the target's own token."""
+        self.matcher.rollback(plan.advanced - accepted)
+        if out and len(out) > accepted and not self.matcher.is_terminated():
+            token = out[accepted]
+            if not self.matcher.accept_token(token):
+                raise RuntimeError(f"grammar matcher refused the committed token {token}")
+
+    def abandon(self, plan: GrammarPlan) -> None:
+        """A planned round that never reached acceptance: undo its matcher steps."""
+        self.matcher.rollback(plan.advanced)
