@@ -30,6 +30,9 @@ def generation_params(req: CompletionRequest | ChatRequest, default_max_tokens: 
         params["top_p"] = req.top_p
         params["top_k"] = req.top_k if req.top_k and req.top_k > 0 else None
     params["repetition_penalty"] = req.repetition_penalty
+    spec = req.grammar_spec()
+    if spec is not None:
+        params["grammar"] = spec.to_wire()
     return {k: v for k, v in params.items() if v is not None}
 
 

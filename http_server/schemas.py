@@ -6,9 +6,12 @@ Field policy (documented in docs/http.md):
 - implemented: ``model``, ``prompt`` / ``messages``, ``max_tokens`` / ``max_completion_tokens``, ``temperature``,
   ``top_p``, ``seed``, ``stop``, ``stream``, ``stream_options.include_usage``, and pipespec's own ``top_k`` and
   ``repetition_penalty``;
+- structured output, one constraint per request: ``response_format`` (``text``, ``json_object``, ``json_schema``),
+  vLLM's ``structured_outputs`` (``json``, ``regex``, ``grammar``, ``choice``) and its older ``guided_json``,
+  ``guided_regex``, ``guided_grammar``, ``guided_choice``;
 - accepted when they ask for nothing (their default): ``n: 1``, ``best_of: 1``, ``echo: false``, ``logprobs``
-  false / null, ``presence_penalty`` / ``frequency_penalty`` 0, ``logit_bias`` empty, ``response_format`` of type
-  text; accepted and ignored: ``user``, ``metadata``, ``store``, ``service_tier``;
+  false / null, ``presence_penalty`` / ``frequency_penalty`` 0, ``logit_bias`` empty; accepted and ignored:
+  ``user``, ``metadata``, ``store``, ``service_tier``;
 - anything else — a known OpenAI field pipespec lacks (``tools``, ``suffix``, …) or an unknown name (a typo) — is a
   400 naming the field: a request is never served with part of it dropped.
 """
@@ -20,7 +23,15 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 from http_server.errors import bad_request
-from shared.sampling import MAX_NEW_TOKENS, MAX_REPETITION_PENALTY, MAX_TEMPERATURE, MIN_REPETITION_PENALTY
+from shared.sampling import (
+    MAX_NEW_TOKENS,
+    MAX_REPETITION_PENALTY,
+    MAX_TEMPERATURE,
+    MIN_REPETITION_PENALTY,
+    GrammarSpec,
+    ParamError,
+    structured_output,
+)
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1000
@@ -38,6 +49,17 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     include_usage: StrictBool = False
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's ``structured_outputs`` object (the subset pipespec serves)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    grammar: str | None = None
+    choice: list[str] | None = None
 
 
 class _Request(BaseModel):
@@ -66,7 +88,41 @@ class _Request(BaseModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, Any] | None = None
+    # structured output (one constraint at most; see grammar_spec)
     response_format: dict[str, Any] | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_grammar: str | None = None
+    guided_choice: list[str] | None = None
+
+    def grammar_spec(self) -> GrammarSpec | None:
+        """The request's output constraint (None: free text); two constraints or a malformed one: a 400."""
+        so = self.structured_outputs
+        named = {
+            "response_format": self.response_format,
+            "structured_outputs.json": so.json_ if so else None, "structured_outputs.regex": so.regex if so else None,
+            "structured_outputs.grammar": so.grammar if so else None,
+            "structured_outputs.choice": so.choice if so else None,
+            "guided_json": self.guided_json, "guided_regex": self.guided_regex,
+            "guided_grammar": self.guided_grammar, "guided_choice": self.guided_choice,
+        }
+        given = {k: v for k, v in named.items() if v is not None}
+        if self.response_format is not None and self.response_format.get("type", "text") == "text":
+            given.pop("response_format")
+        if len(given) > 1:
+            raise bad_request(f"give at most one output constraint, got {', '.join(given)}", param=sorted(given)[1],
+                              code="invalid_value")
+        if not given:
+            return None
+        (name, value), = given.items()
+        kind = name.rsplit(".", 1)[-1].removeprefix("guided_")
+        try:
+            if kind == "response_format":
+                return structured_output(response_format=value)
+            return structured_output(**{"json_schema" if kind == "json" else kind: value})
+        except ParamError as exc:
+            raise bad_request(str(exc), param=name, code="invalid_value") from None
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:
@@ -124,9 +180,7 @@ def check_supported(req: _Request) -> None:
                               code="unsupported_parameter")
     if req.logit_bias:
         raise bad_request("logit_bias is not supported by pipespec", param="logit_bias", code="unsupported_parameter")
-    if req.response_format is not None and req.response_format.get("type") != "text":
-        raise bad_request("response_format: only {\"type\": \"text\"} is supported by pipespec",
-                          param="response_format", code="unsupported_parameter")
+    req.grammar_spec()  # a malformed or doubled constraint is a 400 before anything runs
     for name in sorted(set(req.model_extra or {}) - IGNORED_FIELDS):
         raise bad_request(f"{name} is not supported by pipespec (unknown or unimplemented field)", param=name,
                           code="unsupported_parameter")

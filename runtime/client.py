@@ -43,6 +43,7 @@ from shared.protocol import (
     encode,
 )
 from shared.protocol import Chunk as ChunkMessage
+from shared.sampling import ParamError, structured_output
 from shared.transport import ClientKeys, is_local_endpoint, make_dealer
 
 #: How long a stream whose ``cancel`` event was set waits for the verifier's final result.
@@ -77,6 +78,8 @@ _PARAM_NAMES = (
     "max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "repetition_penalty", "min_new_tokens",
     "eos_token_ids", "stop_token_ids", "seed",
 )
+#: Structured output (one at most): turned into the ``grammar`` parameter by shared.sampling.structured_output.
+_CONSTRAINT_NAMES = ("response_format", "json_schema", "regex", "grammar", "choice")
 
 
 class _LocalFailure:
@@ -296,6 +299,9 @@ class AsyncClient:
 
         Parameters: ``max_new_tokens``, ``do_sample``, ``temperature``, ``top_k``, ``top_p``,
         ``repetition_penalty``, ``min_new_tokens``, ``eos_token_ids``, ``stop_token_ids``, ``seed``.
+        Structured output, one at most (docs/client.md): ``response_format`` (OpenAI's: ``{"type": "json_object"}``
+        or ``{"type": "json_schema", "json_schema": {"name", "schema"}}``), ``json_schema`` (a dict or JSON
+        text), ``regex``, ``grammar`` (EBNF) or ``choice`` (a list of strings).
         ``drafter_type``: only a drafter of this type may serve the request (see docs/deployment.md, "Drafter pool").
         """
         result = None
@@ -305,11 +311,24 @@ class AsyncClient:
         assert result is not None
         return result
 
+    @staticmethod
+    def _with_grammar(params: dict[str, Any]) -> dict[str, Any]:
+        """The structured-output arguments as the ``grammar`` parameter (a bad one: ``bad_request``, not sent)."""
+        constraints = {k: params.pop(k) for k in _CONSTRAINT_NAMES if k in params}
+        try:
+            spec = structured_output(**constraints)
+        except ParamError as exc:
+            raise PipespecError(str(exc), "bad_request") from None
+        if spec is not None:
+            params["grammar"] = spec.to_wire()
+        return params
+
     async def _run(self, prompt, token_ids, messages, params: dict[str, Any], drafter_type: str | None = None,
                    cancel: asyncio.Event | None = None):
-        unknown = sorted(set(params) - set(_PARAM_NAMES))
+        unknown = sorted(set(params) - set(_PARAM_NAMES) - set(_CONSTRAINT_NAMES))
         if unknown:
             raise TypeError(f"unknown generation parameter(s): {', '.join(unknown)}")
+        params = self._with_grammar(params)
         if self._sock is None:
             raise RuntimeError("use the client inside 'async with AsyncClient(address) as client:'")
         if self.max_message_bytes is None:  # first request (or first since the verifier went): learn its cap

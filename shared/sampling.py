@@ -80,6 +80,55 @@ class GrammarSpec:
         return {"kind": self.kind, "value": self.value}
 
 
+def structured_output(
+    response_format: Any = None, json_schema: Any = None, regex: str | None = None, grammar: str | None = None,
+    choice: list[str] | None = None,
+) -> GrammarSpec | None:
+    """The one constraint a request asks for, from the names the client and the HTTP API take (OpenAI's
+    ``response_format``, vLLM's ``json`` / ``regex`` / ``grammar`` / ``choice``); None for none or
+    ``{"type": "text"}``. More than one constraint, or a malformed one, raises :class:`ParamError`."""
+    given = []
+    if response_format is not None:
+        if not isinstance(response_format, dict) or not isinstance(response_format.get("type"), str):
+            raise ParamError('response_format must be an object with a "type" (text, json_object or json_schema)')
+        kind = response_format["type"]
+        if kind == "json_object":
+            given.append(GrammarSpec("json_object"))
+        elif kind == "json_schema":
+            inner = response_format.get("json_schema")
+            if not isinstance(inner, dict) or not isinstance(inner.get("schema"), (dict, bool)):
+                raise ParamError('response_format of type json_schema needs "json_schema": {"name": ..., '
+                                 '"schema": {...}}')
+            given.append(_schema_spec(inner["schema"]))
+        elif kind != "text":
+            raise ParamError(f"response_format type must be text, json_object or json_schema, got {kind!r}")
+    if json_schema is not None:
+        given.append(_schema_spec(json_schema))
+    if regex is not None:
+        given.append(GrammarSpec.from_wire({"kind": "regex", "value": regex}))
+    if grammar is not None:
+        given.append(GrammarSpec.from_wire({"kind": "grammar", "value": grammar}))
+    if choice is not None:
+        if not isinstance(choice, list):
+            raise ParamError("choice must be a list of strings")
+        given.append(GrammarSpec.from_wire({"kind": "choice", "value": json.dumps(choice)}))
+    if len(given) > 1:
+        raise ParamError(f"give at most one output constraint (response_format, json schema, regex, grammar or "
+                         f"choice), got {len(given)}: {', '.join(g.kind for g in given)}")
+    return given[0] if given else None
+
+
+def _schema_spec(schema: Any) -> GrammarSpec:
+    """A JSON schema given as an object or as JSON text."""
+    if isinstance(schema, str):
+        return GrammarSpec.from_wire({"kind": "json_schema", "value": schema})
+    try:
+        text = json.dumps(schema)
+    except (TypeError, ValueError) as exc:
+        raise ParamError(f"the JSON schema is not JSON: {exc}") from None
+    return GrammarSpec.from_wire({"kind": "json_schema", "value": text})
+
+
 @dataclass
 class GenerationParams:
     """Per-request generation parameters (the same names as transformers' ``generate``)."""

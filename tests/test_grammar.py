@@ -1,0 +1,284 @@
+"""Structured output on the verifier, in one process: the grammar parameter's checks, xgrammar's refusals as request
+errors, the mask of every draft row with the matcher rolled back to the committed text, forced tokens drafted for
+free, greedy rounds equal to transformers' ``generate`` with xgrammar's own logits processor (drafts accepted and
+rejected), sampled rounds whose every output validates against its schema, and a grammar session batched beside a
+plain one."""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+
+import jsonschema
+import pytest
+import torch
+import xgrammar as xgr
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from xgrammar.contrib.hf import LogitsProcessor
+
+from shared.batch import Row, feed_rows
+from shared.sampling import MAX_GRAMMAR_CHARS, GenerationParams, GrammarSpec, ParamError, structured_output
+from verifier_node.grammar import GrammarCompiler, GrammarUnavailable, engine_message
+from verifier_node.session import Session
+
+pytestmark = pytest.mark.unit
+
+EOS = 0
+SCHEMA = {
+    "type": "object",
+    "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999},
+                   "ok": {"type": "boolean"},
+                   "tag": {"enum": ["red", "green", "blue"]}},
+    "required": ["id", "ok", "tag"],
+    "additionalProperties": False,
+}
+REGEX = r"(yes|no|maybe) [0-9]{1,3}"
+PROMPTS = [[5, 17, 33, 2, 60], [100, 101, 7], [40, 41, 42, 43]]
+
+
+@pytest.fixture(scope="module")
+def target(tiny):
+    folder = tiny("llama")
+    return folder, AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval(), \
+        AutoTokenizer.from_pretrained(folder)
+
+
+@pytest.fixture(scope="module")
+def compiler(target):
+    _, model, tokenizer = target
+    return GrammarCompiler(tokenizer, model.config.vocab_size, [EOS])
+
+
+def _params(spec: GrammarSpec, **kw) -> GenerationParams:
+    return GenerationParams.from_dict({"eos_token_ids": [EOS], "max_new_tokens": 48, "grammar": spec.to_wire(), **kw})
+
+
+def _session(target, compiler, prompt, spec: GrammarSpec, sid: int = 1, **kw) -> Session:
+    _, model, tokenizer = target
+    params = _params(spec, **kw)
+    s = Session(sid, model, tokenizer, prompt, params, b"c", sid, grammar=compiler.session(spec, params.end_token_ids))
+    s.prefill()
+    return s
+
+
+def _reference(target, prompt: list[int], spec: GrammarSpec, max_new_tokens: int = 48) -> list[int]:
+    """transformers' greedy ``generate`` on the target with xgrammar's logits processor, the same tokenizer info."""
+    _, model, tokenizer = target
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=model.config.vocab_size, stop_token_ids=[EOS])
+    c = xgr.GrammarCompiler(info)
+    compiled = (c.compile_json_schema(spec.value, any_whitespace=False, strict_mode=True)
+                if spec.kind == "json_schema" else c.compile_regex(spec.value))
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens,
+                         eos_token_id=[EOS], pad_token_id=1, logits_processor=[LogitsProcessor(compiled)])
+    return out[0, len(prompt):].tolist()
+
+
+def _text(target, tokens: list[int]) -> str:
+    return target[2].decode(tokens, skip_special_tokens=True)
+
+
+# ------------------------------------------------------------------------------------------ the parameter
+def test_structured_output_maps_every_name_to_one_spec():
+    schema = {"type": "object"}
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}}
+    assert structured_output(response_format=fmt) == GrammarSpec("json_schema", json.dumps(schema))
+    assert structured_output(response_format={"type": "json_object"}) == GrammarSpec("json_object")
+    assert structured_output(response_format={"type": "text"}) is None
+    assert structured_output(json_schema='{"type": "string"}').value == '{"type": "string"}'
+    assert structured_output(regex="a+").kind == "regex"
+    assert structured_output(grammar='root ::= "a"').kind == "grammar"
+    assert json.loads(structured_output(choice=["a", "b"]).value) == ["a", "b"]
+    assert structured_output() is None
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"regex": "a", "grammar": 'root ::= "a"'}, "at most one output constraint"),
+    ({"response_format": {"type": "xml"}}, "response_format type"),
+    ({"response_format": {"type": "json_schema"}}, "needs \"json_schema\""),
+    ({"choice": []}, "choice must be a list of 1 to"),
+    ({"choice": "a"}, "choice must be a list"),
+    ({"regex": ""}, "needs a non-empty value"),
+    ({"regex": "a" * (MAX_GRAMMAR_CHARS + 1)}, "at most"),
+])
+def test_bad_constraints_are_param_errors(kwargs, message):
+    with pytest.raises(ParamError, match=message):
+        structured_output(**kwargs)
+
+
+def test_grammar_parameter_checks():
+    with pytest.raises(ParamError, match="kind must be one of"):
+        GenerationParams.from_dict({"eos_token_ids": [0], "grammar": {"kind": "xml", "value": "x"}})
+    with pytest.raises(ParamError, match="grammar must be"):
+        GenerationParams.from_dict({"eos_token_ids": [0], "grammar": "a+"})
+    with pytest.raises(ParamError, match="needs an end token"):
+        GenerationParams.from_dict({"eos_token_ids": [], "grammar": {"kind": "regex", "value": "a"}})
+    with pytest.raises(ParamError, match="min_new_tokens"):
+        GenerationParams.from_dict({"eos_token_ids": [0], "min_new_tokens": 2,
+                                    "grammar": {"kind": "regex", "value": "a"}})
+    ok = GenerationParams.from_dict({"eos_token_ids": [0], "grammar": {"kind": "json_object"}})
+    assert ok.grammar_spec == GrammarSpec("json_object")
+
+
+# ------------------------------------------------------------------------------------------ engine refusals
+@pytest.mark.parametrize(("spec", "message"), [
+    (GrammarSpec("json_schema", '{"type": "integer", "minimum": 5, "maximum": 1}'), "minimum greater than maximum"),
+    (GrammarSpec("json_schema", '{"type": "foo"}'), 'Unsupported type "foo"'),
+    (GrammarSpec("json_schema", "not json"), "Failed to parse JSON"),
+    (GrammarSpec("regex", "(ab"), "parenthesis is not closed"),
+    (GrammarSpec("grammar", "root ::= missing"), 'Rule "missing" is not defined'),
+])
+def test_specs_the_engine_refuses_are_param_errors_with_its_message(compiler, spec, message):
+    with pytest.raises(ParamError, match="refused by the grammar engine") as info:
+        compiler.session(spec, {EOS})
+    assert message in str(info.value)
+    assert "/project/" not in str(info.value)  # the engine's source location is cut off
+
+
+def test_engine_message_drops_the_location_prefix():
+    raw = RuntimeError("[12:07:59] /project/cpp/regex_converter.cc:94: Regex parsing error at position 2")
+    assert engine_message(raw) == "Regex parsing error at position 2"
+
+
+def test_missing_xgrammar_is_a_clear_param_error(target, monkeypatch):
+    monkeypatch.setitem(sys.modules, "xgrammar", None)  # import xgrammar now raises ImportError
+    _, model, tokenizer = target
+    with pytest.raises(GrammarUnavailable, match=r"needs the xgrammar package.*pipespec\[structured\]"):
+        GrammarCompiler(tokenizer, model.config.vocab_size, [EOS])
+    assert issubclass(GrammarUnavailable, ParamError)  # the client's bad_request, the HTTP 400
+
+
+def test_compiled_grammars_are_cached(compiler):
+    spec = GrammarSpec("regex", REGEX)
+    assert compiler.compile(spec) is compiler.compile(GrammarSpec("regex", REGEX))
+
+
+# ------------------------------------------------------------------------------------------ masks and rollback
+def _fresh_mask(compiler, spec, committed: list[int]) -> torch.Tensor:
+    g = compiler.session(spec, {EOS})
+    for t in committed:
+        assert g.matcher.accept_token(t)
+    return g.mask()
+
+
+def test_plan_masks_each_row_and_commit_rolls_back_to_the_committed_text(compiler, target):
+    spec = GrammarSpec("regex", REGEX)
+    tok = target[2]
+    g = compiler.session(spec, {EOS})
+    yes = tok.encode("yes ", add_special_tokens=False)
+    wrong = tok.encode("zz", add_special_tokens=False)
+    plan = g.plan([*yes, *wrong], None, limit=10)
+    # every row is the mask after the drafts before it; the first refused draft stays (to be rejected), then stops
+    n = len(yes)
+    assert plan.draft == [*yes, wrong[0]] and plan.advanced == n and plan.chain == n + 1
+    assert len(plan.masks) == len(plan.draft) + 1
+    for i in range(n + 1):
+        assert torch.equal(plan.masks[i], _fresh_mask(compiler, spec, plan.draft[:i]))
+    assert not plan.masks[n][wrong[0]] and int(plan.masks[n].sum()) > 1  # digits: a choice, nothing forced
+    # the target accepted one draft and chose its own token: the matcher follows exactly that text
+    own = int(plan.masks[1].nonzero()[-1, 0])
+    g.commit(plan, [yes[0], own], accepted=1)
+    assert torch.equal(g.mask(), _fresh_mask(compiler, spec, [yes[0], own]))
+
+
+def test_forced_tokens_are_drafted_for_free(compiler, target):
+    """After ``{"id": 1`` a schema with fixed keys forces ``, "ok": `` token by token: the plan appends them to an
+    empty draft, and replaces a drafter token that differs (dropping the drafter's tokens after it)."""
+    spec = GrammarSpec("json_schema", json.dumps(SCHEMA))
+    tok = target[2]
+    g = compiler.session(spec, {EOS})
+    start = g.plan([], None, limit=20)
+    assert start.forced > 0 and start.chain == 0  # '{"id": ' is forced from the first token
+    assert tok.decode(start.draft).startswith('{"')
+    one = tok.encode("1", add_special_tokens=False)[0]
+    g.commit(start, [*start.draft, one], accepted=len(start.draft))
+    assert torch.equal(g.mask(), _fresh_mask(compiler, spec, [*start.draft, one]))
+    vocab = target[1].config.vocab_size
+    other = compiler.session(spec, {EOS})
+    plan = other.plan([7, 8, 9], torch.full((3, vocab), 1.0 / vocab), limit=20)
+    assert plan.draft == start.draft and plan.chain == 0  # the drafter's tokens were refused: forced ones instead
+    assert torch.equal(plan.q, torch.nn.functional.one_hot(torch.tensor(plan.draft), vocab).float())  # one-hot q
+    assert plan.drafter_counts(len(plan.draft)) == (0, 0)  # forced tokens are not the drafter's acceptance
+
+
+def test_limit_bounds_the_planned_draft(compiler):
+    g = compiler.session(GrammarSpec("json_schema", json.dumps(SCHEMA)), {EOS})
+    assert len(g.plan([], None, limit=2).draft) == 2
+
+
+# ------------------------------------------------------------------------------------------ rounds
+@pytest.mark.parametrize("spec", [GrammarSpec("json_schema", json.dumps(SCHEMA)), GrammarSpec("regex", REGEX)],
+                         ids=["json_schema", "regex"])
+def test_greedy_rounds_equal_generate_with_xgrammars_processor(target, compiler, spec):
+    """Drafts right (the reference's own next tokens), wrong (random ids), partly right and refused by the grammar:
+    both accepted and rejected drafts, and the output is exactly ``generate``'s with the same engine's processor."""
+    rnd = random.Random(0)
+    accepted = rejected = 0
+    for prompt in PROMPTS:
+        ref = _reference(target, prompt, spec)
+        s = _session(target, compiler, prompt, spec)
+        while not s.finished:
+            n = len(s.generated)
+            good = ref[n: n + 4]
+            draft = rnd.choice([good, [rnd.randrange(2, 250) for _ in range(3)], [*good[:2], rnd.randrange(2, 250)]])
+            r = s.verify(draft, None)
+            accepted += r.accepted
+            rejected += r.drafted - r.accepted
+        assert s.generated == ref, f"prompt {prompt}"
+        if spec.kind == "json_schema" and s.finished == "stop":
+            jsonschema.validate(json.loads(_text(target, s.generated)), SCHEMA)
+    assert accepted > 0 and rejected > 0
+
+
+def test_sampled_outputs_all_validate(target, compiler):
+    """Sampled (temperature 1.5, so the target ranges widely), drafts with q rows from a flat distribution: every
+    finished output parses and validates against the schema."""
+    spec = GrammarSpec("json_schema", json.dumps(SCHEMA))
+    vocab = target[1].config.vocab_size
+    rnd = random.Random(1)
+    seen = set()
+    accepted = rejected = 0
+    for seed in range(12):
+        s = _session(target, compiler, PROMPTS[seed % 3], spec, do_sample=True, temperature=1.5, seed=seed)
+        while not s.finished:
+            draft = [rnd.randrange(2, 250) for _ in range(rnd.randrange(0, 4))]
+            r = s.verify(draft, torch.full((len(draft), vocab), 1.0 / vocab) if draft else None)
+            accepted += r.accepted
+            rejected += r.drafted - r.accepted
+        assert s.finished == "stop"
+        value = json.loads(_text(target, s.generated))
+        jsonschema.validate(value, SCHEMA)
+        seen.add(json.dumps(value, sort_keys=True))
+    assert len(seen) > 3  # really sampled
+    assert rejected > 0
+
+
+def test_a_grammar_session_batched_beside_a_plain_one(target, compiler):
+    """One forward over a grammar session and a plain one commits what each commits alone."""
+    _, model, tokenizer = target
+    spec = GrammarSpec("json_schema", json.dumps(SCHEMA))
+    alone_g, alone_p = _session(target, compiler, PROMPTS[0], spec, sid=1), None
+    params = GenerationParams.from_dict({"eos_token_ids": [], "max_new_tokens": 20})
+    alone_p = Session(2, model, tokenizer, PROMPTS[1], params, b"c", 2)
+    alone_p.prefill()
+    for s in (alone_g, alone_p):
+        while not s.finished:
+            s.verify([9, 10], None)
+    g = _session(target, compiler, PROMPTS[0], spec, sid=3)
+    p = Session(4, model, tokenizer, PROMPTS[1], params, b"c", 4)
+    p.prefill()
+    while not (g.finished and p.finished):
+        live = [s for s in (g, p) if not s.finished]
+        plans = [s.plan_round([9, 10], None) for s in live]
+        outs = feed_rows(model, [Row(s.lm, pl.fed) for s, pl in zip(live, plans)])
+        for s, pl, o in zip(live, plans, outs):
+            s.finish_round(pl, o.logits, None, 0.0, batch_sessions=len(live))
+    assert g.generated == alone_g.generated and p.generated == alone_p.generated
+    assert g.metrics.verify_batch_sum > g.metrics.rounds  # it did share forwards
+
+
+def test_token_trees_fall_back_to_chains_under_a_grammar(target, compiler):
+    s = _session(target, compiler, PROMPTS[0], GrammarSpec("regex", REGEX))
+    plan = s.plan_round([5, 6, 7], None, parents=[-1, 0, -1])
+    assert plan.tree is None and plan.grammar is not None
