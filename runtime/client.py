@@ -314,6 +314,8 @@ class AsyncClient:
     @staticmethod
     def _with_grammar(params: dict[str, Any]) -> dict[str, Any]:
         """The structured-output arguments as the ``grammar`` parameter (a bad one: ``bad_request``, not sent)."""
+        if isinstance(params.get("grammar"), dict):  # already the wire form (GrammarSpec.to_wire: the HTTP server's)
+            return params
         constraints = {k: params.pop(k) for k in _CONSTRAINT_NAMES if k in params}
         try:
             spec = structured_output(**constraints)

@@ -1,0 +1,189 @@
+"""Structured output through real nodes: one launcher (verifier, an assistant drafter that is a perturbed copy of the
+tiny target, so drafts are accepted and rejected, and the HTTP server) serves the module. Greedy output equals
+transformers' ``generate`` on the target with xgrammar's logits processor; every sampled output parses and validates
+against its schema; bad constraints are a ``bad_request`` for :class:`AsyncClient` and a 400 through the ``openai``
+package and ``curl``, with the engine's message, and the node keeps serving."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import subprocess
+import types
+
+import jsonschema
+import openai
+import pytest
+import torch
+import xgrammar as xgr
+import yaml
+from conftest import tiny_config
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from xgrammar.contrib.hf import LogitsProcessor
+
+from benchmarks.http_overhead import free_port, start_launcher
+from runtime.client import AsyncClient, PipespecError
+from runtime.launch import stop_process
+from testkit.tiny_hybrid import perturbed_copy
+
+pytestmark = pytest.mark.cluster
+
+EOS = 0
+SCHEMA = {
+    "type": "object",
+    # free text (printable ASCII but quote and backslash): the drafter has tokens to get right. A pattern, not
+    # maxLength: xgrammar 0.2.9 lets raw control characters into a maxLength string (docs/architecture.md, limits)
+    "properties": {"name": {"type": "string", "pattern": "^[ !#-\\[\\]-~]{1,10}$"},
+                   "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                   "tags": {"type": "array", "items": {"enum": ["x", "y"]}, "maxItems": 2}},
+    "required": ["name", "age", "tags"],
+    "additionalProperties": False,
+}
+PROMPTS = [[5, 17, 33, 2, 60, 5, 17], [100, 101, 7], [40, 41, 42, 43, 44]]
+MAX_NEW = 96
+
+
+@pytest.fixture(scope="module")
+def server(tiny, model_dir, tmp_path_factory):
+    target = tiny("llama")
+    near = model_dir / "llama-near-grammar"
+    if not near.exists():
+        perturbed_copy(target, near, noise=0.6, seed=5)
+    config = tiny_config(target, near, num_draft_tokens=4)
+    path = tmp_path_factory.mktemp("grammar") / "grammar.yaml"
+    path.write_text(yaml.safe_dump(config))
+    port = free_port()
+    proc, address, _ = start_launcher(path, port, timeout_s=150)
+    try:
+        yield types.SimpleNamespace(port=port, base_url=f"http://127.0.0.1:{port}/v1", address=address,
+                                    model=str(target), target=target)
+    finally:
+        stop_process(proc)
+
+
+def _run(server, calls: list[dict]) -> list:
+    async def main():
+        async with AsyncClient(server.address, timeout_s=60) as c:
+            return await asyncio.gather(*(c.generate(**call) for call in calls))
+    return asyncio.run(main())
+
+
+def _reference(folder, prompt: list[int], schema: dict) -> list[int]:
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=model.config.vocab_size, stop_token_ids=[EOS])
+    compiled = xgr.GrammarCompiler(info).compile_json_schema(json.dumps(schema), any_whitespace=False,
+                                                             strict_mode=True)
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=MAX_NEW,
+                         eos_token_id=[EOS], pad_token_id=1, logits_processor=[LogitsProcessor(compiled)])
+    return out[0, len(prompt):].tolist()
+
+
+def _counts(results) -> tuple[int, int]:
+    drafted = sum(r.metrics["draft_tokens"] for r in results)
+    return sum(r.metrics["accepted_tokens"] for r in results), drafted
+
+
+def test_greedy_equals_generate_with_the_engines_processor(server):
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA, "strict": True}}
+    results = _run(server, [{"token_ids": p, "max_new_tokens": MAX_NEW, "response_format": fmt} for p in PROMPTS])
+    for prompt, r in zip(PROMPTS, results):
+        assert r.token_ids == _reference(server.target, prompt, SCHEMA), f"prompt {prompt}"
+        assert r.finish_reason == "stop"
+        jsonschema.validate(json.loads(r.text), SCHEMA)
+    accepted, drafted = _counts(results)
+    assert 0 < accepted < drafted, f"need drafts accepted and rejected: {accepted}/{drafted}"
+    assert sum(r.metrics["grammar_forced_tokens"] for r in results) > 0
+
+
+def test_every_sampled_output_validates(server):
+    calls = [{"token_ids": PROMPTS[i % 3], "max_new_tokens": MAX_NEW, "do_sample": True, "temperature": 1.3,
+              "seed": i, "json_schema": SCHEMA} for i in range(12)]
+    results = _run(server, calls)
+    values = set()
+    for r in results:
+        assert r.finish_reason == "stop", r.text
+        value = json.loads(r.text)
+        jsonschema.validate(value, SCHEMA)
+        values.add(json.dumps(value, sort_keys=True))
+    assert len(values) > 2
+    accepted, drafted = _counts(results)
+    assert 0 < accepted < drafted, f"need drafts accepted and rejected: {accepted}/{drafted}"
+
+
+def test_regex_choice_and_json_object_through_the_client(server):
+    regex, choice, obj = _run(server, [
+        {"prompt": "answer:", "max_new_tokens": 12, "regex": r"(yes|no), [0-9]{2}"},
+        {"prompt": "pick:", "max_new_tokens": 12, "choice": ["alpha", "beta gamma"]},
+        {"prompt": "json:", "max_new_tokens": 30, "response_format": {"type": "json_object"}},
+    ])
+    assert regex.text[:3] in ("yes", "no,") and regex.finish_reason == "stop"
+    assert choice.text in ("alpha", "beta gamma")
+    if obj.finish_reason == "stop":  # a run cut by max_new_tokens need not parse (documented)
+        assert isinstance(json.loads(obj.text), dict)
+
+
+def test_bad_constraints_are_bad_requests_and_the_node_keeps_serving(server):
+    async def main():
+        async with AsyncClient(server.address, timeout_s=60) as c:
+            with pytest.raises(PipespecError, match="minimum greater than maximum") as info:
+                await c.generate(prompt="x", max_new_tokens=4,
+                                 json_schema={"type": "integer", "minimum": 5, "maximum": 1})
+            assert info.value.code == "bad_request"
+            with pytest.raises(PipespecError, match="parenthesis is not closed"):
+                await c.generate(prompt="x", max_new_tokens=4, regex="(ab")
+            with pytest.raises(PipespecError, match="at most one output constraint") as info:
+                await c.generate(prompt="x", max_new_tokens=4, regex="a", grammar='root ::= "a"')
+            assert info.value.code == "bad_request"
+            with pytest.raises(PipespecError, match="min_new_tokens"):
+                await c.generate(prompt="x", max_new_tokens=4, regex="a+", min_new_tokens=2)
+            return await c.generate(prompt="x", max_new_tokens=6, regex="ok")
+    assert asyncio.run(main()).text == "ok"
+
+
+def test_openai_client_gets_json_and_400s(server):
+    client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=60)
+    r = client.chat.completions.create(
+        model=server.model, temperature=0, max_tokens=MAX_NEW, messages=[{"role": "user", "content": "a person"}],
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}})
+    jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMA)
+    c = client.completions.create(model=server.model, prompt="go:", max_tokens=10, temperature=0,
+                                  extra_body={"structured_outputs": {"regex": "[ab]{3}"}})
+    assert len(c.choices[0].text) == 3 and set(c.choices[0].text) <= {"a", "b"}
+    g = client.completions.create(model=server.model, prompt="go:", max_tokens=10, temperature=0,
+                                  extra_body={"guided_choice": ["left", "right"]})
+    assert g.choices[0].text in ("left", "right")
+    bad = [
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "foo"}}}},
+         'Unsupported type "foo"'),
+        ({"extra_body": {"guided_regex": "(ab"}}, "parenthesis is not closed"),
+        ({"extra_body": {"guided_regex": "a", "guided_grammar": 'root ::= "a"'}}, "at most one output constraint"),
+        ({"response_format": {"type": "xml"}}, "response_format type"),
+    ]
+    for extra, message in bad:
+        with pytest.raises(openai.BadRequestError, match=message) as info:
+            client.chat.completions.create(model=server.model, max_tokens=4, **extra,
+                                           messages=[{"role": "user", "content": "x"}])
+        assert info.value.status_code == 400
+
+
+def test_curl_gets_a_400_with_the_engines_message(server):
+    if shutil.which("curl") is None:
+        pytest.skip("curl is not installed")
+    body = json.dumps({"model": server.model, "prompt": "x", "max_tokens": 4,
+                       "response_format": {"type": "json_schema",
+                                           "json_schema": {"name": "n", "schema": "not json"}}})
+    out = subprocess.run(["curl", "-s", "-w", "\n%{http_code}", f"{server.base_url}/completions", "-H",
+                          "Content-Type: application/json", "-d", body], capture_output=True, text=True, timeout=60)
+    text, status = out.stdout.rsplit("\n", 1)
+    assert status == "400"
+    error = json.loads(text)["error"]
+    assert error["type"] == "invalid_request_error" and "response_format" in error["message"]
+    body = json.dumps({"model": server.model, "prompt": "x", "max_tokens": 4,
+                       "structured_outputs": {"json": {"type": "integer", "minimum": 9, "maximum": 1}}})
+    out = subprocess.run(["curl", "-s", "-w", "\n%{http_code}", f"{server.base_url}/completions", "-H",
+                          "Content-Type: application/json", "-d", body], capture_output=True, text=True, timeout=60)
+    text, status = out.stdout.rsplit("\n", 1)
+    assert status == "400" and "minimum greater than maximum" in json.loads(text)["error"]["message"]
