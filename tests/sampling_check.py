@@ -35,19 +35,21 @@ def exact_joint(model_or_folder, prompt: list[int] = PROMPT) -> torch.Tensor:
     return p1[:, None] * p2
 
 
-async def sample_pairs(config, entry=None, prompt: list[int] = PROMPT) -> torch.Tensor:
+async def sample_pairs(config, entry=None, prompt: list[int] = PROMPT, params: dict | None = None) -> torch.Tensor:
     """Empirical joint of the first two tokens over N seeded requests (50 in flight at a time, so rounds are verified
-    in batches)."""
+    in batches). ``params``: more generation parameters for every request (they override the defaults here)."""
     counts = torch.zeros(VOCAB, VOCAB)
     drafts, batched = 0, 0.0
     async with cluster(config, entry=entry) as client:
         for start in range(0, N, 50):
             results = await asyncio.gather(*(
-                client.generate(token_ids=prompt, max_new_tokens=2, do_sample=True, seed=seed, eos_token_ids=[])
+                client.generate(token_ids=prompt, **{"max_new_tokens": 2, "do_sample": True, "seed": seed,
+                                                     "eos_token_ids": [], **(params or {})})
                 for seed in range(start, start + 50)
             ))
             for r in results:
-                counts[r.token_ids[0], r.token_ids[1]] += 1
+                pair = [*r.token_ids, 0, 0][:2]  # an output that ended at once (an end token; a control) pads with 0
+                counts[pair[0], pair[1]] += 1
                 drafts += r.metrics["drafts"]
                 batched = max(batched, r.metrics["verify_batch_mean"])
         batching = (await client.ping())["batching"]
@@ -62,13 +64,15 @@ def tv(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def check_lossless_sampling(config, exact: torch.Tensor, prompt: list[int] = PROMPT,
-                            entry: dict[str, list[str]] | None = None) -> tuple[float, float]:
+                            entry: dict[str, list[str]] | None = None,
+                            params: dict | None = None) -> tuple[float, float]:
     """The whole check: sampled through ``config`` the joint is within TV_BOUND of ``exact``, and the accept-all
     negative control on the same config is not (so the check can fail). Returns (TV, control TV). ``entry``: node
-    entries for both runs (``cluster(entry=...)``); the control's verifier runs the accept-all hook."""
-    lossless = tv(asyncio.run(sample_pairs(config, entry=entry, prompt=prompt)), exact)
+    entries for both runs (``cluster(entry=...)``); the control's verifier runs the accept-all hook. ``params``: more
+    generation parameters for every request (a grammar: tests/test_grammar_sampling.py)."""
+    lossless = tv(asyncio.run(sample_pairs(config, entry=entry, prompt=prompt, params=params)), exact)
     control_entry = {**(entry or {}), "verifier": node_entry("accept_all")}
-    control = tv(asyncio.run(sample_pairs(config, entry=control_entry, prompt=prompt)), exact)
+    control = tv(asyncio.run(sample_pairs(config, entry=control_entry, prompt=prompt, params=params)), exact)
     print(f"sampling TV {lossless:.3f} (bound {TV_BOUND}), accept-all control {control:.3f}")
     assert lossless < TV_BOUND
     assert control > 2 * TV_BOUND, "the drafts must really differ from the target, or the check tests nothing"
