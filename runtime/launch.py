@@ -296,6 +296,10 @@ def add_generation_args(p: argparse.ArgumentParser, required: bool = False) -> N
     p.add_argument("--top-k", type=int)
     p.add_argument("--top-p", type=float)
     p.add_argument("--seed", type=int)
+    shape = p.add_mutually_exclusive_group()
+    shape.add_argument("--json-schema", metavar="FILE",
+                       help="structured output: the text is JSON valid against the JSON schema in FILE")
+    shape.add_argument("--regex", metavar="R", help="structured output: the text matches the regex R")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -358,9 +362,19 @@ def _load_messages(path: str) -> list[dict[str, str]]:
     return messages
 
 
+def _constraint(args: argparse.Namespace) -> dict[str, Any]:
+    """``--json-schema FILE`` / ``--regex R`` as the client's structured-output argument."""
+    if getattr(args, "json_schema", None):
+        try:
+            return {"json_schema": Path(args.json_schema).read_text()}
+        except OSError as exc:
+            raise ConfigError(f"--json-schema {args.json_schema}: cannot read the schema: {exc}") from None
+    return {"regex": args.regex} if getattr(args, "regex", None) else {}
+
+
 async def _one_shot(args: argparse.Namespace, config: dict[str, Any]) -> int:
     params = {"max_new_tokens": args.max_new_tokens, "do_sample": args.do_sample, "temperature": args.temperature,
-              "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed}
+              "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed, **_constraint(args)}
     messages = _load_messages(args.messages) if args.messages else None
     prompt = args.prompt
     if args.chat and prompt is not None:
