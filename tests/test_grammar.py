@@ -282,3 +282,32 @@ def test_token_trees_fall_back_to_chains_under_a_grammar(target, compiler):
     s = _session(target, compiler, PROMPTS[0], GrammarSpec("regex", REGEX))
     plan = s.plan_round([5, 6, 7], None, parents=[-1, 0, -1])
     assert plan.tree is None and plan.grammar is not None
+
+
+def test_hybrid_target_rolls_back_with_the_grammar(model_dir, tokenizer_dir):
+    """An LFM2 target (short-convolution state: rolled back by snapshot and re-feed) under a JSON schema, greedy,
+    drafts accepted and rejected: the output equals ``generate`` with xgrammar's processor."""
+    from testkit.tiny_hybrid import build_hybrid
+
+    folder = model_dir / "hybrid-lfm2-grammar"
+    if not folder.exists():
+        build_hybrid(folder, "lfm2", tokenizer_dir, seed=4)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    hybrid = (folder, model, tokenizer)
+    spec = GrammarSpec("json_schema", json.dumps(SCHEMA))
+    compiler = GrammarCompiler(tokenizer, model.config.vocab_size, [EOS])
+    rnd = random.Random(2)
+    accepted = rejected = 0
+    for prompt in PROMPTS[:2]:
+        ref = _reference(hybrid, prompt, spec)
+        s = _session(hybrid, compiler, prompt, spec)
+        assert s.lm.recurrent
+        while not s.finished:
+            n = len(s.generated)
+            draft = rnd.choice([ref[n: n + 3], [rnd.randrange(2, 250)], [*ref[n: n + 1], rnd.randrange(2, 250)]])
+            r = s.verify(draft, None)
+            accepted += r.accepted
+            rejected += r.drafted - r.accepted
+        assert s.generated == ref
+    assert accepted > 0 and rejected > 0
