@@ -610,9 +610,15 @@ class VerifierServer:
             return None
         if self.ensemble_weight is not None:
             raise ParamError("structured output cannot be combined with static ensemble verification")
-        if self.grammars is None:
-            self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.default_eos)
-        return self.grammars.session(spec, params.end_token_ids)
+        try:
+            if self.grammars is None:
+                self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.default_eos)
+            return self.grammars.session(spec, params.end_token_ids)
+        except ParamError:
+            raise
+        except Exception as exc:  # the engine failed on this tokenizer or matcher: this request only, never the node
+            log.exception("structured output failed to start")
+            raise ParamError(f"structured output could not start on this target: {exc!r:.300}") from None
 
     def _wanted_type(self, value: str | None) -> str | None:
         """``generate.drafter_type``: None (any drafter), or a type name known to pipespec or present in the pool.
