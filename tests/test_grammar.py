@@ -311,3 +311,18 @@ def test_hybrid_target_rolls_back_with_the_grammar(model_dir, tokenizer_dir):
             rejected += r.drafted - r.accepted
         assert s.generated == ref
     assert accepted > 0 and rejected > 0
+
+
+def test_generate_flags_become_the_clients_constraint(tmp_path):
+    from runtime.launch import ConfigError, _constraint, _parser
+
+    schema = tmp_path / "s.json"
+    schema.write_text('{"type": "object"}')
+    assert _constraint(_parser().parse_args(["--prompt", "x", "--json-schema", str(schema)])) == \
+        {"json_schema": '{"type": "object"}'}
+    assert _constraint(_parser().parse_args(["--prompt", "x", "--regex", "a+"])) == {"regex": "a+"}
+    assert _constraint(_parser().parse_args(["--prompt", "x"])) == {}
+    with pytest.raises(ConfigError, match="cannot read the schema"):
+        _constraint(_parser().parse_args(["--prompt", "x", "--json-schema", str(tmp_path / "missing.json")]))
+    with pytest.raises(SystemExit):  # one constraint at most
+        _parser().parse_args(["--prompt", "x", "--regex", "a", "--json-schema", str(schema)])
