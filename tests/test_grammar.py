@@ -326,3 +326,20 @@ def test_generate_flags_become_the_clients_constraint(tmp_path):
         _constraint(_parser().parse_args(["--prompt", "x", "--json-schema", str(tmp_path / "missing.json")]))
     with pytest.raises(SystemExit):  # one constraint at most
         _parser().parse_args(["--prompt", "x", "--regex", "a", "--json-schema", str(schema)])
+
+
+def test_the_scheduler_does_not_wait_for_a_draft_where_the_grammar_forces_the_next_token(target, compiler):
+    from types import SimpleNamespace
+
+    from verifier_node.scheduler import Scheduler
+
+    s = _session(target, compiler, PROMPTS[0], GrammarSpec("json_schema", json.dumps(SCHEMA)))
+    s.announced, s.drafter = True, SimpleNamespace(alive=lambda now=None: True)
+    assert s.grammar.next_is_forced()  # '{' first
+    assert not Scheduler.may_wait(s, 0.0)
+    while s.grammar.next_is_forced():
+        s.verify([], None)  # a round with no draft commits every forced token, then the target's own
+    assert Scheduler.may_wait(s, 0.0)  # a real choice: the drafter's block is worth waiting for
+    plain = Session(9, target[1], target[2], PROMPTS[0], GenerationParams.from_dict({"eos_token_ids": [EOS]}), b"c", 9)
+    plain.prefilled, plain.announced, plain.drafter = True, True, s.drafter
+    assert Scheduler.may_wait(plain, 0.0)

@@ -145,6 +145,14 @@ class SessionGrammar:
         self.end_token_ids = set(end_token_ids)
         self.bitmask = xgr.allocate_token_bitmask(1, vocab_size)
         self.forced_tokens = 0  # over the session (metrics)
+        self._forced_next: bool | None = None  # the committed text's next token is forced (cached until it moves)
+
+    def next_is_forced(self) -> bool:
+        """The grammar allows one token only after the committed text: the next round needs no draft to start (the
+        scheduler does not wait for the drafter; the round drafts that token, and any forced after it, for free)."""
+        if self._forced_next is None:
+            self._forced_next = not self.matcher.is_terminated() and int(self.mask().sum()) == 1
+        return self._forced_next
 
     def mask(self) -> torch.Tensor:
         """Bool [vocab]: the tokens allowed after the matcher's current state."""
@@ -163,6 +171,7 @@ class SessionGrammar:
           and draws the correction from the residual, exactly as for any rejected draft; dropping it instead would
           bias the correction towards p. Its following row is never read (acceptance stops there): all True.
         """
+        self._forced_next = None
         kept: list[int] = []
         q_rows: list[torch.Tensor | None] = []
         masks: list[torch.Tensor] = []
@@ -220,12 +229,9 @@ class SessionGrammar:
 
     def commit(self, plan: GrammarPlan, out: list[int], accepted: int) -> None:
         """After acceptance: back to the committed prefix (the accepted drafts), then the target's own token."""
+        self._forced_next = None
         self.matcher.rollback(plan.advanced - accepted)
         if out and len(out) > accepted and not self.matcher.is_terminated():
             token = out[accepted]
             if not self.matcher.accept_token(token):
                 raise RuntimeError(f"grammar matcher refused the committed token {token}")
-
-    def abandon(self, plan: GrammarPlan) -> None:
-        """A planned round that never reached acceptance: undo its matcher steps."""
-        self.matcher.rollback(plan.advanced)
