@@ -136,6 +136,17 @@ def test_specs_the_engine_refuses_are_param_errors_with_its_message(compiler, sp
     assert "/project/" not in str(info.value)  # the engine's source location is cut off
 
 
+def test_impossible_schemas_are_refused(compiler):
+    for schema, message in (({"enum": []}, "enum array must not be empty"),
+                            ({"type": "string", "minLength": 5, "maxLength": 2}, "minLength 5 is greater"),
+                            (False, "cannot accept any value")):
+        with pytest.raises(ParamError, match=message):
+            compiler.session(GrammarSpec("json_schema", json.dumps(schema)), {EOS})
+    # one the engine compiles but that no text satisfies: refused before any round runs
+    with pytest.raises(ParamError, match="allows no token at all"):
+        compiler.session(GrammarSpec("regex", r"[^\s\S]"), {EOS})
+
+
 def test_engine_message_drops_the_location_prefix():
     raw = RuntimeError("[12:07:59] /project/cpp/regex_converter.cc:94: Regex parsing error at position 2")
     assert engine_message(raw) == "Regex parsing error at position 2"
