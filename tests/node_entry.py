@@ -30,6 +30,12 @@ def accept_everything(scores: torch.Tensor, draft: list[int], q: torch.Tensor | 
     return [*draft, sample(scores[len(draft)].softmax(-1), generator)]
 
 
+def without_xgrammar() -> dict[str, Any]:
+    """A node on a machine without xgrammar: importing it fails from here on (structured output's error path)."""
+    sys.modules["xgrammar"] = None  # type: ignore[assignment]
+    return {}
+
+
 def fixed_costs(spec_json: str) -> tuple[CostCurve, CostCurve]:
     """(verify, draft) curves from JSON ``{"verify": {n: s}, "draft": {n: s}}``."""
     from shared.costs.curve import CostCurve
@@ -53,6 +59,8 @@ HOOKS: dict[str, Callable[[str | None], dict[str, Any]]] = {
     "accept_all": lambda arg: {"accept": accept_everything},
     # verifier: seconds slept before each target forward (a slow target on tiny models)
     "forward_delay": lambda arg: {"forward_delay_s": float(arg or 0.05)},
+    # verifier: xgrammar not installed (tests/test_grammar_e2e.py)
+    "no_xgrammar": lambda arg: without_xgrammar(),
     # drafter: fixed cost curves instead of measured ones (tiny models' forwards all cost about the same)
     "costs": lambda arg: {"fixed_costs": fixed_costs(arg or "")},
 }

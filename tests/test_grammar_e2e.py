@@ -19,12 +19,13 @@ import torch
 import xgrammar as xgr
 import yaml
 from conftest import tiny_config
+from node_entry import node_entry
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from xgrammar.contrib.hf import LogitsProcessor
 
 from benchmarks.http_overhead import free_port, start_launcher
 from runtime.client import AsyncClient, PipespecError
-from runtime.launch import stop_process
+from runtime.launch import cluster, stop_process
 from testkit.tiny_hybrid import perturbed_copy
 
 pytestmark = pytest.mark.cluster
@@ -187,3 +188,15 @@ def test_curl_gets_a_400_with_the_engines_message(server):
                           "Content-Type: application/json", "-d", body], capture_output=True, text=True, timeout=60)
     text, status = out.stdout.rsplit("\n", 1)
     assert status == "400" and "minimum greater than maximum" in json.loads(text)["error"]["message"]
+
+
+def test_a_verifier_without_xgrammar_refuses_constraints_and_serves_the_rest(tiny):
+    config = tiny_config(tiny("llama"), None, type="prompt_lookup", num_draft_tokens=2)
+
+    async def main():
+        async with cluster(config, entry={"verifier": node_entry("no_xgrammar")}) as c:
+            with pytest.raises(PipespecError, match="needs the xgrammar package") as info:
+                await c.generate(prompt="x", max_new_tokens=4, regex="a+")
+            assert info.value.code == "bad_request"
+            return await c.generate(prompt="x", max_new_tokens=4)
+    assert len(asyncio.run(main()).token_ids) == 4
