@@ -170,6 +170,16 @@ def test_openai_client_gets_json_and_400s(server):
         assert info.value.status_code == 400
 
 
+def test_a_streamed_response_follows_the_schema(server):
+    client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=60)
+    chunks = client.chat.completions.create(
+        model=server.model, temperature=0.8, seed=4, max_tokens=MAX_NEW, stream=True,
+        messages=[{"role": "user", "content": "a person"}],
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}})
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    jsonschema.validate(json.loads(text), SCHEMA)
+
+
 def test_curl_gets_a_400_with_the_engines_message(server):
     if shutil.which("curl") is None:
         pytest.skip("curl is not installed")
