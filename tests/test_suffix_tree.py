@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from drafter_node.suffix_tree import SuffixCache, SuffixTrie, speculate
+from runtime.config import ConfigError, load_config
 
 pytestmark = pytest.mark.unit
 
@@ -222,3 +223,10 @@ def test_evicting_another_active_request_stops_its_global_additions():
     cache.append(b, [5, 6])
     assert cache.cached_requests == 1 and cache.global_trie.walk([3]) is None
     assert cache.speculate(a, [2, 3], 1, 1.0, 0.1).tokens == [4]  # from its own trie
+
+
+def test_suffix_config_needs_no_model_and_checks_its_keys():
+    config = load_config("suffix.yaml")
+    assert config["drafter"]["type"] == "suffix" and config["drafter"]["model"] is None
+    with pytest.raises(ConfigError, match=r"drafter\.suffix_min_token_prob"):
+        load_config("suffix.yaml", ["drafter.suffix_min_token_prob=2"])
