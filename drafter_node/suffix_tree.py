@@ -280,12 +280,13 @@ class SuffixCache:
         self._global_tokens += len(take)
 
     def _evict(self, keep: int) -> None:
-        """Drop the oldest responses while over a bound (never ``keep``, the one being added to)."""
+        """Drop the oldest responses while over a bound, but never ``keep``, the one being added to (it fits the
+        token cap alone: :meth:`_add_global` cuts it there)."""
         while len(self._order) > self.max_requests or self._global_tokens > self.max_tokens:
-            oldest = next(iter(self._order))
-            if oldest == keep:
+            victim = next((req for req in self._order if req != keep), None)
+            if victim is None:
                 break
-            self.evict(oldest)
+            self.evict(victim)
 
     def evict(self, req: int) -> None:
         seq = self._order.pop(req)

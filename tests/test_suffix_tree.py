@@ -225,8 +225,44 @@ def test_evicting_another_active_request_stops_its_global_additions():
     assert cache.speculate(a, [2, 3], 1, 1.0, 0.1).tokens == [4]  # from its own trie
 
 
+def test_an_older_active_request_that_grows_evicts_a_newer_one_over_the_token_cap():
+    cache = SuffixCache(4, max_requests=10, max_tokens=6)
+    old = cache.start([0], [])
+    new = cache.start([0], [])
+    cache.append(new, [7, 8, 9])
+    cache.append(old, [1, 2, 3, 4])  # 7 tokens > 6: the other response goes, though it is the newer one
+    assert cache.cached_tokens == 4 and cache.cached_requests == 1
+    assert cache.global_trie.walk([7]) is None and cache.global_trie.walk([1, 2, 3, 4]) is not None
+    cache.append(new, [10])  # evicted from the global trie: it stays out
+    assert cache.cached_tokens == 4
+
+
+@settings(max_examples=60, deadline=None)
+@given(ops=st.lists(st.tuples(st.sampled_from(["start", "append", "stop"]), st.integers(0, 5),
+                              st.lists(st.integers(0, 3), max_size=6)), max_size=30),
+       max_requests=st.integers(0, 3), max_tokens=st.integers(0, 12))
+def test_the_cache_stays_within_its_bounds_and_its_trie_matches_what_it_keeps(ops, max_requests, max_tokens):
+    cache = SuffixCache(4, max_requests, max_tokens)
+    live: list[int] = []
+    for op, pick, tokens in ops:
+        if op == "start" or not live:
+            live.append(cache.start([9], tokens))
+        elif op == "append":
+            cache.append(live[pick % len(live)], tokens)
+        else:
+            cache.stop(live.pop(pick % len(live)))
+        kept = [list(cache.global_trie.sequence(s)) for s in cache._order.values()]
+        assert cache.cached_requests <= max_requests
+        assert cache.cached_tokens == sum(map(len, kept)) <= max_tokens
+        assert paths(cache.global_trie) == brute_counts(kept, 4)
+        assert cache.global_trie.nodes == 1 + len(paths(cache.global_trie))
+
+
 def test_suffix_config_needs_no_model_and_checks_its_keys():
     config = load_config("suffix.yaml")
     assert config["drafter"]["type"] == "suffix" and config["drafter"]["model"] is None
     with pytest.raises(ConfigError, match=r"drafter\.suffix_min_token_prob"):
         load_config("suffix.yaml", ["drafter.suffix_min_token_prob=2"])
+    # one-hot drafts: no q to ensemble with
+    with pytest.raises(ConfigError, match="not supported with suffix decoding"):
+        load_config("suffix.yaml", {"verification.ensemble_weight": 0.7})
