@@ -2,7 +2,8 @@
 
 Drafts come from :class:`drafter_node.suffix_tree.SuffixCache`: a suffix trie over the request's own prompt and
 generated tokens, and one over the responses of every request this drafter process served (the cache lives on the
-:class:`SuffixDrafter`, so every session, from any verifier this drafter serves, adds to it and drafts from it). Only
+:class:`SuffixDrafter`, built once per process, so every session it serves adds to it and drafts from it, across
+rejoins to a restarted verifier). Only
 committed tokens go in — a session's response token by token as the verifier commits it, so concurrent requests
 learn from each other; a closed session's response stays until evicted (oldest first, by request count and tokens).
 
