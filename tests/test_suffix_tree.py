@@ -3,8 +3,10 @@ proposal rules, incremental insertion, removal and the bounded cross-request cac
 
 from __future__ import annotations
 
+import gc
 import math
 import random
+import tracemalloc
 
 import pytest
 from hypothesis import given, settings
@@ -203,6 +205,28 @@ def test_eviction_by_tokens_shrinks_the_trie():
     assert sizes[-1] == sizes[2] < sizes[2] + 10  # bounded: the node count stops growing
     kept = [[1000 * i + j for j in range(10)] for i in (4, 5)]
     assert paths(cache.global_trie) == brute_counts(kept, 8)
+
+
+def test_eviction_gives_the_memory_back_and_a_token_costs_at_most_the_documented_bound():
+    rng = random.Random(3)
+    tokens = [rng.randrange(100_000) for _ in range(2000)]  # nothing shared: the worst case per token
+    gc.collect()
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        cache = SuffixCache(24, max_requests=1, max_tokens=100_000)
+        first = cache.start([0], [])
+        cache.append(first, tokens)
+        cache.stop(first)
+        full = tracemalloc.get_traced_memory()[0] - base
+        cache.stop(cache.start([0], []))  # one request cached at most: the first is evicted
+        gc.collect()
+        after = tracemalloc.get_traced_memory()[0] - base
+    finally:
+        tracemalloc.stop()
+    assert full / len(tokens) < 2000  # docs/drafter-types.md: about 1.6 kB per token at depth 24, worst case
+    assert after < full / 20, (full, after)
+    print(f"{full / len(tokens):.0f} bytes per token, {after} bytes after eviction")
 
 
 def test_one_response_longer_than_the_cap_keeps_only_what_fits():
