@@ -235,6 +235,7 @@ class SuffixCache:
         self.global_trie = SuffixTrie(max_depth)
         self._local: dict[int, tuple[SuffixTrie, int]] = {}  # request → its own trie and its sequence there
         self._order: OrderedDict[int, int] = OrderedDict()  # request → its sequence in the global trie, oldest first
+        self._pending: set[int] = set()  # active requests with no response token yet: not cached so far
         self._global_tokens = 0
         self._next_req = 0
 
@@ -254,22 +255,30 @@ class SuffixCache:
         local = SuffixTrie(self.max_depth)
         self._local[req] = (local, local.new_sequence([*prompt, *response]))
         if self.max_requests > 0 and self.max_tokens > 0:
-            self._order[req] = self.global_trie.new_sequence()
-            self._add_global(req, response)
-            self._evict(keep=req)
+            self._pending.add(req)
+        self._add_response(req, response)
         return req
 
     def append(self, req: int, tokens: Sequence[int]) -> None:
         """``tokens`` were generated (committed) for request ``req``."""
         local, seq = self._local[req]
         local.extend(seq, tokens)
-        if req in self._order:
-            self._add_global(req, tokens)
-            self._evict(keep=req)
+        self._add_response(req, tokens)
 
     def stop(self, req: int) -> None:
         """Request ``req`` is over: its local trie goes, its response stays cached (until evicted)."""
         self._local.pop(req, None)
+        self._pending.discard(req)
+
+    def _add_response(self, req: int, tokens: Sequence[int]) -> None:
+        # a request enters the global cache with its first response token (one that generated nothing takes no
+        # place among the cached requests); an evicted one does not come back
+        if tokens and req in self._pending:
+            self._pending.discard(req)
+            self._order[req] = self.global_trie.new_sequence()
+        if tokens and req in self._order:
+            self._add_global(req, tokens)
+            self._evict(keep=req)
 
     def _add_global(self, req: int, tokens: Sequence[int]) -> None:
         seq = self._order[req]

@@ -188,6 +188,8 @@ def test_eviction_by_request_count_removes_the_oldest():
         cache.append(r, [100 + i, 200 + i, 300 + i])
         cache.stop(r)
     assert cache.cached_requests == 2 and cache.cached_tokens == 6
+    cache.stop(cache.start([0], []))  # a request that generated nothing takes no place
+    assert cache.cached_requests == 2 and cache.global_trie.walk([101]) is not None
     assert cache.global_trie.walk([100]) is None and cache.global_trie.walk([101, 201]) is not None
     assert paths(cache.global_trie) == brute_counts([[101, 201, 301], [102, 202, 302]], 8)
 
@@ -219,7 +221,9 @@ def test_eviction_gives_the_memory_back_and_a_token_costs_at_most_the_documented
         cache.append(first, tokens)
         cache.stop(first)
         full = tracemalloc.get_traced_memory()[0] - base
-        cache.stop(cache.start([0], []))  # one request cached at most: the first is evicted
+        second = cache.start([0], [])
+        cache.append(second, [7])  # one request cached at most: the first is evicted
+        cache.stop(second)
         gc.collect()
         after = tracemalloc.get_traced_memory()[0] - base
     finally:
@@ -242,11 +246,13 @@ def test_evicting_another_active_request_stops_its_global_additions():
     cache = SuffixCache(4, max_requests=1, max_tokens=100)
     a = cache.start([0], [])
     cache.append(a, [1, 2])
-    b = cache.start([0], [])  # evicts a (the oldest) from the global trie
-    cache.append(a, [3, 4])  # a keeps drafting from its own trie
-    cache.append(b, [5, 6])
+    b = cache.start([0], [])
+    cache.append(a, [3, 4])
+    cache.append(b, [5, 6])  # b's first tokens evict a (the oldest) from the global trie
     assert cache.cached_requests == 1 and cache.global_trie.walk([3]) is None
-    assert cache.speculate(a, [2, 3], 1, 1.0, 0.1).tokens == [4]  # from its own trie
+    cache.append(a, [5])
+    assert cache.cached_tokens == 2  # a stays out
+    assert cache.speculate(a, [2, 3], 1, 1.0, 0.1).tokens == [4]  # a drafts from its own trie
 
 
 def test_an_older_active_request_that_grows_evicts_a_newer_one_over_the_token_cap():
