@@ -164,9 +164,9 @@ def write_markdown(path: Path, report: dict[str, Any]) -> None:
             for family, c in cross_request(r, families).items():
                 if c["requests"] < 2:
                     continue
+                later = "on request 2" if c["requests"] == 2 else f"on requests 2–{c['requests']} (mean)"
                 notes.append(f"- cross-request, {r['label']}, {family}: α on its request 1 {fmt(c['first'])}, "
-                             f"on requests 2–{c['requests']} {fmt(c['later_mean'])} (mean), on the last "
-                             f"{fmt(c['last'])}")
+                             f"{later} {fmt(c['later_mean'])}, on the last {fmt(c['last'])}")
     path.write_text("\n".join(lines + (["", "Notes:", *notes] if notes else [])) + "\n")
 
 

@@ -50,7 +50,7 @@ def test_summary_per_request_and_cross_request(tmp_path):
     bs.write_markdown(tmp_path / "suffix.md", report)
     text = (tmp_path / "suffix.md").read_text()
     assert "| 2 | r1 | a | 0.75 / 4.00 |" in text
-    assert "α on its request 1 0.25, on requests 2–3 0.38 (mean)" in text
+    assert "α on its request 1 0.25, on requests 2–3 (mean) 0.38, on the last 0.00" in text
 
 
 @pytest.mark.cluster
