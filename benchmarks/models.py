@@ -76,12 +76,14 @@ def _sized_dtype(dtype: str) -> str:
 
 def cluster_models(cfg: dict[str, Any]) -> dict[str, float]:
     """GiB of the models a cluster of the loaded config ``cfg`` holds: the target in the verifier and the drafter's
-    model (none for prompt lookup; for early exit its first layers plus, roughly, the embeddings and LM head)."""
+    model (none for the model-free types; for early exit its first layers plus, roughly, the embeddings and LM head)."""
     from weights import resolve_model
 
     v, d = cfg["verifier"], cfg["drafter"]
     models = {"verifier": model_gib(resolve_model(v["model"]), _sized_dtype(v["dtype"]))}
-    if not cfg["launch"]["start_drafter"] or d["type"] == "prompt_lookup":
+    from drafter_node.types import drafter_spec
+
+    if not cfg["launch"]["start_drafter"] or not drafter_spec(d["type"]).needs_model:
         return models
     path = resolve_model(d.get("model") or v["model"])
     fraction = 1.0

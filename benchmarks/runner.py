@@ -24,13 +24,17 @@ class Runner:
 
     ``prompts``: prompt set name → list of ``{"ids": [...], "messages": [...]}``; a row decodes prompt i of its own
     set (a cluster gets the messages, templated by its verifier, or the ids where there are no messages).
-    ``on_update`` is called after every prompt (the scripts rewrite their json there).
+    ``on_update`` is called after every prompt (the scripts rewrite their json there). ``warmup_prompts``: prompt
+    set name → the prompt its rows warm up on (default: the set's first; a benchmark of a drafter that learns across
+    requests warms up on an unrelated one, so that request 1 is new to it).
     """
 
     def __init__(self, rows: dict[str, Row], setups: dict[str, Setup], prompts: dict[str, list[dict[str, Any]]],
                  max_new_tokens: int, on_update: Callable[[], None], curve_prefix: int = 64,
-                 curve_budget_s: float = 20.0, curve_repeats: int = 2):
+                 curve_budget_s: float = 20.0, curve_repeats: int = 2,
+                 warmup_prompts: dict[str, dict[str, Any]] | None = None):
         self.rows, self.setups, self.prompts = rows, setups, prompts
+        self.warmup_prompts = warmup_prompts or {}
         self.max_new_tokens, self.on_update = max_new_tokens, on_update
         self.curve_args = {"prefix_len": curve_prefix, "budget_s": curve_budget_s, "repeats": curve_repeats}
         self.raw: dict[str, dict[str, Any]] = {}  # row key → {"pass", "per_prompt", "error"?, "hf"?}
@@ -95,7 +99,7 @@ class Runner:
             live = [r for r in rows if not r.curves_only and r.key not in failed]
             for r in live:  # warm-up, untimed
                 try:
-                    await self._generate(r, handles[r.setup], 0, WARMUP_TOKENS)
+                    await self._generate(r, handles[r.setup], 0, WARMUP_TOKENS, warmup=True)
                 except Exception as exc:
                     fail(r, f"{type(exc).__name__}: {exc}")
             n = max((len(self.prompts[r.prompt_set]) for r in live), default=0)
@@ -151,8 +155,11 @@ class Runner:
             log(f"{setup.key}: {name} cost curve in {time.perf_counter() - t0:.1f} s: "
                 + ", ".join(f"{n}: {1000 * s:.0f} ms" for n, s in zip(c["sizes"], c["seconds"])))
 
-    async def _generate(self, row: Row, handle: Any, i: int, max_new_tokens: int) -> dict[str, Any]:
+    async def _generate(self, row: Row, handle: Any, i: int, max_new_tokens: int,
+                        warmup: bool = False) -> dict[str, Any]:
         prompt = self.prompts[row.prompt_set][i]
+        if warmup:
+            prompt = self.warmup_prompts.get(row.prompt_set, prompt)
         at = time.time()  # when it started: the order the rows ran in, to the microsecond
         if isinstance(handle, Worker):
             a = await asyncio.to_thread(handle.call, "generate", ids=prompt["ids"], max_new_tokens=max_new_tokens,

@@ -21,7 +21,7 @@ class DrafterConfig:
 
     type: str = setting(
         DEFAULT_DRAFTER_TYPE,
-        "assistant, prompt_lookup, early_exit, mtp, mtp_drafter or universal (see the per-type tables).",
+        "assistant, prompt_lookup, early_exit, mtp, mtp_drafter, universal or suffix (see the per-type tables).",
         kind="str",
     )
     model: Any = setting(

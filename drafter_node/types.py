@@ -18,6 +18,7 @@ DRAFTER_TYPES: dict[str, str] = {
     "mtp": "drafter_node.type_specs.mtp",
     "mtp_drafter": "drafter_node.type_specs.mtp_drafter",
     "universal": "drafter_node.type_specs.universal",
+    "suffix": "drafter_node.type_specs.suffix",
 }
 #: ``drafter.type`` when a config names none.
 DEFAULT_DRAFTER_TYPE = "assistant"

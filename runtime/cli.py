@@ -63,7 +63,7 @@ MODEL_FLAGS: dict[str, ModelFlag] = {
     "--num-draft-tokens": ModelFlag(
         {"drafter.num_draft_tokens": VALUE, "drafter.draft_schedule": "constant"},
         "draft exactly K tokens per block: the constant schedule with k = K (by default the cost model chooses k); "
-        "for prompt_lookup also drafter.prompt_lookup_num_tokens", "K", int),
+        "for prompt_lookup and suffix also their own block length key", "K", int),
     "--port": ModelFlag({"http.port": VALUE}, "HTTP port (default: the config's http.port, 8000)", "N", int,
                         serve_only=True),
     "--host": ModelFlag({"http.host": VALUE}, "HTTP address (default 127.0.0.1; any other needs http.api_key and "
@@ -95,7 +95,8 @@ NOT_ALIASED: dict[str, str] = {
 }
 
 #: Drafter types whose block length is a key of their own: ``--num-draft-tokens K`` sets it to K as well.
-BLOCK_LENGTH_KEYS: dict[str, str] = {"prompt_lookup": "drafter.prompt_lookup_num_tokens"}
+BLOCK_LENGTH_KEYS: dict[str, str] = {"prompt_lookup": "drafter.prompt_lookup_num_tokens",
+                                     "suffix": "drafter.suffix_num_draft_tokens"}
 #: Drafter types whose k is fixed by the checkpoint: ``--num-draft-tokens`` is refused for them.
 FIXED_K_TYPES: dict[str, str] = {"mtp": "mtp drafts one token per MTP layer of the checkpoint"}
 
@@ -160,8 +161,8 @@ def build_config(args: argparse.Namespace, serve: bool = False) -> dict[str, Any
     if "verifier.model" in from_flags and args.config is None \
             and not {"drafter.model", "drafter.type"} & {*from_flags, *from_set}:
         raise ConfigError(f"--model: name the drafter too (--draft-model D, or a --draft-type that needs no draft "
-                          f"model: prompt_lookup, early_exit, mtp); {DEFAULT_CONFIG}'s drafter was chosen for its "
-                          "own target")
+                          f"model: prompt_lookup, suffix, early_exit, mtp); {DEFAULT_CONFIG}'s drafter was chosen "
+                          "for its own target")
     kind = from_flags.get("drafter.type")
     if kind and "drafter.model" not in {*from_flags, *from_set} and drafter_spec(kind).model_defaults_to_target:
         from_flags["drafter.model"] = None  # the config file's draft model was for its own type: the target's
@@ -198,7 +199,7 @@ def flags_markdown() -> str:
     for flag, spec in MODEL_FLAGS.items():
         keys = ", ".join(f"`{key}={'VALUE' if v is VALUE else v}`" for key, v in spec.keys.items())
         if flag == "--num-draft-tokens":
-            keys += "; prompt_lookup: also " + ", ".join(f"`{k}=VALUE`" for k in BLOCK_LENGTH_KEYS.values())
+            keys += "; " + "; ".join(f"{kind}: also `{k}=VALUE`" for kind, k in BLOCK_LENGTH_KEYS.items())
         arg = f" {spec.metavar}" if spec.metavar else ""
         rows.append(f"| `{flag}{arg}` | {keys} | {f'`{spec.transformers}`' if spec.transformers else ''} |")
     for flag, why in NOT_ALIASED.items():

@@ -38,6 +38,7 @@ DEFAULT_BUDGET_S = 20.0
 PLAIN_MODEL_TYPES = {"assistant", "universal"}
 SKIP_REASONS = {
     "prompt_lookup": "prompt_lookup holds no model (no drafter curve)",
+    "suffix": "suffix holds no model (no drafter curve)",
     "mtp": "mtp drafts with modules fed by the target's hidden states (not profiled)",
     "mtp_drafter": "mtp_drafter drafts from the target's state (not profiled)",
 }

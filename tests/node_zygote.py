@@ -39,7 +39,8 @@ CONNECT_TIMEOUT_S = 120.0
 PRELOAD = (
     "runtime.launch", "verifier_node.server", "drafter_node.node", "drafter_node.lm_drafter",
     "drafter_node.early_exit", "drafter_node.prompt_lookup", "drafter_node.universal", "drafter_node.mtp",
-    "drafter_node.mtp_drafter", "shared.costs.measure", "shared.costs.cache", "shared.sampling", "node_entry",
+    "drafter_node.mtp_drafter", "drafter_node.suffix", "shared.costs.measure", "shared.costs.cache",
+    "shared.sampling", "node_entry",
     "transformers.models.llama.modeling_llama", "transformers.models.qwen2.modeling_qwen2",
     "transformers.models.gpt2.modeling_gpt2",
 )

@@ -77,6 +77,8 @@ def test_num_draft_tokens_selects_the_constant_schedule_and_says_so(pair, capsys
     assert "fixed k = 4 (constant schedule): the cost model does not choose k" in capsys.readouterr().err
     lookup = config_of("--model", "t", "--draft-type", "prompt_lookup", "--num-draft-tokens", "3")
     assert lookup["drafter"]["prompt_lookup_num_tokens"] == 3  # prompt_lookup's block length is its own key
+    suffix = config_of("--model", "t", "--draft-type", "suffix", "--num-draft-tokens", "5")
+    assert (suffix["drafter"]["suffix_num_draft_tokens"], suffix["drafter"]["draft_schedule"]) == (5, "constant")
     alias = config_of("--model", "t", "--prompt-lookup-num-tokens", "7")
     keys = ("type", "prompt_lookup_num_tokens", "num_draft_tokens", "draft_schedule")
     assert [alias["drafter"][k] for k in keys] == ["prompt_lookup", 7, 7, "constant"]

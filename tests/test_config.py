@@ -76,7 +76,7 @@ def test_bundled_config_loads(name):
         assert set(config[section]) == set(keys), section
     # Named offline models, or hub ids for models no registry package carries (Gemma 4 and its -assistant)
     assert config["verifier"]["model"] in named_models.NAMED_MODELS or name in HUB_CONFIGS
-    if config["drafter"]["type"] != "prompt_lookup":  # the only type without a drafter model
+    if config["drafter"]["type"] not in ("prompt_lookup", "suffix"):  # the types without a drafter model
         assert config["drafter"]["model"] in named_models.NAMED_MODELS or name in HUB_CONFIGS
     assert config["verifier"]["device"] == "cpu"
     assert config["verifier"]["endpoint"] != config["client"]["endpoint"]
@@ -490,8 +490,8 @@ def test_every_registered_type_declares_a_consistent_spec():
         assert DEFAULTS["drafter"].keys() >= spec.keys.keys()
     assert drafter_spec("early_exit").profile_variant({"assistant_early_exit": 8}) == "early_exit:8"
     assert all(drafter_spec(name).profile_variant({}) == "" for name in DRAFTER_TYPES if name != "early_exit")
-    assert [name for name in DRAFTER_TYPES if not drafter_spec(name).sends_q] == ["prompt_lookup"]
-    assert [name for name in DRAFTER_TYPES if not drafter_spec(name).needs_model] == ["prompt_lookup"]
+    assert [name for name in DRAFTER_TYPES if not drafter_spec(name).sends_q] == ["prompt_lookup", "suffix"]
+    assert [name for name in DRAFTER_TYPES if not drafter_spec(name).needs_model] == ["prompt_lookup", "suffix"]
 
 
 def test_config_module_names_no_drafter_type():
@@ -499,7 +499,7 @@ def test_config_module_names_no_drafter_type():
     import runtime.config
 
     text = Path(runtime.config.__file__).read_text(encoding="utf-8").lower()
-    names = {*DRAFTER_TYPES, "assistant", "early_exit", "early exit", "prompt_lookup", "prompt lookup", "mtp",
+    names = {*DRAFTER_TYPES, "assistant", "early_exit", "early exit", "prompt_lookup", "prompt lookup", "mtp", "suffix",
              "universal"}
     assert [name for name in sorted(names) if name in text] == []
 

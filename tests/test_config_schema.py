@@ -119,6 +119,20 @@ def test_typed_round_trips_every_bundled_config(path) -> None:
      "(0, 1), got 1 (leave it unset, null, for standard, lossless verification)"),
     ({"drafter.type": "prompt_lookup", "drafter.max_matching_ngram_size": 0},
      "drafter.max_matching_ngram_size: must be an integer ≥ 1, got 0"),
+    ({"drafter.type": "suffix", "drafter.suffix_max_tree_depth": 1},
+     "drafter.suffix_max_tree_depth: must be an integer ≥ 2, got 1"),
+    ({"drafter.type": "suffix", "drafter.suffix_num_draft_tokens": 65},
+     "drafter.suffix_num_draft_tokens: must be an integer in [1, 64], got 65"),
+    ({"drafter.type": "suffix", "drafter.suffix_max_spec_factor": 0},
+     "drafter.suffix_max_spec_factor: must be a number > 0, got 0"),
+    ({"drafter.type": "suffix", "drafter.suffix_min_token_prob": 1.5},
+     "drafter.suffix_min_token_prob: must be a number in [0, 1], got 1.5"),
+    ({"drafter.type": "suffix", "drafter.suffix_min_token_prob": "high"},
+     "drafter.suffix_min_token_prob: must be a number in [0, 1], got 'high'"),
+    ({"drafter.type": "suffix", "drafter.suffix_max_cached_requests": -1},
+     "drafter.suffix_max_cached_requests: must be an integer ≥ 0, got -1"),
+    ({"drafter.type": "suffix", "drafter.suffix_max_cached_tokens": 1.5},
+     "drafter.suffix_max_cached_tokens: must be an integer ≥ 0, got 1.5"),
 ])
 def test_declared_bounds_are_checked_on_load(override, message) -> None:
     with pytest.raises(ConfigError) as info:
