@@ -58,14 +58,13 @@ from typing import Any
 
 from benchmarks.machine import available_threads, machine_info, memory_budget_gib
 from benchmarks.models import DTYPE_TAGS, cluster_models, model_gib
-from benchmarks.passes import ClusterSetup, HFSetup, Row, plan_passes, plan_text, select_rows
+from benchmarks.passes import ClusterSetup, HFSetup, Row, pass_parser, plan_passes, plan_text, select_rows
 from benchmarks.progress import log, utc_now
 from benchmarks.prompts import chat_prompts, prompt_dir
 from benchmarks.results import write_result
 from benchmarks.runner import Runner
 from benchmarks.summary import speed_ratio, start_row, token_mismatches, tps, vs_anchor
 from benchmarks.tables import fmt, header_lines, md_table
-from runtime.paths import results_dir
 
 PROMPT_SETS = {"code": prompt_dir() / "code_prompts.json",
                "edit": prompt_dir() / "edit_prompts.json"}
@@ -187,24 +186,12 @@ def write_markdown(path: Path, report: dict[str, Any]) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog="rows: " + ", ".join(ROWS))
-    p.add_argument("--out", type=Path, default=results_dir(), help="output folder (default: results/)")
-    p.add_argument("--rows", default=",".join(ROWS), help="comma list of row keys or key prefixes (default: all)")
+    p = pass_parser(__doc__, list(ROWS), "dtype of every row: the transformers worker and, by override, the pipespec "
+                                         "configs (default: the configs' own, bfloat16)")
     p.add_argument("--prompts", type=int, default=5, help="prompts per set, from the start of each file (default: 5)")
     p.add_argument("--max-new-tokens", type=int, default=96, help="new tokens per prompt (default: 96)")
-    p.add_argument("--hf-threads", type=int, default=None,
-                   help="threads of the transformers worker (default: all usable, the affinity count)")
-    p.add_argument("--dtype", choices=list(DTYPE_TAGS), default=None,
-                   help="dtype of every row: the transformers worker and, by override, the pipespec configs "
-                        "(default: the configs' own, bfloat16)")
     p.add_argument("--ensemble-weight", type=float, default=0.7,
                    help="verification.ensemble_weight of the pipespec-ensemble row (default: 0.7)")
-    p.add_argument("--memory-gib", type=float, default=None,
-                   help="memory the setups of one pass may use together (default: 90%% of MemAvailable at start)")
-    p.add_argument("--dry-run", action="store_true",
-                   help="print the rows, the passes and their estimated memory, and exit without running (named models "
-                        "that are missing are installed first, as a run would)")
     return p
 
 

@@ -3,10 +3,14 @@ packed into passes that fit the memory budget; the rows chosen on the command li
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+from benchmarks.models import DTYPE_TAGS
 from benchmarks.progress import log
+from runtime.paths import results_dir
 
 PROCESS_GIB = 0.5  # resident memory of one Python process with torch and transformers, before any model (measured)
 
@@ -151,3 +155,21 @@ def rotated(items: list[Any], i: int) -> list[Any]:
         return []
     i %= len(items)
     return items[i:] + items[:i]
+
+
+def pass_parser(doc: str, rows: list[str], dtype_help: str) -> argparse.ArgumentParser:
+    """The options every pass-planned benchmark takes (``--out``, ``--rows``, ``--hf-threads``, ``--dtype``,
+    ``--memory-gib``, ``--dry-run``); the script adds its own. ``doc``: the module docstring (its first paragraph is
+    the description)."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="rows: " + ", ".join(rows))
+    p.add_argument("--out", type=Path, default=results_dir(), help="output folder (default: results/)")
+    p.add_argument("--rows", default=",".join(rows), help="comma list of row keys or key prefixes (default: all)")
+    p.add_argument("--hf-threads", type=int, default=None,
+                   help="threads of the transformers worker (default: all usable, the affinity count)")
+    p.add_argument("--dtype", choices=list(DTYPE_TAGS), default=None, help=dtype_help)
+    p.add_argument("--memory-gib", type=float, default=None,
+                   help="memory the setups of one pass may use together (default: 90%% of MemAvailable at start)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the rows, the passes and their estimated memory, and exit without running")
+    return p

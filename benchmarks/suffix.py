@@ -44,14 +44,13 @@ from typing import Any
 
 from benchmarks.machine import available_threads, machine_info, memory_budget_gib
 from benchmarks.models import DTYPE_TAGS, cluster_models, model_gib
-from benchmarks.passes import ClusterSetup, HFSetup, Row, plan_passes, plan_text, select_rows
+from benchmarks.passes import ClusterSetup, HFSetup, Row, pass_parser, plan_passes, plan_text, select_rows
 from benchmarks.progress import log, utc_now
 from benchmarks.prompts import chat_prompts, prompt_dir
 from benchmarks.results import write_result
 from benchmarks.runner import Runner
 from benchmarks.summary import start_row, token_mismatches, vs_anchor
 from benchmarks.tables import fmt, header_lines, md_table
-from runtime.paths import results_dir
 
 PROMPT_FILE = "agent_prompts.json"
 #: The warm-up request: nothing like the workload, so the suffix cache starts with nothing useful.
@@ -174,22 +173,13 @@ def write_markdown(path: Path, report: dict[str, Any]) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog="rows: " + ", ".join(ROWS))
-    p.add_argument("--out", type=Path, default=results_dir(), help="output folder (default: results/)")
-    p.add_argument("--rows", default=",".join(ROWS), help="comma list of row keys or key prefixes (default: all)")
+    p = pass_parser(__doc__, list(ROWS), "dtype of every row (default: the configs' own; the reference bfloat16 where "
+                                         "they say auto)")
     p.add_argument("--requests", type=int, default=None,
                    help="requests to run: the first N/2 of each family (default: all 16)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="new tokens per request (default 160, 24 --tiny)")
-    p.add_argument("--hf-threads", type=int, default=None,
-                   help="threads of the transformers worker (default: all usable, the affinity count)")
-    p.add_argument("--dtype", choices=list(DTYPE_TAGS), default=None,
-                   help="dtype of every row (default: the configs' own; the reference bfloat16 where they say auto)")
-    p.add_argument("--memory-gib", type=float, default=None,
-                   help="memory the setups of one pass may use together (default: 90%% of MemAvailable at start)")
     p.add_argument("--tiny", action="store_true",
                    help="tiny random models built on the spot (seconds, no download): a smoke run, numbers meaningless")
-    p.add_argument("--dry-run", action="store_true", help="print the rows and passes and exit without running")
     return p
 
 
