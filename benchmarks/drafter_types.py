@@ -83,6 +83,8 @@ ROWS: dict[str, tuple[str, str, str, str, str]] = {
     "target-edit": ("hf target alone (edit prompts)", "—", "hf:target", "edit", "prompt_lookup.yaml"),
     "hf-prompt-lookup": ("hf prompt lookup", "prompt_lookup", "hf:prompt_lookup", "edit", "prompt_lookup.yaml"),
     "pipespec-prompt-lookup": ("pipespec prompt_lookup", "prompt_lookup", "pipespec", "edit", "prompt_lookup.yaml"),
+    # no transformers counterpart; its own benchmark (benchmarks/suffix.py) shows what it is for: earlier responses
+    "pipespec-suffix": ("pipespec suffix", "suffix", "pipespec", "edit", "suffix.yaml"),
 }
 NOT_RUNNABLE = {
     "mtp": "needs a DeepSeek-V3 / GLM-4.5 checkpoint with MTP layers (none installable here)",
