@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from drafter_node.types import drafter_spec
 from runtime.config import ConfigError, load_config
 from runtime.paths import results_dir
 from shared.costs.cache import profile_cache_dir
@@ -36,9 +37,8 @@ DEFAULT_OUT = results_dir() / "profile"
 DEFAULT_BUDGET_S = 20.0
 #: Drafter types whose model is a plain causal LM that can be profiled on its own.
 PLAIN_MODEL_TYPES = {"assistant", "universal"}
+#: Types with a model that is not profiled on its own (model-free types are skipped by their spec's ``needs_model``).
 SKIP_REASONS = {
-    "prompt_lookup": "prompt_lookup holds no model (no drafter curve)",
-    "suffix": "suffix holds no model (no drafter curve)",
     "mtp": "mtp drafts with modules fed by the target's hidden states (not profiled)",
     "mtp_drafter": "mtp_drafter drafts from the target's state (not profiled)",
 }
@@ -87,6 +87,8 @@ def plan_nodes(config: dict[str, Any]) -> tuple[list[Node], str | None]:
     nodes = [Node("verifier", _label(v["model"]), target, v["device"], v["dtype"], _threads(config, "verifier"), sizes,
                   v["max_memory"])]
     kind = d["type"]
+    if not drafter_spec(kind).needs_model:
+        return nodes, f"{kind} holds no model (no drafter curve)"
     if kind in SKIP_REASONS:
         return nodes, SKIP_REASONS[kind]
     path = resolve_model(d["model"], progress=_progress)
@@ -94,7 +96,6 @@ def plan_nodes(config: dict[str, Any]) -> tuple[list[Node], str | None]:
                 d["max_memory"])
     if kind == "early_exit":
         from drafter_node.early_exit import exit_config
-        from drafter_node.types import drafter_spec
 
         exit_layer = d["assistant_early_exit"]
         node.model_config = exit_config(path, exit_layer)
