@@ -39,7 +39,7 @@ def _link(alive: bool = True) -> SimpleNamespace:
 def _session(sid: int, **state) -> SimpleNamespace:
     """A session as the scheduler reads it (prefilled and announced to a live drafter, no draft: it may wait)."""
     base = {"sid": sid, "prefilled": True, "draft": None, "announced": True, "solo_left": 0, "drafter": _link(),
-            "ready_since": 100.0, "started": 100.0, "prompt_to_cache": [], "wait": DraftWait(3.0)}
+            "ready_since": 100.0, "started": 100.0, "prompt_to_cache": [], "wait": DraftWait(3.0), "grammar": None}
     return SimpleNamespace(**{**base, **state})
 
 

@@ -69,9 +69,9 @@ class Scheduler:
         """The session's next round could use a draft from its drafter: prefilled, announced to a live drafter, no
         draft yet, not in a run of rounds the drafter gave to the verifier alone, and not at a point where its grammar
         forces the next token (that round drafts the forced tokens itself: waiting would only delay them)."""
-        d = s.drafter  # (getattr: the scheduler's tests drive it with session stand-ins that carry no grammar)
+        d = s.drafter
         return (s.prefilled and s.draft is None and s.announced and s.solo_left == 0 and d is not None
-                and d.alive(now) and not (getattr(s, "grammar", None) is not None and s.grammar.next_is_forced()))
+                and d.alive(now) and not (s.grammar is not None and s.grammar.next_is_forced()))
 
     def runnable(self, s: Session, now: float) -> bool:
         """Its next step can run now: nothing to wait for, or it has waited as long as its wait allows."""
