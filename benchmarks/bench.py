@@ -42,7 +42,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import statistics
 import sys
@@ -56,7 +55,7 @@ from benchmarks.plots import write_curve_plot
 from benchmarks.progress import log, utc_now
 from benchmarks.prompts import chat_prompts, prompt_dir
 from benchmarks.results import read_result, write_result
-from benchmarks.runner import Runner
+from benchmarks.runner import run_report
 from benchmarks.summary import start_row, token_mismatches, tps, vs_anchor
 from benchmarks.tables import curve_table_lines, fmt, header_lines, md_table
 from runtime.paths import results_dir
@@ -505,22 +504,13 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         print(plan_text(passes, rows, setups, budget))
         return 0
 
-    def save(final: bool = False) -> dict[str, Any]:
-        report = {"meta": meta, **runner.state()}
-        meta["passes"] = runner.passes
-        settings = next((r["hf"]["settings"] for k, r in runner.raw.items()
-                         if defs.get(k, {}).get("kind") == "assisted" and "hf" in r), None)
-        meta["assisted_settings"] = settings
+    def write(report: dict[str, Any], final: bool) -> None:
+        meta["assisted_settings"] = next((r["hf"]["settings"] for k, r in report["raw"].items()
+                                          if defs.get(k, {}).get("kind") == "assisted" and "hf" in r), None)
         write_reports(args.out, report, final)
-        return report
 
-    runner = Runner(rows, setups, {"default": prompts}, args.max_new_tokens, save,
-                    curve_budget_s=args.curve_budget_s)
-    asyncio.run(runner.run(passes))
-    meta["end"] = utc_now()
-    report = save(final=True)
-    print((args.out / "bench.md").read_text())
-    return 1 if any("error" in r for r in report["rows"]) else 0
+    return run_report(rows, setups, {"default": prompts}, args.max_new_tokens, passes, meta, write,
+                      args.out / "bench.md", curve_budget_s=args.curve_budget_s)
 
 
 if __name__ == "__main__":

@@ -50,7 +50,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import sys
 from pathlib import Path
@@ -62,7 +61,7 @@ from benchmarks.passes import ClusterSetup, HFSetup, Row, pass_parser, plan_pass
 from benchmarks.progress import log, utc_now
 from benchmarks.prompts import chat_prompts, prompt_dir
 from benchmarks.results import write_result
-from benchmarks.runner import Runner
+from benchmarks.runner import run_report
 from benchmarks.summary import speed_ratio, start_row, token_mismatches, tps, vs_anchor
 from benchmarks.tables import fmt, header_lines, md_table
 
@@ -280,20 +279,12 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     log(f"rows: {', '.join(keys)}; {len(passes)} pass(es) within {budget:.1f} GiB")
 
-    def save() -> dict[str, Any]:
-        meta["passes"] = runner.passes
-        report = {"meta": meta, **runner.state()}
+    def write(report: dict[str, Any], final: bool) -> None:
         report["rows"] = [summarize(k, report) for k in keys if k in report["raw"]]
         write_result(args.out / "types.json", report)
         write_markdown(args.out / "types.md", report)
-        return report
 
-    runner = Runner(rows, setups, prompts, args.max_new_tokens, save)
-    asyncio.run(runner.run(passes))
-    meta["end"] = utc_now()
-    report = save()
-    print((args.out / "types.md").read_text())
-    return 1 if any("error" in r for r in report["rows"]) else 0
+    return run_report(rows, setups, prompts, args.max_new_tokens, passes, meta, write, args.out / "types.md")
 
 
 if __name__ == "__main__":

@@ -180,3 +180,24 @@ class Runner:
                 f"tokens, the bench {len(prompt['ids'])}")
         return {"token_ids": r.token_ids, "new_tokens": len(r.token_ids), "time_s": elapsed, "metrics": r.metrics,
                 "at": at}
+
+
+def run_report(rows: dict[str, Row], setups: dict[str, Setup], prompts: dict[str, list[dict[str, Any]]],
+               max_new_tokens: int, passes: list[Pass], meta: dict[str, Any],
+               write: Callable[[dict[str, Any], bool], None], markdown: Path, **runner_args: Any) -> int:
+    """Run ``passes`` with a :class:`Runner`, the report rewritten after every prompt: ``write(report, final)`` adds
+    its ``rows`` and writes the files (``final``: once, at the end). Prints ``markdown`` at the end; returns the exit
+    status, 1 when a row failed. ``runner_args``: the Runner's optional arguments."""
+
+    def save(final: bool = False) -> dict[str, Any]:
+        meta["passes"] = runner.passes
+        report = {"meta": meta, **runner.state()}
+        write(report, final)
+        return report
+
+    runner = Runner(rows, setups, prompts, max_new_tokens, save, **runner_args)
+    asyncio.run(runner.run(passes))
+    meta["end"] = utc_now()
+    report = save(final=True)
+    print(markdown.read_text())
+    return 1 if any("error" in r for r in report["rows"]) else 0
