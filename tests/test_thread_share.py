@@ -44,7 +44,8 @@ def test_the_verifier_shares_the_cores_while_a_session_left_out_waits_for_its_dr
     live = SimpleNamespace(alive=lambda now=None: True)
 
     def session(sid: int, **state) -> SimpleNamespace:
-        base = {"sid": sid, "prefilled": True, "draft": None, "announced": True, "solo_left": 0, "drafter": live}
+        base = {"sid": sid, "prefilled": True, "draft": None, "announced": True, "solo_left": 0, "drafter": live,
+                "grammar": None}
         return SimpleNamespace(**{**base, **state})
 
     ready, waiting = session(1, draft={"tokens": []}), session(2)
