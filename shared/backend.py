@@ -290,8 +290,8 @@ class StaticBackend(TargetBackend):
         return StaticHandle(self, self.free.pop())
 
     def release(self, slot: int) -> None:
-        if slot in self.free:
-            raise ValueError(f"KV slot {slot} is already free")
+        if not 0 <= slot < self.slots or slot in self.free:
+            raise ValueError(f"KV slot {slot} is not taken")
         self.free.append(slot)
 
     def can_batch(self) -> bool:
