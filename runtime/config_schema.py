@@ -83,8 +83,8 @@ class VerifierConfig:
     )
     kv_slots: Any = setting(
         None,
-        "Static backend: slots preallocated (null: the smaller of max_sessions and max_batch_sessions); sessions "
-        "beyond them get dynamic caches.",
+        "Static backend: slots preallocated (null: the smallest of max_sessions, max_batch_sessions and 8); "
+        "sessions beyond them get dynamic caches.",
         kind="int",
         bounds=(1, None),
     )
