@@ -26,10 +26,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from transformers.cache_utils import DynamicLayer
 
 from drafter_node.base import BatchStep, DraftToken
-from shared.batch import Row
+from shared.batch import Row, plain_attention
 from shared.kv import CachedLM
 
 #: Attention implementations that take a custom 4D additive mask as given (transformers' ``create_causal_mask``
@@ -46,7 +45,7 @@ def supports_flat_rows(lm: CachedLM) -> bool:
     second, copying implementation. Nor for attention kernels that ignore a custom mask (flash attention)."""
     if lm._sliding or getattr(lm.model.config, "_attn_implementation", "eager") not in MASKABLE_ATTENTION:
         return False
-    return all(type(layer) is DynamicLayer for layer in lm.cache.layers)
+    return all(plain_attention(layer) for layer in lm.cache.layers)
 
 
 def rank_outcomes(chain: list[DraftToken], block_len: int) -> list[tuple[int, int, float]]:

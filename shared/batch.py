@@ -39,7 +39,13 @@ def can_batch(lm: CachedLM) -> bool:
     maskable attention kernel, plain dynamic cache layers)."""
     if lm._sliding or getattr(lm.model.config, "_attn_implementation", "eager") not in MASKABLE_ATTENTION:
         return False
-    return all(type(layer) is DynamicLayer for layer in lm.cache.layers)
+    return all(plain_attention(layer) for layer in lm.cache.layers)
+
+
+def plain_attention(layer) -> bool:
+    """A cache layer that holds every position's K/V and nothing else: a ``DynamicLayer`` or a static slot's layer
+    (:class:`shared.backend.SlotLayer`)."""
+    return type(layer) is DynamicLayer or getattr(layer, "slot_backed", False)
 
 
 @dataclass

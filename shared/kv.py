@@ -106,6 +106,7 @@ class CachedLM:
         self.last_fed = 0  # tokens of the last forward (a cost-curve sample's size)
         self.fed_total = 0  # tokens of every forward so far (a step that ran more than one forward is no sample)
         self.refed_total = 0  # tokens fed again to roll back recurrent state (hybrid models)
+        self.capacity: int | None = None  # the most positions the cache can hold (None: no bound of its own)
         self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
         self._device = input_device(model)
         self.reset()
@@ -194,6 +195,14 @@ class CachedLM:
                 if getattr(layer, "is_sliding", False) and not _is_recurrent(layer):
                     layer.activate_past_recording()
         self.length = 0
+
+    @property
+    def room(self) -> int | None:
+        """How many more positions the cache can take (None: no bound of its own; see shared.backend)."""
+        return None if self.capacity is None else self.capacity - self.length
+
+    def close(self) -> None:
+        """The sequence ended: give its KV memory back (a ``DynamicCache`` is simply dropped)."""
 
     def check_kv_layers(self, layers: list[int]) -> None:
         """Raise :class:`KVRowsError` unless every index in ``layers`` is a cache layer that stores K/V itself."""

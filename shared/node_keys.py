@@ -8,6 +8,14 @@ from typing import Any
 from shared.models import AUTO, DTYPES
 from shared.settings import setting
 
+#: ``backend``: where a node's KV caches live (:mod:`shared.backend`).
+BACKEND_CHOICES = ("auto", "dynamic", "static")
+#: ``kv_slot_tokens``' default: a static KV slot's length (capped by the model's ``max_position_embeddings``).
+DEFAULT_SLOT_TOKENS = 4096
+#: ``kv_slots: null``: the smaller of max_sessions and max_batch_sessions, but at most this many (the pool is
+#: allocated whole at start-up: slots × slot tokens × the model's K/V bytes per token).
+DEFAULT_KV_SLOTS = 8
+
 #: ``dtype``: auto or a torch dtype's name.
 DTYPE_CHOICES = (AUTO, *DTYPES)
 

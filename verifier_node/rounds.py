@@ -16,7 +16,8 @@ from typing import Any, Protocol
 
 import torch
 
-from shared.batch import Row, feed_rows
+from shared.backend import DynamicBackend, TargetBackend
+from shared.batch import Row
 from shared.costs.cache import CurveCheck
 from shared.models import ThreadPlan, set_threads
 from verifier_node.scheduler import Scheduler
@@ -103,8 +104,9 @@ class RoundRunner:
     target forward, a target slow enough that other work gets ahead."""
 
     def __init__(self, model: Any, scheduler: Scheduler, out: RoundOutput, threads: ThreadSwitch,
-                 curve_check: CurveCheck, forward_delay_s: float = 0.0):
+                 curve_check: CurveCheck, forward_delay_s: float = 0.0, backend: TargetBackend | None = None):
         self.model = model
+        self.backend = backend or DynamicBackend(model)  # the batched forwards' (shared.backend)
         self.scheduler = scheduler
         self.out = out
         self.threads = threads
@@ -151,7 +153,7 @@ class RoundRunner:
 
         def together() -> list[tuple]:
             t0 = time.monotonic()
-            outs = feed_rows(self.model, [Row(sessions[i].lm, sessions[i].prompt_to_cache) for i in rows],
+            outs = self.backend.feed_rows([Row(sessions[i].lm, sessions[i].prompt_to_cache) for i in rows],
                              want_hidden=any(want_hidden[i] for i in rows), logits=False)
             seconds = time.monotonic() - t0
             self.counts.count_prefill(len(rows))
@@ -268,7 +270,7 @@ class RoundRunner:
             t0 = time.monotonic()
             rows = [Row(r.session.lm, r.plan.fed) if r.plan.tree is None else
                     tree_row(r.session.lm, r.plan.fed[0], r.plan.tree) for r in rounds]
-            outs = feed_rows(self.model, rows, any(r.want_hidden for r in rounds))
+            outs = self.backend.feed_rows(rows, any(r.want_hidden for r in rounds))
             forward_s = time.monotonic() - t0
             self.counts.count_forward(len(rounds), tokens, forward_s)
             return [(o.logits, o.hidden if r.want_hidden else None, forward_s, len(rounds), tokens)

@@ -35,7 +35,7 @@ import torch
 import zmq
 
 from drafter_node.types import DRAFTER_TYPES
-from shared.batch import can_batch
+from shared.backend import DynamicBackend, TargetBackend, make_backend
 from shared.costs.cache import CurveCheck
 from shared.costs.curve import NodeProfile
 from shared.costs.measure import measuring_alone
@@ -54,6 +54,7 @@ from shared.models import (
     set_threads,
     tokenizer_id,
 )
+from shared.node_keys import DEFAULT_KV_SLOTS
 from shared.protocol import (
     ANY_TOKENIZER,
     MAX_REPORTS,
@@ -195,11 +196,12 @@ class VerifierServer:
 
     def __init__(self, settings: VerifierSettings, model: Any, tokenizer: Any, profile: NodeProfile | None,
                  threads: ThreadPlan, limits: BatchLimits, sockets: VerifierSockets, *, run_secret: str | None = None,
-                 forward_delay_s: float = 0.0, accept: AcceptRule | None = None):
+                 forward_delay_s: float = 0.0, accept: AcceptRule | None = None, backend: TargetBackend | None = None):
         """Serve with built parts: the target ``model`` and its ``tokenizer``, its measured ``profile`` (None: not
         measured), the thread plan (its share already applied), the batch ``limits`` (batching only where the
         target can), bound ``sockets``. ``run_secret``: what a drafter's hello must show where the drafter link has
-        no CURVE (None: nothing). ``forward_delay_s`` and ``accept``: see :meth:`from_config`."""
+        no CURVE (None: nothing). ``forward_delay_s`` and ``accept``: see :meth:`from_config`. ``backend``: who holds
+        the sessions' KV caches (:mod:`shared.backend`; None: dynamic caches)."""
         self.settings = settings
         self.draft_timeout = settings.draft_timeout_s
         self.max_sessions = settings.max_sessions
@@ -212,6 +214,7 @@ class VerifierServer:
         self._next_sweep = 0.0
         self.threads = threads
         self.model = model
+        self.backend = backend or DynamicBackend(model)
         self.tokenizer = tokenizer
         self.profile = profile
         self.dtype = model_dtype(model)
@@ -234,7 +237,7 @@ class VerifierServer:
         self.policy = PoolPolicy(self.pool, self.sessions, self.ensemble_weight, send=self._send_to,
                                  announce=lambda s, kv: self.announce(s, kv=kv))
         self.rounds = RoundRunner(model, self.scheduler, self, ThreadSwitch(threads), CurveCheck(profile),
-                                  forward_delay_s)
+                                  forward_delay_s, self.backend)
         self.running = True
 
     @classmethod
@@ -260,7 +263,12 @@ class VerifierServer:
                 profile = profile_node(model, vcfg["model"], vcfg["device"], spec, "verifier")
         # Batched verification: one target forward over every session whose round is ready (shared/batch.py).
         max_batch_sessions = int(vcfg["max_batch_sessions"]) if vcfg["batching"] else 1
-        batching = max_batch_sessions > 1 and can_batch(CachedLM(model))
+        # Where the sessions' KV caches live (shared/backend.py): a slot per session batched at once, at most
+        # DEFAULT_KV_SLOTS unless kv_slots says more (the pool is allocated whole at start-up).
+        slots = int(vcfg["kv_slots"] or min(int(vcfg["max_sessions"]), int(vcfg["max_batch_sessions"]),
+                                            DEFAULT_KV_SLOTS))
+        backend = make_backend(model, vcfg["backend"], slots, int(vcfg["kv_slot_tokens"]))
+        batching = max_batch_sessions > 1 and backend.can_batch()
         if max_batch_sessions > 1 and not batching:
             log.warning("verifier: batched verification is not possible with this target (sliding-window layers or "
                         "an attention kernel without custom masks): one forward per session")
@@ -271,7 +279,7 @@ class VerifierServer:
         settings = VerifierSettings.from_config(config)
         # Without CURVE on the drafter link, a launcher-given secret is what a drafter's hello must show.
         return cls(settings, model, tokenizer, profile, threads, limits, VerifierSockets.bind(config, links),
-                   run_secret=links.run_secret, forward_delay_s=forward_delay_s, accept=accept)
+                   run_secret=links.run_secret, forward_delay_s=forward_delay_s, accept=accept, backend=backend)
 
     @property
     def sessions(self) -> dict[int, Session]:
@@ -597,7 +605,7 @@ class VerifierServer:
         # so there the wait stays the cap; lossless sessions wait as long as their drafter's answers take.
         wait = DraftWait(self.draft_timeout, adaptive=self.ensemble_weight is None)
         s = Session(sid, self.model, self.tokenizer, prompt, params, peer, rid, self.ensemble_weight, wanted, wait,
-                    accept=self.accept_rule, grammar=self._grammar(params))
+                    accept=self.accept_rule, grammar=self._grammar(params), backend=self.backend)
         self.scheduler.add(s)
         self.by_request[(peer, rid)] = sid
         self.policy.reassign(s)
@@ -666,6 +674,7 @@ class VerifierServer:
         """Free an ended session: out of the tables, and a ``session_end`` to its drafter, if it had one."""
         if not self.scheduler.remove(s):
             return
+        s.close()  # its KV slot goes back to the backend
         self.by_request.pop((s.client, s.request_id), None)
         self.policy.detach(s)
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shared.kv import CachedLM
+from shared.backend import DynamicBackend, TargetBackend
 from shared.sampling import GenerationParams, make_generator, process_block
 from verifier_node.acceptance import AcceptRule, accept_greedy, accept_sampling
 from verifier_node.detokenize import IncrementalText
@@ -171,7 +171,9 @@ class Session:
         self, sid: int, model, tokenizer, prompt: list[int], params: GenerationParams, client: bytes, request_id: int,
         ensemble_weight: float | None = None, drafter_type: str | None = None, wait: DraftWait | None = None,
         accept: AcceptRule | None = None, grammar: SessionGrammar | None = None,
+        backend: TargetBackend | None = None,
     ):
+        """``backend``: where its KV cache lives (:mod:`shared.backend`; None: a dynamic cache over ``model``)."""
         self.sid = sid
         self.grammar = grammar  # structured output: the request's matcher (verifier_node.grammar)
         self.params = params
@@ -181,7 +183,9 @@ class Session:
         self.prompt_len = len(prompt)
         self.client = client
         self.request_id = request_id
-        self.lm = CachedLM(model)
+        # Its KV cache: a handle sized for the prompt and the whole budget (``close`` gives it back).
+        backend = backend or DynamicBackend(model)
+        self.lm = backend.open(len(prompt) + params.max_new_tokens)
         self.prefilled = False
         self.ready_since = time.monotonic()
         self.timed_from = self.ready_since  # the end of its last round's publish (RoundTiming's clock)
@@ -198,6 +202,10 @@ class Session:
         self.served_by: list[str] = []  # ids of the drafters that served it, in order
         self.tried: set[str] = set()  # drafters demoted for it (not chosen again when it moves)
         self.solo_left = 0  # rounds still to take alone, without waiting for a draft (the drafter chose k = 0)
+
+    def close(self) -> None:
+        """The session ended: its KV memory goes back to the backend."""
+        self.lm.close()
 
     @property
     def generated(self) -> list[int]:
@@ -255,6 +263,9 @@ class Session:
                              grammar=g)
         if parents is not None:
             tree = DraftTree(list(draft), list(parents)).truncate(max(0, remaining - 1))
+            room = self.lm.room
+            if room is not None and len(tree) + 1 > room:  # near a KV slot's end: a plain step this round
+                tree = DraftTree([], [])
             if len(tree):
                 return RoundPlan(base_len, remaining, tree.tokens, None, time.monotonic(),
                                  [self.tokens[-1], *tree.tokens], tree)

@@ -1,0 +1,366 @@
+"""Target backends: who owns the KV memory of a model's sequences, and how a forward over several of them runs.
+
+A backend opens one *handle* per sequence (a verifier session; :class:`shared.kv.CachedLM`'s public surface:
+``feed``, ``crop``, ``length``, ``uncached``, ``next_logits``, ``new_rows``, ``held_rows``, ``check_kv_layers``,
+``recurrent``, ``grew``, the counters, and ``close`` to give its memory back), runs a batched forward over rows of
+such handles (``feed_rows``) and says whether it can (``can_batch``). Two implementations:
+
+* :class:`DynamicBackend` (``dynamic``): each handle is a batch-1 transformers ``DynamicCache`` that grows by
+  concatenation; a batched forward stacks the rows' caches into a fresh batch cache and copies the new rows back
+  (:mod:`shared.batch`). Serves every model pipespec loads (sliding windows, hybrid / recurrent layers).
+* :class:`StaticBackend` (``static``): one pool per layer ``[slots, kv_heads, slot_tokens, head_dim]`` allocated
+  once (the model's dtype and device); a handle owns a slot and its cache's layers (:class:`SlotLayer`) write new
+  K/V into the slot in place and hand the model views of it. A crop is a length change; tree and pre-draft moves
+  (``layer.keys[..., lo:hi, :] = …``) write the pool through those views. A batched forward writes each row's new
+  K/V into its own slot and reads the rows' prefixes from the pool (a view when the slots are adjacent, else one
+  gather), with a ragged 4D mask and per-row positions. Only for models whose cache layers are all plain attention
+  layers and whose attention kernel takes a custom mask (:func:`static_problem`): ``auto`` serves the others with
+  the dynamic backend and says why once at start-up (:func:`make_backend`).
+
+When every slot is taken, :meth:`StaticBackend.open` hands out a dynamic handle instead (a sequence never fails for
+want of a slot; a batch holding such a handle runs the dynamic, copying path). A sequence that may grow beyond a
+slot (``open(tokens=…)``) gets a dynamic handle too; a forward that would still overflow a slot raises
+:class:`SlotOverflow` before anything is written.
+"""
+
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import Cache, DynamicLayer
+
+from shared.batch import MASKABLE_ATTENTION, Row, RowOutput, can_batch, feed_rows
+from shared.kv import CachedLM
+from shared.node_keys import BACKEND_CHOICES, DEFAULT_SLOT_TOKENS
+
+log = logging.getLogger("pipespec.backend")
+
+
+
+class SlotOverflow(ValueError):
+    """A forward would write past the end of a sequence's KV slot (nothing was written)."""
+
+
+class TargetBackend(ABC):
+    """Owns a model's per-sequence KV memory: opens handles, runs batched forwards over them."""
+
+    #: ``dynamic`` or ``static``.
+    name: str = ""
+    #: The most tokens a handle holds (None: no bound but the model's).
+    slot_tokens: int | None = None
+
+    def __init__(self, model: Any):
+        self.model = model
+
+    @abstractmethod
+    def open(self, tokens: int | None = None) -> CachedLM:
+        """A handle for a new sequence that will hold at most ``tokens`` positions (None: unknown). Give it back
+        with its ``close()``."""
+
+    def feed_rows(self, rows: list[Row], want_hidden: bool = False, logits: bool = True) -> list[RowOutput]:
+        """One forward over every row (see :func:`shared.batch.feed_rows`)."""
+        return feed_rows(self.model, rows, want_hidden=want_hidden, logits=logits)
+
+    def can_batch(self) -> bool:
+        """Whether this model can run ragged batched forwards with a custom mask."""
+        return can_batch(CachedLM(self.model))
+
+    def describe(self) -> str:
+        return self.name
+
+
+class DynamicBackend(TargetBackend):
+    """Today's layout: each handle a :class:`~shared.kv.CachedLM` over a ``DynamicCache``."""
+
+    name = "dynamic"
+
+    def open(self, tokens: int | None = None) -> CachedLM:
+        return CachedLM(self.model)
+
+
+# ---------------------------------------------------------------------------------------------------- static slots
+def static_problem(model: Any) -> str | None:
+    """Why the static backend cannot serve ``model`` (None: it can)."""
+    attention = getattr(model.config, "_attn_implementation", "eager")
+    if attention not in MASKABLE_ATTENTION:
+        return f"attention kernel {attention!r} ignores custom masks (static slots need eager or sdpa)"
+    try:
+        cache = DynamicCache(config=model.config)
+    except Exception as exc:
+        return f"transformers cannot build a cache for it ({exc})"
+    for index, layer in enumerate(cache.layers):
+        if type(layer) is not DynamicLayer:
+            kind = "sliding-window" if getattr(layer, "is_sliding", False) else type(layer).__name__
+            return f"cache layer {index} is a {kind} layer (static slots hold plain attention layers only)"
+    return None
+
+
+class SlotLayer(DynamicLayer):
+    """One layer of one sequence's cache, held in a slot of the backend's pool: ``keys`` / ``values`` are views
+    ``pool[slot:slot+1, :, :length]`` (writes through them land in the pool); ``update`` writes the new positions
+    in place; ``crop`` only shortens ``length``."""
+
+    slot_backed = True  # shared.batch.can_batch: a plain attention layer, like DynamicLayer
+
+    def __init__(self, pool_keys: torch.Tensor, pool_values: torch.Tensor, slot: int):
+        # No DynamicLayer.__init__: keys and values are properties here, not attributes.
+        self.pool_keys, self.pool_values, self.slot = pool_keys, pool_values, slot
+        self.capacity = pool_keys.shape[-2]
+        self.length = 0
+        self.device = pool_keys.device
+        self.is_initialized = True
+
+    @property
+    def keys(self) -> torch.Tensor:
+        return self.pool_keys[self.slot : self.slot + 1, :, : self.length]
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self.pool_values[self.slot : self.slot + 1, :, : self.length]
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        pass
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        end = self.length + key_states.shape[-2]
+        if end > self.capacity:
+            raise SlotOverflow(f"the sequence would hold {end} positions, more than its KV slot's {self.capacity}")
+        self.pool_keys[self.slot, :, self.length : end] = key_states[0]
+        self.pool_values[self.slot, :, self.length : end] = value_states[0]
+        self.length = end
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:
+        return self.capacity
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:
+            raise ValueError("crop takes a negative count (the number of positions to remove)")
+        self.length = max(0, self.length + tokens_to_remove)
+
+    def reset(self) -> None:
+        self.length = 0
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError("a KV slot holds one sequence")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise NotImplementedError("a KV slot holds one sequence")
+
+
+class StaticHandle(CachedLM):
+    """A :class:`~shared.kv.CachedLM` whose cache lives in one slot of a :class:`StaticBackend`'s pool."""
+
+    def __init__(self, backend: StaticBackend, slot: int):
+        self.backend, self.slot = backend, slot
+        super().__init__(backend.model)
+        self.capacity = backend.slot_tokens
+
+    def reset(self) -> None:
+        b = self.backend
+        self.cache = Cache(layers=[SlotLayer(k, v, self.slot) for k, v in zip(b.pool_keys, b.pool_values)])
+        self.recurrent = False
+        self._sliding = False
+        self._snapshot = None
+        self._ids = []
+        self.length = 0
+
+    def close(self) -> None:
+        """Give the slot back (idempotent); the handle must not be used afterwards."""
+        if self.slot is not None:
+            self.backend.release(self.slot)
+            self.slot = None
+
+
+class _BatchSlotLayer(DynamicLayer):
+    """A batched forward's layer over several slots: ``update`` writes row b's new positions into its slot at its
+    own length and returns the rows' slots ``[:, :, :width]`` (row b: prefix in ``[0, L_b)``, new tokens from L_b)."""
+
+    def __init__(self, pool_keys: torch.Tensor, pool_values: torch.Tensor, writes: list[tuple[int, int, int]],
+                 index: torch.Tensor | None, first: int, width: int):
+        self.pool_keys, self.pool_values = pool_keys, pool_values
+        self.writes, self.index, self.first, self.width = writes, index, first, width
+        self.device = pool_keys.device
+        self.is_initialized = True
+        self.keys = self.values = None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        pass
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        for b, (slot, start, count) in enumerate(self.writes):
+            self.pool_keys[slot, :, start : start + count] = key_states[b, :, :count]
+            self.pool_values[slot, :, start : start + count] = value_states[b, :, :count]
+        if self.index is None:  # adjacent slots in order: a view, no copy
+            rows = slice(self.first, self.first + len(self.writes))
+            return self.pool_keys[rows, :, : self.width], self.pool_values[rows, :, : self.width]
+        return (self.pool_keys[:, :, : self.width].index_select(0, self.index),
+                self.pool_values[:, :, : self.width].index_select(0, self.index))
+
+    def get_seq_length(self) -> int:
+        return 0  # positions are always given
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.width, 0
+
+
+def _slot_mask_and_positions(rows: list[Row], width: int, new: int,
+                             dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The additive mask [B, 1, T, width] and position ids [B, T] of a batched forward over slots: row b's new token
+    t sits in column ``L_b + t`` and sees its prefix columns and its own new tokens up to itself (or what the row's
+    ``visible`` says); padded slots see their row's first new token only (finite, ignored)."""
+    visible = torch.zeros(len(rows), new, width, dtype=torch.bool)
+    positions = torch.zeros(len(rows), new, dtype=torch.long)
+    causal = torch.ones(new, new, dtype=torch.bool).tril()
+    for b, row in enumerate(rows):
+        length, count = row.lm.length, len(row.tokens)
+        if row.visible is not None:
+            visible[b, :count, : length + count] = row.visible
+        else:
+            visible[b, :count, :length] = True
+            visible[b, :count, length : length + count] = causal[:count, :count]
+        visible[b, count:, length] = True
+        pos = torch.tensor(row.positions, dtype=torch.long) if row.positions is not None else \
+            torch.arange(length, length + count)
+        positions[b, :count] = pos
+        positions[b, count:] = pos[-1]
+    mask = torch.zeros(visible.shape, dtype=dtype)
+    mask.masked_fill_(~visible, torch.finfo(dtype).min)
+    return mask[:, None], positions
+
+
+class StaticBackend(TargetBackend):
+    """Preallocated per-sequence KV slots (see the module's docstring)."""
+
+    name = "static"
+
+    def __init__(self, model: Any, slots: int, slot_tokens: int):
+        super().__init__(model)
+        problem = static_problem(model)
+        if problem is not None:
+            raise ValueError(f"the static backend cannot serve this model: {problem}")
+        if slots < 1 or slot_tokens < 1:
+            raise ValueError(f"a static backend needs at least one slot of one token (got {slots} × {slot_tokens})")
+        self.slots, self.slot_tokens = slots, slot_tokens
+        self.pool_keys, self.pool_values = self._allocate()
+        self.free = list(range(slots - 1, -1, -1))  # popped from the end: slot 0 first
+        self.fallbacks = 0  # handles opened as dynamic ones (pool full, or a sequence longer than a slot)
+        self._dtype = next(model.parameters()).dtype
+        self._keeps_logits = CachedLM(model)._keeps_logits
+
+    @torch.inference_mode()
+    def _allocate(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """One pool per layer, shaped after what a one-token forward caches (keys and values may differ: MLA)."""
+        probe = CachedLM(self.model)
+        probe.feed([0], last_logits_only=True)
+        keys, values = [], []
+        for layer in probe.cache.layers:
+            k, v = layer.keys, layer.values
+            keys.append(torch.zeros(self.slots, k.shape[1], self.slot_tokens, k.shape[3], dtype=k.dtype,
+                                    device=k.device))
+            values.append(torch.zeros(self.slots, v.shape[1], self.slot_tokens, v.shape[3], dtype=v.dtype,
+                                      device=v.device))
+        return keys, values
+
+    @property
+    def pool_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.pool_keys, *self.pool_values))
+
+    def describe(self) -> str:
+        return (f"static ({self.slots} slots of {self.slot_tokens} tokens, "
+                f"{self.pool_bytes / 2**20:.1f} MiB of KV preallocated)")
+
+    def open(self, tokens: int | None = None) -> CachedLM:
+        if tokens is not None and tokens > self.slot_tokens:
+            self.fallbacks += 1
+            log.info("a sequence of up to %d tokens is longer than a KV slot (%d): it gets a dynamic cache",
+                     tokens, self.slot_tokens)
+            return CachedLM(self.model)
+        if not self.free:
+            self.fallbacks += 1
+            log.warning("every one of the %d KV slots is taken: this sequence gets a dynamic cache", self.slots)
+            return CachedLM(self.model)
+        return StaticHandle(self, self.free.pop())
+
+    def release(self, slot: int) -> None:
+        if not 0 <= slot < self.slots or slot in self.free:
+            raise ValueError(f"KV slot {slot} is not taken")
+        self.free.append(slot)
+
+    def can_batch(self) -> bool:
+        return True  # static_problem refused the models that cannot
+
+    def _ours(self, lm: CachedLM) -> bool:
+        return isinstance(lm, StaticHandle) and lm.backend is self and lm.slot is not None
+
+    @torch.inference_mode()
+    def feed_rows(self, rows: list[Row], want_hidden: bool = False, logits: bool = True) -> list[RowOutput]:
+        """:func:`shared.batch.feed_rows` over slots: the new K/V go straight into each row's slot (rows holding a
+        dynamic handle: the dynamic, copying path for the whole batch)."""
+        if not rows or not all(self._ours(row.lm) for row in rows):
+            return feed_rows(self.model, rows, want_hidden=want_hidden, logits=logits)
+        if any(not row.tokens for row in rows):
+            raise ValueError("every row must feed at least one token")
+        if len(rows) == 1 and rows[0].positions is None and rows[0].visible is None:
+            out, hidden = rows[0].lm.feed(rows[0].tokens, want_hidden=want_hidden, last_logits_only=not logits)
+            return [RowOutput(out if logits else None, hidden)]
+        for row in rows:
+            if row.lm.length + len(row.tokens) > self.slot_tokens:
+                raise SlotOverflow(f"a row would hold {row.lm.length + len(row.tokens)} positions, more than its "
+                                   f"KV slot's {self.slot_tokens}")
+        new = max(len(row.tokens) for row in rows)
+        width = max(row.lm.length + len(row.tokens) for row in rows)
+        device = rows[0].lm._device
+        ids = torch.zeros(len(rows), new, dtype=torch.long)
+        for b, row in enumerate(rows):
+            ids[b, : len(row.tokens)] = torch.tensor(row.tokens, dtype=torch.long)
+        mask, positions = _slot_mask_and_positions(rows, width, new, self._dtype)
+        slots = [row.lm.slot for row in rows]
+        adjacent = slots == list(range(slots[0], slots[0] + len(slots)))
+        writes = [(row.lm.slot, row.lm.length, len(row.tokens)) for row in rows]
+        cache = Cache(layers=[
+            _BatchSlotLayer(k, v, writes, None if adjacent else torch.tensor(slots, device=k.device), slots[0], width)
+            for k, v in zip(self.pool_keys, self.pool_values)
+        ])
+        extra = {} if logits or not self._keeps_logits else {"logits_to_keep": 1}
+        out = self.model(input_ids=ids.to(device), attention_mask=mask.to(device), position_ids=positions.to(device),
+                         cache=cache, use_cache=True, output_hidden_states=want_hidden, **extra)
+        results = []
+        for b, row in enumerate(rows):
+            count = len(row.tokens)
+            for layer in row.lm.cache.layers:
+                layer.length += count
+            row.lm.grew(count)
+            hidden = out.hidden_states[-1][b, :count] if want_hidden else None
+            results.append(RowOutput(out.logits[b, :count].float() if logits else None, hidden))
+        return results
+
+
+def make_backend(model: Any, choice: str, slots: int, slot_tokens: int | None = None,
+                 role: str = "verifier") -> TargetBackend:
+    """The backend a node's ``backend`` key asks for. ``auto`` and ``static``: static slots where the model allows
+    them (:func:`static_problem`), else dynamic with one log line saying why. ``slot_tokens`` (None:
+    :data:`DEFAULT_SLOT_TOKENS`) is capped by the model's ``max_position_embeddings``."""
+    if choice not in BACKEND_CHOICES:
+        raise ValueError(f"{role}.backend must be one of {', '.join(BACKEND_CHOICES)}, got {choice!r}")
+    if choice == "dynamic":
+        return DynamicBackend(model)
+    problem = static_problem(model)
+    if problem is not None:
+        say = log.warning if choice == "static" else log.info
+        say("%s: KV backend %s falls back to dynamic caches: %s", role, choice, problem)
+        return DynamicBackend(model)
+    tokens = slot_tokens or DEFAULT_SLOT_TOKENS
+    positions = getattr(model.config, "max_position_embeddings", None)
+    if isinstance(positions, int) and positions > 0:
+        tokens = min(tokens, positions)
+    backend = StaticBackend(model, slots, tokens)
+    log.info("%s: KV backend %s", role, backend.describe())
+    return backend
