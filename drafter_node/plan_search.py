@@ -120,8 +120,3 @@ class PlanSearch:
         optimistic = optimistic or {}
         pick = max(cands, key=lambda p: self.value(p, optimistic.get(p.label, p.rate)))
         return pick, not self.tried(pick.label) and pick.label != model_plan.label
-
-    def best_realised(self) -> str | None:
-        """The tried plan with the highest realised rate."""
-        rated = [(r.rate, label) for label, r in self.records.items() if r.rate is not None]
-        return max(rated)[1] if rated else None
