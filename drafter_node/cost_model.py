@@ -38,6 +38,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from drafter_node.plan_search import PlanSearch
+
 #: Decay of older acceptance evidence per observed block, so α follows the text being written.
 DECAY = 0.95
 #: Prior pseudo-observations per position: a mildly optimistic start (α = 0.6) so drafting is tried.
@@ -58,10 +60,24 @@ class Plan:
     # A token tree (synchronous only, drafter_node.tree_plan): chain positions that also send the drafter's second
     # choice as a leaf (a sibling of that chain token). Empty: a chain.
     sides: tuple[int, ...] = ()
+    # A synchronous block that ends where the drafter stops being sure (up to max_k), k being the model's best
+    # fixed length (:func:`block_should_end`).
+    sized: bool = False
 
     @property
     def solo(self) -> bool:
         return self.k == 0
+
+    @property
+    def label(self) -> str:
+        """The plan's name in the realised records and the metrics (``plan_rates``)."""
+        if self.solo:
+            return "solo"
+        if self.overlap:
+            return f"overlap k={self.k} rows={self.rows}"
+        if self.sides:
+            return f"tree k={self.k} sides={len(self.sides)}"
+        return "sync sized" if self.sized else f"sync k={self.k}"
 
 
 class Beta:
@@ -212,69 +228,6 @@ def block_should_end(probs: list[float], calibration: Calibration, costs: Costs,
     return True
 
 
-#: Decay per observation of :class:`SizedRounds` (a few rounds follow the text being written).
-SIZED_DECAY = 0.8
-#: Confidence-sized rounds before their realised rate stands in for the model's prediction.
-SIZED_MIN_SAMPLES = 2
-#: Overlapped rounds in a row after which one confidence-sized round refreshes the record.
-SIZED_REFRESH_ROUNDS = 16
-#: Tries without a recorded sample after which the drafter is taken not to size its blocks (no probabilities).
-SIZED_MAX_TRIES = 2
-
-
-class RealisedRate:
-    """Committed tokens per second of one kind of round (commit to commit), decaying."""
-
-    def __init__(self) -> None:
-        self.tokens = 0.0
-        self.seconds = 0.0
-        self.samples = 0
-
-    def observe(self, committed: int, seconds: float) -> None:
-        self.tokens = SIZED_DECAY * self.tokens + committed
-        self.seconds = SIZED_DECAY * self.seconds + seconds
-        self.samples += 1
-
-    @property
-    def rate(self) -> float | None:
-        """Tokens per second, once SIZED_MIN_SAMPLES rounds were recorded."""
-        if self.samples < SIZED_MIN_SAMPLES or self.seconds <= 0:
-            return None
-        return self.tokens / self.seconds
-
-
-class SizedRounds:
-    """What confidence-sized synchronous rounds and overlapped rounds realise, across sessions at batch 1. The
-    model predicts a synchronous round at a fixed k from per-position acceptance, but a confidence-sized block is
-    longer where the drafter is sure and shorter where it is not, and realises more (measured on the 1.5B + 0.5B
-    pair: 7.0–7.8 tok/s against 6.0–6.4 predicted), while overlap on cores the nodes share realises less than
-    predicted; without these records the planner sometimes chose overlap, at about 5, for most of a request."""
-
-    def __init__(self) -> None:
-        self.sized = RealisedRate()
-        self.overlap = RealisedRate()
-        self.tries = 0  # rounds forced to be sized since the last sized sample
-        self.overlapped = 0  # overlapped rounds planned in a row
-
-    def observe(self, committed: int, seconds: float, sized: bool) -> None:
-        if sized:
-            self.sized.observe(committed, seconds)
-            self.tries = 0
-        else:
-            self.overlap.observe(committed, seconds)
-
-    def overlap_rate(self, predicted: float) -> float:
-        """What an overlapped round is taken to give: its realised rate once known, else ``predicted``."""
-        realised = self.overlap.rate
-        return predicted if realised is None else realised
-
-    def wants_try(self) -> bool:
-        """Whether the next round should be a sized one to learn (or refresh) the realised rate."""
-        if self.tries >= SIZED_MAX_TRIES:  # tried and nothing recorded: this drafter does not size its blocks
-            return False
-        return self.sized.rate is None or self.overlapped >= SIZED_REFRESH_ROUNDS
-
-
 Curve = Callable[[int], float]  # seconds per forward over n new tokens
 
 
@@ -342,7 +295,9 @@ class CostBook:
     def __init__(self, max_k: int = 16) -> None:
         self.acceptance = Acceptance(max_k)  # across sessions: where a new session's estimate starts
         self.calibration = Calibration()  # acceptance by the drafter's confidence, across sessions
-        self.sized = SizedRounds()  # what sized sync rounds and overlapped rounds realise, across sessions
+        self.search = PlanSearch()  # what each plan realised, across sessions at batch 1
+        self.sizes_blocks: bool | None = None  # the drafter sizes sync blocks by confidence (None: not seen yet)
+        self.start_plan: str | None = None  # the label of the plan the last start-up report announced
         self.frozen = False  # fixed curves (tests): rounds do not refine them
         self.verify: dict[str, object] = {}
         self.draft: dict[str, object] = {}

@@ -55,7 +55,7 @@ from drafter_node.node_handlers import MessageHandler
 from drafter_node.node_picker import LinkPacer, ThreadShare, WorkPicker
 from drafter_node.node_session import NodeSession
 from drafter_node.settings import DrafterConfig
-from drafter_node.start_report import start_report
+from drafter_node.start_report import start_plan_label, start_report
 from drafter_node.types import drafter_class
 from shared.batch import feed_rows
 from shared.costs.cache import CurveCheck
@@ -313,11 +313,13 @@ class DrafterNode:
         self.handler.report_due = False
         try:
             report = self.start_report()
+            self.book.start_plan = start_plan_label(self.settings, self.book, self.drafter.block_len)
         except Exception:  # a report is a courtesy: never the reason a drafter stops serving
             log.exception("could not build the start-up report")
             return
-        log.info("start-up plan: %s k=%d overlap=%s, expected %.2fx the target alone (verify 1 token %.1f ms, "
-                 "%d+1 tokens %.1f ms, draft step %.1f ms, acceptance assumed %.2f)", report.decision, report.k,
+        log.info("start-up plan: %s %s (k=%d overlap=%s), expected %.2fx the target alone (verify 1 token %.1f ms, "
+                 "%d+1 tokens %.1f ms, draft step %.1f ms, acceptance assumed %.2f); each request's metrics confirm or "
+                 "correct it (plan_check)", report.decision, self.book.start_plan or "-", report.k,
                  report.overlap, report.speedup, report.verify_1_s * 1e3, report.verify_k, report.verify_k_s * 1e3,
                  report.draft_s * 1e3, report.alpha)
         self._send(encode(Heartbeat(report=report)))
@@ -393,6 +395,8 @@ class DrafterNode:
         tokens, tensors, idle_rounds, parents = s.block()
         stats = {**s.stats, "plans": dict(s.schedule.plans), "dtype": self.dtype_name, "timing": dict(s.timing),
                  "plan_rates": {k: list(v) for k, v in s.plan_rates.items()}}
+        if s.plan_check is not None:
+            stats["plan_check"] = dict(s.plan_check)
         self._send(encode(Draft(session=s.sid, base_len=s.sent_base, epoch=s.stats["blocks"], tokens=tokens,
                                 idle_rounds=idle_rounds, overlap=s.overlap, sent_at=time.time(), stats=stats,
                                 parents=parents, tensors=tensors)))

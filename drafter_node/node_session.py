@@ -8,13 +8,17 @@ send, applying a commit. It holds no socket; the node sends what :meth:`NodeSess
 
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
 
 from drafter_node.base import DraftSession
 from drafter_node.cost_model import CostBook
+from drafter_node.plan_search import MIN_ROUNDS
 from drafter_node.schedule import CostSchedule, DraftLengthSchedule
+
+log = logging.getLogger("pipespec.drafter")
 
 
 class NodeSession:
@@ -51,6 +55,7 @@ class NodeSession:
         # what the rounds gave.
         self.plan_rates: dict[str, list[float]] = {}
         self.last_commit_at: float | None = None
+        self.plan_check: dict[str, str] | None = None  # the start-up plan against the best realised (plan_check)
 
     @property
     def solo_wait(self) -> bool:
@@ -248,10 +253,39 @@ class NodeSession:
         row[1] += committed
         row[2] += now - since
         row[3] += predicted
+        self._check_start_plan()
+
+    def _check_start_plan(self) -> None:
+        """Compare the start-up report's plan with the best this session realised; log a correction once per new
+        best."""
+        start = self.book.start_plan if self.book is not None else None
+        check = plan_check(start, self.plan_rates)
+        if check is None:
+            return
+        old, self.plan_check = self.plan_check, check
+        if check["verdict"] == "corrected" and (old is None or old["realised_best"] != check["realised_best"]):
+            rounds, tokens, seconds, _ = self.plan_rates[check["realised_best"]]
+            log.info("session %d: the start-up plan (%s) is corrected: %s realised %.2f tok/s over %d rounds",
+                     self.sid, start, check["realised_best"], tokens / seconds, rounds)
 
 
 #: Distinct plans one session reports (the rest are summed as ``other``).
 MAX_PLAN_LABELS = 24
+
+
+def plan_check(start_plan: str | None, plan_rates: dict[str, list[float]]) -> dict[str, str] | None:
+    """``{"startup", "realised_best", "verdict"}``: the start-up report's plan, the plan with the highest realised
+    tokens/s among those that ran MIN_ROUNDS rounds, and ``confirmed`` when they are the same plan, else
+    ``corrected``. None without a start-up plan (no cost schedule, no report yet) or before any plan ran enough."""
+    if not start_plan:
+        return None
+    rated = [(tokens / seconds, label) for label, (rounds, tokens, seconds, _) in plan_rates.items()
+             if label != "other" and rounds >= MIN_ROUNDS and seconds > 0]
+    if not rated:
+        return None
+    best = max(rated)[1]
+    return {"startup": start_plan, "realised_best": best,
+            "verdict": "confirmed" if best == start_plan else "corrected"}
 
 
 def tree_block(chain: list[int], sides: dict[int, int]) -> tuple[list[int], list[int]]:
@@ -274,13 +308,8 @@ def plan_label(schedule: DraftLengthSchedule, tree: bool = False) -> tuple[str, 
     ``tree``: its block went out as a token tree."""
     plan = getattr(schedule, "plan", None)
     if isinstance(schedule, CostSchedule) and plan is not None:
-        if plan.solo:
-            name = "solo"
-        elif plan.overlap and not schedule.probing:
-            name = f"overlap k={plan.k} rows={plan.rows}"
-        elif tree:
-            name = f"tree k={plan.k} sides={len(plan.sides)}"
-        else:
+        name = schedule.round_label()
+        if plan.sides and not tree:  # no side leaf differed from its chain token: the block went out as a chain
             name = f"sync k={plan.k}"
         return name, plan.rate
     return f"{schedule.mode} k={schedule.k}", 0.0

@@ -19,6 +19,7 @@ All are capped at ``max_draft_tokens``.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 from drafter_node.cost_model import (
@@ -30,6 +31,7 @@ from drafter_node.cost_model import (
     block_should_end,
     plans,
 )
+from drafter_node.plan_search import EXPLORE_ROUNDS
 from drafter_node.tree_plan import plan_from_acceptance
 
 SCHEDULES = ("cost", "pipeline", "adaptive", "heuristic", "constant")
@@ -39,6 +41,12 @@ SOLO_ROUNDS_MIN, SOLO_ROUNDS_MAX = 8, 64
 #: k = 0 is chosen only if drafting loses even at the acceptance this many standard errors above the estimate
 #: (Acceptance.optimistic): one rejected block or a pessimistic prior cannot switch drafting off; many can.
 EXPLORE_Z = 1.0
+#: Candidates for the plan search (drafter_node.plan_search): this many plans of the highest predicted rate, plus
+#: the best of each kind, every plan that ran, and sync k = max_k where the verifier is flat.
+TOP_CANDIDATES = 3
+#: A verifier whose forward over max_k + 1 tokens costs at most this times one token's is flat: the longest
+#: synchronous block is always a candidate there (the model may rank it low while the session's acceptance is young).
+FLAT_VERIFY = 1.5
 #: A probe is sent only if a perfect drafter (every draft accepted) would beat k = 0 by this factor: where even
 #: that cannot pay (e.g. a verifier whose cost grows with every token), probing would be pure overhead.
 PROBE_MARGIN = 1.05
@@ -161,6 +169,7 @@ class CostSchedule(DraftLengthSchedule):
         self.solo_span = SOLO_ROUNDS_MIN
         self.probing = False
         self.explored = 0  # plans that drafted although the estimate alone would have chosen k = 0
+        self.exploring_rounds = 0  # rounds that ran a plan for the plan search's untried bonus (≤ EXPLORE_ROUNDS)
         self.plans = {"solo": 0, "sync": 0, "overlap": 0, "tree": 0}
         self.sized_block = False  # the block in flight was sized by the drafter's confidence (block_done answered)
         self.replan()
@@ -181,8 +190,7 @@ class CostSchedule(DraftLengthSchedule):
         """This round's block is synchronous and ends where the drafter stops being sure (up to ``max_k``), not
         at ``k``: the plan chose drafting over k = 0, the drafter's confidence decides how far (greedy drafters that
         report their probabilities; probes keep their fixed length)."""
-        return (not self.plan.solo and not self.overlap_now and not self.probing
-                and not self.plan.sides)  # a tree's shape is planned for its k
+        return self.plan.sized and not self.overlap_now and not self.probing
 
     def block_done(self, probs: list[float | None]) -> bool | None:
         """For a confidence-sized block: whether to send the ``len(probs)`` tokens drafted so far (None: the
@@ -190,6 +198,7 @@ class CostSchedule(DraftLengthSchedule):
         if not self.confidence_sized or not probs or any(p is None for p in probs):
             return None
         self.sized_block = True
+        self.book.sizes_blocks = True
         return block_should_end(probs, self.book.calibration, self.book.costs(self.context()), self.max_k)
 
     def observe_confidence(self, probs: list[float | None], accepted: int) -> None:
@@ -198,14 +207,22 @@ class CostSchedule(DraftLengthSchedule):
             if p is not None:
                 self.book.calibration.observe(p, i < accepted)
 
+    def round_label(self) -> str:
+        """The label of the round in force (the plan its block was sent under): a sized plan whose drafter gave no
+        probabilities ran its fixed k."""
+        if self.plan.sized and not self.sized_block:
+            return dataclasses.replace(self.plan, sized=False).label
+        return self.plan.label
+
     def observe_round(self, committed: int, seconds: float) -> None:
         """The round just committed gave ``committed`` tokens in ``seconds`` (commit to commit): recorded in the
-        book's :class:`~drafter_node.cost_model.SizedRounds` when its block was confidence-sized or overlapped (the
-        plan in force is the one it was sent under), at batch 1."""
-        if self.book.batch > 1 or seconds <= 0 or self.probing:
+        book's :class:`~drafter_node.plan_search.PlanSearch` under the plan in force (the one its block was sent
+        under), at batch 1; probes and rounds alone are not plans the search chooses."""
+        if self.plan.sized and self.confidence_sized and not self.sized_block:
+            self.book.sizes_blocks = False  # no probabilities: this drafter's sync blocks run their fixed k
+        if self.book.batch > 1 or seconds <= 0 or self.probing or self.plan.solo:
             return
-        if self.sized_block or self.overlap_now:
-            self.book.sized.observe(committed, seconds, sized=self.sized_block)
+        self.book.search.observe(self.round_label(), committed, seconds, self.plan.rate)
 
     # The cost book measures steps and round trips for every session; the EMAs of the older schedules are unused.
     def observe_step(self, seconds: float) -> None:
@@ -250,9 +267,9 @@ class CostSchedule(DraftLengthSchedule):
         plan = best_plan(self.acc, costs, self.max_k, self.rows_ok, allow_solo=allow_solo, **allowed)
         if self.tree:
             plan = self._tree_or(plan, costs)
-        if plan.overlap:
-            plan = self._sized_or(plan, costs)
-        if plan.solo:
+        if not plan.solo and allow_solo and self.book.batch == 1:
+            plan = self._search(plan, costs)
+        elif plan.solo:
             # Explore: k = 0 only where drafting loses even at the acceptance the evidence cannot rule out; else
             # the plan that would win at that acceptance, with the rate the estimate itself predicts for it.
             hopeful = best_plan(self.acc.optimistic(EXPLORE_Z, self.book.acceptance), costs, self.max_k,
@@ -261,6 +278,7 @@ class CostSchedule(DraftLengthSchedule):
                 plan = next(p for p in plans(self.acc, costs, self.max_k, self.rows_ok, allow_solo=False, **allowed)
                             if (p.k, p.overlap, p.rows) == (hopeful.k, hopeful.overlap, hopeful.rows))
                 self.explored += 1
+        plan = self._sized(plan)
         self.plan, self.k = plan, plan.k
         self.plans["solo" if plan.solo else "overlap" if plan.overlap else "tree" if plan.sides else "sync"] += 1
         if plan.solo:
@@ -271,35 +289,62 @@ class CostSchedule(DraftLengthSchedule):
         elif allow_solo:
             self.solo_span = SOLO_ROUNDS_MIN
 
-    def _tree_or(self, plan: Plan, costs: Costs) -> Plan:
-        """The best synchronous chain-with-side-leaves (:func:`drafter_node.tree_plan.plan_tree`) where its expected
-        rate beats ``plan``'s, else ``plan``. Overlapped rounds keep chains (pre-drafting follows one chain's
-        outcomes)."""
-        tree = plan_from_acceptance(self.acc, self.max_k, costs.verify_full, costs.draft_full(1), costs.overhead_s,
-                                    allow_solo=False)
-        if not tree.sides or tree.rate <= plan.rate:
-            return plan
-        return Plan(tree.k, False, 0, tree.rate, sides=tuple(tree.sides))
+    def _best_tree(self, costs: Costs, acc: Acceptance | None = None) -> Plan | None:
+        """The best synchronous chain-with-side-leaves (:func:`drafter_node.tree_plan.plan_tree`) at ``acc`` (the
+        session's estimate); None where no side leaf pays. Overlapped rounds keep chains (pre-drafting follows one
+        chain's outcomes)."""
+        tree = plan_from_acceptance(acc or self.acc, self.max_k, costs.verify_full, costs.draft_full(1),
+                                    costs.overhead_s, allow_solo=False)
+        return Plan(tree.k, False, 0, tree.rate, sides=tuple(tree.sides)) if tree.sides else None
 
-    def _sized_or(self, plan: Plan, costs: Costs) -> Plan:
-        """An overlapped ``plan``, or a confidence-sized synchronous round instead where the rate such rounds
-        realised (:class:`~drafter_node.cost_model.SizedRounds`) beats what overlap realised (or, before that is
-        known, its predicted rate); one is tried when there is no record yet and after SIZED_REFRESH_ROUNDS
-        overlapped rounds. Only at batch 1, where the records are kept; where the nodes have separate hardware,
-        overlap realises more and keeps winning."""
-        sized = self.book.sized
-        if self.book.batch > 1:
+    def _tree_or(self, plan: Plan, costs: Costs) -> Plan:
+        """The best tree where its expected rate beats ``plan``'s, else ``plan``."""
+        tree = self._best_tree(costs)
+        return tree if tree is not None and tree.rate > plan.rate else plan
+
+    def _sized(self, plan: Plan) -> Plan:
+        """A synchronous chain becomes a confidence-sized block unless the drafter is known not to size them."""
+        if plan.solo or plan.overlap or plan.sides or self.book.sizes_blocks is False:
             return plan
-        rate = sized.sized.rate
-        trying = sized.wants_try()
-        if not trying and (rate is None or rate <= sized.overlap_rate(plan.rate)):
-            sized.overlapped += 1
-            return plan
-        sized.overlapped = 0
-        if trying:
-            sized.tries += 1
-        sync = best_plan(self.acc, costs, self.max_k, self.rows_ok, allow_solo=False, allow_overlap=False)
-        return Plan(sync.k, False, 0, rate if rate is not None else sync.rate)
+        return dataclasses.replace(plan, sized=True)
+
+    def _search(self, plan: Plan, costs: Costs) -> Plan:
+        """The plan the realised records and the exploration rule choose (:mod:`drafter_node.plan_search`), with
+        the model's ``plan`` among the candidates; at most EXPLORE_ROUNDS rounds per session go to exploring."""
+        explore = self.exploring_rounds < EXPLORE_ROUNDS
+        optimistic = self._by_label(self.acc.optimistic(EXPLORE_Z, self.book.acceptance), costs) if explore else {}
+        chosen, exploring = self.book.search.choose(self._candidates(costs), self._sized(plan), explore,
+                                                    {label: p.rate for label, p in optimistic.items()})
+        self.exploring_rounds += exploring
+        return chosen
+
+    def _by_label(self, acc: Acceptance, costs: Costs) -> dict[str, Plan]:
+        """Every drafting plan at acceptance ``acc``, the best of each label (all sized sync lengths share one)."""
+        every = [self._sized(p) for p in plans(acc, costs, self.max_k, self.rows_ok, allow_solo=False,
+                                                allow_overlap=self.overlap)]
+        if self.tree:
+            tree = self._best_tree(costs, acc)
+            every += [tree] if tree is not None else []
+        by_label: dict[str, Plan] = {}
+        for p in every:
+            if p.label not in by_label or p.rate > by_label[p.label].rate:
+                by_label[p.label] = p
+        return by_label
+
+    def _candidates(self, costs: Costs) -> list[Plan]:
+        """The plans the search weighs besides the model's own, one per label: the TOP_CANDIDATES best
+        predicted, the best of each kind, every plan that ran, and sync k = max_k where verification is flat."""
+        by_label = self._by_label(self.acc, costs)
+        ranked = sorted(by_label.values(), key=lambda p: p.rate, reverse=True)
+        keep = {p.label: p for p in ranked[:TOP_CANDIDATES]}
+        for p in ranked:
+            kind = p.label.split(" ", 1)[0]
+            if not any(q.label.startswith(kind) for q in keep.values()) or self.book.search.tried(p.label):
+                keep.setdefault(p.label, p)
+        if costs.verify_full(self.max_k + 1) <= FLAT_VERIFY * costs.verify_full(1):
+            longest = self._sized(Plan(self.max_k, False, 0, 0.0)).label
+            keep.setdefault(longest, by_label[longest])
+        return list(keep.values())
 
     def _start_solo(self) -> None:
         self.solo_left = self.solo_span

@@ -44,10 +44,8 @@ def start_report(settings: DrafterConfig, book: CostBook, *, block_len: int | No
         return report  # "unmeasured": the plan is learned from the rounds
     max_k = block_len if block_len is not None else settings.max_draft_tokens
     start = min(block_len if block_len is not None else settings.num_draft_tokens, max_k)
-    book = copy.deepcopy(book)  # planning refines nothing, but a schedule's first plan counts itself in the book
-    costs = book.costs(REPORT_CONTEXT, 1)
-    schedule = CostSchedule(start, max_k, book, lambda: REPORT_CONTEXT, settings.overlap, rows_ok=True,
-                            tree=settings.tree)
+    schedule = _new_session_schedule(settings, book, block_len)
+    costs = schedule.book.costs(REPORT_CONTEXT, 1)
     if settings.draft_schedule == "cost":
         plan = schedule.plan
         if plan.solo:
@@ -70,3 +68,20 @@ def start_report(settings: DrafterConfig, book: CostBook, *, block_len: int | No
     report.verify_k_s = (costs.verify_share if plan.overlap else costs.verify_full)(report.verify_k + 1)
     report.draft_s = 0.0 if free else costs.draft_full(1)
     return report
+
+
+def _new_session_schedule(settings: DrafterConfig, book: CostBook, block_len: int | None) -> CostSchedule:
+    """The cost schedule a new session would start with, on a copy of ``book``."""
+    max_k = block_len if block_len is not None else settings.max_draft_tokens
+    start = min(block_len if block_len is not None else settings.num_draft_tokens, max_k)
+    book = copy.deepcopy(book)  # planning refines nothing, but a schedule's first plan counts itself in the book
+    return CostSchedule(start, max_k, book, lambda: REPORT_CONTEXT, settings.overlap, rows_ok=True,
+                        tree=settings.tree)
+
+
+def start_plan_label(settings: DrafterConfig, book: CostBook, block_len: int | None = None) -> str | None:
+    """The label (:attr:`~drafter_node.cost_model.Plan.label`) of the plan the start-up report announces, which
+    each session's ``plan_check`` confirms or corrects; None unless the ``cost`` schedule plans from known costs."""
+    if settings.draft_schedule != "cost" or not book.ready:
+        return None
+    return _new_session_schedule(settings, book, block_len).plan.label

@@ -67,6 +67,10 @@ def test_greedy_identity_with_the_cost_schedule(tiny, arch, drafter, overlap):
     # the first (its interval includes the prefills) and the last, and the rounds taken alone in between
     assert m["drafts"] - 2 <= sum(r["rounds"] for r in rates.values()) <= m["rounds"]
     assert all(r["predicted_tokens_per_s"] > 0 and r["realised_tokens_per_s"] > 0 for r in rates.values())
+    # the start-up plan, confirmed or corrected by what the request realised best
+    check = m["plan_check"]
+    assert check["verdict"] in ("confirmed", "corrected") and check["realised_best"] in rates
+    assert (check["verdict"] == "confirmed") == (check["startup"] == check["realised_best"])
     if drafter == "random":
         # acceptance falls to about 0: the plan goes to k = 0 (the verifier alone) and probes now and then
         assert m["solo_rounds"] > 0 and m["plans"]["solo"] > 0

@@ -88,4 +88,11 @@ def checked_stats(stats: dict[str, Any]) -> dict[str, Any]:
             and all(not isinstance(x, bool) and isinstance(x, (int, float)) and math.isfinite(x) and x >= 0
                     for x in v) for k, v in rates.items()):
         raise ProtocolError("draft: stats.plan_rates must map at most 32 plan names to 4 non-negative numbers")
+    check = stats.get("plan_check")
+    if check is not None and not (
+            isinstance(check, dict) and set(check) == {"startup", "realised_best", "verdict"}
+            and all(isinstance(v, str) and len(v) <= 64 for v in check.values())
+            and check["verdict"] in ("confirmed", "corrected")):
+        raise ProtocolError("draft: stats.plan_check must hold startup, realised_best (plan names) and a verdict "
+                            "(confirmed or corrected)")
     return stats

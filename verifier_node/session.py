@@ -426,6 +426,7 @@ class Session:
             "round_timing": m.timing.summary(),
             "drafter_timing": _drafter_timing(m.drafter_stats),
             "plan_rates": _plan_rates(m.drafter_stats),
+            "plan_check": m.drafter_stats.get("plan_check"),  # the start-up plan, confirmed or corrected
             "seed": self.params.seed,
             # structured output: tokens the grammar forced, drafted for free (not in the draft/accept counts)
             "grammar_forced_tokens": self.grammar.forced_tokens if self.grammar is not None else 0,
