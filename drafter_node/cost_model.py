@@ -301,6 +301,7 @@ class CostBook:
         self.frozen = False  # fixed curves (tests): rounds do not refine them
         self.verify: dict[str, object] = {}
         self.draft: dict[str, object] = {}
+        self.draft_profile = None  # the drafter's start-up profile (NodeProfile), unrefined
         self.verify_threads = {"share": 0, "full": 0}
         self.draft_threads = {"share": 0, "full": 0}
         self.overhead_s: float | None = None
@@ -335,8 +336,16 @@ class CostBook:
 
     def set_drafter(self, profile, share: int, full: int) -> None:
         self.draft_threads = {"share": share, "full": full}
+        self.draft_profile = profile  # as measured at start-up (``draft`` is refined by every step)
         if profile is not None:
             self.draft = self._pick(profile, self.draft_threads)
+
+    def profiled_draft_s(self, rows: int, threads: int, context: int) -> float | None:
+        """What the start-up profile says a drafter forward of ``rows`` rows costs (None: no profile): the node's
+        forwards are reported against it (``forward_vs_profile``)."""
+        if self.draft_profile is None or not threads:
+            return None
+        return self.draft_profile.curve(threads).cost(rows, context)
 
     def set_free_drafter(self) -> None:
         """A drafter without a model (prompt lookup): its steps cost nothing worth planning for."""

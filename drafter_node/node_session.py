@@ -49,7 +49,8 @@ class NodeSession:
         # Where this session's drafter time went, summed (the request's metrics show it per block): drafter forwards
         # (``step``, pre-drafting included), encoding and sending blocks, applying commits, and the round trips
         # (block sent → its commit applied: verification as the drafter sees it).
-        self.timing = {"step_s": 0.0, "send_s": 0.0, "commit_s": 0.0, "roundtrip_s": 0.0, "roundtrips": 0}
+        self.timing = {"step_s": 0.0, "send_s": 0.0, "commit_s": 0.0, "roundtrip_s": 0.0, "roundtrips": 0,
+                       "forward_s": 0.0, "profile_s": 0.0}
         # Per plan used (``solo``, ``sync k=4``, ``overlap k=5 rows=3``, or the schedule's k): [rounds, committed
         # tokens, seconds between commits, the predicted tokens/s summed] — what the cost model expected against
         # what the rounds gave.
@@ -138,6 +139,10 @@ class NodeSession:
         self.last_step = (self.draft.forward_size, spent) if one_forward and not self.draft.cheap_steps else None
         if self.book is not None and self.last_step is not None:
             self.book.observe_draft(self.draft.forward_size, spent, self.threads, self.base_len)
+            profiled = self.book.profiled_draft_s(self.draft.forward_size, self.threads, self.base_len)
+            if profiled:  # the step's forward against the same forward in the start-up profile
+                self.timing["forward_s"] += spent
+                self.timing["profile_s"] += profiled
 
     def stepped(self, spent: float, sessions: int) -> None:
         """A step of ``spent`` seconds advanced this session in a forward over ``sessions`` sessions (0: it added

@@ -62,6 +62,11 @@ def test_greedy_identity_with_the_cost_schedule(tiny, arch, drafter, overlap):
     assert parts == pytest.approx(timing["wall_ms_per_round"], rel=0.01, abs=0.01)
     assert timing["overhead_ms_per_round"] < timing["wall_ms_per_round"]
     assert m["drafter_timing"]["step_ms_per_block"] > 0 and m["drafter_timing"]["roundtrip_ms"] > 0
+    # each node's forwards against its own start-up profile (both nodes profiled themselves here)
+    vs_profile = m["forward_vs_profile"]
+    assert vs_profile and sum(v["forwards"] for v in vs_profile.values()) <= m["rounds"]
+    assert all(v["forwards"] > 0 and v["ratio"] > 0 for v in vs_profile.values())
+    assert m["drafter_timing"]["forward_vs_profile"] > 0
     rates = m["plan_rates"]
     # counted up to the last block the drafter sent (its stats travel with its blocks): every drafted round but
     # the first (its interval includes the prefills) and the last, and the rounds taken alone in between

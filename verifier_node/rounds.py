@@ -228,10 +228,14 @@ class RoundRunner:
         forwards = self._forward(rounds)
         if not busy and len(rounds) == 1 and forwards[0][0] is not None:  # timed alone: a sample of the profile
             self._check_profile(forwards[0][4], forwards[0][2], len(rounds[0].session.tokens))
+        profile = self.curve_check.profile
         for r, (logits, hidden, forward_s, rows, tokens) in zip(rounds, forwards):
             if logits is None:
                 continue  # that row's own forward failed (already reported)
             s = r.session
+            if profile is not None and profile.curves:
+                profiled = profile.curve(self.threads.now).cost(tokens, len(s.tokens))
+                s.metrics.record_forward(busy, forward_s, profiled)
             try:
                 t_accept = time.monotonic()
                 result = s.finish_round(r.plan, logits, hidden, forward_s, r.kv_layers, rows, tokens)

@@ -122,6 +122,16 @@ class SessionMetrics:
     tree_rounds: int = 0  # rounds that verified a token tree (not a chain)
     side_accepted: int = 0  # … whose accepted path took a node that is not its parent's first child (a side leaf)
     timing: RoundTiming = field(default_factory=RoundTiming)
+    # Target forwards against the start-up profile's time for the same tokens, threads and context, while its
+    # drafter idles ("alone") and while it computes too ("shared"): [forwards, measured s, profiled s] each.
+    forward_profile: dict[str, list[float]] = field(
+        default_factory=lambda: {"alone": [0, 0.0, 0.0], "shared": [0, 0.0, 0.0]})
+
+    def record_forward(self, shared: bool, measured_s: float, profiled_s: float) -> None:
+        sums = self.forward_profile["shared" if shared else "alone"]
+        sums[0] += 1
+        sums[1] += measured_s
+        sums[2] += profiled_s
 
     def record(self, drafted: int, accepted: int, depth: int | None = None) -> None:
         """One round that verified ``drafted`` draft tokens and accepted ``accepted`` of them. For a tree, ``drafted``
@@ -148,9 +158,17 @@ def _drafter_timing(stats: dict) -> dict:
     timing, blocks = stats.get("timing") or {}, max(int(stats.get("blocks", 0) or 0), 1)
     out = {f"{k.removesuffix('_s')}_ms_per_block": round(1000 * v / blocks, 3)
            for k, v in timing.items() if k.endswith("_s") and k != "roundtrip_s"}
+    if timing.get("profile_s"):  # the drafter's own forwards against its start-up profile
+        out["forward_vs_profile"] = round(timing.get("forward_s", 0.0) / timing["profile_s"], 3)
     if timing.get("roundtrips"):
         out["roundtrip_ms"] = round(1000 * timing.get("roundtrip_s", 0.0) / timing["roundtrips"], 3)
     return out
+
+
+def _forward_vs_profile(sums: dict[str, list[float]]) -> dict:
+    """Per kind of forward (``alone``, ``shared``): how many, and measured time ÷ the start-up profile's."""
+    return {kind: {"forwards": int(n), "ratio": round(measured / profiled, 3)}
+            for kind, (n, measured, profiled) in sums.items() if n and profiled > 0}
 
 
 def _plan_rates(stats: dict) -> dict:
@@ -424,6 +442,7 @@ class Session:
             "draft_batch_mean": (m.drafter_stats.get("batch_rows", 0) / m.drafter_stats["batch_steps"]
                                  if m.drafter_stats.get("batch_steps") else 0.0),
             "round_timing": m.timing.summary(),
+            "forward_vs_profile": _forward_vs_profile(m.forward_profile),
             "drafter_timing": _drafter_timing(m.drafter_stats),
             "plan_rates": _plan_rates(m.drafter_stats),
             "plan_check": m.drafter_stats.get("plan_check"),  # the start-up plan, confirmed or corrected
