@@ -140,6 +140,23 @@ def c_value(report: dict[str, Any]) -> float | None:
     return first["drafter"] / first["target"] if first["drafter"] and first["target"] else None
 
 
+def forward_ratios(metrics: list[dict[str, Any]]) -> dict[str, float]:
+    """Each node's forwards against its start-up profile (the bare forward), over the prompts: the verifier's
+    ``forward_vs_profile`` alone / shared, weighted by forwards, and the drafter's, weighted by blocks."""
+    out: dict[str, float] = {}
+    for kind in ("alone", "shared"):
+        parts = [(m["forward_vs_profile"][kind]["forwards"], m["forward_vs_profile"][kind]["ratio"])
+                 for m in metrics if kind in (m.get("forward_vs_profile") or {})]
+        if sum(n for n, _ in parts):
+            out[f"verifier_vs_profile_{kind}"] = sum(n * r for n, r in parts) / sum(n for n, _ in parts)
+            out[f"verifier_forwards_{kind}"] = sum(n for n, _ in parts)
+    drafter = [(m.get("drafts", 0), m["drafter_timing"]["forward_vs_profile"]) for m in metrics
+               if "forward_vs_profile" in (m.get("drafter_timing") or {})]
+    if sum(n for n, _ in drafter):
+        out["drafter_vs_profile"] = sum(n * r for n, r in drafter) / sum(n for n, _ in drafter)
+    return out
+
+
 def summarize(key: str, report: dict[str, Any], c: float | None) -> dict[str, Any]:
     """Totals, ratios, speed-model bounds and the token-identity check of one row."""
     meta = report["meta"]
@@ -175,6 +192,7 @@ def summarize(key: str, report: dict[str, Any], c: float | None) -> dict[str, An
             "plans": {name: sum((m.get("plans") or {}).get(name, 0) for m in ms)
                       for name in sorted({n for m in ms for n in (m.get("plans") or {})})},
             "dtypes": "/".join(sorted({f"{m.get('verifier_dtype')}+{m.get('drafter_dtype')}" for m in ms})),
+            **forward_ratios(ms),
         }
     if spec:
         row |= spec
@@ -269,6 +287,16 @@ def write_markdown(path: Path, report: dict[str, Any]) -> None:
                                   str(r["predraft_hits"]), str(r["rolled_back_draft_tokens"]),
                                   fmt(r.get("draft_transit_ms")), fmt(r.get("bytes_per_round"), ".0f"),
                                   fmt(r.get("mean_ttft_s"))] for r in pipe], "ll" + "r" * 10)]
+    if any("verifier_vs_profile_alone" in r or "verifier_vs_profile_shared" in r for r in pipe):
+        lines += ["", "Each node's forward against the bare forward (its start-up profile: the model over a "
+                  "transformers `DynamicCache` at the same tokens, threads and context, timed on a quiet machine); "
+                  "verifier *alone*: no drafter computing meanwhile, *shared*: a drafter computing at the same time:",
+                  "", *md_table(["row", "verifier alone", "forwards", "verifier shared", "forwards", "drafter"],
+                                [[r["label"], fmt(r.get("verifier_vs_profile_alone"), ".2f", "×"),
+                                  str(r.get("verifier_forwards_alone", "—")),
+                                  fmt(r.get("verifier_vs_profile_shared"), ".2f", "×"),
+                                  str(r.get("verifier_forwards_shared", "—")),
+                                  fmt(r.get("drafter_vs_profile"), ".2f", "×")] for r in pipe], "l" + "r" * 5)]
     curve_lines = curve_table_lines(report.get("curves", {}))
     if curve_lines:
         lines += ["", *curve_lines]
