@@ -45,6 +45,7 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import zmq
@@ -58,6 +59,7 @@ from drafter_node.settings import DrafterConfig
 from drafter_node.start_report import start_plan_label, start_report
 from drafter_node.types import drafter_class
 from shared.batch import feed_rows
+from shared.cores import CoreLeases, leases_for
 from shared.costs.cache import CurveCheck
 from shared.costs.curve import CostCurve, NodeProfile
 from shared.costs.measure import measuring_alone
@@ -159,9 +161,11 @@ class DrafterNode:
     def __init__(self, settings: DrafterConfig, drafter: Drafter, book: CostBook, connection: VerifierConnection,
                  picker: WorkPicker[NodeSession], threads: ThreadShare, profile: NodeProfile | None = None, *,
                  max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, run_secret: str | None = None,
-                 key_name: str | None = None, costs_fixed: bool = False, link: LinkPacer | None = None):
+                 key_name: str | None = None, costs_fixed: bool = False, link: LinkPacer | None = None,
+                 cores: CoreLeases | None = None):
         """``run_secret``: shown in hello where the link has no CURVE; ``key_name``: the CURVE key's name, for the
-        refusal message; ``costs_fixed``: the book's curves are fixed (see :meth:`from_config`)."""
+        refusal message; ``costs_fixed``: the book's curves are fixed (see :meth:`from_config`); ``cores``: the CPU
+        core leases each step holds (:mod:`shared.cores`; None: the planned thread counts as they are)."""
         self.settings = settings
         self.drafter = drafter
         self.profile = profile
@@ -169,6 +173,7 @@ class DrafterNode:
         self.connection = connection
         self.picker = picker
         self.threads = threads
+        self.cores = cores
         self.run_secret = run_secret
         self.key_name = key_name
         self.link = link or LinkPacer()
@@ -203,9 +208,11 @@ class DrafterNode:
         # The run secret is shown in hello where the link has no CURVE (there the verifier's key allow-list decides).
         keys, key_name, run_secret = links.keys, links.key_name, links.run_secret
         connection = VerifierConnection(zmq.Context.instance(), endpoint, keys)
-        return cls(settings, drafter, book, connection, WorkPicker(max_batch_sessions, max_k),
-                   ThreadShare(threads, set_threads), profile, max_bytes=max_bytes, run_secret=run_secret,
-                   key_name=key_name, costs_fixed=bool(fixed_costs))
+        cores = leases_for(settings.device, threads.full, set_threads)  # the leases set the threads, not the plan
+        share = ThreadShare(threads, set_threads if cores is None else lambda n: None)
+        return cls(settings, drafter, book, connection, WorkPicker(max_batch_sessions, max_k), share, profile,
+                   max_bytes=max_bytes, run_secret=run_secret, key_name=key_name, costs_fixed=bool(fixed_costs),
+                   cores=cores)
 
     @property
     def sock(self) -> zmq.Socket:
@@ -333,9 +340,9 @@ class DrafterNode:
             elif (batch := self._gather_steps(work)) is not None:
                 self._run_steps(batch)
             else:
-                self._use_threads(work)
                 waited_on = work.block_pending()
-                work.step()
+                with self._computing(work):
+                    work.step()
                 if waited_on:  # the verifier waits for this block: our forward ran alone
                     self._check_profile(work)
 
@@ -351,18 +358,28 @@ class DrafterNode:
         """The sessions stepping with ``work`` in one batched forward (:meth:`WorkPicker.gather_steps`)."""
         return self.picker.gather_steps(work, self.handler.dropped_on_failure)
 
-    def _use_threads(self, *sessions: NodeSession) -> None:
-        self.threads.use(sessions, self.picker, self.book.batch)
+    @contextlib.contextmanager
+    def _computing(self, *sessions: NodeSession) -> Iterator[int]:
+        """Around a step's forward: the thread count the plan wants for ``sessions`` (ThreadShare), leased from the
+        cores (fewer where another process's forward holds some); yields the count the forward runs with."""
+        wanted = self.threads.use(sessions, self.picker, self.book.batch)
+        if self.cores is None:
+            yield wanted
+            return
+        with self.cores.hold(wanted) as granted:
+            for s in sessions:
+                s.threads = granted
+            yield granted
 
     def _run_steps(self, batch: list[tuple[NodeSession, BatchStep]]) -> None:
         """One drafter forward over the steps of ``batch``, then each session's ``finish``. A session whose finish
         fails is dropped alone; a failing forward (nothing cached yet) falls back to one step per session."""
         sessions = [s for s, _ in batch]
-        self._use_threads(*sessions)
         rows = [row for _, step in batch for row in step.rows]
         t0 = time.monotonic()
         try:
-            outputs = feed_rows(batch[0][1].model, rows)
+            with self._computing(*sessions) as threads:
+                outputs = feed_rows(batch[0][1].model, rows)
         except Exception:
             log.exception("a batched drafter forward over %d sessions failed; stepping them one by one", len(batch))
             self._step_each(sessions)
@@ -379,15 +396,14 @@ class DrafterNode:
             s.stepped(spent, len(batch))
         # One cost-curve sample at the forward's total rows (pre-draft rows and chain tokens of every session); its
         # context is the longest, to which the forward stacks every cache.
-        self.book.observe_draft(sum(step.tokens for _, step in batch), spent, self.threads.now,
+        self.book.observe_draft(sum(step.tokens for _, step in batch), spent, threads,
                                 max(s.base_len for s in sessions))
 
     def _step_each(self, sessions: list[NodeSession]) -> None:
         for s in sessions:
             if s.sid not in self.picker.sessions:
                 continue
-            with self.handler.dropped_on_failure(s.sid):
-                self._use_threads(s)
+            with self.handler.dropped_on_failure(s.sid), self._computing(s):
                 s.step()
 
     def _send_block(self, s: NodeSession) -> None:

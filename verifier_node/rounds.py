@@ -8,9 +8,10 @@ which sessions run, and what their drafters are doing, it reads from the schedul
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -18,6 +19,7 @@ import torch
 
 from shared.backend import DynamicBackend, TargetBackend
 from shared.batch import Row
+from shared.cores import CoreLeases
 from shared.costs.cache import CurveCheck
 from shared.models import ThreadPlan, set_threads
 from verifier_node.scheduler import Scheduler
@@ -104,7 +106,8 @@ class RoundRunner:
     target forward, a target slow enough that other work gets ahead."""
 
     def __init__(self, model: Any, scheduler: Scheduler, out: RoundOutput, threads: ThreadSwitch,
-                 curve_check: CurveCheck, forward_delay_s: float = 0.0, backend: TargetBackend | None = None):
+                 curve_check: CurveCheck, forward_delay_s: float = 0.0, backend: TargetBackend | None = None,
+                 cores: CoreLeases | None = None):
         self.model = model
         self.backend = backend or DynamicBackend(model)  # the batched forwards' (shared.backend)
         self.scheduler = scheduler
@@ -112,7 +115,18 @@ class RoundRunner:
         self.threads = threads
         self.curve_check = curve_check
         self.forward_delay_s = forward_delay_s
+        self.cores = cores  # each forward's lease on the CPU cores (shared.cores); None: threads as planned
         self.counts = ForwardCounts()
+
+    @contextlib.contextmanager
+    def computing(self) -> Iterator[int]:
+        """Around a forward: lease the cores the thread plan wants now (fewer where another process's forward holds
+        some); yields the thread count the forward runs with."""
+        if self.cores is None:
+            yield self.threads.now
+            return
+        with self.cores.hold(self.threads.now) as granted:
+            yield granted
 
     # ------------------------------------------------------------------ prefills
     def prefill_batch(self, sessions: list[Session]) -> None:
@@ -133,7 +147,8 @@ class RoundRunner:
                 sessions.remove(s)
                 continue
             needs.append((want_hidden, kv_layers))
-        fed = self._prompt_forward(sessions, [w for w, _ in needs])
+        with self.computing():
+            fed = self._prompt_forward(sessions, [w for w, _ in needs])
         for s, (want_hidden, kv_layers), done in zip(sessions, needs, fed):
             if done is None:
                 continue  # its forward failed (reported)
@@ -225,21 +240,24 @@ class RoundRunner:
         busy = any(r.drafter_busy for r in rounds) or self.scheduler.drafting_elsewhere(batch, time.monotonic())
         self.threads.use(self.threads.plan.share if busy else self.threads.plan.full)
         decoding = self.scheduler.decoding()
-        forwards = self._forward(rounds)
+        with self.computing() as threads:
+            forwards = self._forward(rounds)
+        # A lease short of the plan's count: another process computed meanwhile (a "shared" forward).
+        busy = busy or threads < self.threads.now
         if not busy and len(rounds) == 1 and forwards[0][0] is not None:  # timed alone: a sample of the profile
-            self._check_profile(forwards[0][4], forwards[0][2], len(rounds[0].session.tokens))
+            self._check_profile(threads, forwards[0][4], forwards[0][2], len(rounds[0].session.tokens))
         profile = self.curve_check.profile
         for r, (logits, hidden, forward_s, rows, tokens) in zip(rounds, forwards):
             if logits is None:
                 continue  # that row's own forward failed (already reported)
             s = r.session
             if profile is not None and profile.curves:
-                profiled = profile.curve(self.threads.now).cost(tokens, len(s.tokens))
+                profiled = profile.curve(threads).cost(tokens, len(s.tokens))
                 s.metrics.record_forward(busy, forward_s, profiled)
             try:
                 t_accept = time.monotonic()
                 result = s.finish_round(r.plan, logits, hidden, forward_s, r.kv_layers, rows, tokens)
-                result.threads = self.threads.now
+                result.threads = threads
                 if r.solo:
                     s.metrics.solo_rounds += 1
                 s.wait.ready(len(s.tokens), s.ready_since)
@@ -255,10 +273,10 @@ class RoundRunner:
             except Exception as exc:
                 self.out.round_failed(s, exc)
 
-    def _check_profile(self, tokens: int, seconds: float, context: int) -> None:
+    def _check_profile(self, threads: int, tokens: int, seconds: float, context: int) -> None:
         """Compare a forward timed alone with the profile; a profile that keeps missing is re-measured next start
         (the drafters' plans follow the measured forwards meanwhile: every commit carries its forward's time)."""
-        ratio = self.curve_check.forward(self.threads.now, tokens, context, seconds)
+        ratio = self.curve_check.forward(threads, tokens, context, seconds)
         if ratio is not None:
             log.warning("verifier: forwards take %.2fx what the cached profile says (measured on a busy machine, or "
                         "the machine changed); the profile is measured again at the next start", ratio)

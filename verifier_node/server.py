@@ -36,6 +36,7 @@ import zmq
 
 from drafter_node.types import DRAFTER_TYPES
 from shared.backend import DynamicBackend, TargetBackend, make_backend
+from shared.cores import CoreLeases, leases_for
 from shared.costs.cache import CurveCheck
 from shared.costs.curve import NodeProfile
 from shared.costs.measure import measuring_alone
@@ -196,12 +197,14 @@ class VerifierServer:
 
     def __init__(self, settings: VerifierSettings, model: Any, tokenizer: Any, profile: NodeProfile | None,
                  threads: ThreadPlan, limits: BatchLimits, sockets: VerifierSockets, *, run_secret: str | None = None,
-                 forward_delay_s: float = 0.0, accept: AcceptRule | None = None, backend: TargetBackend | None = None):
+                 forward_delay_s: float = 0.0, accept: AcceptRule | None = None, backend: TargetBackend | None = None,
+                 cores: CoreLeases | None = None):
         """Serve with built parts: the target ``model`` and its ``tokenizer``, its measured ``profile`` (None: not
         measured), the thread plan (its share already applied), the batch ``limits`` (batching only where the
         target can), bound ``sockets``. ``run_secret``: what a drafter's hello must show where the drafter link has
         no CURVE (None: nothing). ``forward_delay_s`` and ``accept``: see :meth:`from_config`. ``backend``: who holds
-        the sessions' KV caches (:mod:`shared.backend`; None: dynamic caches)."""
+        the sessions' KV caches (:mod:`shared.backend`; None: dynamic caches). ``cores``: the CPU core leases each
+        forward holds (:mod:`shared.cores`; None: the planned thread counts as they are)."""
         self.settings = settings
         self.draft_timeout = settings.draft_timeout_s
         self.max_sessions = settings.max_sessions
@@ -236,8 +239,9 @@ class VerifierServer:
         self.pool = DrafterPool()
         self.policy = PoolPolicy(self.pool, self.sessions, self.ensemble_weight, send=self._send_to,
                                  announce=lambda s, kv: self.announce(s, kv=kv))
-        self.rounds = RoundRunner(model, self.scheduler, self, ThreadSwitch(threads), CurveCheck(profile),
-                                  forward_delay_s, self.backend)
+        switch = ThreadSwitch(threads) if cores is None else ThreadSwitch(threads, apply=lambda n: None)
+        self.rounds = RoundRunner(model, self.scheduler, self, switch, CurveCheck(profile), forward_delay_s,
+                                  self.backend, cores)
         self.running = True
 
     @classmethod
@@ -279,7 +283,8 @@ class VerifierServer:
         settings = VerifierSettings.from_config(config)
         # Without CURVE on the drafter link, a launcher-given secret is what a drafter's hello must show.
         return cls(settings, model, tokenizer, profile, threads, limits, VerifierSockets.bind(config, links),
-                   run_secret=links.run_secret, forward_delay_s=forward_delay_s, accept=accept, backend=backend)
+                   run_secret=links.run_secret, forward_delay_s=forward_delay_s, accept=accept, backend=backend,
+                   cores=leases_for(vcfg["device"], threads.full, set_threads))
 
     @property
     def sessions(self) -> dict[int, Session]:
