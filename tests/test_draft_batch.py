@@ -17,7 +17,6 @@ from conftest import tiny_config
 from node_entry import node_entry
 from transformers import AutoModelForCausalLM
 
-import drafter_node.node
 from drafter_node.base import BatchStep, DraftToken
 from drafter_node.lm_drafter import LMDraftSession
 from drafter_node.node import DrafterNode
@@ -269,7 +268,7 @@ def test_a_failing_batched_forward_steps_each_session_alone(node_for, monkeypatc
     def broken(*args, **kwargs):
         raise RuntimeError("no batched forward today")
 
-    monkeypatch.setattr(drafter_node.node, "feed_rows", broken)
+    monkeypatch.setattr(node, "_feed_rows", broken)  # the batched forward, whichever KV backend runs it
     node._run_steps(batch)
     reference = reference_chains(node, 2)
     assert [s.draft.chain_tokens for s in node.picker.sessions.values()] == reference
