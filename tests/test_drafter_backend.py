@@ -248,3 +248,21 @@ def test_cluster_with_a_static_drafter_backend_matches_transformers(tiny):
 
     results = asyncio.run(main())
     assert [r.token_ids for r in results] == expected
+
+
+@pytest.mark.unit
+def test_a_drafter_model_without_static_slots_gets_dynamic_caches(tmp_path, caplog):
+    from testkit.tiny_hybrid import build_hybrid
+    from testkit.tiny_models import build_tokenizer
+
+    build_tokenizer(tmp_path / "tok")
+    model = AutoModelForCausalLM.from_pretrained(
+        build_hybrid(tmp_path / "qwen3_next", "qwen3_next", tmp_path / "tok", seed=3), dtype=torch.float32).eval()
+    with caplog.at_level(logging.INFO, logger="pipespec.backend"):
+        backend = drafter_backend(model, {"backend": "auto", "kv_slots": None, "kv_slot_tokens": 64,
+                                          "max_batch_sessions": 4})
+    assert isinstance(backend, DynamicBackend)
+    assert "drafter: KV backend auto falls back to dynamic caches" in caplog.text
+    session = LMDraftSession(model, PROMPTS[0], 3, GREEDY, 0, model.config.vocab_size, backend=backend)
+    assert session.propose(2) == 2 and type(session.lm) is CachedLM
+    session.close()
