@@ -164,11 +164,10 @@ class LMDraftSession(DraftSession):
         self._drop_branches()
         self.lm.close()
 
-    def _rows_fit(self, rows: int | None = None) -> bool:
-        """Whether the cache has room for one more step of the pre-draft rows (``rows`` of them; None: the
-        current ones)."""
+    def _rows_fit(self) -> bool:
+        """Whether the cache has room for one more step of the pre-draft rows (one position per row)."""
         room = self.lm.room
-        return room is None or room >= (len(self.branches.rows) if rows is None else rows)
+        return room is None or room >= len(self.branches.rows)
 
     # --------------------------------------------------------------- multi-outcome pre-drafting (greedy)
     @property
