@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from drafter_node.base import Capabilities, Drafter, DraftSession
-from drafter_node.lm_drafter import LMDraftSession
+from drafter_node.lm_drafter import LMDraftSession, drafter_backend
 from shared.models import ProfileSpec, load_causal_lm, load_tokenizer, resolve_model, tokenizer_id
 from shared.sampling import GenerationParams
 
@@ -21,6 +21,8 @@ class AssistantDrafter(Drafter):
         self.tokenizer_id = tokenizer_id(self.tokenizer)
         self.model = load_causal_lm(path, dcfg["device"], dcfg["dtype"], dcfg["max_memory"],
                                     config=self.model_config(path, dcfg), profile=profile)
+        self.backend = drafter_backend(self.model, dcfg)  # where the sessions' KV caches live (drafter.backend)
+        self.max_draft_tokens = int(dcfg["max_draft_tokens"])
         self.q_top_m = int(dcfg["q_top_k"])
         self.capabilities = Capabilities(sends_q=True, greedy_q=True)
         self.target_vocab_size = self.model.config.vocab_size  # replaced by the verifier's at connect time
@@ -36,4 +38,5 @@ class AssistantDrafter(Drafter):
     def open_session(
         self, token_ids: list[int], prompt_len: int, params: GenerationParams, extras: dict[str, torch.Tensor]
     ) -> DraftSession:
-        return LMDraftSession(self.model, token_ids, prompt_len, params, self.q_top_m, self.target_vocab_size)
+        return LMDraftSession(self.model, token_ids, prompt_len, params, self.q_top_m, self.target_vocab_size,
+                              backend=self.backend, max_draft_tokens=self.max_draft_tokens)

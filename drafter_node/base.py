@@ -26,6 +26,7 @@ from typing import ClassVar
 
 import torch
 
+from shared.backend import TargetBackend
 from shared.batch import Row, RowOutput
 from shared.protocol import Capabilities
 from shared.sampling import GenerationParams
@@ -168,6 +169,9 @@ class Drafter(ABC):
     tokenizer_hint: str = ""
     #: Drafting costs next to nothing (no model): the cost model then weighs only what verifying a block costs.
     free_drafting: bool = False
+    #: Where the sessions' KV caches live and who runs their batched forwards (:mod:`shared.backend`; None: types
+    #: without a cache of their own model, whose batched steps, if any, run :func:`shared.batch.feed_rows`).
+    backend: TargetBackend | None = None
 
     @property
     def profile_model(self):

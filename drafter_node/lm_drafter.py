@@ -11,19 +11,55 @@ sent is exactly the drafter's probability and a token left out counts as q = 0 (
 
 ``batch_step`` gives the node the same step (a chain token, or a step of the pre-draft rows) as rows of a batched
 forward over many sessions; ``propose`` runs the very same chain step alone (the LM head over the last token only).
+
+KV memory: a session's cache is a handle from the drafter's backend (:func:`drafter_backend`, ``drafter.backend``:
+static slots or dynamic caches, as the verifier's), opened for the request's whole length plus room for pre-draft
+rows (:func:`predraft_room`) and given back by ``close``. A slot never overflows: pre-drafting that would not fit is
+skipped, and a chain step that would not fit moves the session onto a dynamic cache (:func:`with_room`).
 """
 
 from __future__ import annotations
+
+import logging
+from typing import Any
 
 import torch
 
 from drafter_node.base import BatchStep, DraftSession, DraftToken
 from drafter_node.branches import Branches, rank_outcomes, supports_flat_rows
+from shared.backend import DynamicBackend, TargetBackend, make_backend
 from shared.batch import Row, RowOutput, can_batch
 from shared.kv import CachedLM
+from shared.node_keys import DEFAULT_KV_SLOTS
 from shared.sampling import GenerationParams, make_generator, process_logits
 
 _NO_CONTEXT = torch.empty(0, dtype=torch.long)
+
+log = logging.getLogger("pipespec.drafter")
+
+
+def predraft_room(max_draft_tokens: int) -> int:
+    """Positions a session's cache may hold beyond its committed tokens: a block of k ≤ ``max_draft_tokens`` and
+    its k + 1 pre-draft rows, each up to k deep (the single overlapped chain, 2k + 1, is shorter)."""
+    return max_draft_tokens * (max_draft_tokens + 2)
+
+
+def drafter_backend(model: Any, dcfg: dict[str, Any]) -> TargetBackend:
+    """The KV backend of a drafter's model from its ``drafter`` section (``backend``, ``kv_slot_tokens``,
+    ``kv_slots``; null slots: the smaller of ``max_batch_sessions`` and :data:`DEFAULT_KV_SLOTS`)."""
+    slots = int(dcfg.get("kv_slots") or min(int(dcfg.get("max_batch_sessions", DEFAULT_KV_SLOTS)), DEFAULT_KV_SLOTS))
+    return make_backend(model, dcfg.get("backend", "auto"), slots, dcfg.get("kv_slot_tokens"), role="drafter")
+
+
+def with_room(lm: CachedLM, count: int) -> CachedLM:
+    """``lm``, or where its slot cannot take ``count`` more positions, a fresh dynamic cache over the same model
+    (``lm``'s slot given back; the caller re-feeds the sequence: what the new cache lacks)."""
+    room = lm.room
+    if room is None or room >= count:
+        return lm
+    log.info("a draft session outgrew its KV slot (%d positions): it goes on with a dynamic cache", lm.capacity)
+    lm.close()
+    return CachedLM(lm.model)
 
 
 def choose(
@@ -68,10 +104,14 @@ class LMDraftSession(DraftSession):
     """A draft session over a causal LM whose vocabulary is the target's."""
 
     def __init__(
-        self, model, token_ids: list[int], prompt_len: int, params: GenerationParams, q_top_m: int, vocab_size: int
+        self, model, token_ids: list[int], prompt_len: int, params: GenerationParams, q_top_m: int, vocab_size: int,
+        backend: TargetBackend | None = None, max_draft_tokens: int = 16,
     ):
+        """``backend``: where the session's KV cache lives (None: a dynamic cache over ``model``);
+        ``max_draft_tokens``: the node's largest block, which sizes the slot's room for pre-draft rows."""
         super().__init__(token_ids, prompt_len, params)
-        self.lm = CachedLM(model)
+        backend = backend or DynamicBackend(model)
+        self.lm = backend.open(len(token_ids) + params.max_new_tokens + predraft_room(max_draft_tokens))
         self.q_top_m = q_top_m
         self.vocab_size = vocab_size  # the target's: a drafter head may be padded wider
         self.branches: Branches | None = None
@@ -93,8 +133,10 @@ class LMDraftSession(DraftSession):
         return added
 
     def _chain_step(self) -> BatchStep:
-        """The next chain token's step: feed what the cache lacks of committed + chain, pick from the last logits."""
+        """The next chain token's step: feed what the cache lacks of committed + chain, pick from the last logits
+        (on a dynamic cache from now on where the slot has no room for it)."""
         ids = self.committed + self.chain_tokens
+        self.lm = with_room(self.lm, len(self.lm.uncached(ids)))
         return BatchStep([Row(self.lm, self.lm.uncached(ids))],
                          lambda outputs: self.chain.append(self.pick(outputs[0].logits[-1], ids)))
 
@@ -105,12 +147,27 @@ class LMDraftSession(DraftSession):
         if not can_batch(self.lm):
             return None
         if self.branches is not None:
-            return self.branches.batch_step(self._choose_rows)
-        return None if self.ended else self._chain_step()
+            return self.branches.batch_step(self._choose_rows) if self._rows_fit() else None
+        if self.ended:
+            return None
+        room = self.lm.room
+        if room is not None and room < len(self.lm.uncached(self.committed + self.chain_tokens)):
+            return None  # alone: propose moves the session onto a dynamic cache first
+        return self._chain_step()
 
     def _truncate(self, length: int) -> None:
         self._drop_branches()
         self.lm.crop(length)
+
+    def close(self) -> None:
+        """The request ended: its KV memory goes back to the backend."""
+        self._drop_branches()
+        self.lm.close()
+
+    def _rows_fit(self) -> bool:
+        """Whether the cache has room for one more step of the pre-draft rows (one position per row)."""
+        room = self.lm.room
+        return room is None or room >= len(self.branches.rows)
 
     # --------------------------------------------------------------- multi-outcome pre-drafting (greedy)
     @property
@@ -142,6 +199,8 @@ class LMDraftSession(DraftSession):
         if not chosen:
             return False
         cached = len(self.committed) + block_len
+        if self.lm.capacity is not None and self.lm.capacity - cached < len(chosen):
+            return False  # no room in the slot for the rows: the node extends the single chain instead
         ids = self.committed + self.chain_tokens
         if self.lm.length > cached:
             self.lm.crop(cached)
@@ -162,6 +221,10 @@ class LMDraftSession(DraftSession):
 
     def speculate_step(self) -> None:
         assert self.branches is not None
+        if not self._rows_fit():  # the slot is full: stop pre-drafting, extend the single chain
+            self._drop_branches()
+            self.propose(1)
+            return
         self.branches.step(self._choose_rows)
 
     def _choose_rows(self, logits: torch.Tensor, contexts: list[list[int]]) -> list[DraftToken]:

@@ -6,9 +6,9 @@ is either sending a ready block or one drafter step (one token), so a commit is 
 
 Batched drafting (``batching: true``, the default): when the unit is a step, every other session that wants one
 (whose block the verifier waits for first, then pre-drafting ones) joins it, up to ``max_batch_sessions``, and one
-drafter forward (:func:`shared.batch.feed_rows`) advances all their chains and pre-draft rows at once — for types
-whose sessions express a step as rows of such a forward (``DraftSession.batch_step``: model-based types over their
-own cache); the others step alone.
+drafter forward (its KV backend's ``feed_rows``, :mod:`shared.backend`) advances all their chains and pre-draft rows
+at once — for types whose sessions express a step as rows of such a forward (``DraftSession.batch_step``: model-based
+types over their own cache); the others step alone.
 
 Overlap (``overlap: true``): after sending a block, the session pre-drafts what comes after it while it is
 verified. Types that support it (``DraftSession.begin_speculation``; model-based drafters on greedy requests)
@@ -379,7 +379,7 @@ class DrafterNode:
         t0 = time.monotonic()
         try:
             with self._computing(*sessions) as threads:
-                outputs = feed_rows(batch[0][1].model, rows)
+                outputs = self._feed_rows(batch[0][1].model, rows)
         except Exception:
             log.exception("a batched drafter forward over %d sessions failed; stepping them one by one", len(batch))
             self._step_each(sessions)
@@ -398,6 +398,14 @@ class DrafterNode:
         # context is the longest, to which the forward stacks every cache.
         self.book.observe_draft(sum(step.tokens for _, step in batch), spent, threads,
                                 max(s.base_len for s in sessions))
+
+    def _feed_rows(self, model, rows: list) -> list:
+        """One batched forward of ``model`` over ``rows``: through the drafter's KV backend where the rows are its
+        model's (static slots: each row's new K/V go straight into its slot), else :func:`shared.batch.feed_rows`."""
+        backend = self.drafter.backend
+        if backend is not None and backend.model is model:
+            return backend.feed_rows(rows)
+        return feed_rows(model, rows)
 
     def _step_each(self, sessions: list[NodeSession]) -> None:
         for s in sessions:

@@ -10,7 +10,16 @@ from typing import Any
 
 from drafter_node.schedule import SCHEDULES
 from drafter_node.types import DEFAULT_DRAFTER_TYPE
-from shared.node_keys import node_device, node_dtype, node_max_memory, node_profile_s, node_threads
+from shared.node_keys import (
+    node_backend,
+    node_device,
+    node_dtype,
+    node_kv_slot_tokens,
+    node_kv_slots,
+    node_max_memory,
+    node_profile_s,
+    node_threads,
+)
 from shared.protocol import MAX_DRAFT_TOKENS
 from shared.settings import setting
 
@@ -50,6 +59,9 @@ class DrafterConfig:
     )
     batching: bool = setting(True, "Draft for several sessions in one batched forward.", kind="bool")
     max_batch_sessions: int = setting(64, "Most sessions in one batched draft forward.", kind="int", bounds=(1, None))
+    backend: str = node_backend()
+    kv_slot_tokens: int = node_kv_slot_tokens()
+    kv_slots: Any = node_kv_slots("the smaller of max_batch_sessions and 8")
     q_top_k: int = setting(
         64,
         "q sent sparse: the top-m entries per position, by types that send q (0: full q).",

@@ -30,7 +30,8 @@ from typing import Any
 import torch
 
 from drafter_node.base import Capabilities, Drafter, DraftSession, DraftToken
-from drafter_node.lm_drafter import choose
+from drafter_node.lm_drafter import choose, drafter_backend, predraft_room, with_room
+from shared.backend import DynamicBackend
 from shared.kv import CachedLM
 from shared.models import ProfileSpec, load_causal_lm, load_tokenizer, resolve_model, tokenizer_id
 from shared.sampling import GenerationParams, process_logits
@@ -180,7 +181,11 @@ class UniversalSession(DraftSession):
     def __init__(self, drafter: UniversalDrafter, token_ids: list[int], prompt_len: int, params: GenerationParams):
         super().__init__(token_ids, prompt_len, params)
         self.u = drafter
-        self.lm = CachedLM(drafter.model)
+        # Its own tokenizer's context may be longer than the target's ids: a slot that fills up moves the session
+        # onto a dynamic cache (lm_drafter.with_room).
+        backend = getattr(drafter, "backend", None) or DynamicBackend(drafter.model)
+        self.lm: CachedLM = backend.open(len(token_ids) + params.max_new_tokens + predraft_room(
+            getattr(drafter, "max_draft_tokens", 16)))
         self.vocab = drafter.vocab.limited(drafter.draft_vocab_size, drafter.target_vocab_size)
         self.d_ids: list[int] = []  # drafter context: its tokens for text(committed + chain) + self.pending
         self.t_ctx: list[int] = []  # the target ids whose text the drafter context holds (committed + chain)
@@ -251,6 +256,8 @@ class UniversalSession(DraftSession):
             return 0
         added = forwards = 0
         while added < n and forwards < MAX_FORWARDS_PER_CALL and not self.ended and not self.stuck:
+            if getattr(self.lm, "capacity", None) is not None:  # a KV slot: room for what next_logits feeds?
+                self.lm = with_room(self.lm, max(1, len(self.d_ids) - self.lm.length))
             logits = self.lm.next_logits(self.d_ids)[: self.u.draft_vocab_size]
             forwards += 1
             added += self._sample_step(logits) if self.params.do_sample else self._greedy_step(logits)
@@ -342,6 +349,11 @@ class UniversalSession(DraftSession):
     def _truncate(self, length: int) -> None:
         self.dirty = True  # the text changed: re-tokenise (the cache keeps the common prefix)
 
+    def close(self) -> None:
+        """The request ended: its KV memory goes back to the drafter's backend."""
+        if hasattr(self.lm, "close"):
+            self.lm.close()
+
 
 # ------------------------------------------------------------------------------------------------- drafter
 
@@ -372,6 +384,8 @@ class UniversalDrafter(Drafter):
         }
         self.vocab = VocabMap.build(self.tokenizer, self.target_tokenizer)
         self.max_positions = int(getattr(self.model.config, "max_position_embeddings", None) or 1 << 62)
+        self.backend = drafter_backend(self.model, dcfg)  # where the sessions' KV caches live (drafter.backend)
+        self.max_draft_tokens = int(dcfg["max_draft_tokens"])
         self.q_top_m = int(dcfg["q_top_k"])
         self.capabilities = Capabilities(sends_q=True)  # sampled drafts carry q; greedy drafts are one-hot
         self.target_vocab_size = len(self.target_tokenizer)  # replaced by the verifier's at connect time

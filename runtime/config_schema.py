@@ -15,10 +15,11 @@ from typing import Any
 
 from drafter_node.settings import DrafterConfig
 from shared.node_keys import (
-    BACKEND_CHOICES,
-    DEFAULT_SLOT_TOKENS,
+    node_backend,
     node_device,
     node_dtype,
+    node_kv_slot_tokens,
+    node_kv_slots,
     node_max_memory,
     node_profile_s,
     node_threads,
@@ -67,27 +68,9 @@ class VerifierConfig:
     max_message_bytes: int = setting(
         DEFAULT_MAX_MESSAGE_BYTES, "Larger messages get an error reply.", kind="int", bounds=(1, None)
     )
-    backend: str = setting(
-        "auto",
-        "Where sessions' KV caches live: static (preallocated slots), dynamic (growing caches), auto (static where "
-        "the target allows it).",
-        kind="str",
-        choices=BACKEND_CHOICES,
-    )
-    kv_slot_tokens: int = setting(
-        DEFAULT_SLOT_TOKENS,
-        "Static backend: tokens per session's slot (capped by the target's context); longer requests get a dynamic "
-        "cache.",
-        kind="int",
-        bounds=(1, None),
-    )
-    kv_slots: Any = setting(
-        None,
-        "Static backend: slots preallocated (null: the smallest of max_sessions, max_batch_sessions and 8); "
-        "sessions beyond them get dynamic caches.",
-        kind="int",
-        bounds=(1, None),
-    )
+    backend: str = node_backend()
+    kv_slot_tokens: int = node_kv_slot_tokens()
+    kv_slots: Any = node_kv_slots("the smallest of max_sessions, max_batch_sessions and 8")
     allow_remote: bool = setting(
         False, "With security.curve: off, must be true to listen on a non-loopback address.", kind="bool"
     )

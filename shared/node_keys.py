@@ -1,5 +1,6 @@
-"""The config keys both nodes have (``verifier`` and ``drafter``): device, dtype, threads, profile budget and memory
-map, declared once. Each section's dataclass calls these (a dataclass needs a field object of its own)."""
+"""The config keys both nodes have (``verifier`` and ``drafter``): device, dtype, threads, profile budget, memory
+map and KV backend, declared once. Each section's dataclass calls these (a dataclass needs a field object of its
+own)."""
 
 from __future__ import annotations
 
@@ -37,6 +38,36 @@ def node_threads() -> Any:
 def node_profile_s() -> Any:
     return setting(20, "Start-up cost profile budget in seconds, cached on disk (0: none, learned online).",
                    kind="number", bounds=(0, 600), unit="seconds", hint="0: no profile")
+
+
+def node_backend() -> Any:
+    return setting(
+        "auto",
+        "Where sessions' KV caches live: static (preallocated slots), dynamic (growing caches), auto (static where "
+        "the model allows it).",
+        kind="str",
+        choices=BACKEND_CHOICES,
+    )
+
+
+def node_kv_slot_tokens() -> Any:
+    return setting(
+        DEFAULT_SLOT_TOKENS,
+        "Static backend: tokens per session's slot (capped by the model's context); longer sessions get a dynamic "
+        "cache.",
+        kind="int",
+        bounds=(1, None),
+    )
+
+
+def node_kv_slots(null: str) -> Any:
+    """``kv_slots``; ``null``: what a null value means for this node."""
+    return setting(
+        None,
+        f"Static backend: slots preallocated (null: {null}); sessions beyond them get dynamic caches.",
+        kind="int",
+        bounds=(1, None),
+    )
 
 
 def node_max_memory() -> Any:

@@ -17,15 +17,15 @@ from conftest import tiny_config
 from node_entry import node_entry
 from transformers import AutoModelForCausalLM
 
-import drafter_node.node
 from drafter_node.base import BatchStep, DraftToken
 from drafter_node.lm_drafter import LMDraftSession
 from drafter_node.node import DrafterNode
 from runtime.config import ConfigError, load_config
 from runtime.launch import cluster
 from runtime.security import drafter_links
+from shared.backend import StaticHandle
 from shared.batch import feed_rows
-from shared.protocol import SessionStart
+from shared.protocol import SessionEnd, SessionStart
 from shared.sampling import GenerationParams
 from testkit.tiny_models import reference_greedy
 
@@ -269,11 +269,25 @@ def test_a_failing_batched_forward_steps_each_session_alone(node_for, monkeypatc
     def broken(*args, **kwargs):
         raise RuntimeError("no batched forward today")
 
-    monkeypatch.setattr(drafter_node.node, "feed_rows", broken)
+    monkeypatch.setattr(node, "_feed_rows", broken)  # the batched forward, whichever KV backend runs it
     node._run_steps(batch)
     reference = reference_chains(node, 2)
     assert [s.draft.chain_tokens for s in node.picker.sessions.values()] == reference
     assert all(s.stats["batch_steps"] == s.stats["batch_rows"] == 2 for s in node.picker.sessions.values())
+
+
+def test_the_nodes_batched_steps_run_on_its_backends_static_slots(node_for, monkeypatch):
+    node = prefilled(node_for())  # drafter.backend: auto → static slots for the tiny llama
+    backend = node.drafter.backend
+    assert backend.name == "static"
+    assert all(isinstance(s.draft.lm, StaticHandle) for s in node.picker.sessions.values())
+    forwards, feed = [], backend.feed_rows
+    monkeypatch.setattr(backend, "feed_rows", lambda rows, **kw: forwards.append(len(rows)) or feed(rows, **kw))
+    node._run_steps(node._gather_steps(node.picker.sessions[0]))
+    assert forwards == [len(PROMPTS)]
+    assert [s.draft.chain_tokens for s in node.picker.sessions.values()] == reference_chains(node, 2)
+    node.handler.on_session_end(SessionEnd(session=0))
+    assert len(backend.free) == backend.slots - len(PROMPTS) + 1  # its slot went back
 
 
 def test_a_session_whose_finish_fails_is_dropped_alone(node_for, monkeypatch):
