@@ -36,9 +36,8 @@ def test_a_forward_alone_gets_every_core_it_wants_and_the_threads_follow(tmp_pat
 
 def test_a_forward_beside_another_gets_the_cores_left_never_more(tmp_path):
     drafter, verifier = _leases(tmp_path), _leases(tmp_path)
-    with drafter.hold(1) as first:
-        with verifier.hold(2) as second:
-            assert (first, second) == (1, 1)  # 1 + 1 threads on 2 cores, not 1 + 2
+    with drafter.hold(1) as first, verifier.hold(2) as second:
+        assert (first, second) == (1, 1)  # 1 + 1 threads on 2 cores, not 1 + 2
     assert verifier.shortened == 1
     with verifier.hold(2) as alone:
         assert alone == 2
