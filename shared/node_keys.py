@@ -9,7 +9,10 @@ from shared.models import AUTO, DTYPES
 from shared.settings import setting
 
 #: ``backend``: where a node's KV caches live (:mod:`shared.backend`).
-BACKEND_CHOICES = ("auto", "dynamic", "static")
+BACKEND_CHOICES = ("auto", "dynamic", "static", "compiled")
+#: ``backend: compiled``: the token counts a compiled decode step is built for (a forward of T tokens runs in the
+#: smallest bucket ≥ T, padded; longer ones take the eager static path).
+COMPILED_BUCKETS = (1, 2, 4, 8, 16)
 #: ``kv_slot_tokens``' default: a static KV slot's length (capped by the model's ``max_position_embeddings``).
 DEFAULT_SLOT_TOKENS = 4096
 #: ``kv_slots: null``: the smaller of max_sessions and max_batch_sessions, but at most this many (the pool is
