@@ -16,6 +16,7 @@ from typing import Any
 from drafter_node.settings import DrafterConfig
 from shared.node_keys import (
     BACKEND_CHOICES,
+    DEFAULT_COMPILED_TOKENS,
     DEFAULT_SLOT_TOKENS,
     node_device,
     node_dtype,
@@ -70,9 +71,17 @@ class VerifierConfig:
     backend: str = setting(
         "auto",
         "Where sessions' KV caches live: static (preallocated slots), dynamic (growing caches), auto (static where "
-        "the target allows it).",
+        "the target allows it), compiled (static slots whose decode steps run torch.compile'd; opt-in, never chosen "
+        "by auto: compiles at start-up).",
         kind="str",
         choices=BACKEND_CHOICES,
+    )
+    compiled_max_tokens: int = setting(
+        DEFAULT_COMPILED_TOKENS,
+        "Compiled backend: the most new tokens of a compiled decode step (steps are compiled for 1, 2, 4, … up to "
+        "it at start-up; longer forwards run eagerly).",
+        kind="int",
+        bounds=(1, 256),
     )
     kv_slot_tokens: int = setting(
         DEFAULT_SLOT_TOKENS,

@@ -36,7 +36,13 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from shared.batch import MASKABLE_ATTENTION, Row, RowOutput, can_batch, feed_rows
 from shared.kv import CachedLM
-from shared.node_keys import BACKEND_CHOICES, COMPILED_BUCKETS, DEFAULT_SLOT_TOKENS
+from shared.node_keys import (
+    BACKEND_CHOICES,
+    COMPILED_BUCKETS,
+    DEFAULT_COMPILED_TOKENS,
+    DEFAULT_SLOT_TOKENS,
+    compiled_buckets,
+)
 
 log = logging.getLogger("pipespec.backend")
 
@@ -343,10 +349,11 @@ class StaticBackend(TargetBackend):
 
 
 def make_backend(model: Any, choice: str, slots: int, slot_tokens: int | None = None,
-                 role: str = "verifier") -> TargetBackend:
+                 role: str = "verifier", compiled_tokens: int = DEFAULT_COMPILED_TOKENS) -> TargetBackend:
     """The backend a node's ``backend`` key asks for. ``auto``, ``static`` and ``compiled``: static slots where the
     model allows them (:func:`static_problem`), else dynamic with one log line saying why; ``compiled`` also compiles
-    its decode steps here (:class:`CompiledBackend`, one log line per bucket). ``slot_tokens`` (None:
+    its decode steps here for 1, 2, 4, … ``compiled_tokens`` new tokens (:class:`CompiledBackend`, one log line per
+    bucket). ``slot_tokens`` (None:
     :data:`DEFAULT_SLOT_TOKENS`) is capped by the model's ``max_position_embeddings``."""
     if choice not in BACKEND_CHOICES:
         raise ValueError(f"{role}.backend must be one of {', '.join(BACKEND_CHOICES)}, got {choice!r}")
@@ -362,7 +369,7 @@ def make_backend(model: Any, choice: str, slots: int, slot_tokens: int | None = 
     if isinstance(positions, int) and positions > 0:
         tokens = min(tokens, positions)
     if choice == "compiled":
-        backend: StaticBackend = CompiledBackend(model, slots, tokens)
+        backend: StaticBackend = CompiledBackend(model, slots, tokens, compiled_buckets(compiled_tokens))
         backend.warm_up()
     else:
         backend = StaticBackend(model, slots, tokens)
@@ -435,7 +442,7 @@ class CompiledBackend(StaticBackend):
                 torch._dynamo.mark_static_address(pool)
         try:
             self._step = torch.compile(self._eager_step, mode=self.mode, dynamic=False, fullgraph=False)
-        except Exception as exc:  # noqa: BLE001 - any failure: the eager path serves
+        except Exception as exc:  # any failure: the eager path serves
             self._fail(exc)
 
     def describe(self) -> str:
@@ -493,7 +500,7 @@ class CompiledBackend(StaticBackend):
         self.step_start.fill_(start)
         try:
             logits = self._step(ids.to(device))
-        except Exception as exc:  # noqa: BLE001 - inductor without a compiler, an unsupported op: eager from now on
+        except Exception as exc:  # no C compiler, an unsupported op: eager from now on
             self._fail(exc)
             return None
         self.compiled_steps += 1

@@ -10,9 +10,21 @@ from shared.settings import setting
 
 #: ``backend``: where a node's KV caches live (:mod:`shared.backend`).
 BACKEND_CHOICES = ("auto", "dynamic", "static", "compiled")
-#: ``backend: compiled``: the token counts a compiled decode step is built for (a forward of T tokens runs in the
-#: smallest bucket ≥ T, padded; longer ones take the eager static path).
-COMPILED_BUCKETS = (1, 2, 4, 8, 16)
+#: ``compiled_max_tokens``' default: ``backend: compiled`` builds a decode step for 1, 2, 4, … up to this many new
+#: tokens (a forward of T tokens runs in the smallest bucket ≥ T, padded; longer ones take the eager static path).
+DEFAULT_COMPILED_TOKENS = 16
+
+
+def compiled_buckets(max_tokens: int) -> tuple[int, ...]:
+    """The compiled step's token buckets: the powers of two below ``max_tokens``, and ``max_tokens``."""
+    buckets, size = [], 1
+    while size < max_tokens:
+        buckets.append(size)
+        size *= 2
+    return (*buckets, max_tokens)
+
+
+COMPILED_BUCKETS = compiled_buckets(DEFAULT_COMPILED_TOKENS)
 #: ``kv_slot_tokens``' default: a static KV slot's length (capped by the model's ``max_position_embeddings``).
 DEFAULT_SLOT_TOKENS = 4096
 #: ``kv_slots: null``: the smaller of max_sessions and max_batch_sessions, but at most this many (the pool is
