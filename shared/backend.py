@@ -499,6 +499,8 @@ class CompiledBackend(StaticBackend):
         self.step_slot.fill_(slot)
         self.step_start.fill_(start)
         try:
+            if self.mode == "reduce-overhead":
+                torch.compiler.cudagraph_mark_step_begin()  # the last replay's outputs were copied out
             logits = self._step(ids.to(device))
         except Exception as exc:  # no C compiler, an unsupported op: eager from now on
             self._fail(exc)
