@@ -380,8 +380,9 @@ def make_backend(model: Any, choice: str, slots: int, slot_tokens: int | None = 
 # ---------------------------------------------------------------------------------------------------- compiled step
 class _StepLayer(DynamicLayer):
     """A compiled step's cache layer over the whole pool: ``update`` writes the T new positions ``start …
-    start + T - 1`` of the step's slot in place (``index_put_``; fixed shapes) and returns that slot whole
-    ``[1, kv_heads, slot_tokens, head_dim]`` (the step's mask hides what lies beyond)."""
+    start + T - 1`` of the step's slot in place (``index_put_``; fixed shapes) and returns the slot's first
+    ``step_width`` positions ``[1, kv_heads, width, head_dim]`` (the step's mask hides what lies beyond the
+    sequence)."""
 
     def __init__(self, pool_keys: torch.Tensor, pool_values: torch.Tensor, step: CompiledBackend):
         self.pool_keys, self.pool_values, self.step = pool_keys, pool_values, step
@@ -400,34 +401,53 @@ class _StepLayer(DynamicLayer):
         for pool, states in ((self.pool_keys, key_states), (self.pool_values, value_states)):
             heads = torch.arange(pool.shape[1], device=self.device)[:, None]
             pool.index_put_((slot_index, heads, positions), states[0])
-        return self.pool_keys.index_select(0, slot), self.pool_values.index_select(0, slot)
+        width = self.step.step_width
+        return (self.pool_keys[:, :, :width].index_select(0, slot),
+                self.pool_values[:, :, :width].index_select(0, slot))
 
     def get_seq_length(self) -> int:
         return 0  # positions are always given
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.pool_keys.shape[-2], 0
+        return self.step.step_width, 0
+
+
+def _widths(slot_tokens: int, smallest: int) -> tuple[int, ...]:
+    """The attention widths of a compiled step: ``smallest``, doubled up to the slot's length, and that length."""
+    widths, width = [], max(1, smallest)
+    while width < slot_tokens:
+        widths.append(width)
+        width *= 2
+    return (*widths, slot_tokens)
 
 
 class CompiledBackend(StaticBackend):
     """Static slots whose single-sequence forwards of up to ``max(buckets)`` tokens run a ``torch.compile``d step
     with fixed shapes (the gpt-fast way): the T new tokens are padded up to their bucket (1, 2, 4, 8, 16), K/V are
-    written into the slot with ``index_put_`` at positions held in a tensor, and attention runs over the whole slot
-    with a mask built from that tensor, so neither the sequence's length nor its slot changes a shape and the step
-    never recompiles per token. CPU: inductor (``mode``, default None); CUDA: ``reduce-overhead`` (CUDA graphs).
+    written into the slot with ``index_put_`` at positions held in a tensor, and attention runs over a fixed width
+    of the slot (the smallest of ``min_width``, doubled up to the slot's length, that holds the sequence) with a
+    mask built from that tensor, so neither the sequence's length nor its slot changes a shape and the step never
+    recompiles per token: one graph per (bucket, width). CPU: inductor (``mode``, default None); CUDA:
+    ``reduce-overhead`` (CUDA graphs).
 
     What the step cannot serve takes the static backend's eager path on the same slot memory (same results):
     batched rows, trees (custom positions / visibility), ``want_hidden``, forwards longer than the largest bucket
     (prefills) and the last ``max(buckets)`` positions of a slot. A compile or run failure switches the step off
-    for good with one log line (never a crash). Every bucket is compiled by :meth:`warm_up` (``make_backend`` calls
-    it at start-up, one log line per bucket); a bucket not warmed up compiles at its first use."""
+    for good with one log line (never a crash). :meth:`warm_up` (``make_backend`` calls it at start-up) compiles
+    every bucket at the smallest width, one log line each; a (bucket, width) not compiled yet compiles at its first
+    use (a sequence growing past a width), with a log line saying so and how long it took."""
 
     name = "compiled"
 
     def __init__(self, model: Any, slots: int, slot_tokens: int, buckets: tuple[int, ...] = COMPILED_BUCKETS,
-                 mode: str | None = None):
+                 mode: str | None = None, min_width: int = 256):
         super().__init__(model, slots, slot_tokens)
-        self.buckets = tuple(sorted(set(buckets)))
+        self.buckets = tuple(b for b in sorted(set(buckets)) if b <= slot_tokens)
+        self.widths = _widths(slot_tokens, min_width)
+        self.step_width = self.widths[0]
+        self._compiled: set[tuple[int, int]] = set()  # (bucket, width) graphs built
+        limits = torch._dynamo.config
+        limits.recompile_limit = max(limits.recompile_limit, len(self.buckets) * len(self.widths) + 8)
         device = self.pool_keys[0].device
         cuda = device.type == "cuda"
         self.mode = mode if mode is not None else ("reduce-overhead" if cuda else None)
@@ -447,7 +467,8 @@ class CompiledBackend(StaticBackend):
 
     def describe(self) -> str:
         state = f"off, eager static steps: {self.failure}" if self.failure else \
-            f"buckets {', '.join(map(str, self.buckets))}, mode {self.mode or 'default'}"
+            f"buckets {', '.join(map(str, self.buckets))}, widths {', '.join(map(str, self.widths))}, " \
+            f"mode {self.mode or 'default'}"
         return super().describe().replace("static (", "compiled static (", 1) + f", compiled step: {state}"
 
     def _fail(self, exc: BaseException) -> None:
@@ -464,7 +485,7 @@ class CompiledBackend(StaticBackend):
     def _eager_step(self, ids: torch.Tensor) -> torch.Tensor:
         """The step compiled: one forward of ``ids`` [1, T] at positions ``step_start …`` of slot ``step_slot``."""
         new = ids.shape[1]
-        width = self.slot_tokens
+        width = self.step_width
         device = ids.device
         rows = self.step_start + torch.arange(new, device=device)
         visible = torch.arange(width, device=device)[None, :] <= rows[:, None]
@@ -479,7 +500,8 @@ class CompiledBackend(StaticBackend):
 
     @torch.inference_mode()
     def warm_up(self) -> None:
-        """Compile every bucket now (on slot 0's free positions: nothing a handle holds), one log line each."""
+        """Compile every bucket at the smallest width now (on slot 0's free positions: nothing a handle holds), one
+        log line each."""
         for bucket in self.buckets:
             if self.failure:
                 return
@@ -488,8 +510,13 @@ class CompiledBackend(StaticBackend):
             if self.failure:
                 return
             self.compile_s[bucket] = time.perf_counter() - t0
-            log.info("compiled KV backend: step of %d token(s) compiled in %.1f s", bucket, self.compile_s[bucket])
+            log.info("compiled KV backend: step of %d token(s) over %d positions compiled in %.1f s", bucket,
+                     self.widths[0], self.compile_s[bucket])
         self.compiled_steps = 0
+
+    def width(self, end: int) -> int:
+        """The attention width of a step whose padded tokens end at ``end``."""
+        return next(w for w in self.widths if w >= end)
 
     def _run(self, slot: int, start: int, tokens: list[int], bucket: int) -> torch.Tensor | None:
         """The compiled step's logits [count, vocab] (float32), or None when it failed (then switched off)."""
@@ -498,6 +525,10 @@ class CompiledBackend(StaticBackend):
         ids[0, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
         self.step_slot.fill_(slot)
         self.step_start.fill_(start)
+        self.step_width = self.width(start + bucket)
+        graph = (bucket, self.step_width)
+        fresh = graph not in self._compiled
+        t0 = time.perf_counter()
         try:
             if self.mode == "reduce-overhead":
                 torch.compiler.cudagraph_mark_step_begin()  # the last replay's outputs were copied out
@@ -505,6 +536,11 @@ class CompiledBackend(StaticBackend):
         except Exception as exc:  # no C compiler, an unsupported op: eager from now on
             self._fail(exc)
             return None
+        if fresh:
+            self._compiled.add(graph)
+            if self.compiled_steps or start:  # not warm_up's: a first use
+                log.info("compiled KV backend: step of %d token(s) over %d positions compiled at first use in "
+                         "%.1f s", bucket, self.step_width, time.perf_counter() - t0)
         self.compiled_steps += 1
         return logits[0, : len(tokens)].float().clone()
 
