@@ -446,6 +446,7 @@ class CompiledBackend(StaticBackend):
         self.widths = _widths(slot_tokens, min_width)
         self.step_width = self.widths[0]
         self._compiled: set[tuple[int, int]] = set()  # (bucket, width) graphs built
+        self._warming = False
         limits = torch._dynamo.config
         limits.recompile_limit = max(limits.recompile_limit, len(self.buckets) * len(self.widths) + 8)
         device = self.pool_keys[0].device
@@ -502,16 +503,18 @@ class CompiledBackend(StaticBackend):
     def warm_up(self) -> None:
         """Compile every bucket at the smallest width now (on slot 0's free positions: nothing a handle holds), one
         log line each."""
+        self._warming = True
         for bucket in self.buckets:
             if self.failure:
-                return
+                break
             t0 = time.perf_counter()
             self._run(0, 0, [0] * bucket, bucket)
             if self.failure:
-                return
+                break
             self.compile_s[bucket] = time.perf_counter() - t0
             log.info("compiled KV backend: step of %d token(s) over %d positions compiled in %.1f s", bucket,
                      self.widths[0], self.compile_s[bucket])
+        self._warming = False
         self.compiled_steps = 0
 
     def width(self, end: int) -> int:
@@ -538,7 +541,7 @@ class CompiledBackend(StaticBackend):
             return None
         if fresh:
             self._compiled.add(graph)
-            if self.compiled_steps or start:  # not warm_up's: a first use
+            if not self._warming:
                 log.info("compiled KV backend: step of %d token(s) over %d positions compiled at first use in "
                          "%.1f s", bucket, self.step_width, time.perf_counter() - t0)
         self.compiled_steps += 1

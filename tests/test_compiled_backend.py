@@ -81,10 +81,12 @@ def _greedy_rounds(folder, model, backend, prompt: list[int], new: int = 60) -> 
 
 @pytest.mark.unit
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_compiled_sessions_equal_generate(compiled, arch):
+def test_compiled_sessions_equal_generate(compiled, arch, caplog):
     folder, model, backend = compiled(arch)
     before = backend.compiled_steps
-    ours, truth = _greedy_rounds(folder, model, backend, _ids(3, 9))
+    with caplog.at_level(logging.INFO, logger="pipespec.backend"):
+        ours, truth = _greedy_rounds(folder, model, backend, _ids(3, 9))
+    assert ("over 96 positions compiled at first use" in caplog.text) == (arch == "llama")
     assert ours == truth
     assert {w for _, w in backend._compiled} == set(backend.widths)  # the session grew past the first width
     assert backend.compiled_steps - before >= 15  # the compiled step really served the rounds
