@@ -16,6 +16,8 @@ such handles (``feed_rows``) and says whether it can (``can_batch``). Two implem
   gather), with a ragged 4D mask and per-row positions. Only for models whose cache layers are all plain attention
   layers and whose attention kernel takes a custom mask (:func:`static_problem`): ``auto`` serves the others with
   the dynamic backend and says why once at start-up (:func:`make_backend`).
+* :class:`CompiledBackend` (``compiled``, opt-in): static slots whose single-sequence forwards of a few tokens run
+  a ``torch.compile``d fixed-shape step (everything else: the static eager path on the same slots).
 
 When every slot is taken, :meth:`StaticBackend.open` hands out a dynamic handle instead (a sequence never fails for
 want of a slot; a batch holding such a handle runs the dynamic, copying path). A sequence that may grow beyond a
