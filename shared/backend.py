@@ -3,7 +3,7 @@
 A backend opens one *handle* per sequence (a verifier session; :class:`shared.kv.CachedLM`'s public surface:
 ``feed``, ``crop``, ``length``, ``uncached``, ``next_logits``, ``new_rows``, ``held_rows``, ``check_kv_layers``,
 ``recurrent``, ``grew``, the counters, and ``close`` to give its memory back), runs a batched forward over rows of
-such handles (``feed_rows``) and says whether it can (``can_batch``). Two implementations:
+such handles (``feed_rows``) and says whether it can (``can_batch``). Three implementations:
 
 * :class:`DynamicBackend` (``dynamic``): each handle is a batch-1 transformers ``DynamicCache`` that grows by
   concatenation; a batched forward stacks the rows' caches into a fresh batch cache and copies the new rows back
