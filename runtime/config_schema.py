@@ -15,6 +15,7 @@ from typing import Any
 
 from drafter_node.settings import DrafterConfig
 from shared.node_keys import (
+    DEFAULT_COMPILED_TOKENS,
     node_backend,
     node_device,
     node_dtype,
@@ -69,6 +70,13 @@ class VerifierConfig:
         DEFAULT_MAX_MESSAGE_BYTES, "Larger messages get an error reply.", kind="int", bounds=(1, None)
     )
     backend: str = node_backend()
+    compiled_max_tokens: int = setting(
+        DEFAULT_COMPILED_TOKENS,
+        "Compiled backend: the most new tokens of a compiled decode step (steps are compiled for 1, 2, 4, … up to "
+        "it at start-up; longer forwards run eagerly).",
+        kind="int",
+        bounds=(1, 256),
+    )
     kv_slot_tokens: int = node_kv_slot_tokens()
     kv_slots: Any = node_kv_slots("the smallest of max_sessions, max_batch_sessions and 8")
     allow_remote: bool = setting(

@@ -16,6 +16,11 @@ Everything is built on the spot (no downloads, no real weights) and the run prin
   and device replaced), one greedy generation of 64 tokens, against transformers on the target alone and
   transformers assisted generation on the same device. Random weights mean near-zero acceptance: this part
   measures the cost of a round, not a speed-up.
+- ``d`` compiled step (on a GPU, or with ``--compiled``): ``backend: compiled`` (``shared.backend.CompiledBackend``,
+  CUDA graphs through ``mode="reduce-overhead"`` on a GPU, buckets 1, 2, 4, 8): greedy speculative rounds with drafts
+  of 0 to 7 tokens (half of them wrong) on tiny float32 Llama and Qwen2 targets must equal ``generate`` (else exit
+  1), with the compile time per bucket; then ms per single-token decode step of the smaller random model of ``b``
+  (bf16, after the same prefix) on a dynamic cache, eager static slots and the compiled step.
 
 A time guard skips what is left, with a note, once ``--budget`` seconds have passed (checked before every step).
 
@@ -551,11 +556,14 @@ def part_overhead(plan: Plan, device: str, pair: tuple[Any, Any], folders: tuple
                f"draft transit {m['draft_transit_ms']:.2f} ms, acceptance {m['acceptance_rate']:.2f}{same}")
 
 
-def part_models(plan: Plan, device: str, tmp: Path, tm, guard: Guard, report: Report) -> None:
-    """Parts b and c share one random pair, built once."""
+def part_models(plan: Plan, device: str, tmp: Path, tm, guard: Guard, report: Report,
+                compiled: bool = False) -> None:
+    """Parts b and c share one random pair, built once (and part d times its decode step on the smaller one)."""
     if guard.over("b, c"):
         report.skip("b", "cost curves", guard)
         report.skip("c", "per-round overhead", guard)
+        if compiled:
+            report.skip("d", "compiled step", guard)
         return
     root = tmp / "shaped"
     vocab = plan.target_shape["vocab_size"]
@@ -571,8 +579,130 @@ def part_models(plan: Plan, device: str, tmp: Path, tm, guard: Guard, report: Re
     log(f"random {plan.shape_names[0]} / {plan.shape_names[1]} pair built and saved in {time.monotonic() - t0:.1f} s")
     part_costs(plan, device, [(plan.shape_names[0], target), (plan.shape_names[1], draft)], guard, report)
     part_overhead(plan, device, (target, draft), folders, guard, report)
+    if compiled:
+        part_compiled(plan, device, tmp, tm, guard, report, draft, f"{plan.shape_names[1]} bf16")
     del target, draft
     free_memory(device)
+
+
+# ---------------------------------------------------------------------------------------------- d: compiled step
+
+
+COMPILED_BUCKETS = (1, 2, 4, 8)
+
+
+def spec_greedy(lm, prompt: list[int], n: int, truth: list[int]) -> list[int]:
+    """Greedy speculative rounds on one cache handle with drafts of 0, 1, 3 and 7 tokens taken from ``truth``,
+    every other one half wrong (several buckets, rejections that crop and continue); returns the n tokens."""
+    lm.feed(prompt[:-1], last_logits_only=True)
+    out, pending, rnd = [], prompt[-1], 0
+    while len(out) < n:
+        size, right = (0, 1, 3, 7)[rnd % 4], truth[len(out):]
+        draft = right[:size] if rnd % 2 == 0 else [*right[: size // 2], 3, 3, 3, 3, 3, 3, 3][:size]
+        draft = draft[: max(0, n - len(out) - 1)]
+        logits, _ = lm.feed([pending, *draft])
+        base = lm.length - len(draft) - 1
+        picks = logits.argmax(-1).tolist()
+        accepted = 0
+        while accepted < len(draft) and draft[accepted] == picks[accepted]:
+            accepted += 1
+        out += [*draft[:accepted], picks[accepted]]
+        lm.crop(base + 1 + accepted)
+        pending, rnd = out[-1], rnd + 1
+    return out[:n]
+
+
+def step_ms(lm, prefix: list[int], reps: int, device: str) -> float:
+    """Median ms of one single-token decode step after ``prefix`` (cropped back after each)."""
+    lm.feed(prefix, last_logits_only=True)
+    times = []
+    for rep in range(reps + 3):  # three untimed warm-ups
+        sync(device)
+        t0 = time.perf_counter()
+        lm.feed(prefix[-1:])
+        sync(device)
+        if rep >= 3:
+            times.append(time.perf_counter() - t0)
+        lm.crop(len(prefix))
+    lm.close()
+    return 1000 * statistics.median(times)
+
+
+def part_compiled(plan: Plan, device: str, tmp: Path, tm, guard: Guard, report: Report, timed=None,
+                  timed_name: str = "") -> None:
+    """``backend: compiled`` (``shared.backend.CompiledBackend``; CUDA: mode reduce-overhead, CUDA graphs): greedy
+    identity of speculative rounds on tiny float32 targets against ``generate``, then ms per single-token decode
+    step of ``timed`` (a random model) on the compiled step, the eager static slots and a dynamic cache."""
+    import torch
+
+    from shared.backend import CompiledBackend, StaticBackend
+    from shared.kv import CachedLM
+
+    root = tmp / "compiled"
+    tokenizer = root / "tokenizer"
+    tm.build_tokenizer(tokenizer)
+    prompts, n = IDENTITY_PROMPTS[: plan.prompts], plan.identity_tokens
+    raw = report.raw.setdefault("compiled", {"identity": [], "timing": None})
+    for arch in plan.archs:
+        if guard.over(f"d {arch}"):
+            report.skip("d", f"compiled {arch}", guard)
+            continue
+        try:
+            folder = tm.build_model(root / f"{arch}-target", arch, tokenizer, seed=1, layers=2)
+            model = load_on(folder, device, "float32")
+            expected = [hf_generate(model, p, n, device) for p in prompts]
+            backend = CompiledBackend(model, 2, 256, COMPILED_BUCKETS)
+            backend.warm_up()
+            got = []
+            for p, truth in zip(prompts, expected):
+                handle = backend.open()
+                got.append(spec_greedy(handle, p, n, truth))
+                handle.close()
+            matches = sum(a == b for a, b in zip(got, expected))
+            compile_s = " · ".join(f"{b}: {s:.1f}" for b, s in backend.compile_s.items())
+            detail = (f"mode {backend.mode or 'default'}; compile s per bucket {compile_s or '—'}; "
+                      f"{backend.compiled_steps} compiled steps")
+            if backend.failure:
+                detail = f"compile failed, eager fallback: {backend.failure}"
+                report.failed.append(f"d compiled {arch}: {backend.failure}")
+            elif matches < len(prompts):
+                report.failed.append(f"d compiled {arch}: {len(prompts) - matches} prompt(s) differ from generate")
+            raw["identity"].append({"arch": arch, "matches": matches, "prompts": len(prompts),
+                                    "compile_s": backend.compile_s, "failure": backend.failure,
+                                    "compiled_steps": backend.compiled_steps})
+            report.row("d", f"compiled {arch} float32 greedy", f"{matches}/{len(prompts)} prompts match", detail)
+            del model, backend
+            free_memory(device)
+        except Exception as exc:
+            report.error("d", f"compiled {arch}", exc)
+    if timed is None or guard.over("d timing"):
+        if timed is not None:
+            report.skip("d", "compiled step timing", guard)
+        return
+    try:
+        vocab = timed.config.vocab_size
+        prefix = torch.randint(2, vocab, (plan.prefix_len,), generator=torch.Generator().manual_seed(0)).tolist()
+        slot_tokens = 2 * plan.prefix_len + 56
+        t0 = time.monotonic()
+        compiled = CompiledBackend(timed, 1, slot_tokens, (1,))
+        compiled.warm_up()
+        ms = {"dynamic": step_ms(CachedLM(timed), prefix, plan.reps, device)}
+        static = StaticBackend(timed, 1, slot_tokens)
+        ms["static"] = step_ms(static.open(), prefix, plan.reps, device)
+        del static
+        ms["compiled"] = step_ms(compiled.open(), prefix, plan.reps, device)
+        raw["timing"] = {"model": timed_name, "ms": ms, "compile_s": compiled.compile_s, "failure": compiled.failure,
+                         "slot_tokens": slot_tokens, "prefix_len": plan.prefix_len}
+        detail = (f"prefix {plan.prefix_len}, slot {slot_tokens}; mode {compiled.mode or 'default'}, compile "
+                  f"{compiled.compile_s.get(1, float('nan')):.1f} s; whole part {time.monotonic() - t0:.0f} s")
+        if compiled.failure:
+            detail += f"; compile FAILED, eager: {compiled.failure}"
+        report.row("d", f"{timed_name}: ms per 1-token step dynamic · static · compiled",
+                   " · ".join(f"{ms[k]:.2f}" for k in ("dynamic", "static", "compiled")), detail)
+        del compiled
+        free_memory(device)
+    except Exception as exc:
+        report.error("d", "compiled step timing", exc)
 
 
 # ---------------------------------------------------------------------------------------------- output
@@ -602,6 +732,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--budget", type=float, default=DEFAULT_BUDGET_S,
                    help=f"seconds after which what is left is skipped (default {DEFAULT_BUDGET_S:.0f})")
     p.add_argument("--parallel", type=int, help="identity clusters run at once (default: cores // 2, 1 to 8)")
+    p.add_argument("--compiled", action="store_true",
+                   help="part d (the compiled backend) on the CPU too (always on a GPU)")
     p.add_argument("--install-wheels", type=Path, metavar="DIR",
                    help="first pip install --no-index the wheels in DIR (e.g. pyzmq) into --wheels-target")
     p.add_argument("--wheels-target", type=Path, default=Path(tempfile.gettempdir()) / "pipespec-gpu-check-site",
@@ -657,7 +789,9 @@ def main(argv: list[str] | None = None) -> int:
             except Exception as exc:
                 report.error("a", "greedy identity", exc)
             free_memory(device)
-            part_models(plan, device, Path(tmp), tm, guard, report)
+            # d: the compiled backend on a GPU (CUDA graphs); on the CPU only when asked (inductor, slow to compile)
+            part_models(plan, device, Path(tmp), tm, guard, report,
+                        compiled=device.startswith("cuda") or args.compiled)
     meta["elapsed_s"] = guard.elapsed()
     notes = []
     if guard.skipped:

@@ -3,7 +3,7 @@
 A backend opens one *handle* per sequence (a verifier session; :class:`shared.kv.CachedLM`'s public surface:
 ``feed``, ``crop``, ``length``, ``uncached``, ``next_logits``, ``new_rows``, ``held_rows``, ``check_kv_layers``,
 ``recurrent``, ``grew``, the counters, and ``close`` to give its memory back), runs a batched forward over rows of
-such handles (``feed_rows``) and says whether it can (``can_batch``). Two implementations:
+such handles (``feed_rows``) and says whether it can (``can_batch``). Three implementations:
 
 * :class:`DynamicBackend` (``dynamic``): each handle is a batch-1 transformers ``DynamicCache`` that grows by
   concatenation; a batched forward stacks the rows' caches into a fresh batch cache and copies the new rows back
@@ -16,6 +16,8 @@ such handles (``feed_rows``) and says whether it can (``can_batch``). Two implem
   gather), with a ragged 4D mask and per-row positions. Only for models whose cache layers are all plain attention
   layers and whose attention kernel takes a custom mask (:func:`static_problem`): ``auto`` serves the others with
   the dynamic backend and says why once at start-up (:func:`make_backend`).
+* :class:`CompiledBackend` (``compiled``, opt-in): static slots whose single-sequence forwards of a few tokens run
+  a ``torch.compile``d fixed-shape step (everything else: the static eager path on the same slots).
 
 When every slot is taken, :meth:`StaticBackend.open` hands out a dynamic handle instead (a sequence never fails for
 want of a slot; a batch holding such a handle runs the dynamic, copying path). A sequence that may grow beyond a
@@ -26,6 +28,7 @@ slot (``open(tokens=…)``) gets a dynamic handle too; a forward that would stil
 from __future__ import annotations
 
 import logging
+import time
 from abc import ABC, abstractmethod
 from typing import Any
 
@@ -35,11 +38,15 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from shared.batch import MASKABLE_ATTENTION, Row, RowOutput, can_batch, feed_rows
 from shared.kv import CachedLM
-from shared.node_keys import BACKEND_CHOICES, DEFAULT_SLOT_TOKENS
+from shared.node_keys import (
+    BACKEND_CHOICES,
+    COMPILED_BUCKETS,
+    DEFAULT_COMPILED_TOKENS,
+    DEFAULT_SLOT_TOKENS,
+    compiled_buckets,
+)
 
 log = logging.getLogger("pipespec.backend")
-
-
 
 class SlotOverflow(ValueError):
     """A forward would write past the end of a sequence's KV slot (nothing was written)."""
@@ -344,9 +351,11 @@ class StaticBackend(TargetBackend):
 
 
 def make_backend(model: Any, choice: str, slots: int, slot_tokens: int | None = None,
-                 role: str = "verifier") -> TargetBackend:
-    """The backend a node's ``backend`` key asks for. ``auto`` and ``static``: static slots where the model allows
-    them (:func:`static_problem`), else dynamic with one log line saying why. ``slot_tokens`` (None:
+                 role: str = "verifier", compiled_tokens: int = DEFAULT_COMPILED_TOKENS) -> TargetBackend:
+    """The backend a node's ``backend`` key asks for. ``auto``, ``static`` and ``compiled``: static slots where the
+    model allows them (:func:`static_problem`), else dynamic with one log line saying why; ``compiled`` also compiles
+    its decode steps here for 1, 2, 4, … ``compiled_tokens`` new tokens (:class:`CompiledBackend`, one log line per
+    bucket). ``slot_tokens`` (None:
     :data:`DEFAULT_SLOT_TOKENS`) is capped by the model's ``max_position_embeddings``."""
     if choice not in BACKEND_CHOICES:
         raise ValueError(f"{role}.backend must be one of {', '.join(BACKEND_CHOICES)}, got {choice!r}")
@@ -361,6 +370,209 @@ def make_backend(model: Any, choice: str, slots: int, slot_tokens: int | None = 
     positions = getattr(model.config, "max_position_embeddings", None)
     if isinstance(positions, int) and positions > 0:
         tokens = min(tokens, positions)
-    backend = StaticBackend(model, slots, tokens)
+    if choice == "compiled":
+        backend: StaticBackend = CompiledBackend(model, slots, tokens, compiled_buckets(compiled_tokens))
+        backend.warm_up()
+    else:
+        backend = StaticBackend(model, slots, tokens)
     log.info("%s: KV backend %s", role, backend.describe())
     return backend
+
+
+# ---------------------------------------------------------------------------------------------------- compiled step
+class _StepLayer(DynamicLayer):
+    """A compiled step's cache layer over the whole pool: ``update`` writes the T new positions ``start …
+    start + T - 1`` of the step's slot in place (``index_put_``; fixed shapes) and returns the slot's first
+    ``step_width`` positions ``[1, kv_heads, width, head_dim]`` (the step's mask hides what lies beyond the
+    sequence)."""
+
+    def __init__(self, pool_keys: torch.Tensor, pool_values: torch.Tensor, step: CompiledBackend):
+        self.pool_keys, self.pool_values, self.step = pool_keys, pool_values, step
+        self.device = pool_keys.device
+        self.is_initialized = True
+        self.keys = self.values = None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        pass
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        slot, start = self.step.step_slot, self.step.step_start
+        new = key_states.shape[-2]
+        positions = (start + torch.arange(new, device=self.device))[None, :]
+        slot_index = slot.view(1, 1)
+        for pool, states in ((self.pool_keys, key_states), (self.pool_values, value_states)):
+            heads = torch.arange(pool.shape[1], device=self.device)[:, None]
+            pool.index_put_((slot_index, heads, positions), states[0])
+        width = self.step.step_width
+        return (self.pool_keys[:, :, :width].index_select(0, slot),
+                self.pool_values[:, :, :width].index_select(0, slot))
+
+    def get_seq_length(self) -> int:
+        return 0  # positions are always given
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.step.step_width, 0
+
+
+def _widths(slot_tokens: int, smallest: int) -> tuple[int, ...]:
+    """The attention widths of a compiled step: ``smallest``, doubled up to the slot's length, and that length."""
+    widths, width = [], max(1, smallest)
+    while width < slot_tokens:
+        widths.append(width)
+        width *= 2
+    return (*widths, slot_tokens)
+
+
+class CompiledBackend(StaticBackend):
+    """Static slots whose single-sequence forwards of up to ``max(buckets)`` tokens run a ``torch.compile``d step
+    with fixed shapes (the gpt-fast way): the T new tokens are padded up to their bucket (1, 2, 4, 8, 16), K/V are
+    written into the slot with ``index_put_`` at positions held in a tensor, and attention runs over a fixed width
+    of the slot (the smallest of ``min_width``, doubled up to the slot's length, that holds the sequence) with a
+    mask built from that tensor, so neither the sequence's length nor its slot changes a shape and the step never
+    recompiles per token: one graph per (bucket, width). CPU: inductor (``mode``, default None); CUDA:
+    ``reduce-overhead`` (CUDA graphs).
+
+    What the step cannot serve takes the static backend's eager path on the same slot memory (same results):
+    batched rows, trees (custom positions / visibility), ``want_hidden``, forwards longer than the largest bucket
+    (prefills) and the last ``max(buckets)`` positions of a slot. A compile or run failure switches the step off
+    for good with one log line (never a crash). :meth:`warm_up` (``make_backend`` calls it at start-up) compiles
+    every bucket at the smallest width, one log line each; a (bucket, width) not compiled yet compiles at its first
+    use (a sequence growing past a width), with a log line saying so and how long it took."""
+
+    name = "compiled"
+
+    def __init__(self, model: Any, slots: int, slot_tokens: int, buckets: tuple[int, ...] = COMPILED_BUCKETS,
+                 mode: str | None = None, min_width: int = 256):
+        super().__init__(model, slots, slot_tokens)
+        self.buckets = tuple(b for b in sorted(set(buckets)) if b <= slot_tokens)
+        self.widths = _widths(slot_tokens, min_width)
+        self.step_width = self.widths[0]
+        self._compiled: set[tuple[int, int]] = set()  # (bucket, width) graphs built
+        self._warming = False
+        limits = torch._dynamo.config
+        limits.recompile_limit = max(limits.recompile_limit, len(self.buckets) * len(self.widths) + 8)
+        device = self.pool_keys[0].device
+        cuda = device.type == "cuda"
+        self.mode = mode if mode is not None else ("reduce-overhead" if cuda else None)
+        self.step_slot = torch.zeros(1, dtype=torch.long, device=device)
+        self.step_start = torch.zeros((), dtype=torch.long, device=device)
+        self.compile_s: dict[int, float] = {}
+        self.compiled_steps = 0  # forwards the compiled step served
+        self.failure: str | None = None
+        self._cache = Cache(layers=[_StepLayer(k, v, self) for k, v in zip(self.pool_keys, self.pool_values)])
+        if cuda:
+            for pool in (*self.pool_keys, *self.pool_values):
+                torch._dynamo.mark_static_address(pool)
+        try:
+            self._step = torch.compile(self._eager_step, mode=self.mode, dynamic=False, fullgraph=False)
+        except Exception as exc:  # any failure: the eager path serves
+            self._fail(exc)
+
+    def describe(self) -> str:
+        state = f"off, eager static steps: {self.failure}" if self.failure else \
+            f"buckets {', '.join(map(str, self.buckets))}, widths {', '.join(map(str, self.widths))}, " \
+            f"mode {self.mode or 'default'}"
+        return super().describe().replace("static (", "compiled static (", 1) + f", compiled step: {state}"
+
+    def _fail(self, exc: BaseException) -> None:
+        self.failure = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+        log.warning("compiled KV backend: torch.compile failed, every forward takes the eager static path (%s)",
+                    self.failure)
+
+    def open(self, tokens: int | None = None) -> CachedLM:
+        handle = super().open(tokens)
+        if isinstance(handle, StaticHandle):
+            handle.__class__ = CompiledHandle
+        return handle
+
+    def _eager_step(self, ids: torch.Tensor) -> torch.Tensor:
+        """The step compiled: one forward of ``ids`` [1, T] at positions ``step_start …`` of slot ``step_slot``."""
+        new = ids.shape[1]
+        width = self.step_width
+        device = ids.device
+        rows = self.step_start + torch.arange(new, device=device)
+        visible = torch.arange(width, device=device)[None, :] <= rows[:, None]
+        mask = torch.zeros(1, 1, new, width, dtype=self._dtype, device=device)
+        mask = mask.masked_fill(~visible[None, None], torch.finfo(self._dtype).min)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=rows[None, :], cache=self._cache,
+                         use_cache=True)
+        return out.logits
+
+    def bucket(self, count: int) -> int | None:
+        return next((b for b in self.buckets if b >= count), None)
+
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """Compile every bucket at the smallest width now (on slot 0's free positions: nothing a handle holds), one
+        log line each."""
+        self._warming = True
+        for bucket in self.buckets:
+            if self.failure:
+                break
+            t0 = time.perf_counter()
+            self._run(0, 0, [0] * bucket, bucket)
+            if self.failure:
+                break
+            self.compile_s[bucket] = time.perf_counter() - t0
+            log.info("compiled KV backend: step of %d token(s) over %d positions compiled in %.1f s", bucket,
+                     self.widths[0], self.compile_s[bucket])
+        self._warming = False
+        self.compiled_steps = 0
+
+    def width(self, end: int) -> int:
+        """The attention width of a step whose padded tokens end at ``end``."""
+        return next(w for w in self.widths if w >= end)
+
+    def _run(self, slot: int, start: int, tokens: list[int], bucket: int) -> torch.Tensor | None:
+        """The compiled step's logits [count, vocab] (float32), or None when it failed (then switched off)."""
+        device = self.step_slot.device
+        ids = torch.zeros(1, bucket, dtype=torch.long)
+        ids[0, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        self.step_slot.fill_(slot)
+        self.step_start.fill_(start)
+        self.step_width = self.width(start + bucket)
+        graph = (bucket, self.step_width)
+        fresh = graph not in self._compiled
+        t0 = time.perf_counter()
+        try:
+            if self.mode == "reduce-overhead":
+                torch.compiler.cudagraph_mark_step_begin()  # the last replay's outputs were copied out
+            logits = self._step(ids.to(device))
+        except Exception as exc:  # no C compiler, an unsupported op: eager from now on
+            self._fail(exc)
+            return None
+        if fresh:
+            self._compiled.add(graph)
+            if not self._warming:
+                log.info("compiled KV backend: step of %d token(s) over %d positions compiled at first use in "
+                         "%.1f s", bucket, self.step_width, time.perf_counter() - t0)
+        self.compiled_steps += 1
+        return logits[0, : len(tokens)].float().clone()
+
+    def serves(self, lm: CachedLM, count: int, want_hidden: bool) -> int | None:
+        """The bucket the compiled step would run ``count`` new tokens of ``lm`` in (None: the eager path)."""
+        if self.failure or want_hidden or not count or not self._ours(lm):
+            return None
+        bucket = self.bucket(count)
+        if bucket is None or lm.length + bucket > self.slot_tokens:
+            return None
+        return bucket
+
+
+class CompiledHandle(StaticHandle):
+    """A static slot's handle whose small forwards go through its backend's compiled step."""
+
+    backend: CompiledBackend
+
+    @torch.inference_mode()
+    def feed(self, token_ids: list[int], want_hidden: bool = False,
+             last_logits_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        bucket = self.backend.serves(self, len(token_ids), want_hidden)
+        if bucket is not None:
+            logits = self.backend._run(self.slot, self.length, token_ids, bucket)
+            if logits is not None:
+                for layer in self.cache.layers:
+                    layer.length += len(token_ids)
+                self.grew(len(token_ids))
+                return (logits[-1:] if last_logits_only else logits), None
+        return super().feed(token_ids, want_hidden=want_hidden, last_logits_only=last_logits_only)

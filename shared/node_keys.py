@@ -10,7 +10,22 @@ from shared.models import AUTO, DTYPES
 from shared.settings import setting
 
 #: ``backend``: where a node's KV caches live (:mod:`shared.backend`).
-BACKEND_CHOICES = ("auto", "dynamic", "static")
+BACKEND_CHOICES = ("auto", "dynamic", "static", "compiled")
+#: ``compiled_max_tokens``' default: ``backend: compiled`` builds a decode step for 1, 2, 4, … up to this many new
+#: tokens (a forward of T tokens runs in the smallest bucket ≥ T, padded; longer ones take the eager static path).
+DEFAULT_COMPILED_TOKENS = 16
+
+
+def compiled_buckets(max_tokens: int) -> tuple[int, ...]:
+    """The compiled step's token buckets: the powers of two below ``max_tokens``, and ``max_tokens``."""
+    buckets, size = [], 1
+    while size < max_tokens:
+        buckets.append(size)
+        size *= 2
+    return (*buckets, max_tokens)
+
+
+COMPILED_BUCKETS = compiled_buckets(DEFAULT_COMPILED_TOKENS)
 #: ``kv_slot_tokens``' default: a static KV slot's length (capped by the model's ``max_position_embeddings``).
 DEFAULT_SLOT_TOKENS = 4096
 #: ``kv_slots: null``: the smaller of max_sessions and max_batch_sessions, but at most this many (the pool is
@@ -44,7 +59,8 @@ def node_backend() -> Any:
     return setting(
         "auto",
         "Where sessions' KV caches live: static (preallocated slots), dynamic (growing caches), auto (static where "
-        "the model allows it).",
+        "the model allows it), compiled (static slots whose single-session steps run torch.compile'd; opt-in, never "
+        "chosen by auto: it compiles at start-up).",
         kind="str",
         choices=BACKEND_CHOICES,
     )

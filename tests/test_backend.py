@@ -247,8 +247,8 @@ def test_make_backend_sizes_slots_and_falls_back_where_static_cannot_serve(tiny,
     backend = make_backend(model, "auto", slots=2, slot_tokens=10**6)
     assert backend.name == "static" and backend.slot_tokens == model.config.max_position_embeddings
     assert make_backend(model, "dynamic", slots=2).name == "dynamic"
-    with pytest.raises(ValueError, match="backend must be one of auto, dynamic, static"):
-        make_backend(model, "compiled", slots=2)
+    with pytest.raises(ValueError, match="backend must be one of auto, dynamic, static, compiled"):
+        make_backend(model, "jit", slots=2)
     monkeypatch.setattr(model.config, "_attn_implementation", "flash_attention_2")
     assert "ignores custom masks" in static_problem(model)
     with caplog.at_level(logging.INFO, logger="pipespec.backend"):

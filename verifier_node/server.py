@@ -271,7 +271,8 @@ class VerifierServer:
         # DEFAULT_KV_SLOTS unless kv_slots says more (the pool is allocated whole at start-up).
         slots = int(vcfg["kv_slots"] or min(int(vcfg["max_sessions"]), int(vcfg["max_batch_sessions"]),
                                             DEFAULT_KV_SLOTS))
-        backend = make_backend(model, vcfg["backend"], slots, int(vcfg["kv_slot_tokens"]))
+        backend = make_backend(model, vcfg["backend"], slots, int(vcfg["kv_slot_tokens"]),
+                               compiled_tokens=int(vcfg["compiled_max_tokens"]))
         batching = max_batch_sessions > 1 and backend.can_batch()
         if max_batch_sessions > 1 and not batching:
             log.warning("verifier: batched verification is not possible with this target (sliding-window layers or "
