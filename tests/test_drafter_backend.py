@@ -18,7 +18,7 @@ from drafter_node.base import DraftToken
 from drafter_node.lm_drafter import LMDraftSession, drafter_backend, predraft_room
 from runtime.config import load_config
 from runtime.launch import cluster
-from shared.backend import DynamicBackend, StaticBackend, StaticHandle
+from shared.backend import CompiledBackend, DynamicBackend, StaticBackend, StaticHandle
 from shared.kv import CachedLM
 from shared.sampling import GenerationParams
 from testkit.tiny_models import reference_greedy
@@ -65,10 +65,14 @@ def unpredicted(session: LMDraftSession, r: int) -> list[int]:
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
-def test_a_session_on_slots_drafts_what_a_dynamic_one_does(tiny, arch):
+@pytest.mark.parametrize(("arch", "kind"), [("llama", "static"), ("qwen2", "static"), ("gpt2", "static"),
+                                            ("llama", "compiled")])
+def test_a_session_on_slots_drafts_what_a_dynamic_one_does(tiny, arch, kind):
     model = load(tiny(arch))
-    backend = StaticBackend(model, slots=2, slot_tokens=256)
+    if kind == "compiled":  # the drafter's chain steps through the compiled step (1 token: bucket 1; catch-ups: 2)
+        backend = CompiledBackend(model, slots=2, slot_tokens=256, buckets=(1, 2), min_width=64)
+    else:
+        backend = StaticBackend(model, slots=2, slot_tokens=256)
     static, dynamic = pair(model, backend, PROMPTS[1])
     assert isinstance(static.lm, StaticHandle)
 
@@ -96,6 +100,8 @@ def test_a_session_on_slots_drafts_what_a_dynamic_one_does(tiny, arch):
     both(lambda s: s.speculate_step())
     both(lambda s: s.propose(1))  # drafting the chain again drops the rows
     assert isinstance(static.lm, StaticHandle)  # never left its slot
+    if kind == "compiled":
+        assert backend.failure is None and backend.compiled_steps > 0
     static.close()
     assert sorted(backend.free) == [0, 1]  # the slot went back
     static.close()  # idempotent
