@@ -247,6 +247,7 @@ class StaticBackend(TargetBackend):
     """Preallocated per-sequence KV slots (see the module's docstring)."""
 
     name = "static"
+    handle_class: type[StaticHandle] = StaticHandle  # what ``open`` hands out for a slot
 
     def __init__(self, model: Any, slots: int, slot_tokens: int):
         super().__init__(model)
@@ -294,7 +295,7 @@ class StaticBackend(TargetBackend):
             self.fallbacks += 1
             log.warning("every one of the %d KV slots is taken: this sequence gets a dynamic cache", self.slots)
             return CachedLM(self.model)
-        return StaticHandle(self, self.free.pop())
+        return self.handle_class(self, self.free.pop())
 
     def release(self, slot: int) -> None:
         if not 0 <= slot < self.slots or slot in self.free:
@@ -479,12 +480,6 @@ class CompiledBackend(StaticBackend):
         log.warning("compiled KV backend: torch.compile failed, every forward takes the eager static path (%s)",
                     self.failure)
 
-    def open(self, tokens: int | None = None) -> CachedLM:
-        handle = super().open(tokens)
-        if isinstance(handle, StaticHandle):
-            handle.__class__ = CompiledHandle
-        return handle
-
     def _eager_step(self, ids: torch.Tensor) -> torch.Tensor:
         """The step compiled: one forward of ``ids`` [1, T] at positions ``step_start …`` of slot ``step_slot``."""
         new = ids.shape[1]
@@ -576,3 +571,6 @@ class CompiledHandle(StaticHandle):
                 self.grew(len(token_ids))
                 return (logits[-1:] if last_logits_only else logits), None
         return super().feed(token_ids, want_hidden=want_hidden, last_logits_only=last_logits_only)
+
+
+CompiledBackend.handle_class = CompiledHandle  # its slots' small forwards go through the compiled step
