@@ -23,10 +23,20 @@ low estimate and is not run again.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING
+from typing import Protocol, TypeVar
 
-if TYPE_CHECKING:
-    from drafter_node.cost_model import Plan
+
+class Plan(Protocol):
+    """What the search reads of a plan (:class:`drafter_node.cost_model.Plan`, which imports this module)."""
+
+    @property
+    def label(self) -> str: ...
+
+    @property
+    def rate(self) -> float: ...
+
+
+P = TypeVar("P", bound=Plan)
 
 #: Decay of a plan's record per round it runs: a few rounds follow the text being written.
 RECORD_DECAY = 0.8
@@ -108,8 +118,8 @@ class PlanSearch:
         ratio = self.kind_ratio(kind(plan.label))
         return max(plan.rate, optimistic_rate) * (UNTRIED_BONUS if ratio is None else ratio)
 
-    def choose(self, candidates: Iterable[Plan], model_plan: Plan, explore: bool,
-               optimistic: Mapping[str, float] | None = None) -> tuple[Plan, bool]:
+    def choose(self, candidates: Iterable[P], model_plan: P, explore: bool,
+               optimistic: Mapping[str, float] | None = None) -> tuple[P, bool]:
         """The plan to run among ``candidates`` and ``model_plan`` (the cost model's own choice), and whether that
         is exploration (a plan that has not run enough, other than the model's). ``explore``: the session may still
         spend a round exploring; ``optimistic``: each label's predicted rate at an optimistic acceptance."""
