@@ -186,20 +186,31 @@ class StaticHandle(CachedLM):
             self.slot = None
 
 
-class _BatchSlotLayer(DynamicLayer):
-    """A batched forward's layer over several slots: ``update`` writes row b's new positions into its slot at its
-    own length and returns the rows' slots ``[:, :, :width]`` (row b: prefix in ``[0, L_b)``, new tokens from L_b)."""
+class _PoolLayer(DynamicLayer):
+    """A forward's cache layer over a backend's whole pool (not one sequence's): the forward gives every position,
+    ``update`` writes into the pool and returns what attention reads."""
 
-    def __init__(self, pool_keys: torch.Tensor, pool_values: torch.Tensor, writes: list[tuple[int, int, int]],
-                 index: torch.Tensor | None, first: int, width: int):
+    def __init__(self, pool_keys: torch.Tensor, pool_values: torch.Tensor):
         self.pool_keys, self.pool_values = pool_keys, pool_values
-        self.writes, self.index, self.first, self.width = writes, index, first, width
         self.device = pool_keys.device
         self.is_initialized = True
         self.keys = self.values = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         pass
+
+    def get_seq_length(self) -> int:
+        return 0  # positions are always given
+
+
+class _BatchSlotLayer(_PoolLayer):
+    """A batched forward's layer over several slots: ``update`` writes row b's new positions into its slot at its
+    own length and returns the rows' slots ``[:, :, :width]`` (row b: prefix in ``[0, L_b)``, new tokens from L_b)."""
+
+    def __init__(self, pool_keys: torch.Tensor, pool_values: torch.Tensor, writes: list[tuple[int, int, int]],
+                 index: torch.Tensor | None, first: int, width: int):
+        super().__init__(pool_keys, pool_values)
+        self.writes, self.index, self.first, self.width = writes, index, first, width
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         for b, (slot, start, count) in enumerate(self.writes):
@@ -210,9 +221,6 @@ class _BatchSlotLayer(DynamicLayer):
             return self.pool_keys[rows, :, : self.width], self.pool_values[rows, :, : self.width]
         return (self.pool_keys[:, :, : self.width].index_select(0, self.index),
                 self.pool_values[:, :, : self.width].index_select(0, self.index))
-
-    def get_seq_length(self) -> int:
-        return 0  # positions are always given
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.width, 0
@@ -381,20 +389,15 @@ def make_backend(model: Any, choice: str, slots: int, slot_tokens: int | None = 
 
 
 # ---------------------------------------------------------------------------------------------------- compiled step
-class _StepLayer(DynamicLayer):
+class _StepLayer(_PoolLayer):
     """A compiled step's cache layer over the whole pool: ``update`` writes the T new positions ``start …
     start + T - 1`` of the step's slot in place (``index_put_``; fixed shapes) and returns the slot's first
     ``step_width`` positions ``[1, kv_heads, width, head_dim]`` (the step's mask hides what lies beyond the
     sequence)."""
 
     def __init__(self, pool_keys: torch.Tensor, pool_values: torch.Tensor, step: CompiledBackend):
-        self.pool_keys, self.pool_values, self.step = pool_keys, pool_values, step
-        self.device = pool_keys.device
-        self.is_initialized = True
-        self.keys = self.values = None
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        pass
+        super().__init__(pool_keys, pool_values)
+        self.step = step
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         slot, start = self.step.step_slot, self.step.step_start
@@ -407,9 +410,6 @@ class _StepLayer(DynamicLayer):
         width = self.step.step_width
         return (self.pool_keys[:, :, :width].index_select(0, slot),
                 self.pool_values[:, :, :width].index_select(0, slot))
-
-    def get_seq_length(self) -> int:
-        return 0  # positions are always given
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.step.step_width, 0
