@@ -171,3 +171,15 @@ async def wait_for_drafter(client, tries: int = 100) -> None:
         if (await client.ping())["drafter_connected"]:
             return
         await asyncio.sleep(0.05)
+
+
+def greedy_outputs(config: dict, prompts: list[list[int]], max_new_tokens: int) -> list:
+    """Every prompt sent at once to a cluster of ``config`` (greedy, end tokens off); the results in prompt order."""
+    from runtime.launch import cluster
+
+    async def main():
+        async with cluster(config) as client:
+            return await asyncio.gather(*(client.generate(token_ids=p, max_new_tokens=max_new_tokens,
+                                                          eos_token_ids=[]) for p in prompts))
+
+    return asyncio.run(main())

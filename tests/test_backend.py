@@ -6,15 +6,13 @@ cache, never a crash."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 
 import pytest
 import torch
-from conftest import tiny_config
+from conftest import greedy_outputs, tiny_config
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from runtime.launch import cluster
 from shared.backend import DynamicBackend, SlotOverflow, StaticBackend, StaticHandle, make_backend, static_problem
 from shared.batch import Row, can_batch
 from shared.kv import CachedLM
@@ -283,11 +281,5 @@ def test_cluster_on_static_slots_matches_transformers(tiny):
     config["verifier"].update(backend="static", kv_slots=2, kv_slot_tokens=64)
     prompts = [[5, 17, 33, 2, 60], [100, 101, 7], [42] * 12 + [9, 8]]
     expected = [reference_greedy(target, p, 20) for p in prompts]
-
-    async def main():
-        async with cluster(config) as client:
-            return await asyncio.gather(*(client.generate(token_ids=p, max_new_tokens=20, eos_token_ids=[])
-                                          for p in prompts))
-
-    results = asyncio.run(main())
+    results = greedy_outputs(config, prompts, 20)
     assert [r.token_ids for r in results] == expected

@@ -6,18 +6,16 @@ running cluster with ``drafter.backend: static`` gives greedy output identical t
 
 from __future__ import annotations
 
-import asyncio
 import logging
 
 import pytest
 import torch
-from conftest import tiny_config
+from conftest import greedy_outputs, tiny_config
 from transformers import AutoModelForCausalLM
 
 from drafter_node.base import DraftToken
 from drafter_node.lm_drafter import LMDraftSession, drafter_backend, predraft_room
 from runtime.config import load_config
-from runtime.launch import cluster
 from shared.backend import CompiledBackend, DynamicBackend, StaticBackend, StaticHandle
 from shared.kv import CachedLM
 from shared.sampling import GenerationParams
@@ -246,13 +244,7 @@ def test_cluster_with_a_static_drafter_backend_matches_transformers(tiny):
     config = static_cluster_config(tiny)
     prompts = CLUSTER_PROMPTS
     expected = [reference_greedy(target, p, 20) for p in prompts]
-
-    async def main():
-        async with cluster(config) as client:
-            return await asyncio.gather(*(client.generate(token_ids=p, max_new_tokens=20, eos_token_ids=[])
-                                          for p in prompts))
-
-    results = asyncio.run(main())
+    results = greedy_outputs(config, prompts, 20)
     assert [r.token_ids for r in results] == expected
 
 
