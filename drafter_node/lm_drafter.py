@@ -30,7 +30,7 @@ from drafter_node.branches import Branches, rank_outcomes, supports_flat_rows
 from shared.backend import DynamicBackend, TargetBackend, make_backend
 from shared.batch import Row, RowOutput, can_batch
 from shared.kv import CachedLM
-from shared.node_keys import DEFAULT_KV_SLOTS
+from shared.node_keys import DEFAULT_KV_SLOTS, kv_slots
 from shared.sampling import GenerationParams, make_generator, process_logits
 
 _NO_CONTEXT = torch.empty(0, dtype=torch.long)
@@ -47,7 +47,7 @@ def predraft_room(max_draft_tokens: int) -> int:
 def drafter_backend(model: Any, dcfg: dict[str, Any]) -> TargetBackend:
     """The KV backend of a drafter's model from its ``drafter`` section (``backend``, ``kv_slot_tokens``,
     ``kv_slots``; null slots: the smaller of ``max_batch_sessions`` and :data:`DEFAULT_KV_SLOTS`)."""
-    slots = int(dcfg.get("kv_slots") or min(int(dcfg.get("max_batch_sessions", DEFAULT_KV_SLOTS)), DEFAULT_KV_SLOTS))
+    slots = kv_slots(dcfg.get("kv_slots"), dcfg.get("max_batch_sessions", DEFAULT_KV_SLOTS))
     return make_backend(model, dcfg.get("backend", "auto"), slots, dcfg.get("kv_slot_tokens"), role="drafter")
 
 

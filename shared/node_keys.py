@@ -32,6 +32,12 @@ DEFAULT_SLOT_TOKENS = 4096
 #: allocated whole at start-up: slots × slot tokens × the model's K/V bytes per token).
 DEFAULT_KV_SLOTS = 8
 
+
+def kv_slots(configured: int | None, *limits: int) -> int:
+    """A node's KV slot count: ``kv_slots`` as configured, else the smallest of the node's session ``limits`` and
+    :data:`DEFAULT_KV_SLOTS` (the pool is allocated whole at start-up)."""
+    return int(configured or min(*(int(n) for n in limits), DEFAULT_KV_SLOTS))
+
 #: ``dtype``: auto or a torch dtype's name.
 DTYPE_CHOICES = (AUTO, *DTYPES)
 

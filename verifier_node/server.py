@@ -55,7 +55,7 @@ from shared.models import (
     set_threads,
     tokenizer_id,
 )
-from shared.node_keys import DEFAULT_KV_SLOTS
+from shared.node_keys import kv_slots
 from shared.protocol import (
     ANY_TOKENIZER,
     MAX_REPORTS,
@@ -267,10 +267,8 @@ class VerifierServer:
                 profile = profile_node(model, vcfg["model"], vcfg["device"], spec, "verifier")
         # Batched verification: one target forward over every session whose round is ready (shared/batch.py).
         max_batch_sessions = int(vcfg["max_batch_sessions"]) if vcfg["batching"] else 1
-        # Where the sessions' KV caches live (shared/backend.py): a slot per session batched at once, at most
-        # DEFAULT_KV_SLOTS unless kv_slots says more (the pool is allocated whole at start-up).
-        slots = int(vcfg["kv_slots"] or min(int(vcfg["max_sessions"]), int(vcfg["max_batch_sessions"]),
-                                            DEFAULT_KV_SLOTS))
+        # Where the sessions' KV caches live (shared/backend.py): a slot per session batched at once.
+        slots = kv_slots(vcfg["kv_slots"], vcfg["max_sessions"], vcfg["max_batch_sessions"])
         backend = make_backend(model, vcfg["backend"], slots, int(vcfg["kv_slot_tokens"]),
                                compiled_tokens=int(vcfg["compiled_max_tokens"]))
         batching = max_batch_sessions > 1 and backend.can_batch()
