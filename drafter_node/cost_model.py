@@ -296,6 +296,7 @@ class CostBook:
         self.acceptance = Acceptance(max_k)  # across sessions: where a new session's estimate starts
         self.calibration = Calibration()  # acceptance by the drafter's confidence, across sessions
         self.search = PlanSearch()  # what each plan realised, across sessions at batch 1
+        self.solo_span: int | None = None  # rounds of the next k = 0 run (drafter_node.schedule; None: its minimum)
         self.sizes_blocks: bool | None = None  # the drafter sizes sync blocks by confidence (None: not seen yet)
         self.start_plan: str | None = None  # the label of the plan the last start-up report announced
         self.frozen = False  # fixed curves (tests): rounds do not refine them

@@ -18,6 +18,13 @@ session, and the start-up report, begin with the model's plan). Exploring — ru
 and is not the model's choice — is limited to EXPLORE_ROUNDS rounds per session; after that only the plans that ran
 and the model's choice are weighed, at their estimates. A plan that realised clearly less than the best keeps its
 low estimate and is not run again.
+
+The verifier stepping alone (k = 0, label ``solo``) is recorded too, and weighed against drafting at the rates each
+realises now (:meth:`PlanSearch.now`): a drafter whose blocks realise less than the verifier alone stops drafting
+although the model predicts drafting pays (a drafter that guesses a little on one text, a verifier whose forward
+over k + 1 tokens costs more than its profile says), and one the model would stop is not sent exploring where its
+plans realise less than the verifier alone. How long a run alone lasts before the next probe is the node's, not
+the session's: a new session does not probe a drafter that the last probes found useless every few rounds.
 """
 
 from __future__ import annotations
@@ -107,6 +114,17 @@ class PlanSearch:
         record = self.records.get(plan.label)
         if record is not None and record.rate is not None:
             return record.rate
+        ratio = self.kind_ratio(kind(plan.label))
+        return plan.rate * (1.0 if ratio is None else ratio)
+
+    def now(self, plan: Plan) -> float:
+        """The rate ``plan`` is expected to realise at the acceptance its prediction was made for: its prediction
+        times what its own rounds realised over what they were promised (its kind's where it has not run). Unlike
+        :meth:`estimate` this follows the text: a drafting plan whose rounds ran on text the drafter could not guess
+        is not held to that rate once the acceptance estimate rises (what k = 0 against drafting needs)."""
+        record = self.records.get(plan.label)
+        if record is not None and record.tried:
+            return plan.rate * record.tokens / record.promised
         ratio = self.kind_ratio(kind(plan.label))
         return plan.rate * (1.0 if ratio is None else ratio)
 

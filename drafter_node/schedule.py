@@ -166,13 +166,22 @@ class CostSchedule(DraftLengthSchedule):
         self.acc = book.session_acceptance()
         self.plan = Plan(min(k, max_k), overlap, (min(k, max_k) + 1) if rows_ok else 1, 0.0)
         self.solo_left = 0  # verifier rounds still to be taken alone
-        self.solo_span = SOLO_ROUNDS_MIN
         self.probing = False
         self.explored = 0  # plans that drafted although the estimate alone would have chosen k = 0
         self.exploring_rounds = 0  # rounds that ran a plan for the plan search's untried bonus (≤ EXPLORE_ROUNDS)
         self.plans = {"solo": 0, "sync": 0, "overlap": 0, "tree": 0}
         self.sized_block = False  # the block in flight was sized by the drafter's confidence (block_done answered)
         self.replan()
+
+    @property
+    def solo_span(self) -> int:
+        """How many rounds the next run of k = 0 lasts: the node's (its book's), so a new session does not probe
+        again every SOLO_ROUNDS_MIN rounds a drafter its sessions' probes found useless."""
+        return self.book.solo_span or SOLO_ROUNDS_MIN
+
+    @solo_span.setter
+    def solo_span(self, rounds: int) -> None:
+        self.book.solo_span = rounds
 
     @property
     def overlap_now(self) -> bool:
@@ -217,10 +226,10 @@ class CostSchedule(DraftLengthSchedule):
     def observe_round(self, committed: int, seconds: float) -> None:
         """The round just committed gave ``committed`` tokens in ``seconds`` (commit to commit): recorded in the
         book's :class:`~drafter_node.plan_search.PlanSearch` under the plan in force (the one its block was sent
-        under), at batch 1; probes and rounds alone are not plans the search chooses."""
+        under), at batch 1, rounds alone (``solo``) included; probes are not plans the search chooses."""
         if self.plan.sized and self.confidence_sized and not self.sized_block:
             self.book.sizes_blocks = False  # no probabilities: this drafter's sync blocks run their fixed k
-        if self.book.batch > 1 or seconds <= 0 or self.probing or self.plan.solo:
+        if self.book.batch > 1 or seconds <= 0 or self.probing:
             return
         self.book.search.observe(self.round_label(), committed, seconds, self.plan.rate)
 
@@ -272,9 +281,11 @@ class CostSchedule(DraftLengthSchedule):
         elif plan.solo:
             # Explore: k = 0 only where drafting loses even at the acceptance the evidence cannot rule out; else
             # the plan that would win at that acceptance, with the rate the estimate itself predicts for it.
+            # Both at the rates they realise (drafting plans that realised less than the verifier alone are not
+            # explored again on the model's word).
             hopeful = best_plan(self.acc.optimistic(EXPLORE_Z, self.book.acceptance), costs, self.max_k,
                                 self.rows_ok, allow_solo=False, **allowed)
-            if hopeful.rate > plan.rate:
+            if self.book.search.now(hopeful) > self.book.search.now(plan):
                 plan = next(p for p in plans(self.acc, costs, self.max_k, self.rows_ok, allow_solo=False, **allowed)
                             if (p.k, p.overlap, p.rows) == (hopeful.k, hopeful.overlap, hopeful.rows))
                 self.explored += 1
@@ -310,11 +321,15 @@ class CostSchedule(DraftLengthSchedule):
 
     def _search(self, plan: Plan, costs: Costs) -> Plan:
         """The plan the realised records and the exploration rule choose (:mod:`drafter_node.plan_search`), with
-        the model's ``plan`` among the candidates; at most EXPLORE_ROUNDS rounds per session go to exploring."""
+        the model's ``plan`` among the candidates, or k = 0 where the verifier alone realised more than that plan
+        realises now; at most EXPLORE_ROUNDS rounds per session go to exploring."""
         explore = self.exploring_rounds < EXPLORE_ROUNDS
         optimistic = self._by_label(self.acc.optimistic(EXPLORE_Z, self.book.acceptance), costs) if explore else {}
         chosen, exploring = self.book.search.choose(self._candidates(costs), self._sized(plan), explore,
                                                     {label: p.rate for label, p in optimistic.items()})
+        solo = Plan(0, False, 0, 1.0 / max(costs.verify_full(1), 1e-9))  # as cost_model.plans prices it
+        if self.book.search.tried(solo.label) and self.book.search.now(solo) > self.book.search.now(chosen):
+            return solo  # the verifier alone realised more than drafting realises now
         self.exploring_rounds += exploring
         return chosen
 

@@ -10,6 +10,7 @@ from drafter_node.cost_model import (
     Acceptance,
     CostBook,
     Costs,
+    Plan,
     best_plan,
     plans,
     rollback_s,
@@ -439,6 +440,94 @@ def test_a_drafter_without_probabilities_runs_fixed_sync_lengths():
 
 def _overlap_schedule(book: CostBook) -> CostSchedule:
     return CostSchedule(5, 8, book, context=lambda: 60, overlap=True)
+
+
+def _solo_rounds_realised(book: CostBook, rate: float, rounds: int = 4) -> None:
+    """Earlier sessions of the node stepped alone for ``rounds`` rounds at ``rate`` tok/s."""
+    solo = best_plan(Acceptance(8), book.costs(60), 8, rows_ok=True, allow_solo=True, allow_sync=False,
+                     allow_overlap=False)
+    for _ in range(rounds):
+        book.search.observe("solo", 1, 1.0 / rate, solo.rate)
+
+
+def test_drafting_that_realises_less_than_the_verifier_alone_gives_way_to_it():
+    """The model predicts drafting (flat verification, α 0.95), but every drafting plan realises 3 tok/s where the
+    node's verifier alone realised 4.5 (a drafter that guesses little on this text, a verifier slower than its
+    profile over k + 1 tokens): after trying its plans the session steps alone, apart from its probes."""
+    s = _amx_schedule()
+    _solo_rounds_realised(s.book, 4.5)
+    labels = _run_rounds(s, lambda label: 4.5 if label == "solo" else 3.0, 60)
+    assert labels[0] != "solo", "the premise: the model's plan drafts, and runs first"
+    first_alone = labels.index("solo")
+    assert first_alone <= 2 * MIN_ROUNDS, labels  # the model's plan, and one plan of the other kind, tried
+    assert labels[first_alone:first_alone + SOLO_ROUNDS_MIN] == ["solo"] * SOLO_ROUNDS_MIN, labels
+    drafting_after = [label for label in labels[first_alone:] if label != "solo"]
+    assert len(drafting_after) <= 3, labels  # one probe per run alone (8, 16, 32 rounds)
+    assert s.book.solo_span > SOLO_ROUNDS_MIN, "probes that bring no drafting back come less often"
+
+
+def test_drafting_that_realises_more_than_the_verifier_alone_keeps_drafting():
+    """The negative control of the test above: the same records of the verifier alone, drafting realising 7.5."""
+    s = _amx_schedule()
+    _solo_rounds_realised(s.book, 4.5)
+    labels = _run_rounds(s, lambda label: 4.5 if label == "solo" else 7.5, 40)
+    assert "solo" not in labels
+
+
+def test_a_drafter_whose_plans_realised_less_than_alone_is_not_sent_exploring():
+    """The model's plan is k = 0 (α 0.2, verifying 9 tokens 2.5x the cost of 1) and the acceptance bound of a fresh
+    session would explore a drafting plan; where that plan already realised less than the verifier alone, it does
+    not."""
+    book = CostBook(8)
+    book.set_verifier(profile({1: 0.2, 9: 0.5}), 1, 1)
+    book.set_drafter(profile({1: 0.02, 9: 0.18}), 1, 1)
+    book.acceptance = _good_acceptance(0.2)
+    fresh = CostSchedule(4, 8, book, context=lambda: 60, overlap=False)
+    assert not fresh.plan.solo and fresh.explored, "the premise: the bound sends a fresh session exploring"
+    explored = fresh.plan
+    _solo_rounds_realised(book, 5.0)
+    for _ in range(MIN_ROUNDS):
+        book.search.observe(explored.label, 1, 1.0 / 2.5, explored.rate)
+    again = CostSchedule(4, 8, book, context=lambda: 60, overlap=False)
+    assert again.plan.solo and not again.explored
+
+
+def test_drafting_realised_on_hard_text_comes_back_when_its_prediction_rises():
+    """A plan is weighed against the verifier alone at its prediction now times what its rounds realised over what
+    they were promised: rounds on text the drafter could not guess do not keep it off once acceptance rises."""
+    from drafter_node.plan_search import PlanSearch
+
+    search = PlanSearch()
+    for _ in range(MIN_ROUNDS):
+        search.observe("sync k=8", 3, 1.0, 6.0)  # realised 3 tok/s where 6 were predicted
+        search.observe("solo", 1, 1.0 / 4.5, 5.0)
+    solo = Plan(0, False, 0, 5.0)
+    assert search.now(Plan(8, False, 0, 6.0)) < search.now(solo)
+    assert search.now(Plan(8, False, 0, 12.0)) > search.now(solo)  # the acceptance estimate rose
+
+
+def test_a_new_session_keeps_the_nodes_run_alone_length():
+    """How long a run alone lasts is the node's: a new session of a drafter whose probes kept failing does not probe
+    again after SOLO_ROUNDS_MIN rounds."""
+    book = CostBook()
+    book.set_verifier(profile({1: 0.4, 9: 0.8}), 1, 1)
+    book.set_drafter(profile({1: 0.15, 9: 1.35}), 1, 1)
+    first = CostSchedule(4, 8, book, context=lambda: 100, overlap=True)
+    for _ in range(30):
+        first.update(4, 0)
+    probes = 0
+    while first.solo_span < 4 * SOLO_ROUNDS_MIN and probes < 10:  # runs alone, each ended by a failed probe
+        for _ in range(first.solo_left):
+            first.update(0, 0)
+        first.update(first.k, 0)
+        probes += 1
+    assert first.solo_span >= 4 * SOLO_ROUNDS_MIN
+    second = CostSchedule(4, 8, book, context=lambda: 100, overlap=True)
+    if second.plan.solo:
+        assert second.solo_left == first.solo_span
+    else:  # its acceptance bound sends it drafting first; the run alone after that block is the node's length
+        second.update(second.k, 0)
+        assert second.k == 0 and second.solo_left == first.solo_span
 
 
 def test_the_start_plan_is_confirmed_or_corrected():
