@@ -10,13 +10,14 @@ prediction times a ratio: the predictions rise while a session's acceptance esti
 would flatter the plans that ran first); one that did not, at its prediction times the realised-over-predicted ratio
 of its kind (``sync``, ``overlap``, ``tree``), so one slow overlap plan marks its siblings down too.
 
-Choice (optimistic initial values): a plan that ran MIN_ROUNDS rounds is valued at its estimate; one that did not,
-at its optimistic prediction (at the acceptance the evidence cannot rule out: positions a session's short blocks
-never reached keep their prior, which would hide long blocks for good) times its kind's ratio, or times
-UNTRIED_BONUS while no plan of its kind ran. The highest value runs, once the model's own choice has run (so a
-session, and the start-up report, begin with the model's plan). Exploring — running a plan that has not run enough
-and is not the model's choice — is limited to EXPLORE_ROUNDS rounds per session; after that only the plans that ran
-and the model's choice are weighed, at their estimates. A plan that realised clearly less than the best keeps its
+Choice (optimistic initial values): a plan that ran MIN_ROUNDS rounds is valued at its estimate; one that did not, at
+its optimistic prediction (at the acceptance the evidence cannot rule out: positions a session's short blocks never
+reached keep their prior, which would hide long blocks for good) times its kind's ratio, or times UNTRIED_BONUS while
+no plan of its kind ran. The highest value runs once any plan has run (so a node's first session, and the start-up
+report, begin with the model's plan; later sessions weigh the model's plan like the other untried ones, so a plan that
+ran and beat its prediction cannot keep a better one from ever running). Exploring — running a plan that has not run
+enough and is not the model's choice — is limited to EXPLORE_ROUNDS rounds per session; after that only the plans that
+ran and the model's choice are weighed, at their estimates. A plan that realised clearly less than the best keeps its
 low estimate and is not run again.
 
 The verifier stepping alone (k = 0, label ``solo``) is recorded too, and weighed against drafting at the rates each
@@ -142,7 +143,9 @@ class PlanSearch:
         is exploration (a plan that has not run enough, other than the model's). ``explore``: the session may still
         spend a round exploring; ``optimistic``: each label's predicted rate at an optimistic acceptance."""
         cands = [*candidates, model_plan]
-        if not explore or not self.tried(model_plan.label):  # the prior first: a session starts on the model's plan
+        # The prior first: a node's first rounds run the model's plan. Once any plan ran, the model's plan is weighed
+        # like the other untried ones (a plan that ran and beat its prediction must not keep it from running).
+        if not explore or not any(r.tried for r in self.records.values()):
             cands = [p for p in cands if self.tried(p.label) or p.label == model_plan.label]
             return max(cands, key=self.estimate), False
         optimistic = optimistic or {}

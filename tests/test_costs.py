@@ -526,3 +526,31 @@ def test_the_curve_type_loads_without_torch():
     code = "import sys, shared.costs.curve\nassert 'torch' not in sys.modules, 'shared.costs.curve imported torch'"
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
+
+
+def test_the_context_slope_is_a_median_of_back_to_back_pairs(monkeypatch):
+    """One long-prefix forward caught in a host's slow-down must not become the context cost (the 5.3 ms per cached
+    token of a 0.5B drafter that priced every drafting plan out on a 2-core Xeon): pairs, each short and long back to
+    back, and the median of their differences."""
+    from shared.costs import measure
+
+    clock = [0.0]
+    monkeypatch.setattr(measure.time, "perf_counter", lambda: clock[0])
+
+    class FakeLM:
+        def __init__(self, length: int, costs: list[float]):
+            self.length, self.costs = length, costs
+
+        def feed(self, ids: list[int]) -> None:
+            clock[0] += self.costs.pop(0)
+            self.length += len(ids)
+
+        def crop(self, keep: int) -> None:
+            self.length = keep
+
+    short = FakeLM(16, [0.100, 0.100, 0.100])
+    long = FakeLM(64, [0.101, 0.500, 0.1012])  # the second long forward hit a slow-down
+    slope = measure._context_slope(short, long, [7], lambda: None)
+    assert slope == pytest.approx(0.0012 / 48)  # the median of 1 ms, 400 ms and 1.2 ms
+    assert short.length == 16 and long.length == 64  # both caches back where they were
+    assert measure._context_slope(FakeLM(16, [0.1] * 3), FakeLM(64, [0.09] * 3), [7], lambda: None) == 0.0

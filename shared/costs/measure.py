@@ -9,9 +9,11 @@ import bisect
 import contextlib
 import fcntl
 import os
+import statistics
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -89,7 +91,8 @@ def measure_curves(model, sizes: list[int], threads: list[int], prefix_len: int 
     Sizes are measured shape-first (smallest, largest, then the middles); a size whose estimated forward time would
     overrun ``budget_s`` is skipped (the curve interpolates over it), but the first size is always measured (so a
     model slower than the budget overruns it by about one prefill and one forward per thread count). If the budget
-    allows, one more point on a 4× longer prefix sets ``per_context_token_s``. The thread count is restored."""
+    allows, forwards on a 4× longer prefix, each paired with one on the first (:func:`_context_slope`), set
+    ``per_context_token_s``. The thread count is restored."""
     from shared.kv import CachedLM
 
     wanted = sorted({int(n) for n in sizes if int(n) >= 1})
@@ -167,17 +170,45 @@ def measure_curves(model, sizes: list[int], threads: list[int], prefix_len: int 
             long_len = min(long_len, max_pos - 1)
         if long_len > prefix_len:
             first = wanted[0]  # compared at the same size on both prefixes
-            need = estimate(keys[-1], long_len - prefix_len) + sum(2 * c.base_cost(first) for c in curves.values())
+            need = estimate(keys[-1], long_len) + sum(2 * SLOPE_PAIRS * c.base_cost(first) for c in curves.values())
             if need <= left():
                 use(keys[-1])
-                lm.feed(tokens(long_len - prefix_len))
+                long_lm = CachedLM(model)
+                long_lm.feed(tokens(long_len))
                 for t, curve in curves.items():
                     use(t)
-                    best = fastest(tokens(first), long_len)
-                    curve.per_context_token_s = max(0.0, (best - curve.base_cost(first)) / (long_len - prefix_len))
+                    curve.per_context_token_s = _context_slope(lm, long_lm, tokens(first), sync)
         return curves
     finally:
         torch.set_num_threads(previous)
+
+
+#: Pairs of forwards (short prefix, long prefix) behind a curve's per-context slope.
+SLOPE_PAIRS = 3
+
+
+def _context_slope(short: Any, long: Any, ids: list[int], sync: Callable[[], None]) -> float:
+    """Seconds per cached token: the median over SLOPE_PAIRS of a forward of ``ids`` on the long prefix minus the
+    same forward on the short one, each pair timed back to back. A slope from one long-prefix forward against the
+    curve's minimum, measured seconds earlier, took a host's passing slow-down for context cost (5.3 ms per cached
+    token for a 0.5B model on a 2-core Xeon, about 1,000× its attention's cost, which priced every drafting plan
+    out)."""
+    span = long.length - short.length
+    if span <= 0:
+        return 0.0
+    diffs = []
+    for _ in range(SLOPE_PAIRS):
+        pair = []
+        for lm in (short, long):
+            keep = lm.length
+            sync()
+            t0 = time.perf_counter()
+            lm.feed(ids)
+            sync()
+            pair.append(time.perf_counter() - t0)
+            lm.crop(keep)
+        diffs.append(pair[1] - pair[0])
+    return max(0.0, statistics.median(diffs) / span)
 
 
 def nondecreasing(seconds: list[float]) -> list[float]:
