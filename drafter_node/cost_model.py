@@ -33,6 +33,7 @@ every commit reports.
 from __future__ import annotations
 
 import copy
+import functools
 import math
 from collections import deque
 from collections.abc import Callable
@@ -68,9 +69,10 @@ class Plan:
     def solo(self) -> bool:
         return self.k == 0
 
-    @property
+    @functools.cached_property
     def label(self) -> str:
-        """The plan's name in the realised records and the metrics (``plan_rates``)."""
+        """The plan's name in the realised records and the metrics (``plan_rates``); computed once (the plan search
+        compares labels of every candidate plan at each round)."""
         if self.solo:
             return "solo"
         if self.overlap:
@@ -257,30 +259,53 @@ def plans(acc: Acceptance, costs: Costs, max_k: int, rows_ok: bool, allow_solo: 
     (otherwise overlap extends the single all-accepted chain: one row)."""
     out: list[Plan] = []
     o = max(0.0, costs.overhead_s)
+    # Each curve point and acceptance product once per call (a replan weighs hundreds of plans every round, and on
+    # a fast target its time is part of the round's).
+    verify_full, verify_share = _memo(costs.verify_full), _memo(costs.verify_share)
+    draft_share = _memo(costs.draft_share)
     if allow_solo:  # the verifier steps at once: no round trip to the drafter
-        out.append(Plan(0, False, 0, 1.0 / max(costs.verify_full(1), 1e-9)))
-    d1_full, d1_share = costs.draft_full(1), costs.draft_share(1)
+        out.append(Plan(0, False, 0, 1.0 / max(verify_full(1), 1e-9)))
+    d1_full, d1_share = costs.draft_full(1), draft_share(1)
+    survival = acc.survival(max_k)
+    alphas = [acc.alpha(i) for i in range(max_k)]
+    miss_guess, bonus_guess = acc.correction_guess.value, acc.bonus_guess.value
+    e = 1.0
     for k in range(1, max_k + 1):
-        e = acc.expected_tokens(k)
+        e += survival[k]  # acc.expected_tokens(k)
         if allow_sync:
-            t = k * d1_full + costs.verify_full(k + 1) + o
+            t = k * d1_full + verify_full(k + 1) + o
             if costs.rollback_refeeds:
-                t += rollback_s(acc, k, costs.verify_full)
+                t += rollback_s(acc, k, verify_full)
             out.append(Plan(k, False, 0, e / max(t, 1e-9)))
         if allow_overlap:
-            tv = costs.verify_share(k + 1) + o
+            tv = verify_share(k + 1) + o
             if costs.rollback_refeeds:
-                tv += rollback_s(acc, k, costs.verify_share)
-            hits = acc.outcome_hits(k)
-            if not rows_ok:
-                hits = [acc.survival(k)[k] * acc.bonus_guess.value]
+                tv += rollback_s(acc, k, verify_share)
+            if rows_ok:  # acc.outcome_hits(k)
+                hits = [survival[r] * (1 - alphas[r]) * miss_guess for r in range(k)]
+                hits.append(survival[k] * bonus_guess)
+                hits.sort(reverse=True)
+            else:
+                hits = [survival[k] * bonus_guess]
             h = 0.0
             for rows in range(1, len(hits) + 1):
                 h += hits[rows - 1]
-                td = d1_share + k * costs.draft_share(rows)
+                td = d1_share + k * draft_share(rows)
                 t = max(tv, td) + (1 - h) * k * d1_share
                 out.append(Plan(k, True, rows, e / max(t, 1e-9), hit=h))
     return out
+
+
+def _memo(curve: Curve) -> Curve:
+    """``curve`` with each size's value computed once."""
+    seen: dict[int, float] = {}
+
+    def cost(n: int) -> float:
+        if n not in seen:
+            seen[n] = curve(n)
+        return seen[n]
+
+    return cost
 
 
 def best_plan(acc: Acceptance, costs: Costs, max_k: int, rows_ok: bool, **allowed: bool) -> Plan:

@@ -32,6 +32,7 @@ from drafter_node.cost_model import (
     plans,
 )
 from drafter_node.plan_search import EXPLORE_ROUNDS
+from drafter_node.plan_search import kind as plan_kind
 from drafter_node.tree_plan import plan_from_acceptance
 
 SCHEDULES = ("cost", "pipeline", "adaptive", "heuristic", "constant")
@@ -170,6 +171,7 @@ class CostSchedule(DraftLengthSchedule):
         self.explored = 0  # plans that drafted although the estimate alone would have chosen k = 0
         self.exploring_rounds = 0  # rounds that ran a plan for the plan search's untried bonus (≤ EXPLORE_ROUNDS)
         self.plans = {"solo": 0, "sync": 0, "overlap": 0, "tree": 0}
+        self._plans_memo: dict[tuple[int, bool], tuple[Acceptance, list[Plan]]] | None = None
         self.sized_block = False  # the block in flight was sized by the drafter's confidence (block_done answered)
         self.replan()
 
@@ -271,9 +273,16 @@ class CostSchedule(DraftLengthSchedule):
     def replan(self, allow_solo: bool = True, was_probe: bool = False) -> None:
         if not self.book.ready:
             return
+        self._plans_memo = {}  # this replan's plans per acceptance (they are weighed several times over)
+        try:
+            self._replan(allow_solo, was_probe)
+        finally:
+            self._plans_memo = None
+
+    def _replan(self, allow_solo: bool, was_probe: bool) -> None:
         costs = self.book.costs(self.context())
         allowed = {"allow_overlap": self.overlap and allow_solo}
-        plan = best_plan(self.acc, costs, self.max_k, self.rows_ok, allow_solo=allow_solo, **allowed)
+        plan = max(self._plans(self.acc, costs, allow_solo=allow_solo, **allowed), key=lambda p: p.rate)
         if self.tree:
             plan = self._tree_or(plan, costs)
         if not plan.solo and allow_solo and self.book.batch == 1:
@@ -283,10 +292,10 @@ class CostSchedule(DraftLengthSchedule):
             # the plan that would win at that acceptance, with the rate the estimate itself predicts for it.
             # Both at the rates they realise (drafting plans that realised less than the verifier alone are not
             # explored again on the model's word).
-            hopeful = best_plan(self.acc.optimistic(EXPLORE_Z, self.book.acceptance), costs, self.max_k,
-                                self.rows_ok, allow_solo=False, **allowed)
+            hopeful = max(self._plans(self.acc.optimistic(EXPLORE_Z, self.book.acceptance), costs, allow_solo=False,
+                                      **allowed), key=lambda p: p.rate)
             if self.book.search.now(hopeful) > self.book.search.now(plan):
-                plan = next(p for p in plans(self.acc, costs, self.max_k, self.rows_ok, allow_solo=False, **allowed)
+                plan = next(p for p in self._plans(self.acc, costs, allow_solo=False, **allowed)
                             if (p.k, p.overlap, p.rows) == (hopeful.k, hopeful.overlap, hopeful.rows))
                 self.explored += 1
         plan = self._sized(plan)
@@ -333,10 +342,20 @@ class CostSchedule(DraftLengthSchedule):
         self.exploring_rounds += exploring
         return chosen
 
+    def _plans(self, acc: Acceptance, costs: Costs, allow_solo: bool, allow_overlap: bool) -> list[Plan]:
+        """:func:`~drafter_node.cost_model.plans` at ``acc``, each acceptance's list built once per replan (its
+        ``costs`` are the replan's; the memo holds ``acc`` itself, so no other object can take its id meanwhile)."""
+        memo, key = self._plans_memo, (id(acc), allow_overlap)
+        if memo is None:  # outside a replan: nothing to share
+            memo = {}
+        if key not in memo:
+            memo[key] = (acc, plans(acc, costs, self.max_k, self.rows_ok, allow_overlap=allow_overlap))
+        every = memo[key][1]
+        return every if allow_solo else [p for p in every if not p.solo]
+
     def _by_label(self, acc: Acceptance, costs: Costs) -> dict[str, Plan]:
         """Every drafting plan at acceptance ``acc``, the best of each label (all sized sync lengths share one)."""
-        every = [self._sized(p) for p in plans(acc, costs, self.max_k, self.rows_ok, allow_solo=False,
-                                                allow_overlap=self.overlap)]
+        every = [self._sized(p) for p in self._plans(acc, costs, allow_solo=False, allow_overlap=self.overlap)]
         if self.tree:
             tree = self._best_tree(costs, acc)
             every += [tree] if tree is not None else []
@@ -352,10 +371,12 @@ class CostSchedule(DraftLengthSchedule):
         by_label = self._by_label(self.acc, costs)
         ranked = sorted(by_label.values(), key=lambda p: p.rate, reverse=True)
         keep = {p.label: p for p in ranked[:TOP_CANDIDATES]}
+        kinds = {plan_kind(label) for label in keep}
         for p in ranked:
-            kind = p.label.split(" ", 1)[0]
-            if not any(q.label.startswith(kind) for q in keep.values()) or self.book.search.tried(p.label):
+            kind = plan_kind(p.label)
+            if kind not in kinds or self.book.search.tried(p.label):
                 keep.setdefault(p.label, p)
+                kinds.add(kind)
         if costs.verify_full(self.max_k + 1) <= FLAT_VERIFY * costs.verify_full(1):
             longest = self._sized(Plan(self.max_k, False, 0, 0.0)).label
             keep.setdefault(longest, by_label[longest])
