@@ -437,8 +437,9 @@ class CompiledBackend(StaticBackend):
     batched rows, trees (custom positions / visibility), ``want_hidden``, forwards longer than the largest bucket
     (prefills) and the last ``max(buckets)`` positions of a slot. A compile or run failure switches the step off
     for good with one log line (never a crash). :meth:`warm_up` (``make_backend`` calls it at start-up) compiles
-    every bucket at the smallest width, one log line each; a (bucket, width) not compiled yet compiles at its first
-    use (a sequence growing past a width), with a log line saying so and how long it took."""
+    every bucket at the smallest width, one log line each. Nothing compiles while a request waits: a step whose
+    sequence has grown past the compiled width runs the eager path (one log line per width), since a compile costs
+    15–50 s on a CPU (a request that crossed the first width once waited minutes for its graphs)."""
 
     name = "compiled"
 
@@ -449,6 +450,7 @@ class CompiledBackend(StaticBackend):
         self.widths = _widths(slot_tokens, min_width)
         self.step_width = self.widths[0]
         self._compiled: set[tuple[int, int]] = set()  # (bucket, width) graphs built
+        self._eager_widths: set[int] = set()  # widths whose steps ran eagerly (logged once each)
         self._warming = False
         limits = torch._dynamo.config
         limits.recompile_limit = max(limits.recompile_limit, len(self.buckets) * len(self.widths) + 8)
@@ -528,7 +530,6 @@ class CompiledBackend(StaticBackend):
         self.step_width = self.width(start + bucket)
         graph = (bucket, self.step_width)
         fresh = graph not in self._compiled
-        t0 = time.perf_counter()
         try:
             if self.mode == "reduce-overhead":
                 torch.compiler.cudagraph_mark_step_begin()  # the last replay's outputs were copied out
@@ -537,10 +538,7 @@ class CompiledBackend(StaticBackend):
             self._fail(exc)
             return None
         if fresh:
-            self._compiled.add(graph)
-            if not self._warming:
-                log.info("compiled KV backend: step of %d token(s) over %d positions compiled at first use in "
-                         "%.1f s", bucket, self.step_width, time.perf_counter() - t0)
+            self._compiled.add(graph)  # at warm-up only (serves() gives new graphs to the eager path)
         self.compiled_steps += 1
         return logits[0, : len(tokens)].float().clone()
 
@@ -550,6 +548,13 @@ class CompiledBackend(StaticBackend):
             return None
         bucket = self.bucket(count)
         if bucket is None or lm.length + bucket > self.slot_tokens:
+            return None
+        width = self.width(lm.length + bucket)
+        if (bucket, width) not in self._compiled and not self._warming:
+            if width not in self._eager_widths:
+                self._eager_widths.add(width)
+                log.info("compiled KV backend: no step compiled over %d positions (start-up compiles %d); steps of "
+                         "sequences past that run eagerly on the same slots", width, self.widths[0])
             return None
         return bucket
 

@@ -45,7 +45,7 @@ def compiled(tiny):
         if arch not in made:
             folder = tiny(arch)
             model = _load(folder)
-            # Llama: attention widths 64 and 96 (its sessions grow past 64); Qwen2: the whole slot only.
+            # Llama: attention widths 64 and 96 (its sessions grow past 64: eager there); Qwen2: the whole slot only.
             backend = CompiledBackend(model, slots=2, slot_tokens=96, buckets=BUCKETS,
                                       min_width=64 if arch == "llama" else 96)
             backend.warm_up()
@@ -86,9 +86,10 @@ def test_compiled_sessions_equal_generate(compiled, arch, caplog):
     before = backend.compiled_steps
     with caplog.at_level(logging.INFO, logger="pipespec.backend"):
         ours, truth = _greedy_rounds(folder, model, backend, _ids(3, 9))
-    assert ("over 96 positions compiled at first use" in caplog.text) == (arch == "llama")
+    # Llama's session grew past its first width: those steps ran eagerly, nothing compiled while it waited.
+    assert ("no step compiled over 96 positions" in caplog.text) == (arch == "llama")
     assert ours == truth
-    assert {w for _, w in backend._compiled} == set(backend.widths)  # the session grew past the first width
+    assert {w for _, w in backend._compiled} == {backend.widths[0]}
     assert backend.compiled_steps - before >= 15  # the compiled step really served the rounds
     # Logits (not just argmax) agree with a dynamic cache, every bucket, after a crop; a 6-token forward is eager.
     handle, alone = backend.open(), CachedLM(model)
@@ -155,18 +156,23 @@ def test_a_compile_failure_falls_back_to_the_eager_static_path(tiny, monkeypatch
 
 @pytest.mark.unit
 def test_a_step_that_fails_at_run_time_falls_back_and_still_matches(tiny, caplog):
-    """The compile is lazy inside torch: a failure at the first call (inductor, an unsupported op) must switch the
-    step off with one log line, and the round it happened in must still be right."""
+    """A step that compiled at start-up can still fail when a round calls it (inductor, an unsupported op, a CUDA
+    graph replay): that must switch the step off with one log line, and the round it happened in must still be
+    right."""
     folder = tiny("llama")
     model = _load(folder)
     backend = CompiledBackend(model, slots=1, slot_tokens=96, buckets=BUCKETS)
     calls = []
 
     def broken(ids):
+        if backend._warming:  # start-up "compiles" every bucket (logits of the right shape; nothing reads them)
+            return torch.zeros(1, ids.shape[1], model.config.vocab_size)
         calls.append(ids.shape)
         raise RuntimeError("InductorError: unsupported op")
 
     backend._step = broken
+    backend.warm_up()
+    assert backend.failure is None and sorted(backend.compile_s) == list(BUCKETS)
     with caplog.at_level(logging.WARNING, logger="pipespec.backend"):
         ours, truth = _greedy_rounds(folder, model, backend, _ids(7, 5), new=16)
     assert ours == truth and len(calls) == 1 and caplog.text.count("torch.compile failed") == 1
