@@ -175,10 +175,12 @@ class Acceptance:
     def expected_tokens(self, k: int) -> float:
         return sum(self.survival(k))
 
-    def outcome_hits(self, k: int) -> list[float]:
-        """P(outcome r) · P(the drafter guessed its verifier token), r = 0..k, most likely first."""
-        s = self.survival(k)
-        hits = [s[r] * (1 - self.alpha(r)) * self.correction_guess.value for r in range(k)]
+    def outcome_hits(self, k: int, survival: list[float] | None = None) -> list[float]:
+        """P(outcome r) · P(the drafter guessed its verifier token), r = 0..k, most likely first. ``survival``:
+        :meth:`survival` over k or more positions, where the caller has it already."""
+        s = self.survival(k) if survival is None else survival
+        miss = self.correction_guess.value
+        hits = [s[r] * (1 - self.alpha(r)) * miss for r in range(k)]
         hits.append(s[k] * self.bonus_guess.value)
         return sorted(hits, reverse=True)
 
@@ -267,8 +269,6 @@ def plans(acc: Acceptance, costs: Costs, max_k: int, rows_ok: bool, allow_solo: 
         out.append(Plan(0, False, 0, 1.0 / max(verify_full(1), 1e-9)))
     d1_full, d1_share = costs.draft_full(1), draft_share(1)
     survival = acc.survival(max_k)
-    alphas = [acc.alpha(i) for i in range(max_k)]
-    miss_guess, bonus_guess = acc.correction_guess.value, acc.bonus_guess.value
     e = 1.0
     for k in range(1, max_k + 1):
         e += survival[k]  # acc.expected_tokens(k)
@@ -281,12 +281,7 @@ def plans(acc: Acceptance, costs: Costs, max_k: int, rows_ok: bool, allow_solo: 
             tv = verify_share(k + 1) + o
             if costs.rollback_refeeds:
                 tv += rollback_s(acc, k, verify_share)
-            if rows_ok:  # acc.outcome_hits(k)
-                hits = [survival[r] * (1 - alphas[r]) * miss_guess for r in range(k)]
-                hits.append(survival[k] * bonus_guess)
-                hits.sort(reverse=True)
-            else:
-                hits = [survival[k] * bonus_guess]
+            hits = acc.outcome_hits(k, survival) if rows_ok else [survival[k] * acc.bonus_guess.value]
             h = 0.0
             for rows in range(1, len(hits) + 1):
                 h += hits[rows - 1]

@@ -126,8 +126,7 @@ class PlanSearch:
         record = self.records.get(plan.label)
         if record is not None and record.tried:
             return plan.rate * record.tokens / record.promised
-        ratio = self.kind_ratio(kind(plan.label))
-        return plan.rate * (1.0 if ratio is None else ratio)
+        return self.estimate(plan)  # not run yet: its prediction times its kind's ratio
 
     def value(self, plan: Plan, optimistic_rate: float) -> float:
         """:meth:`estimate` for a plan that ran; for one that did not, ``optimistic_rate`` (its prediction at an

@@ -336,7 +336,7 @@ class CostSchedule(DraftLengthSchedule):
         optimistic = self._by_label(self.acc.optimistic(EXPLORE_Z, self.book.acceptance), costs) if explore else {}
         chosen, exploring = self.book.search.choose(self._candidates(costs), self._sized(plan), explore,
                                                     {label: p.rate for label, p in optimistic.items()})
-        solo = Plan(0, False, 0, 1.0 / max(costs.verify_full(1), 1e-9))  # as cost_model.plans prices it
+        solo = next(p for p in self._plans(self.acc, costs, allow_solo=True, allow_overlap=self.overlap) if p.solo)
         if self.book.search.tried(solo.label) and self.book.search.now(solo) > self.book.search.now(chosen):
             return solo  # the verifier alone realised more than drafting realises now
         self.exploring_rounds += exploring
