@@ -21,7 +21,8 @@ class AssistantDrafter(Drafter):
         self.tokenizer_id = tokenizer_id(self.tokenizer)
         self.model = load_causal_lm(path, dcfg["device"], dcfg["dtype"], dcfg["max_memory"],
                                     config=self.model_config(path, dcfg), profile=profile)
-        self.backend = drafter_backend(self.model, dcfg)  # where the sessions' KV caches live (drafter.backend)
+        # Where the sessions' KV caches live (drafter.backend); a compiled one builds steps at the node's threads.
+        self.backend = drafter_backend(self.model, dcfg, profile.threads if profile else None)
         self.max_draft_tokens = int(dcfg["max_draft_tokens"])
         self.q_top_m = int(dcfg["q_top_k"])
         self.capabilities = Capabilities(sends_q=True, greedy_q=True)

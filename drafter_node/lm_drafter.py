@@ -44,11 +44,13 @@ def predraft_room(max_draft_tokens: int) -> int:
     return max_draft_tokens * (max_draft_tokens + 2)
 
 
-def drafter_backend(model: Any, dcfg: dict[str, Any]) -> TargetBackend:
+def drafter_backend(model: Any, dcfg: dict[str, Any], thread_counts: list[int] | None = None) -> TargetBackend:
     """The KV backend of a drafter's model from its ``drafter`` section (``backend``, ``kv_slot_tokens``,
-    ``kv_slots``; null slots: the smaller of ``max_batch_sessions`` and :data:`DEFAULT_KV_SLOTS`)."""
+    ``kv_slots``; null slots: the smaller of ``max_batch_sessions`` and :data:`DEFAULT_KV_SLOTS`). ``thread_counts``:
+    the node's planned counts (its ``ProfileSpec.threads``), which a compiled backend builds its steps for."""
     slots = kv_slots(dcfg.get("kv_slots"), dcfg.get("max_batch_sessions", DEFAULT_KV_SLOTS))
-    return make_backend(model, dcfg.get("backend", "auto"), slots, dcfg.get("kv_slot_tokens"), role="drafter")
+    return make_backend(model, dcfg.get("backend", "auto"), slots, dcfg.get("kv_slot_tokens"), role="drafter",
+                        thread_counts=thread_counts)
 
 
 def with_room(lm: CachedLM, count: int) -> CachedLM:

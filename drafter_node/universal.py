@@ -384,7 +384,8 @@ class UniversalDrafter(Drafter):
         }
         self.vocab = VocabMap.build(self.tokenizer, self.target_tokenizer)
         self.max_positions = int(getattr(self.model.config, "max_position_embeddings", None) or 1 << 62)
-        self.backend = drafter_backend(self.model, dcfg)  # where the sessions' KV caches live (drafter.backend)
+        # Where the sessions' KV caches live (drafter.backend); a compiled one builds steps at the node's threads.
+        self.backend = drafter_backend(self.model, dcfg, profile.threads if profile else None)
         self.max_draft_tokens = int(dcfg["max_draft_tokens"])
         self.q_top_m = int(dcfg["q_top_k"])
         self.capabilities = Capabilities(sends_q=True)  # sampled drafts carry q; greedy drafts are one-hot

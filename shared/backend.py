@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -360,11 +361,12 @@ class StaticBackend(TargetBackend):
 
 
 def make_backend(model: Any, choice: str, slots: int, slot_tokens: int | None = None,
-                 role: str = "verifier", compiled_tokens: int = DEFAULT_COMPILED_TOKENS) -> TargetBackend:
+                 role: str = "verifier", compiled_tokens: int = DEFAULT_COMPILED_TOKENS,
+                 thread_counts: Iterable[int] | None = None) -> TargetBackend:
     """The backend a node's ``backend`` key asks for. ``auto``, ``static`` and ``compiled``: static slots where the
     model allows them (:func:`static_problem`), else dynamic with one log line saying why; ``compiled`` also compiles
-    its decode steps here for 1, 2, 4, … ``compiled_tokens`` new tokens (:class:`CompiledBackend`, one log line per
-    bucket). ``slot_tokens`` (None:
+    its decode steps here for 1, 2, 4, … ``compiled_tokens`` new tokens at each of ``thread_counts`` (the node's
+    planned counts; None: the current one) (:class:`CompiledBackend`, one log line per graph). ``slot_tokens`` (None:
     :data:`DEFAULT_SLOT_TOKENS`) is capped by the model's ``max_position_embeddings``."""
     if choice not in BACKEND_CHOICES:
         raise ValueError(f"{role}.backend must be one of {', '.join(BACKEND_CHOICES)}, got {choice!r}")
@@ -381,7 +383,7 @@ def make_backend(model: Any, choice: str, slots: int, slot_tokens: int | None = 
         tokens = min(tokens, positions)
     if choice == "compiled":
         backend: StaticBackend = CompiledBackend(model, slots, tokens, compiled_buckets(compiled_tokens))
-        backend.warm_up()
+        backend.warm_up(thread_counts)
     else:
         backend = StaticBackend(model, slots, tokens)
     log.info("%s: KV backend %s", role, backend.describe())
@@ -430,16 +432,19 @@ class CompiledBackend(StaticBackend):
     written into the slot with ``index_put_`` at positions held in a tensor, and attention runs over a fixed width
     of the slot (the smallest of ``min_width``, doubled up to the slot's length, that holds the sequence) with a
     mask built from that tensor, so neither the sequence's length nor its slot changes a shape and the step never
-    recompiles per token: one graph per (bucket, width). CPU: inductor (``mode``, default None); CUDA:
-    ``reduce-overhead`` (CUDA graphs).
+    recompiles per token: one graph per (bucket, width, thread count). CPU: inductor (``mode``, default None); CUDA:
+    ``reduce-overhead`` (CUDA graphs). The thread count is part of the key because dynamo guards on it: a node's
+    core leases switch its forwards between counts, and a graph met at a count it was not compiled for recompiled
+    mid-request (the 68 ms compiled forwards against 10–16 ms eager measured on the fast target).
 
     What the step cannot serve takes the static backend's eager path on the same slot memory (same results):
     batched rows, trees (custom positions / visibility), ``want_hidden``, forwards longer than the largest bucket
     (prefills) and the last ``max(buckets)`` positions of a slot. A compile or run failure switches the step off
     for good with one log line (never a crash). :meth:`warm_up` (``make_backend`` calls it at start-up) compiles
-    every bucket at the smallest width, one log line each. Nothing compiles while a request waits: a step whose
-    sequence has grown past the compiled width runs the eager path (one log line per width), since a compile costs
-    15–50 s on a CPU (a request that crossed the first width once waited minutes for its graphs)."""
+    every bucket at the smallest width for each thread count the node's forwards use, one log line each. Nothing
+    compiles while a request waits: a step whose sequence has grown past the compiled width, or that runs at a thread
+    count without graphs, runs the eager path (one log line per width or count), since a compile costs 15–50 s on a
+    CPU (a request that crossed the first width once waited minutes for its graphs)."""
 
     name = "compiled"
 
@@ -449,11 +454,11 @@ class CompiledBackend(StaticBackend):
         self.buckets = tuple(b for b in sorted(set(buckets)) if b <= slot_tokens)
         self.widths = _widths(slot_tokens, min_width)
         self.step_width = self.widths[0]
-        self._compiled: set[tuple[int, int]] = set()  # (bucket, width) graphs built
-        self._eager_widths: set[int] = set()  # widths whose steps ran eagerly (logged once each)
+        self._compiled: set[tuple[int, int, int]] = set()  # (bucket, width, threads) graphs built
+        self._eager_widths: set[tuple[int, int]] = set()  # (width, threads) whose steps ran eagerly (logged once)
         self._warming = False
-        limits = torch._dynamo.config
-        limits.recompile_limit = max(limits.recompile_limit, len(self.buckets) * len(self.widths) + 8)
+        self.thread_counts: tuple[int, ...] = (torch.get_num_threads(),)
+        self._allow_graphs(self.thread_counts)
         device = self.pool_keys[0].device
         cuda = device.type == "cuda"
         self.mode = mode if mode is not None else ("reduce-overhead" if cuda else None)
@@ -498,23 +503,41 @@ class CompiledBackend(StaticBackend):
     def bucket(self, count: int) -> int | None:
         return next((b for b in self.buckets if b >= count), None)
 
+    def _allow_graphs(self, thread_counts: tuple[int, ...]) -> None:
+        """Raise dynamo's per-function graph limit to every (bucket, width, thread count) this backend may build."""
+        limits = torch._dynamo.config
+        wanted = len(self.buckets) * len(self.widths) * len(thread_counts) + 8
+        limits.recompile_limit = max(limits.recompile_limit, wanted)
+
     @torch.inference_mode()
-    def warm_up(self) -> None:
-        """Compile every bucket at the smallest width now (on slot 0's free positions: nothing a handle holds), one
-        log line each."""
+    def warm_up(self, thread_counts: Iterable[int] | None = None) -> None:
+        """Compile every bucket at the smallest width now, at each of ``thread_counts`` (None: the current count),
+        on a free slot (its positions are written: nothing a handle holds); one log line per graph. The process's
+        thread count is restored afterwards."""
+        if not self.free:
+            raise RuntimeError("compiled KV backend: warm_up needs a free slot (it writes the slot's positions)")
+        slot = self.free[0]
+        before = torch.get_num_threads()
+        self.thread_counts = tuple(sorted({max(1, int(n)) for n in (thread_counts or (before,))}))
+        self._allow_graphs(self.thread_counts)
         self._warming = True
-        for bucket in self.buckets:
-            if self.failure:
-                break
-            t0 = time.perf_counter()
-            self._run(0, 0, [0] * bucket, bucket)
-            if self.failure:
-                break
-            self.compile_s[bucket] = time.perf_counter() - t0
-            log.info("compiled KV backend: step of %d token(s) over %d positions compiled in %.1f s", bucket,
-                     self.widths[0], self.compile_s[bucket])
-        self._warming = False
-        self.compiled_steps = 0
+        try:
+            for threads in self.thread_counts:
+                torch.set_num_threads(threads)
+                for bucket in self.buckets:
+                    if self.failure:
+                        return
+                    t0 = time.perf_counter()
+                    self._run(slot, 0, [0] * bucket, bucket)
+                    if self.failure:
+                        return
+                    self.compile_s[bucket] = self.compile_s.get(bucket, 0.0) + time.perf_counter() - t0
+                    log.info("compiled KV backend: step of %d token(s) over %d positions at %d thread(s) compiled "
+                             "in %.1f s", bucket, self.widths[0], threads, time.perf_counter() - t0)
+        finally:
+            torch.set_num_threads(before)
+            self._warming = False
+            self.compiled_steps = 0
 
     def width(self, end: int) -> int:
         """The attention width of a step whose padded tokens end at ``end``."""
@@ -528,7 +551,7 @@ class CompiledBackend(StaticBackend):
         self.step_slot.fill_(slot)
         self.step_start.fill_(start)
         self.step_width = self.width(start + bucket)
-        graph = (bucket, self.step_width)
+        graph = (bucket, self.step_width, torch.get_num_threads())
         fresh = graph not in self._compiled
         try:
             if self.mode == "reduce-overhead":
@@ -550,11 +573,13 @@ class CompiledBackend(StaticBackend):
         if bucket is None or lm.length + bucket > self.slot_tokens:
             return None
         width = self.width(lm.length + bucket)
-        if (bucket, width) not in self._compiled and not self._warming:
-            if width not in self._eager_widths:
-                self._eager_widths.add(width)
-                log.info("compiled KV backend: no step compiled over %d positions (start-up compiles %d); steps of "
-                         "sequences past that run eagerly on the same slots", width, self.widths[0])
+        threads = torch.get_num_threads()
+        if (bucket, width, threads) not in self._compiled and not self._warming:
+            if (width, threads) not in self._eager_widths:
+                self._eager_widths.add((width, threads))
+                log.info("compiled KV backend: no step compiled over %d positions at %d thread(s) (start-up "
+                         "compiles %d positions at %s thread(s)); those steps run eagerly on the same slots", width,
+                         threads, self.widths[0], ", ".join(map(str, self.thread_counts)))
             return None
         return bucket
 

@@ -89,7 +89,7 @@ def test_compiled_sessions_equal_generate(compiled, arch, caplog):
     # Llama's session grew past its first width: those steps ran eagerly, nothing compiled while it waited.
     assert ("no step compiled over 96 positions" in caplog.text) == (arch == "llama")
     assert ours == truth
-    assert {w for _, w in backend._compiled} == {backend.widths[0]}
+    assert {w for _, w, _ in backend._compiled} == {backend.widths[0]}
     assert backend.compiled_steps - before >= 15  # the compiled step really served the rounds
     # Logits (not just argmax) agree with a dynamic cache, every bucket, after a crop; a 6-token forward is eager.
     handle, alone = backend.open(), CachedLM(model)
@@ -134,6 +134,41 @@ def test_no_recompiles_as_the_sequence_grows(compiled):
     assert dict(counters["stats"]).get("unique_graphs") == frames.get("unique_graphs")
     a.close()
     b.close()
+
+
+@pytest.mark.unit
+def test_a_thread_count_without_graphs_runs_eagerly_and_never_recompiles(compiled, caplog):
+    """Dynamo guards on the thread count, and core leases switch a node's forwards between counts: a step at a count
+    warm-up did not compile for must run the eager path (it recompiled mid-request before), and warming up at both
+    counts serves both from graphs built at start-up."""
+    import torch._dynamo.utils as dynamo_utils
+
+    _, model, backend = compiled("qwen2")
+    handle, alone = backend.open(), CachedLM(model)
+    for lm in (handle, alone):
+        lm.feed(_ids(8, 5))
+    graphs = dynamo_utils.counters["stats"].get("unique_graphs", 0)
+    torch.set_num_threads(2)
+    try:
+        before = backend.compiled_steps
+        with caplog.at_level(logging.INFO, logger="pipespec.backend"):
+            a, _ = handle.feed([3])
+        assert backend.compiled_steps == before and "at 2 thread(s)" in caplog.text
+        assert dynamo_utils.counters["stats"].get("unique_graphs", 0) == graphs
+        assert torch.allclose(a, alone.feed([3])[0], atol=1e-4)
+        backend.warm_up((1, 2))
+        assert backend.thread_counts == (1, 2) and torch.get_num_threads() == 2  # restored after warm-up
+        graphs = dynamo_utils.counters["stats"].get("unique_graphs", 0)
+        for threads, token in ((2, 4), (1, 5), (2, 6)):
+            torch.set_num_threads(threads)
+            before = backend.compiled_steps
+            a, _ = handle.feed([token])
+            assert backend.compiled_steps == before + 1, threads
+            assert torch.allclose(a, alone.feed([token])[0], atol=1e-4)
+        assert dynamo_utils.counters["stats"].get("unique_graphs", 0) == graphs
+    finally:
+        torch.set_num_threads(1)
+        handle.close()
 
 
 @pytest.mark.unit

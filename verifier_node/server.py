@@ -270,7 +270,7 @@ class VerifierServer:
         # Where the sessions' KV caches live (shared/backend.py): a slot per session batched at once.
         slots = kv_slots(vcfg["kv_slots"], vcfg["max_sessions"], vcfg["max_batch_sessions"])
         backend = make_backend(model, vcfg["backend"], slots, int(vcfg["kv_slot_tokens"]),
-                               compiled_tokens=int(vcfg["compiled_max_tokens"]))
+                               compiled_tokens=int(vcfg["compiled_max_tokens"]), thread_counts=threads.counts())
         batching = max_batch_sessions > 1 and backend.can_batch()
         if max_batch_sessions > 1 and not batching:
             log.warning("verifier: batched verification is not possible with this target (sliding-window layers or "
