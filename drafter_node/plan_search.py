@@ -18,7 +18,9 @@ report, begin with the model's plan; later sessions weigh the model's plan like 
 ran and beat its prediction cannot keep a better one from ever running). Exploring — running a plan that has not run
 enough and is not the model's choice — is limited to EXPLORE_ROUNDS rounds per session; after that only the plans that
 ran and the model's choice are weighed, at their estimates. A plan that realised clearly less than the best keeps its
-low estimate and is not run again.
+low estimate and is not run again while its record lasts: a record is forgotten once its plan has not run for
+STALE_ROUNDS of the node's drafting rounds, since rates measured on a host whose speed drifts, or in a few rounds of a
+warm-up, must not keep a plan from running for good.
 
 The verifier stepping alone (k = 0, label ``solo``) is recorded too, and weighed against drafting at the rates each
 realises now (:meth:`PlanSearch.now`): a drafter whose blocks realise less than the verifier alone stops drafting
@@ -55,6 +57,15 @@ MIN_ROUNDS = 2
 UNTRIED_BONUS = 1.25
 #: Rounds per session that may run a plan the estimates alone would not choose (MIN_ROUNDS each: 3 plans).
 EXPLORE_ROUNDS = 6
+#: A record whose plan has not run for this many of the node's drafting rounds is forgotten (the plan counts as
+#: untried again, and its next rounds start a new record). Rates measured minutes ago on a host whose speed drifts
+#: (the AMX host's bare forwards moved by 1.5x within the hour), or in a warm-up of a few rounds, otherwise keep a
+#: plan that realised little then from ever running again, however the machine has changed since. Rounds alone do
+#: not age the drafting records: a drafter that cannot pay is not sent probing by its records expiring. Each time
+#: a record is forgotten the records of its kind (``sync``, ``overlap``, ...) last twice as long from then on (up to
+#: STALE_ROUNDS_MAX): plans of a kind that keeps realising less are re-tried at 16, 32, 64, ... rounds, not every 16.
+STALE_ROUNDS = 16
+STALE_ROUNDS_MAX = 512
 
 
 class PlanRecord:
@@ -66,6 +77,7 @@ class PlanRecord:
         self.promised = 0.0
         self.seconds = 0.0
         self.rounds = 0
+        self.last = 0  # the node's drafting-round count when this plan last ran (PlanSearch.drafting_rounds)
 
     def observe(self, committed: int, seconds: float, predicted_rate: float) -> None:
         self.tokens = RECORD_DECAY * self.tokens + committed
@@ -92,11 +104,29 @@ class PlanSearch:
     """Realised records of the plans a node ran (across its sessions, at batch 1) and the explore/exploit choice."""
 
     def __init__(self) -> None:
-        self.records: dict[str, PlanRecord] = {}
+        self._records: dict[str, PlanRecord] = {}
+        self._lasts: dict[str, int] = {}  # per kind: drafting rounds a record lasts unrun (doubles when one is dropped)
+        self.drafting_rounds = 0  # drafting rounds (not ``solo``) observed: the clock records age by
 
     def observe(self, label: str, committed: int, seconds: float, predicted_rate: float) -> None:
         if seconds > 0 and predicted_rate > 0:
-            self.records.setdefault(label, PlanRecord()).observe(committed, seconds, predicted_rate)
+            if kind(label) != "solo":
+                self.drafting_rounds += 1
+            record = self.records.get(label)
+            if record is None:  # new, or forgotten (STALE_ROUNDS): a fresh record
+                record = self._records[label] = PlanRecord()
+            record.observe(committed, seconds, predicted_rate)
+            record.last = self.drafting_rounds
+
+    @property
+    def records(self) -> dict[str, PlanRecord]:
+        """The records of plans that ran within the last STALE_ROUNDS drafting rounds (older ones are dropped)."""
+        stale = [label for label, r in self._records.items()
+                 if self.drafting_rounds - r.last > self._lasts.get(kind(label), STALE_ROUNDS)]
+        for label in stale:
+            del self._records[label]
+            self._lasts[kind(label)] = min(2 * self._lasts.get(kind(label), STALE_ROUNDS), STALE_ROUNDS_MAX)
+        return self._records
 
     def tried(self, label: str) -> bool:
         record = self.records.get(label)

@@ -20,6 +20,7 @@ All are capped at ``max_draft_tokens``.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable
 
 from drafter_node.cost_model import (
@@ -34,6 +35,8 @@ from drafter_node.cost_model import (
 from drafter_node.plan_search import EXPLORE_ROUNDS
 from drafter_node.plan_search import kind as plan_kind
 from drafter_node.tree_plan import plan_from_acceptance
+
+log = logging.getLogger("pipespec.schedule")
 
 SCHEDULES = ("cost", "pipeline", "adaptive", "heuristic", "constant")
 
@@ -282,7 +285,7 @@ class CostSchedule(DraftLengthSchedule):
     def _replan(self, allow_solo: bool, was_probe: bool) -> None:
         costs = self.book.costs(self.context())
         allowed = {"allow_overlap": self.overlap and allow_solo}
-        plan = max(self._plans(self.acc, costs, allow_solo=allow_solo, **allowed), key=lambda p: p.rate)
+        plan = model = max(self._plans(self.acc, costs, allow_solo=allow_solo, **allowed), key=lambda p: p.rate)
         if self.tree:
             plan = self._tree_or(plan, costs)
         if not plan.solo and allow_solo and self.book.batch == 1:
@@ -299,6 +302,11 @@ class CostSchedule(DraftLengthSchedule):
                             if (p.k, p.overlap, p.rows) == (hopeful.k, hopeful.overlap, hopeful.rows))
                 self.explored += 1
         plan = self._sized(plan)
+        if log.isEnabledFor(logging.DEBUG):  # PIPESPEC_LOG_LEVEL=debug: why each round runs what it runs
+            log.debug("replan: %s at %.2f tok/s predicted (model's best %s; acceptance %s; solo span %d; probe %s; "
+                      "verify 1 token %.0f ms, draft step %.0f ms)", plan.label, plan.rate, model.label,
+                      " ".join(f"{self.acc.alpha(i):.2f}" for i in range(min(4, self.max_k))), self.solo_span,
+                      was_probe, 1000 * costs.verify_full(1), 1000 * costs.draft_full(1))
         self.plan, self.k = plan, plan.k
         self.plans["solo" if plan.solo else "overlap" if plan.overlap else "tree" if plan.sides else "sync"] += 1
         if plan.solo:

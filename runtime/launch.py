@@ -95,6 +95,9 @@ def _die_with_parent() -> None:
 #: made a synchronous round's publish 5 ms and its forwards 2x slower on a 2-core machine. 10,000 still covers the
 #: gaps between the regions of one forward.
 NODE_ENV = {"GOMP_SPINCOUNT": "10000"}
+#: A node's log level (``debug`` adds, e.g., the drafter's reason for each round's plan); default ``info``.
+LOG_LEVEL_ENV = "PIPESPEC_LOG_LEVEL"
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 #: What a node process runs after the interpreter. Tests name their own entry script in ``Cluster(entry=...)`` to
 #: start a node with test behaviour injected as objects (tests/node_entry.py); production code reads no test switch.
 NODE_ENTRY = ["-m", "runtime.launch"]
@@ -325,9 +328,15 @@ def parse_http_address(text: str) -> dict[str, Any]:
     return {"http.host": host, "http.port": int(port)}
 
 
+def node_log_level() -> str:
+    """A node's log level from ``PIPESPEC_LOG_LEVEL`` (one of LOG_LEVELS, any case; anything else: ``INFO``)."""
+    level = os.environ.get(LOG_LEVEL_ENV, "info").strip().upper()
+    return level if level in LOG_LEVELS else "INFO"
+
+
 def _run_role(config: dict[str, Any], role: str, run_dir: str | None, hooks: dict[str, Any] | None = None) -> int:
     """Run one node in this process; ``hooks``: keyword arguments for the node's ``run`` (tests inject objects)."""
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role} %(levelname)s %(message)s")
+    logging.basicConfig(level=node_log_level(), format=f"%(asctime)s {role} %(levelname)s %(message)s")
     quiet_library_bars()  # a node's output is a log file: no redrawn loading bars in it
     check_security(config, (role,))
     if "{run_dir}" in json.dumps(config):

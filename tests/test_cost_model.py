@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import pytest
 
@@ -15,7 +16,7 @@ from drafter_node.cost_model import (
     plans,
     rollback_s,
 )
-from drafter_node.plan_search import EXPLORE_ROUNDS, MIN_ROUNDS
+from drafter_node.plan_search import EXPLORE_ROUNDS, MIN_ROUNDS, STALE_ROUNDS
 from drafter_node.schedule import SOLO_ROUNDS_MAX, SOLO_ROUNDS_MIN, CostSchedule
 from shared.costs.curve import CostCurve, NodeProfile
 
@@ -371,16 +372,53 @@ def test_plans_that_realise_more_than_predicted_are_found_and_kept():
     labels = _run_rounds(s, _favours_long_sync, 60)
     moved = labels.index("sync k=8")
     assert moved <= EXPLORE_ROUNDS + MIN_ROUNDS, labels[:moved + 1]
-    assert labels[moved + MIN_ROUNDS + EXPLORE_ROUNDS:] == ["sync k=8"] * (60 - moved - MIN_ROUNDS - EXPLORE_ROUNDS)
+    # After that only re-tries of forgotten records (STALE_ROUNDS), each MIN_ROUNDS long, at growing intervals.
+    others = [i for i, label in enumerate(labels) if i > moved and label != "sync k=8"]
+    assert len(others) <= 2 * MIN_ROUNDS, labels
+    assert all(b - a == 1 or b - a > STALE_ROUNDS for a, b in itertools.pairwise(others)), labels
     assert s.exploring_rounds <= EXPLORE_ROUNDS
     assert s.book.search.records["sync k=8"].rate == pytest.approx(7.5)
+
+
+@pytest.mark.parametrize("forget", [True, False])
+def test_a_plan_that_realised_little_in_a_slow_spell_is_tried_again(forget, monkeypatch):
+    """Records age: sync k=8 realises 3 tok/s while the host is slow (overlap 5), so overlap runs; once the host
+    is back (sync k=8 at 7.5) the forgotten sync record lets it run again, and it stays. The negative control keeps
+    every record for good (the old behaviour): sync k=8 never runs again."""
+    import drafter_node.plan_search as plan_search
+
+    if not forget:
+        monkeypatch.setattr(plan_search, "STALE_ROUNDS", 10**9)
+    s = _amx_schedule()
+    slow = _run_rounds(s, lambda label: 3.0 if label == "sync k=8" else _favours_long_sync(label), 30)
+    assert "sync k=8" in slow and slow[-10:] != ["sync k=8"] * 10, slow
+    s.exploring_rounds = 0  # a new session's exploration budget
+    back = _run_rounds(s, _favours_long_sync, 60)
+    if forget:
+        assert back[-20:].count("sync k=8") >= 18, back
+    else:
+        assert "sync k=8" not in back, back
+
+
+def test_rounds_alone_do_not_age_the_drafting_records():
+    from drafter_node.plan_search import PlanSearch
+
+    search = PlanSearch()
+    for _ in range(MIN_ROUNDS):
+        search.observe("sync k=8", 3, 1.0, 6.0)
+    for _ in range(10 * STALE_ROUNDS):
+        search.observe("solo", 1, 0.25, 4.0)
+    assert search.tried("sync k=8")
+    for _ in range(STALE_ROUNDS + 1):
+        search.observe("overlap k=2 rows=3", 3, 1.0, 5.0)
+    assert not search.tried("sync k=8") and "sync k=8" not in search.records
 
 
 def test_a_sizing_drafter_finds_sized_sync_rounds():
     s = _amx_schedule(sizes_blocks=None)
     labels = _run_rounds(s, _favours_long_sync, 40, sized=True)
     assert "sync sized" in labels[: EXPLORE_ROUNDS + 2 * MIN_ROUNDS]
-    assert labels[-20:] == ["sync sized"] * 20 and s.book.sizes_blocks
+    assert labels[-15:] == ["sync sized"] * 15 and s.book.sizes_blocks  # (a forgotten overlap re-tried at ~19)
 
 
 def test_where_the_model_is_right_its_plan_stays_after_a_bounded_exploration():
@@ -600,3 +638,18 @@ def test_a_target_that_refeeds_on_rollback_pays_for_rejections():
     gpu = costs(flat(0.3), linear(0.03))
     assert best_plan(acc, gpu, 8, rows_ok=True).k == 2
     assert best_plan(acc, dataclasses.replace(gpu, rollback_refeeds=True), 8, rows_ok=True).k == 0
+
+
+def test_the_debug_log_says_why_each_round_runs_its_plan(caplog, monkeypatch):
+    import logging
+
+    from runtime.launch import LOG_LEVEL_ENV, node_log_level
+
+    s = _amx_schedule()
+    with caplog.at_level(logging.DEBUG, logger="pipespec.schedule"):
+        _run_rounds(s, _favours_long_sync, 3)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("replan: ")]
+    assert len(lines) == 3 and all("model's best" in line and "verify 1 token 200 ms" in line for line in lines)
+    for value, level in (("debug", "DEBUG"), (" Warning ", "WARNING"), ("loud", "INFO"), ("", "INFO")):
+        monkeypatch.setenv(LOG_LEVEL_ENV, value)
+        assert node_log_level() == level
