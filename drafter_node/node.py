@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import signal
 import socket
 import sys
 import time
@@ -75,6 +74,7 @@ from shared.protocol import (
     encode,
 )
 from shared.settings import build
+from shared.signals import stop_on_signals
 from shared.transport import AuthWatch, ClientKeys, DrafterLinks, connect_dealer
 
 log = logging.getLogger("pipespec.drafter")
@@ -228,8 +228,7 @@ class DrafterNode:
         self.rejoins += 1
 
     def serve(self) -> int:
-        signal.signal(signal.SIGTERM, lambda *_: self.stop())
-        signal.signal(signal.SIGINT, lambda *_: self.stop())
+        """Loop until :meth:`stop` (any thread; the process entry point :func:`run` stops it on SIGTERM / SIGINT)."""
         try:
             return self._loop()
         finally:
@@ -448,4 +447,6 @@ class DrafterNode:
 
 def run(config: dict[str, Any], links: DrafterLinks, fixed_costs: tuple[CostCurve, CostCurve] | None = None) -> int:
     """Entry point of the drafter process (``links``, ``fixed_costs``: see :meth:`DrafterNode.from_config`)."""
-    return DrafterNode.from_config(config, fixed_costs=fixed_costs, links=links).serve()
+    node = DrafterNode.from_config(config, fixed_costs=fixed_costs, links=links)
+    stop_on_signals(node.stop)
+    return node.serve()

@@ -71,13 +71,36 @@ def test_a_server_built_from_parts_serves_plain_steps_batched(tiny):
             sock.close(linger=0)
             server.stop()
 
-    thread = threading.Thread(target=client)
-    thread.start()
-    server.serve()  # in the main thread (it installs signal handlers); the client stops it
-    thread.join()
-    assert not failure, failure
+    # The server loops in a worker thread, as a node inside an actor does (signal handlers are the entry point's).
+    serving = threading.Thread(target=server.serve)
+    serving.start()
+    client()  # stops the server when done
+    serving.join(timeout=120)
+    assert not serving.is_alive() and not failure, failure
     for rid, prompt in prompts.items():
         assert got[rid].token_ids == reference_greedy(target, prompt, 6), rid
     pong = got["pong"]
     assert pong.sessions == 0 and not pong.drafter_connected and pong.forwards >= 1
     assert server.batching and pong.mean_batch_sessions > 1.0  # both requests' plain steps shared forwards
+
+
+def test_signal_handlers_belong_to_the_entry_point_in_the_main_thread():
+    import os
+    import signal
+
+    from shared.signals import stop_on_signals
+
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    stopped: list[str] = []
+    try:
+        assert stop_on_signals(lambda: stopped.append("stop"))
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stopped == ["stop"]
+        elsewhere: list[bool] = []
+        worker = threading.Thread(target=lambda: elsewhere.append(stop_on_signals(lambda: None)))
+        worker.start()
+        worker.join()
+        assert elsewhere == [False]  # no handler from a worker thread (signal.signal would raise there)
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)

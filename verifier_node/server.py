@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import secrets
-import signal
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -81,6 +80,7 @@ from shared.protocol import (
     split_state,
 )
 from shared.sampling import GenerationParams, ParamError
+from shared.signals import stop_on_signals
 from shared.transport import (
     CLIENT_DOMAIN,
     DRAFTER_DOMAIN,
@@ -296,8 +296,7 @@ class VerifierServer:
 
     # ------------------------------------------------------------------ loop
     def serve(self) -> None:
-        signal.signal(signal.SIGTERM, lambda *_: self.stop())
-        signal.signal(signal.SIGINT, lambda *_: self.stop())
+        """Loop until :meth:`stop` (any thread; the process entry point :func:`run` stops it on SIGTERM / SIGINT)."""
         log.info("verifier ready: drafters at %s, clients at %s", self.settings.drafter_endpoint,
                  self.settings.client_endpoint)
         try:
@@ -727,4 +726,6 @@ class VerifierServer:
 def run(config: dict[str, Any], links: VerifierLinks, forward_delay_s: float = 0.0,
         accept: AcceptRule | None = None) -> None:
     """Entry point of the verifier process (``links``, ``forward_delay_s``, ``accept``: see :class:`VerifierServer`)."""
-    VerifierServer.from_config(config, links=links, forward_delay_s=forward_delay_s, accept=accept).serve()
+    server = VerifierServer.from_config(config, links=links, forward_delay_s=forward_delay_s, accept=accept)
+    stop_on_signals(server.stop)
+    server.serve()
