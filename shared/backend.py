@@ -437,9 +437,11 @@ class CompiledBackend(StaticBackend):
     core leases switch its forwards between counts, and a graph met at a count it was not compiled for recompiled
     mid-request (the 68 ms compiled forwards against 10–16 ms eager measured on the fast target).
 
-    What the step cannot serve takes the static backend's eager path on the same slot memory (same results):
-    batched rows, trees (custom positions / visibility), ``want_hidden``, forwards longer than the largest bucket
-    (prefills) and the last ``max(buckets)`` positions of a slot. A compile or run failure switches the step off
+    A single row with its own positions and visibility (a drafter's flat pre-draft rows, a verifier's tree) runs
+    the same step, its mask built from the row's visibility (:meth:`feed_rows`). What the step cannot serve takes
+    the static backend's eager path on the same slot memory (same results): batched rows of several sequences,
+    ``want_hidden``, forwards longer than the largest bucket (prefills) and the last ``max(buckets)`` positions of a
+    slot. A compile or run failure switches the step off
     for good with one log line (never a crash). :meth:`warm_up` (``make_backend`` calls it at start-up) compiles
     every bucket at the smallest width for each thread count the node's forwards use, one log line each. Nothing
     compiles while a request waits: a step whose sequence has grown past the compiled width, or that runs at a thread
@@ -487,18 +489,34 @@ class CompiledBackend(StaticBackend):
         log.warning("compiled KV backend: torch.compile failed, every forward takes the eager static path (%s)",
                     self.failure)
 
-    def _eager_step(self, ids: torch.Tensor) -> torch.Tensor:
-        """The step compiled: one forward of ``ids`` [1, T] at positions ``step_start …`` of slot ``step_slot``."""
-        new = ids.shape[1]
-        width = self.step_width
-        device = ids.device
-        rows = self.step_start + torch.arange(new, device=device)
-        visible = torch.arange(width, device=device)[None, :] <= rows[:, None]
-        mask = torch.zeros(1, 1, new, width, dtype=self._dtype, device=device)
-        mask = mask.masked_fill(~visible[None, None], torch.finfo(self._dtype).min)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=rows[None, :], cache=self._cache,
+    def _eager_step(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """The step compiled: one forward of ``ids`` [1, T] with position ids ``positions`` [1, T] and the additive
+        ``mask`` [1, 1, T, width], whose K/V go to cache positions ``step_start …`` of slot ``step_slot``."""
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=self._cache,
                          use_cache=True)
         return out.logits
+
+    def _step_inputs(self, start: int, count: int, bucket: int, positions: list[int] | None,
+                     visible: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Position ids [1, bucket] and the additive mask [1, 1, bucket, step_width] of a step of ``count`` tokens
+        at cache position ``start``: the causal rule, or a row's own ``positions`` and ``visible`` (bool
+        [count, start + count]: flat pre-draft rows, trees). Padded tokens sit at the last position and see the
+        columns up to their own cache position (finite, ignored); columns past the sequence are hidden."""
+        width = self.step_width
+        columns = torch.arange(width)
+        if visible is None:
+            seen = columns[None, :] <= (start + torch.arange(bucket))[:, None]
+        else:
+            seen = torch.zeros(bucket, width, dtype=torch.bool)
+            seen[:count, : start + count] = visible
+            seen[count:] = columns[None, :] <= (start + torch.arange(count, bucket))[:, None]
+        pos = torch.arange(start, start + bucket)
+        if positions is not None:
+            pos[:count] = torch.tensor(positions, dtype=torch.long)
+            pos[count:] = pos[count - 1]
+        mask = torch.zeros(1, 1, bucket, width, dtype=self._dtype)
+        mask.masked_fill_(~seen[None, None], torch.finfo(self._dtype).min)
+        return pos[None, :], mask
 
     def bucket(self, count: int) -> int | None:
         return next((b for b in self.buckets if b >= count), None)
@@ -543,20 +561,23 @@ class CompiledBackend(StaticBackend):
         """The attention width of a step whose padded tokens end at ``end``."""
         return next(w for w in self.widths if w >= end)
 
-    def _run(self, slot: int, start: int, tokens: list[int], bucket: int) -> torch.Tensor | None:
-        """The compiled step's logits [count, vocab] (float32), or None when it failed (then switched off)."""
+    def _run(self, slot: int, start: int, tokens: list[int], bucket: int, positions: list[int] | None = None,
+             visible: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The compiled step's logits [count, vocab] (float32), or None when it failed (then switched off).
+        ``positions``, ``visible``: a row's own position ids and visibility (:class:`shared.batch.Row`)."""
         device = self.step_slot.device
         ids = torch.zeros(1, bucket, dtype=torch.long)
         ids[0, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
         self.step_slot.fill_(slot)
         self.step_start.fill_(start)
         self.step_width = self.width(start + bucket)
+        position_ids, mask = self._step_inputs(start, len(tokens), bucket, positions, visible)
         graph = (bucket, self.step_width, torch.get_num_threads())
         fresh = graph not in self._compiled
         try:
             if self.mode == "reduce-overhead":
                 torch.compiler.cudagraph_mark_step_begin()  # the last replay's outputs were copied out
-            logits = self._step(ids.to(device))
+            logits = self._step(ids.to(device), position_ids.to(device), mask.to(device))
         except Exception as exc:  # no C compiler, an unsupported op: eager from now on
             self._fail(exc)
             return None
@@ -582,6 +603,24 @@ class CompiledBackend(StaticBackend):
                          threads, self.widths[0], ", ".join(map(str, self.thread_counts)))
             return None
         return bucket
+
+    @torch.inference_mode()
+    def feed_rows(self, rows: list[Row], want_hidden: bool = False, logits: bool = True) -> list[RowOutput]:
+        """:meth:`StaticBackend.feed_rows`, where a single row of a few tokens with its own positions or visibility
+        (a drafter's flat pre-draft rows, a tree) runs the compiled step; everything else as the static backend (a
+        plain single row reaches the compiled step through its handle's ``feed``)."""
+        if len(rows) == 1 and logits and (rows[0].positions is not None or rows[0].visible is not None):
+            row = rows[0]
+            count = len(row.tokens)
+            bucket = self.serves(row.lm, count, want_hidden)
+            if bucket is not None:
+                out = self._run(row.lm.slot, row.lm.length, row.tokens, bucket, row.positions, row.visible)
+                if out is not None:
+                    for layer in row.lm.cache.layers:
+                        layer.length += count
+                    row.lm.grew(count)
+                    return [RowOutput(out, None)]
+        return super().feed_rows(rows, want_hidden=want_hidden, logits=logits)
 
 
 class CompiledHandle(StaticHandle):

@@ -172,6 +172,43 @@ def test_a_thread_count_without_graphs_runs_eagerly_and_never_recompiles(compile
 
 
 @pytest.mark.unit
+def test_flat_pre_draft_rows_run_the_compiled_step_and_match_a_dynamic_cache(compiled):
+    """A drafter's pre-drafted outcome rows (one row of R tokens with its own positions and visibility, as the node
+    feeds them through ``backend.feed_rows``) run the compiled step at every depth; their logits equal the same rows
+    on a dynamic cache, and the adopted row's cache continues like the dynamic one."""
+    from drafter_node.base import DraftToken
+    from drafter_node.branches import Branches
+    from shared.batch import feed_rows
+
+    _, model, backend = compiled("qwen2")
+    committed, block, rows = _ids(9, 7), [11, 12, 13], [(3, 43), (0, 40), (2, 42)]
+    handle, alone = backend.open(), CachedLM(model)
+    for lm in (handle, alone):
+        lm.feed(committed + block)
+    ours, theirs = Branches(handle, len(committed), block, rows), Branches(alone, len(committed), block, rows)
+
+    def greedy(logits, contexts):
+        return [DraftToken(int(row.argmax())) for row in logits]
+
+    for depth in range(3):
+        mine, ref = ours.batch_step(greedy), theirs.batch_step(greedy)
+        before = backend.compiled_steps
+        got = backend.feed_rows(mine.rows)
+        want = feed_rows(model, ref.rows)
+        assert backend.compiled_steps == before + 1, depth  # a 3-token row: bucket 4
+        gap = (got[0].logits - want[0].logits).abs().max()
+        assert torch.allclose(got[0].logits, want[0].logits, atol=1e-4), (depth, gap)
+        mine.finish(got)
+        ref.finish(want)
+    assert [ours.context(i) for i in range(len(rows))] == [theirs.context(i) for i in range(len(rows))]
+    ours.adopt(1, handle)
+    theirs.adopt(1, alone)
+    last = ours.context(1)[-1]
+    assert torch.allclose(handle.feed([last])[0], alone.feed([last])[0], atol=1e-4)
+    handle.close()
+
+
+@pytest.mark.unit
 def test_a_compile_failure_falls_back_to_the_eager_static_path(tiny, monkeypatch, caplog):
     folder = tiny("llama")
     model = _load(folder)
@@ -199,7 +236,7 @@ def test_a_step_that_fails_at_run_time_falls_back_and_still_matches(tiny, caplog
     backend = CompiledBackend(model, slots=1, slot_tokens=96, buckets=BUCKETS)
     calls = []
 
-    def broken(ids):
+    def broken(ids, *step_inputs):
         if backend._warming:  # start-up "compiles" every bucket (logits of the right shape; nothing reads them)
             return torch.zeros(1, ids.shape[1], model.config.vocab_size)
         calls.append(ids.shape)
