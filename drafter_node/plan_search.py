@@ -104,7 +104,8 @@ class PlanSearch:
     """Realised records of the plans a node ran (across its sessions, at batch 1) and the explore/exploit choice."""
 
     def __init__(self) -> None:
-        self._records: dict[str, PlanRecord] = {}
+        # Records of plans that ran within their kind's lifetime (older ones are dropped as the rounds go by).
+        self.records: dict[str, PlanRecord] = {}
         self._lasts: dict[str, int] = {}  # per kind: drafting rounds a record lasts unrun (doubles when one is dropped)
         self.drafting_rounds = 0  # drafting rounds (not ``solo``) observed: the clock records age by
 
@@ -112,21 +113,18 @@ class PlanSearch:
         if seconds > 0 and predicted_rate > 0:
             if kind(label) != "solo":
                 self.drafting_rounds += 1
-            record = self.records.get(label)
-            if record is None:  # new, or forgotten (STALE_ROUNDS): a fresh record
-                record = self._records[label] = PlanRecord()
+                self._forget_stale()  # only a drafting round moves the clock
+            record = self.records.setdefault(label, PlanRecord())  # new, or forgotten: a fresh record
             record.observe(committed, seconds, predicted_rate)
             record.last = self.drafting_rounds
 
-    @property
-    def records(self) -> dict[str, PlanRecord]:
-        """The records of plans that ran within the last STALE_ROUNDS drafting rounds (older ones are dropped)."""
-        stale = [label for label, r in self._records.items()
+    def _forget_stale(self) -> None:
+        """Drop the records whose plan has not run within its kind's lifetime, doubling that lifetime."""
+        stale = [label for label, r in self.records.items()
                  if self.drafting_rounds - r.last > self._lasts.get(kind(label), STALE_ROUNDS)]
         for label in stale:
-            del self._records[label]
+            del self.records[label]
             self._lasts[kind(label)] = min(2 * self._lasts.get(kind(label), STALE_ROUNDS), STALE_ROUNDS_MAX)
-        return self._records
 
     def tried(self, label: str) -> bool:
         record = self.records.get(label)

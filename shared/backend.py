@@ -457,7 +457,7 @@ class CompiledBackend(StaticBackend):
         self.widths = _widths(slot_tokens, min_width)
         self.step_width = self.widths[0]
         self._compiled: set[tuple[int, int, int]] = set()  # (bucket, width, threads) graphs built
-        self._eager_widths: set[tuple[int, int]] = set()  # (width, threads) whose steps ran eagerly (logged once)
+        self._eager_noted: set[tuple[int, int]] = set()  # (width, threads) whose steps ran eagerly (logged once)
         self._warming = False
         self.thread_counts: tuple[int, ...] = (torch.get_num_threads(),)
         self._allow_graphs(self.thread_counts)
@@ -549,9 +549,10 @@ class CompiledBackend(StaticBackend):
                     self._run(slot, 0, [0] * bucket, bucket)
                     if self.failure:
                         return
-                    self.compile_s[bucket] = self.compile_s.get(bucket, 0.0) + time.perf_counter() - t0
+                    took = time.perf_counter() - t0
+                    self.compile_s[bucket] = self.compile_s.get(bucket, 0.0) + took
                     log.info("compiled KV backend: step of %d token(s) over %d positions at %d thread(s) compiled "
-                             "in %.1f s", bucket, self.widths[0], threads, time.perf_counter() - t0)
+                             "in %.1f s", bucket, self.widths[0], threads, took)
         finally:
             torch.set_num_threads(before)
             self._warming = False
@@ -596,13 +597,27 @@ class CompiledBackend(StaticBackend):
         width = self.width(lm.length + bucket)
         threads = torch.get_num_threads()
         if (bucket, width, threads) not in self._compiled and not self._warming:
-            if (width, threads) not in self._eager_widths:
-                self._eager_widths.add((width, threads))
+            if (width, threads) not in self._eager_noted:
+                self._eager_noted.add((width, threads))
                 log.info("compiled KV backend: no step compiled over %d positions at %d thread(s) (start-up "
                          "compiles %d positions at %s thread(s)); those steps run eagerly on the same slots", width,
                          threads, self.widths[0], ", ".join(map(str, self.thread_counts)))
             return None
         return bucket
+
+    def feed_compiled(self, lm: CachedLM, tokens: list[int], want_hidden: bool = False,
+                      positions: list[int] | None = None, visible: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Append ``tokens`` to ``lm``'s slot through the compiled step: their logits [count, vocab] (float32), or
+        None where the step does not serve this forward (nothing was fed: take the eager path)."""
+        bucket = self.serves(lm, len(tokens), want_hidden)
+        if bucket is None:
+            return None
+        logits = self._run(lm.slot, lm.length, tokens, bucket, positions, visible)
+        if logits is not None:
+            for layer in lm.cache.layers:
+                layer.length += len(tokens)
+            lm.grew(len(tokens))
+        return logits
 
     @torch.inference_mode()
     def feed_rows(self, rows: list[Row], want_hidden: bool = False, logits: bool = True) -> list[RowOutput]:
@@ -611,15 +626,9 @@ class CompiledBackend(StaticBackend):
         plain single row reaches the compiled step through its handle's ``feed``)."""
         if len(rows) == 1 and logits and (rows[0].positions is not None or rows[0].visible is not None):
             row = rows[0]
-            count = len(row.tokens)
-            bucket = self.serves(row.lm, count, want_hidden)
-            if bucket is not None:
-                out = self._run(row.lm.slot, row.lm.length, row.tokens, bucket, row.positions, row.visible)
-                if out is not None:
-                    for layer in row.lm.cache.layers:
-                        layer.length += count
-                    row.lm.grew(count)
-                    return [RowOutput(out, None)]
+            out = self.feed_compiled(row.lm, row.tokens, want_hidden, row.positions, row.visible)
+            if out is not None:
+                return [RowOutput(out, None)]
         return super().feed_rows(rows, want_hidden=want_hidden, logits=logits)
 
 
@@ -631,14 +640,9 @@ class CompiledHandle(StaticHandle):
     @torch.inference_mode()
     def feed(self, token_ids: list[int], want_hidden: bool = False,
              last_logits_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        bucket = self.backend.serves(self, len(token_ids), want_hidden)
-        if bucket is not None:
-            logits = self.backend._run(self.slot, self.length, token_ids, bucket)
-            if logits is not None:
-                for layer in self.cache.layers:
-                    layer.length += len(token_ids)
-                self.grew(len(token_ids))
-                return (logits[-1:] if last_logits_only else logits), None
+        logits = self.backend.feed_compiled(self, token_ids, want_hidden)
+        if logits is not None:
+            return (logits[-1:] if last_logits_only else logits), None
         return super().feed(token_ids, want_hidden=want_hidden, last_logits_only=last_logits_only)
 
 
