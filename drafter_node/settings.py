@@ -17,6 +17,7 @@ from shared.node_keys import (
     node_kv_slot_tokens,
     node_kv_slots,
     node_max_memory,
+    node_placement,
     node_profile_s,
     node_threads,
 )
@@ -73,3 +74,4 @@ class DrafterConfig:
     target_model: Any = setting(
         None, "Target checkpoint read by types that read it (null: verifier.model).", kind="str"
     )
+    placement: Any = node_placement()

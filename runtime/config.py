@@ -238,6 +238,23 @@ def validate(config: dict[str, Any]) -> None:
         raise ConfigError("client.endpoint: must differ from verifier.endpoint (drafters and clients are separate)")
     _check_security(config)
     _check_http(config)
+    _check_launch(config)
+
+
+def _check_launch(config: dict[str, Any]) -> None:
+    """The placements parse (whatever the backend, so a config is checked before it moves to Ray), and the keys
+    only the Ray backend reads are not set for the process backend."""
+    from runtime.placement import PlacementError, parse_placement
+
+    for role in ("verifier", "drafter"):
+        try:
+            parse_placement(config[role]["placement"], f"{role}.placement", config[role]["device"])
+        except PlacementError as exc:
+            raise ConfigError(str(exc)) from None
+    launch = config["launch"]
+    if launch["backend"] == "process" and launch["link_delay_ms"]:
+        raise ConfigError("launch.link_delay_ms: only the ray backend adds link delay (launch.backend: ray); on one "
+                          "machine use python -m runtime.delay_proxy (docs/deployment.md)")
 
 
 def _check_declared(config: dict[str, Any], spec: DrafterSpec) -> None:

@@ -22,6 +22,7 @@ from shared.node_keys import (
     node_kv_slot_tokens,
     node_kv_slots,
     node_max_memory,
+    node_placement,
     node_profile_s,
     node_threads,
 )
@@ -32,6 +33,11 @@ from shared.transport import CURVE_MODES
 
 __all__ = ["SECTIONS", "ClientConfig", "Config", "DrafterConfig", "HttpConfig", "LaunchConfig", "SecurityConfig",
            "VerificationConfig", "VerifierConfig"]
+
+#: ``launch.backend``: child processes of the launcher, or actors on a Ray cluster (runtime/ray_launch.py).
+LAUNCH_BACKENDS = ("process", "ray")
+#: ``launch.placement_strategy``: Ray's placement group strategies.
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
 #: Most drafter processes one launcher starts (``launch.drafters``).
 MAX_LAUNCHED_DRAFTERS = 16
@@ -82,6 +88,7 @@ class VerifierConfig:
     allow_remote: bool = setting(
         False, "With security.curve: off, must be true to listen on a non-loopback address.", kind="bool"
     )
+    placement: Any = node_placement()
 
 
 @dataclass(frozen=True)
@@ -141,6 +148,34 @@ class LaunchConfig:
         kind="int",
         bounds=(1, MAX_LAUNCHED_DRAFTERS),
         hint="more can join with --role drafter",
+    )
+    backend: str = setting(
+        "process",
+        "process: the nodes are child processes of this one; ray: actors on a Ray cluster (docs/ray.md).",
+        kind="str",
+        choices=LAUNCH_BACKENDS,
+    )
+    ray_address: Any = setting(
+        None, "backend ray: the cluster to join (ray://HOST:PORT or HOST:PORT; null: a local Ray).", kind="str"
+    )
+    placement_strategy: str = setting(
+        "PACK",
+        "backend ray: how the nodes' bundles spread over the hosts (Ray's placement group strategy).",
+        kind="str",
+        choices=PLACEMENT_STRATEGIES,
+    )
+    max_restarts: int = setting(
+        3,
+        "backend ray: times Ray restarts a node actor that died (-1: without limit).",
+        kind="int",
+        bounds=(-1, None),
+    )
+    link_delay_ms: float = setting(
+        0,
+        "backend ray: one-way delay added on each drafter's link to the verifier (a delay proxy on its host).",
+        kind="number",
+        bounds=(0, 10000),
+        unit="milliseconds",
     )
 
 

@@ -94,3 +94,11 @@ def node_kv_slots(null: str) -> Any:
 
 def node_max_memory() -> Any:
     return setting(None, "With device: auto, e.g. {0: 20GiB, 1: 20GiB}.")
+
+
+def node_placement() -> Any:
+    return setting(
+        None,
+        "launch.backend ray: what this node's actor asks of a host: {num_cpus, num_gpus, resources: {NAME: N}, "
+        "labels: {KEY: VALUE}} (null: 1 CPU, or 1 GPU with a cuda device).",
+    )
