@@ -160,6 +160,19 @@ class AsyncClient:
             self._ctx.term()
             self._ctx = None
 
+    async def retarget(self, address: str) -> None:
+        """Connect to the verifier at ``address`` instead (a launcher whose verifier came back on another host);
+        requests in flight at the old address fail with ``verifier_gone``, as when a verifier dies."""
+        if self._sock is None or address == self.address:
+            self.address = address
+            return
+        with contextlib.suppress(zmq.ZMQError):
+            self._sock.disconnect(self.address)
+        self._connected.clear()
+        self._fail_all(f"the launcher moved it to {address}")
+        self.address = address
+        self._sock.connect(address)
+
     async def _read(self) -> None:
         while True:
             frames = await self._sock.recv_multipart(copy=False)

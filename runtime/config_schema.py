@@ -158,6 +158,9 @@ class LaunchConfig:
     ray_address: Any = setting(
         None, "backend ray: the cluster to join (ray://HOST:PORT or HOST:PORT; null: a local Ray).", kind="str"
     )
+    ray_name: str = setting(
+        "pipespec", "backend ray: the run's name on the cluster (`pipespec scale --name` finds it by it).", kind="str"
+    )
     placement_strategy: str = setting(
         "PACK",
         "backend ray: how the nodes' bundles spread over the hosts (Ray's placement group strategy).",

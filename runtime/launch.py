@@ -29,7 +29,6 @@ from runtime import security
 from runtime.client import AsyncClient, Chunk, PipespecError
 from runtime.config import (
     ConfigError,
-    check_model_dependent,
     check_security,
     fill_run_dir,
     load_config,
@@ -38,37 +37,24 @@ from runtime.config import (
 )
 from runtime.first_run import ProfileRelay, run_summary, startup_lines, with_reports
 from runtime.keys import KeysError
+from runtime.node_setup import (  # re-exported: callers and tests name them here
+    NODE_ENV,
+    Launcher,
+    LaunchError,
+    node_log_level,
+    prepare_models,
+)
+from runtime.node_setup import progress as _progress
 from runtime.paths import PACKAGE_ROOT
 from shared.models import ModelLoadError
 from shared.named_models import RegistryError
+from shared.transport import ClientKeys
 from weights.progress import quiet_library_bars
 
 #: Node processes run in the folder that holds the packages (a checkout's root, or site-packages), so what they
 #: import never depends on the caller's directory; paths in the config are made absolute before they start
 #: (:func:`runtime.config.validate`).
 REPO_ROOT = PACKAGE_ROOT
-
-
-class LaunchError(RuntimeError):
-    """A node failed to start; the message carries the end of its log."""
-
-
-def _progress(message: str) -> None:
-    print(f"[pipespec] {message}", file=sys.stderr, flush=True)
-
-
-def prepare_models(config: dict[str, Any]) -> None:
-    """Install and convert named offline models once, in the foreground, with progress (nodes then load fast)."""
-    from shared.named_models import is_named_model
-    from weights import install  # looked up at call time, so tests can forbid installing
-
-    for section in ("verifier", "drafter"):
-        name = config[section]["model"]  # a validated config has every key
-        if section == "drafter" and not config["launch"]["start_drafter"]:
-            continue
-        if isinstance(name, str) and is_named_model(name):
-            install.ensure_model(name, progress=_progress)
-    check_model_dependent(config)
 
 
 def stop_process(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
@@ -89,15 +75,6 @@ def _die_with_parent() -> None:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
-#: Set for every node process unless the environment sets it already. libgomp (torch's OpenMP on Linux) lets a
-#: worker thread spin for 300,000 iterations after each parallel region before it sleeps; two nodes on one machine
-#: then steal each other's cores at every hand-off (the node that just finished spins while the other starts), which
-#: made a synchronous round's publish 5 ms and its forwards 2x slower on a 2-core machine. 10,000 still covers the
-#: gaps between the regions of one forward.
-NODE_ENV = {"GOMP_SPINCOUNT": "10000"}
-#: A node's log level (``debug`` adds, e.g., the drafter's reason for each round's plan); default ``info``.
-LOG_LEVEL_ENV = "PIPESPEC_LOG_LEVEL"
-LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 #: What a node process runs after the interpreter. Tests name their own entry script in ``Cluster(entry=...)`` to
 #: start a node with test behaviour injected as objects (tests/node_entry.py); production code reads no test switch.
 NODE_ENTRY = ["-m", "runtime.launch"]
@@ -123,10 +100,7 @@ class Cluster:
         ``entry``: what a role's process runs instead of :data:`NODE_ENTRY` (tests inject behaviour this way)."""
         check_security(config, ("verifier", "drafter", "client"))
         self.own_run_dir = run_dir is None  # a folder we made is removed on a clean stop
-        try:  # mkdtemp makes it 0700: the ipc sockets in it are ours alone
-            self.run_dir = security.private_run_dir(run_dir) if run_dir else tempfile.mkdtemp(prefix="pipespec-")
-        except (security.RunDirError, OSError) as exc:
-            raise LaunchError(str(exc)) from None
+        self.run_dir = _run_dir(run_dir)  # 0700: the ipc sockets in it are ours alone
         self.config = fill_run_dir(config, self.run_dir)
         self.env = env
         self.prefix = prefix or {}
@@ -144,6 +118,20 @@ class Cluster:
     @property
     def client_address(self) -> str:
         return self.config["client"]["endpoint"]
+
+    def client_keys(self) -> ClientKeys | None:
+        """The keys the launcher's client connects with (None when the client link runs no CURVE)."""
+        return security.client_keys_for(self.config)
+
+    def node_hardware(self) -> dict[str, dict[str, Any]]:
+        """Each node's host: this machine, for every process."""
+        from runtime.ray_node import host_facts
+
+        facts = {"ip": "local", **host_facts()}
+        return {name: dict(facts) for name in self.processes}
+
+    async def follow(self, client: AsyncClient) -> None:
+        """Nothing to follow: a process backend's verifier keeps its address (the Ray backend's may move)."""
 
     def log_path(self, role: str) -> Path:
         return Path(self.run_dir) / f"{role}.log"
@@ -250,24 +238,78 @@ async def cluster(
     """Start the nodes of ``config`` as subprocesses and yield a connected client (with the config's client keys
     when the client link runs CURVE); stop them on exit. ``prefix``, ``entry``: see :class:`Cluster`."""
     cfg = load_config(config, overrides)
-    check_security(cfg)  # before any model is fetched
-    await asyncio.to_thread(prepare_models, cfg)
-    nodes = Cluster(cfg, env=env, prefix=prefix, entry=entry)
-    nodes.start()
+    nodes = await start_launcher(cfg, env=env, prefix=prefix, entry=entry)
     failed = True
     try:
         client = AsyncClient(nodes.client_address, timeout_s=timeout_s or cfg["client"]["timeout_s"],
-                             curve=security.client_keys_for(nodes.config))
+                             curve=nodes.client_keys())
         async with client:
             pong = await nodes.wait_ready(client)
             client.startup = await with_reports(client, pong, nodes.drafter_count)  # type: ignore[attr-defined]
             client.processes = nodes.processes  # type: ignore[attr-defined]
             client.config = nodes.config  # type: ignore[attr-defined]
             client.cluster = nodes  # type: ignore[attr-defined]
-            yield client
+            async with _following(nodes, client):
+                yield client
         failed = False
     finally:
-        nodes.stop(keep_logs=failed)
+        await asyncio.to_thread(nodes.stop, keep_logs=failed)
+
+
+async def start_launcher(cfg: dict[str, Any], run_dir: str | None = None, env: dict[str, str] | None = None,
+                         prefix: dict[str, list[str]] | None = None,
+                         entry: dict[str, list[str]] | None = None) -> Launcher:
+    """Start the nodes of a loaded config with its ``launch.backend``: child processes (:class:`Cluster`) or
+    actors on a Ray cluster (:class:`runtime.ray_launch.RayCluster`); returns once they are starting."""
+    if cfg["launch"]["backend"] == "ray":
+        if prefix or entry:
+            raise ConfigError("launch.backend ray starts nodes as Ray actors: a process prefix or entry does not "
+                              "apply")
+        from runtime.ray_launch import RayCluster
+
+        nodes: Launcher = RayCluster(cfg, run_dir=_run_dir(run_dir), env=env)
+    else:
+        check_security(cfg)  # before any model is fetched
+        await asyncio.to_thread(prepare_models, cfg)
+        nodes = Cluster(cfg, run_dir=run_dir, env=env, prefix=prefix, entry=entry)
+    try:
+        await asyncio.to_thread(nodes.start)
+    except BaseException:
+        await asyncio.to_thread(nodes.stop, keep_logs=True)
+        raise
+    return nodes
+
+
+def _run_dir(run_dir: str | None) -> str:
+    try:  # mkdtemp makes it 0700: what the launcher keeps there (keys, logs) is ours alone
+        return security.private_run_dir(run_dir) if run_dir else tempfile.mkdtemp(prefix="pipespec-")
+    except (security.RunDirError, OSError) as exc:
+        raise LaunchError(str(exc)) from None
+
+
+#: How often a launcher whose verifier may move (Ray) is asked where it is.
+FOLLOW_S = 1.0
+
+
+@contextlib.asynccontextmanager
+async def _following(nodes: Launcher, client: AsyncClient) -> AsyncIterator[None]:
+    """While the block runs, point ``client`` at the verifier wherever the launcher restarted it."""
+
+    async def follow() -> None:
+        while True:
+            await asyncio.sleep(FOLLOW_S)
+            try:
+                await nodes.follow(client)
+            except Exception as exc:  # a launcher that cannot answer now is asked again next time
+                logging.getLogger("pipespec.launch").warning("following the verifier: %s", exc)
+
+    task = asyncio.create_task(follow())
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
 
 
 # ---------------------------------------------------------------------------------------------------- CLI
@@ -328,12 +370,6 @@ def parse_http_address(text: str) -> dict[str, Any]:
     return {"http.host": host, "http.port": int(port)}
 
 
-def node_log_level() -> str:
-    """A node's log level from ``PIPESPEC_LOG_LEVEL`` (one of LOG_LEVELS, any case; anything else: ``INFO``)."""
-    level = os.environ.get(LOG_LEVEL_ENV, "info").strip().upper()
-    return level if level in LOG_LEVELS else "INFO"
-
-
 def _run_role(config: dict[str, Any], role: str, run_dir: str | None, hooks: dict[str, Any] | None = None) -> int:
     """Run one node in this process; ``hooks``: keyword arguments for the node's ``run`` (tests inject objects)."""
     logging.basicConfig(level=node_log_level(), format=f"%(asctime)s {role} %(levelname)s %(message)s")
@@ -346,19 +382,19 @@ def _run_role(config: dict[str, Any], role: str, run_dir: str | None, hooks: dic
         except (security.RunDirError, OSError) as exc:
             raise LaunchError(str(exc)) from None
         config = fill_run_dir(config, run_dir)
-    if run_dir and not security.run_secret() and security.read_secret(run_dir):
-        os.environ[security.SECRET_ENV] = security.read_secret(run_dir)  # a launcher's run folder: join its run
+    # the secret of the launcher that started this process, or of the launcher whose run folder this node joins
+    secret = security.run_secret() or (security.read_secret(run_dir) if run_dir else None)
     prepare_models({**config, "launch": {**config["launch"], "start_drafter": role == "drafter"}})
     if role == "verifier":
         from verifier_node.server import run
 
         print(f"verifier: drafters connect to {config['verifier']['endpoint']}; clients to "
               f"{config['client']['endpoint']}", flush=True)
-        run(config, security.verifier_links(config), **(hooks or {}))
+        run(config, security.verifier_links(config, secret), **(hooks or {}))
         return 0
     from drafter_node.node import run
 
-    return run(config, security.drafter_links(config), **(hooks or {}))
+    return run(config, security.drafter_links(config, secret), **(hooks or {}))
 
 
 def _load_messages(path: str) -> list[dict[str, str]]:
@@ -428,24 +464,26 @@ def _plans(plans: Any) -> str:
 
 
 async def _serve(config: dict[str, Any], run_dir: str | None) -> int:
-    check_security(config)  # before any model is fetched
-    await asyncio.to_thread(prepare_models, config)
-    nodes = Cluster(config, run_dir=run_dir)
-    nodes.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    nodes = await start_launcher(config, run_dir=run_dir)
     try:
         async with AsyncClient(nodes.client_address, timeout_s=config["client"]["timeout_s"],
-                               curve=security.client_keys_for(nodes.config)) as client:
+                               curve=nodes.client_keys()) as client:
             pong = await with_reports(client, await nodes.wait_ready(client), nodes.drafter_count)
             drafters = ", ".join(f"{d['id']} {d['type']}@{d['host']}" for d in pong.get("drafters") or []) or "none"
             print(f"pipespec ready: target {pong.get('target')}, drafters: {drafters}", flush=True)
             for line in startup_lines(pong):
                 _progress(line)
+            for name, hw in (await asyncio.to_thread(nodes.node_hardware)).items():
+                if hw.get("ip") != "local":
+                    _progress(f"{name} on {hw['host']} ({hw['ip']}): {hw['cpu']}, {hw['cores']} cores"
+                              + (f", {hw['gpu']}" if hw.get("gpu") else ""))
             print(f"client address: {nodes.client_address}", flush=True)
             async with contextlib.AsyncExitStack() as stack:
+                await stack.enter_async_context(_following(nodes, client))
                 if config["http"]["host"] is not None:
                     server = await stack.enter_async_context(serve_http(client, config, pong))
                     _progress(f"serving OpenAI-compatible HTTP on {server.url} (model {server.model_name})")
@@ -454,9 +492,9 @@ async def _serve(config: dict[str, Any], run_dir: str | None) -> int:
                     try:
                         await asyncio.wait_for(stop.wait(), 1.0)
                     except asyncio.TimeoutError:
-                        nodes.check_alive(["verifier"])
+                        await asyncio.to_thread(nodes.check_alive, ["verifier"])
     finally:
-        nodes.stop()
+        await asyncio.to_thread(nodes.stop)
         print("pipespec stopped", file=sys.stderr)
     return 0
 

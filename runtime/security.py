@@ -129,19 +129,21 @@ def read_secret(run_dir: str) -> str | None:
 
 
 def run_secret() -> str | None:
-    """The per-run secret this process was given (``$PIPESPEC_RUN_SECRET``), or None."""
+    """The per-run secret this process was given (``$PIPESPEC_RUN_SECRET``), or None; read by the process entry
+    point only (``runtime.launch``), which passes it on as a parameter."""
     return os.environ.get(SECRET_ENV) or None
 
 
-def verifier_links(config: dict[str, Any]) -> VerifierLinks:
-    """Everything the verifier needs to keep strangers out, resolved here so the node reads no keys or env."""
+def verifier_links(config: dict[str, Any], run_secret: str | None = None) -> VerifierLinks:
+    """Everything the verifier needs to keep strangers out, resolved here so the node reads no keys or env;
+    ``run_secret``: the launcher's, asked of drafters on a link without CURVE (None: none is asked)."""
     curve = curve_links(config)
     return VerifierLinks(curve_drafters=curve["verifier"], curve_clients=curve["client"],
-                         keys=verifier_keys(config), run_secret=None if curve["verifier"] else run_secret())
+                         keys=verifier_keys(config), run_secret=None if curve["verifier"] else run_secret)
 
 
-def drafter_links(config: dict[str, Any]) -> DrafterLinks:
-    """Everything the drafter needs to be let in: CURVE keys where its link runs CURVE, else the run secret."""
+def drafter_links(config: dict[str, Any], run_secret: str | None = None) -> DrafterLinks:
+    """Everything the drafter needs to be let in: CURVE keys where its link runs CURVE, else ``run_secret``."""
     keys = drafter_keys(config)
     return DrafterLinks(keys=keys, key_name=config["security"]["drafter_key"] if keys else None,
-                        run_secret=None if keys else run_secret())
+                        run_secret=None if keys else run_secret)

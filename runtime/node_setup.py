@@ -1,0 +1,91 @@
+"""What every launch backend does for a node, wherever it runs: the node's environment and log level, installing
+named models before it loads them, and the error a launcher raises when a node cannot start.
+
+``runtime.launch`` (processes on this machine) and ``runtime.ray_launch`` / ``runtime.ray_node`` (actors on a Ray
+cluster) both use these; ``runtime.launch`` re-exports them under their old names.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from runtime.client import AsyncClient
+    from shared.transport import ClientKeys
+
+from runtime.config import check_model_dependent
+
+
+class LaunchError(RuntimeError):
+    """A node failed to start; the message carries the end of its log."""
+
+
+class Launcher(Protocol):
+    """What ``runtime.launch`` needs of a launch backend: :class:`runtime.launch.Cluster` (child processes) and
+    :class:`runtime.ray_launch.RayCluster` (Ray actors). Names of nodes: ``verifier``, ``drafter``, ``drafter2``, …"""
+
+    config: dict[str, Any]  # the config the nodes run (endpoints filled in)
+    run_dir: str  # this launcher's private folder (logs or keys)
+
+    @property
+    def client_address(self) -> str: ...  # where the verifier takes clients now
+
+    @property
+    def drafter_count(self) -> int: ...  # drafters this launcher starts
+
+    @property
+    def processes(self) -> dict[str, Any]: ...  # node name -> its process (or state)
+
+    def client_keys(self) -> ClientKeys | None: ...  # the keys a client connects with (None: no CURVE)
+
+    def start(self) -> None: ...  # start every node (blocking; from async code call it in a thread)
+
+    async def wait_ready(self, client: AsyncClient) -> dict[str, Any]: ...  # until the verifier and drafters serve
+
+    def check_alive(self, roles: list[str] | None = None) -> None: ...  # LaunchError for a node that failed
+
+    def log_tail(self, name: str, lines: int = 25) -> str: ...
+
+    def node_hardware(self) -> dict[str, dict[str, Any]]: ...  # node name -> {ip, host, cpu, cores, gpu}
+
+    async def follow(self, client: AsyncClient) -> None: ...  # point the client at a verifier that moved
+
+    def stop(self, timeout_s: float = 10.0, keep_logs: bool = False) -> None: ...
+
+
+def progress(message: str) -> None:
+    """One ``[pipespec]`` progress line on stderr."""
+    print(f"[pipespec] {message}", file=sys.stderr, flush=True)
+
+
+def prepare_models(config: dict[str, Any]) -> None:
+    """Install and convert named offline models once, in the foreground, with progress (nodes then load fast)."""
+    from shared.named_models import is_named_model
+    from weights import install  # looked up at call time, so tests can forbid installing
+
+    for section in ("verifier", "drafter"):
+        name = config[section]["model"]  # a validated config has every key
+        if section == "drafter" and not config["launch"]["start_drafter"]:
+            continue
+        if isinstance(name, str) and is_named_model(name):
+            install.ensure_model(name, progress=progress)
+    check_model_dependent(config)
+
+
+#: Set for every node process unless the environment sets it already. libgomp (torch's OpenMP on Linux) lets a
+#: worker thread spin for 300,000 iterations after each parallel region before it sleeps; two nodes on one machine
+#: then steal each other's cores at every hand-off (the node that just finished spins while the other starts), which
+#: made a synchronous round's publish 5 ms and its forwards 2x slower on a 2-core machine. 10,000 still covers the
+#: gaps between the regions of one forward.
+NODE_ENV = {"GOMP_SPINCOUNT": "10000"}
+#: A node's log level (``debug`` adds, e.g., the drafter's reason for each round's plan); default ``info``.
+LOG_LEVEL_ENV = "PIPESPEC_LOG_LEVEL"
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+def node_log_level() -> str:
+    """A node's log level from ``PIPESPEC_LOG_LEVEL`` (one of LOG_LEVELS, any case; anything else: ``INFO``)."""
+    level = os.environ.get(LOG_LEVEL_ENV, "info").strip().upper()
+    return level if level in LOG_LEVELS else "INFO"

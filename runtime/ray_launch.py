@@ -1,0 +1,530 @@
+"""The Ray launch backend (``launch.backend: ray``, ``pipespec serve --ray``): the nodes as actors on a Ray cluster.
+
+Ray places and supervises the node processes; the hot path stays off Ray, as in vLLM's Ray executor. Each node
+is a :class:`runtime.ray_node.NodeHost` actor whose long-running ``serve`` call is the node; the nodes bind on
+their own host's address (``ray.util.get_node_ip_address()``, a free port) and the launcher hands the endpoints
+to the peers. Every link runs CURVE, with keys this launcher generates for the run and hands to each actor as call
+arguments. Per-round data never touches Ray's object store.
+
+Who does what:
+
+- :class:`Controller`, one actor on the launching host (named, so ``pipespec scale`` finds it): generates the
+  keys, reserves a placement group with one bundle per node (``verifier.placement``, ``drafter.placement``,
+  ``launch.placement_strategy``), starts the node actors, watches their ``serve`` calls and brings a node back
+  after Ray restarts its actor (``launch.max_restarts``): a drafter rejoins the pool, a verifier binds its old
+  ports where it can (drafters and clients reconnect by themselves) and otherwise the drafters are pointed at its
+  new address. ``scale(n)`` adds or removes drafters.
+- :class:`RayCluster`, in the launching process: the same launcher interface as the process backend's
+  :class:`runtime.launch.Cluster` (start, wait until ready, check alive, log tail, stop), and :meth:`follow`,
+  which points the client at a verifier that came back elsewhere.
+
+Ray is an optional dependency (``pip install 'pipespec[ray]'``); nothing else imports this module.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from runtime import keys as keyfiles
+from runtime.config import ConfigError
+from runtime.node_setup import LaunchError
+from runtime.placement import Placement, parse_placement
+
+log = logging.getLogger("pipespec.ray")
+
+#: Ray namespace of pipespec's named actors (the controller of each run).
+NAMESPACE = "pipespec"
+#: The controller's name when ``launch.ray_name`` is not given; ``pipespec scale`` looks it up.
+DEFAULT_NAME = "pipespec"
+#: Calls to a node actor that should answer at once (facts, stop, log tail) wait at most this long.
+CALL_TIMEOUT_S = 30.0
+#: How often the controller looks at its nodes' serve calls.
+WATCH_S = 0.25
+#: Concurrent calls one node actor takes: serve (the node), stop, log tail, facts.
+NODE_CONCURRENCY = 4
+INSTALL_HINT = "the ray backend needs Ray: pip install 'pipespec[ray]'"
+
+
+class RayLaunchError(LaunchError):
+    """The Ray backend could not place or start the nodes; the message says why and what to change."""
+
+
+def import_ray():
+    """``ray``, or :class:`RayLaunchError` saying what to install."""
+    try:
+        import ray
+    except ImportError:
+        raise RayLaunchError(INSTALL_HINT) from None
+    return ray
+
+
+def connect(address: str | None) -> Any:
+    """Join the Ray cluster at ``address`` (``None``: the one ``RAY_ADDRESS`` names, else start a local one);
+    a process already connected stays connected."""
+    ray = import_ray()
+    if not ray.is_initialized():
+        try:
+            ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, include_dashboard=False,
+                     configure_logging=False)
+        except (ConnectionError, ValueError, RuntimeError) as exc:
+            raise RayLaunchError(f"cannot reach the Ray cluster at {address or 'RAY_ADDRESS'}: {exc}") from None
+    return ray
+
+
+def node_names(drafters: int, start: int = 0) -> list[str]:
+    """``drafter``, ``drafter2``, … as the process backend names them."""
+    return ["drafter" if i == 0 else f"drafter{i + 1}" for i in range(start, start + drafters)]
+
+
+def ray_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The config the nodes get: every link runs CURVE (``security.curve: auto`` becomes ``on``: the links are
+    between hosts, and even on one host a node's address is its network address); ``off`` stays off and then
+    needs ``verifier.allow_remote: true``, as elsewhere."""
+    cfg = copy.deepcopy(config)
+    if cfg["security"]["curve"] == "off" and not cfg["verifier"]["allow_remote"]:
+        raise ConfigError("security.curve: off with launch.backend: ray sends every link in the clear between "
+                          "hosts: set verifier.allow_remote: true to mean it, or leave security.curve at auto")
+    if cfg["security"]["curve"] == "auto":
+        cfg["security"]["curve"] = "on"
+    return cfg
+
+
+def placements(config: dict[str, Any]) -> tuple[Placement, Placement]:
+    """The verifier's and each drafter's :class:`Placement` (the config was checked at load)."""
+    return (parse_placement(config["verifier"]["placement"], "verifier.placement", config["verifier"]["device"]),
+            parse_placement(config["drafter"]["placement"], "drafter.placement", config["drafter"]["device"]))
+
+
+def check_feasible(nodes: list[dict[str, Any]], wanted: dict[str, Placement]) -> None:
+    """Refuse at once a placement no live host of the cluster could ever hold (Ray would wait for it forever)."""
+    alive = [n for n in nodes if n.get("Alive")]
+    for name, placement in wanted.items():
+        need = placement.bundle()
+        fits = [n for n in alive
+                if all(n["Resources"].get(r, 0) >= amount for r, amount in need.items() if amount)
+                and all(n.get("Labels", {}).get(k) == v for k, v in placement.labels.items())]
+        if not fits:
+            offered = "; ".join(
+                f"{n['NodeManagerAddress']}: "
+                + ", ".join(f"{k} {v:g}" for k, v in sorted(n["Resources"].items())
+                            if not k.startswith("node:") and k not in ("memory", "object_store_memory"))
+                + "".join(f", label {k}={v}" for k, v in sorted(n.get("Labels", {}).items())
+                          if not k.startswith("ray.io/"))
+                for n in alive) or "no live hosts"
+            raise RayLaunchError(f"no host of the Ray cluster can hold the {name} node ({placement.describe()}); "
+                                 f"hosts offer: {offered}. Change {name.rstrip('0123456789')}.placement or start "
+                                 "a host with `ray start --resources=... --labels=...`")
+
+
+def key_material(folder: Path, role: str) -> dict[str, bytes]:
+    """The files of the run's keys folder a node of ``role`` needs, as ``{relative path: bytes}``: the verifier
+    its key pair and both allow-lists, a drafter the verifier's public key and its own pair, a client likewise."""
+    files: list[Path]
+    if role == "verifier":
+        files = [folder / "server.key", folder / "server.key_secret", *sorted((folder / "drafters").glob("*.key")),
+                 *sorted((folder / "clients").glob("*.key"))]
+    else:
+        sub = keyfiles.ROLES[role]
+        files = [folder / "server.key", folder / sub / f"{role}.key", folder / sub / f"{role}.key_secret"]
+    return {str(p.relative_to(folder)): p.read_bytes() for p in files}
+
+
+class _Node:
+    """The controller's record of one node actor."""
+
+    def __init__(self, name: str, role: str, actor: Any, placement: Placement, group: Any, bundle: int):
+        self.name, self.role, self.actor, self.placement = name, role, actor, placement
+        self.group, self.bundle = group, bundle  # the placement group and the bundle it sits in
+        self.serving: Any = None  # the ObjectRef of the running serve call
+        self.facts: dict[str, Any] = {}
+        self.state = "starting"  # starting, serving, restarting, failed, stopped
+        self.restarts = 0
+        self.error: str | None = None
+        self.repointing = False  # stopped on purpose, to serve again towards a verifier that moved
+
+
+class Controller:
+    """The run's supervisor, a Ray actor on the launching host (see the module docstring)."""
+
+    def __init__(self, config: dict[str, Any], env: dict[str, str]):
+        import tempfile
+
+        self.ray = import_ray()
+        self.config = ray_config(config)
+        self.env = env
+        self.nodes: dict[str, _Node] = {}
+        self.events: list[dict[str, Any]] = []
+        self.lock = threading.RLock()
+        self.stopping = threading.Event()
+        self.watcher: threading.Thread | None = None
+        self.keys_dir = Path(tempfile.mkdtemp(prefix="pipespec-ray-keys-")) / "keys"
+        keyfiles.init(self.keys_dir, clients=["client"], drafters=["drafter"])
+        self.verifier_ports: list[int] = []
+
+    # -------------------------------------------------------------------------------------------- start
+
+    def _event(self, node: str, what: str, **detail: Any) -> None:
+        entry = {"t": time.time(), "node": node, "event": what, **detail}
+        self.events.append(entry)
+        log.info("%s: %s %s", node, what, detail or "")
+
+    def _actor(self, name: str, placement: Placement, group: Any, bundle: int) -> Any:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from runtime.ray_node import NodeHost
+
+        cls = self.ray.remote(NodeHost)
+        return cls.options(
+            name=f"{self.config['launch']['ray_name']}:{name}", namespace=NAMESPACE,
+            max_restarts=self.config["launch"]["max_restarts"], max_task_retries=0,
+            max_concurrency=NODE_CONCURRENCY, num_cpus=placement.num_cpus, num_gpus=placement.num_gpus,
+            resources=placement.resources or None,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=bundle),
+            runtime_env={"env_vars": self.env},
+        ).remote(name)
+
+    def _group(self, wanted: list[Placement], strategy: str) -> Any:
+        from ray.util.placement_group import placement_group
+
+        labels = [p.labels for p in wanted]
+        return placement_group([p.bundle() for p in wanted], strategy=strategy,
+                               bundle_label_selector=labels if any(labels) else None)
+
+    def _wait_placed(self, group: Any, names: list[str], timeout_s: float) -> float:
+        t0 = time.monotonic()
+        try:
+            self.ray.get(group.ready(), timeout=timeout_s)
+        except self.ray.exceptions.GetTimeoutError:
+            raise RayLaunchError(f"Ray placed no hosts for {', '.join(names)} within {timeout_s:g} s: the hosts "
+                                 "that could hold them are busy (`ray status` shows what is in use)") from None
+        return time.monotonic() - t0
+
+    def start(self, drafters: int) -> dict[str, Any]:
+        """Place and start the verifier and ``drafters`` drafters; returns :meth:`status` and the client's key
+        files once every node's ``serve`` call is under way (the launcher then waits for the verifier's pong)."""
+        verifier_at, drafter_at = placements(self.config)
+        names = ["verifier", *node_names(drafters)]
+        wanted = {"verifier": verifier_at, **{n: drafter_at for n in names[1:]}}
+        check_feasible(self.ray.nodes(), wanted)
+        group = self._group(list(wanted.values()), self.config["launch"]["placement_strategy"])
+        placed_s = self._wait_placed(group, names, self.config["launch"]["ready_timeout_s"])
+        self._event("cluster", "placed", seconds=round(placed_s, 3), nodes=len(names))
+        with self.lock:
+            for i, name in enumerate(names):
+                self.nodes[name] = _Node(name, "verifier" if i == 0 else "drafter",
+                                         self._actor(name, wanted[name], group, i), wanted[name], group, i)
+            self._serve(self.nodes["verifier"])
+            for name in names[1:]:
+                self._serve(self.nodes[name])
+        self.watcher = threading.Thread(target=self._watch, name="pipespec-ray-watch", daemon=True)
+        self.watcher.start()
+        return {**self.status(), "client_keys": key_material(self.keys_dir, "client"), "placed_s": placed_s}
+
+    def _serve(self, node: _Node) -> None:
+        """Start ``node``'s serve call (the verifier first picks its ports: its old ones where it can)."""
+        node.facts = self.ray.get(node.actor.facts.remote(), timeout=CALL_TIMEOUT_S)
+        cfg = copy.deepcopy(self.config)
+        if node.role == "verifier":
+            self.verifier_ports = self.ray.get(node.actor.free_ports.remote(2, self.verifier_ports),
+                                               timeout=CALL_TIMEOUT_S)
+            ip = node.facts["ip"]
+            self.config["verifier"]["endpoint"] = f"tcp://{ip}:{self.verifier_ports[0]}"
+            self.config["client"]["endpoint"] = f"tcp://{ip}:{self.verifier_ports[1]}"
+            self.config["drafter"]["verifier_endpoint"] = None
+            cfg = copy.deepcopy(self.config)
+        node.serving = node.actor.serve.remote(node.role, cfg, key_material(self.keys_dir, node.role),
+                                               self.config["launch"]["link_delay_ms"] if node.role == "drafter" else 0)
+        node.state = "serving"
+        self._event(node.name, "serving", ip=node.facts["ip"], pid=node.facts["pid"])
+
+    # ---------------------------------------------------------------------------------------- supervision
+
+    def _watch(self) -> None:
+        while not self.stopping.is_set():
+            with self.lock:
+                calls = {n.serving: n for n in self.nodes.values() if n.serving is not None}
+            if not calls:
+                self.stopping.wait(WATCH_S)
+                continue
+            done, _ = self.ray.wait(list(calls), num_returns=1, timeout=WATCH_S)
+            for ref in done:
+                if not self.stopping.is_set():
+                    self._ended(calls[ref], ref)
+
+    def _ended(self, node: _Node, ref: Any) -> None:
+        """A node's serve call ended while the run goes on: find out why and bring the node back."""
+        ray = self.ray
+        node.serving = None
+        try:
+            ray.get(ref)
+            why, actor_died = "stopped by itself", False
+        except ray.exceptions.RayActorError as exc:
+            why, actor_died = f"its actor died ({type(exc).__name__})", True
+        except ray.exceptions.RayTaskError as exc:
+            why, actor_died = str(exc.cause if exc.cause is not None else exc).splitlines()[0], False
+        except Exception as exc:  # anything else from Ray: treat as the node's failure
+            why, actor_died = repr(exc), False
+        if node.repointing and not actor_died:
+            node.repointing = False  # stopped to follow a verifier that moved: not a failure
+            self._event(node.name, "following the verifier")
+            threading.Thread(target=self._revive, args=(node, time.monotonic()), daemon=True).start()
+            return
+        self._event(node.name, "ended", why=why)
+        node.restarts += 1
+        limit = self.config["launch"]["max_restarts"]
+        if not actor_died and limit != -1 and node.restarts > limit:
+            node.state, node.error = "failed", why
+            self._event(node.name, "given up", restarts=node.restarts - 1)
+            return
+        node.state = "restarting"
+        threading.Thread(target=self._revive, args=(node, time.monotonic()), daemon=True).start()
+
+    def _revive(self, node: _Node, since: float) -> None:
+        """Wait until Ray has the actor back (a restart, maybe on another host), then serve again."""
+        ray = self.ray
+        deadline = since + self.config["launch"]["ready_timeout_s"]
+        while not self.stopping.is_set() and time.monotonic() < deadline:
+            try:
+                with self.lock:
+                    old_endpoint = self.config["verifier"]["endpoint"]
+                    self._serve(node)
+                    moved = node.role == "verifier" and self.config["verifier"]["endpoint"] != old_endpoint
+                self._event(node.name, "back", seconds=round(time.monotonic() - since, 3), host=node.facts["ip"])
+                if moved:
+                    self._repoint_drafters()
+                return
+            except ray.exceptions.ActorDiedError as exc:
+                if "restarting" not in str(exc).lower() and "max_restarts" in str(exc).lower():
+                    break
+                time.sleep(0.5)
+            except (ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError,
+                    ray.exceptions.RayActorError):
+                time.sleep(0.5)
+        node.state = "failed"
+        node.error = node.error or "Ray did not bring its actor back (restarts used up, or no host can hold it)"
+        self._event(node.name, "given up", restarts=node.restarts)
+
+    def _repoint_drafters(self) -> None:
+        """The verifier came back at another address: restart each drafter's serve call towards it."""
+        for node in list(self.nodes.values()):
+            if node.role == "drafter" and node.state == "serving":
+                node.repointing = True
+                try:
+                    self.ray.get(node.actor.stop.remote(), timeout=CALL_TIMEOUT_S)
+                except Exception:  # a drafter that cannot stop is restarted by its own watch
+                    log.warning("%s did not stop to follow the verifier", node.name)
+
+    # ------------------------------------------------------------------------------------------- control
+
+    def scale(self, drafters: int) -> dict[str, Any]:
+        """Run ``drafters`` drafters: start new ones (each placed on its own) or stop the newest."""
+        from ray.util.placement_group import remove_placement_group
+
+        if drafters < 0:
+            raise ValueError(f"drafters must be ≥ 0, got {drafters}")
+        with self.lock:
+            current = [n for n in self.nodes.values() if n.role == "drafter"]
+        _, drafter_at = placements(self.config)
+        if drafters > len(current):
+            taken = {n.name for n in current}
+            new = [n for n in node_names(drafters + len(taken)) if n not in taken][: drafters - len(current)]
+            check_feasible(self.ray.nodes(), dict.fromkeys(new, drafter_at))
+            for name in new:
+                group = self._group([drafter_at], "PACK")
+                seconds = self._wait_placed(group, [name], self.config["launch"]["ready_timeout_s"])
+                self._event(name, "placed", seconds=round(seconds, 3))
+                with self.lock:
+                    self.nodes[name] = _Node(name, "drafter", self._actor(name, drafter_at, group, 0), drafter_at,
+                                             group, 0)
+                    self._serve(self.nodes[name])
+        for node in sorted(current, key=lambda n: (len(n.name), n.name))[drafters:][::-1]:
+            with self.lock:
+                self.nodes.pop(node.name)
+                node.serving = None
+            self._stop_node(node)
+            if node.bundle == 0 and node.group is not None and len(node.group.bundle_specs) == 1:
+                remove_placement_group(node.group)  # a drafter scaled in earlier had a group of its own
+            self._event(node.name, "removed")
+        return self.status()
+
+    def _stop_node(self, node: _Node) -> None:
+        with contextlib.suppress(Exception):  # dead or unreachable: killed below
+            self.ray.get(node.actor.stop.remote(), timeout=CALL_TIMEOUT_S)
+        self.ray.kill(node.actor, no_restart=True)
+        node.state = "stopped"
+
+    def status(self) -> dict[str, Any]:
+        """The client address and each node's role, state, host facts and restarts; the run's events."""
+        with self.lock:
+            nodes = {n.name: {"actor": f"{self.config['launch']['ray_name']}:{n.name}", "role": n.role,
+                              "state": n.state, "restarts": n.restarts, "error": n.error,
+                              "placement": n.placement.describe(), **n.facts} for n in self.nodes.values()}
+        return {"client_address": self.config["client"]["endpoint"], "nodes": nodes, "events": list(self.events)}
+
+    def node_failure(self) -> str | None:
+        """The error of a node that failed for good, if any (the launcher's start-up check)."""
+        with self.lock:
+            failed = [n for n in self.nodes.values() if n.state == "failed"]
+        return f"{failed[0].name}: {failed[0].error}" if failed else None
+
+    def log_tail(self, name: str, lines: int = 25) -> str:
+        node = self.nodes.get(name)
+        if node is None:
+            return ""
+        try:
+            return self.ray.get(node.actor.log_tail.remote(lines), timeout=CALL_TIMEOUT_S)
+        except Exception as exc:  # the actor is gone: say so instead of a log
+            return f"(no log: {type(exc).__name__})"
+
+    def stop(self) -> None:
+        """Stop every node, free their placement groups and the keys."""
+        import shutil
+
+        from ray.util.placement_group import remove_placement_group
+
+        self.stopping.set()
+        if self.watcher is not None:
+            self.watcher.join(5)
+        groups = {id(n.group): n.group for n in self.nodes.values() if n.group is not None}
+        for node in list(self.nodes.values()):
+            self._stop_node(node)
+        for group in groups.values():
+            with contextlib.suppress(Exception):  # already gone with its hosts
+                remove_placement_group(group)
+        shutil.rmtree(self.keys_dir.parent, ignore_errors=True)
+
+
+def node_env() -> dict[str, str]:
+    """The environment of every node actor: :data:`runtime.node_setup.NODE_ENV` and this process's ``PIPESPEC_*``
+    settings (log level, profile folder), never its secrets."""
+    import os
+
+    from runtime.config import HTTP_API_KEY_ENV
+    from runtime.node_setup import NODE_ENV
+    from runtime.security import SECRET_ENV
+
+    private = {SECRET_ENV, HTTP_API_KEY_ENV}
+    ours = {k: v for k, v in os.environ.items() if k.startswith("PIPESPEC_") and k not in private}
+    return {**NODE_ENV, **ours}
+
+
+class RayCluster:
+    """The launcher interface of :class:`runtime.launch.Cluster`, over a :class:`Controller` actor."""
+
+    def __init__(self, config: dict[str, Any], run_dir: str, env: dict[str, str] | None = None):
+        self.config = config
+        self.run_dir = run_dir
+        self.env = {**node_env(), **(env or {})}
+        self.ray = connect(config["launch"]["ray_address"])
+        self.controller: Any = None
+        self.last_status: dict[str, Any] = {}
+        self.placed_s: float | None = None
+
+    @property
+    def drafter_count(self) -> int:
+        return self.config["launch"]["drafters"] if self.config["launch"]["start_drafter"] else 0
+
+    @property
+    def client_address(self) -> str:
+        return self.last_status["client_address"]
+
+    @property
+    def processes(self) -> dict[str, Any]:
+        """The node names (the process backend maps them to processes; here the status of each)."""
+        return dict(self.last_status.get("nodes", {}))
+
+    def client_keys(self) -> Any:
+        return keyfiles.client_keys(Path(self.run_dir) / "keys")
+
+    def start(self) -> None:
+        """Create the controller on this host and have it place and start the nodes (blocking: call it from a
+        thread in async code)."""
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        from runtime.ray_node import write_keys
+
+        name = self.config["launch"]["ray_name"]
+        try:
+            self.ray.get_actor(name, namespace=NAMESPACE)
+            raise RayLaunchError(f"a pipespec run named {name!r} is already on this Ray cluster: stop it, or give "
+                                 "this one another launch.ray_name")
+        except ValueError:
+            pass  # no such actor: the name is free
+        here = self.ray.get_runtime_context().get_node_id()
+        self.controller = self.ray.remote(Controller).options(
+            name=name, namespace=NAMESPACE, num_cpus=0, max_concurrency=16, max_restarts=0,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False),
+            runtime_env={"env_vars": self.env},
+        ).remote(self.config, self.env)
+        try:
+            started = self.ray.get(self.controller.start.remote(self.drafter_count))
+        except self.ray.exceptions.RayTaskError as exc:
+            cause = exc.cause if exc.cause is not None else exc
+            raise RayLaunchError(str(cause)) from None
+        write_keys(Path(self.run_dir) / "keys", started.pop("client_keys"))
+        self.placed_s = started.pop("placed_s")
+        self.last_status = started
+
+    def status(self, timeout_s: float = CALL_TIMEOUT_S) -> dict[str, Any]:
+        self.last_status = self.ray.get(self.controller.status.remote(), timeout=timeout_s)
+        return self.last_status
+
+    def check_alive(self, roles: list[str] | None = None) -> None:
+        """Raise :class:`RayLaunchError` when a node (of ``roles``) failed for good."""
+        failure = self.ray.get(self.controller.node_failure.remote(), timeout=CALL_TIMEOUT_S)
+        if failure and (not roles or failure.split(":", 1)[0].rstrip("0123456789") in roles):
+            raise RayLaunchError(failure)
+
+    def log_tail(self, name: str, lines: int = 25) -> str:
+        return self.ray.get(self.controller.log_tail.remote(name, lines), timeout=CALL_TIMEOUT_S)
+
+    def node_hardware(self) -> dict[str, dict[str, Any]]:
+        """Each node's host: address, name, CPU, cores, GPU."""
+        keys = ("ip", "host", "cpu", "cores", "gpu")
+        return {name: {k: n.get(k) for k in keys} for name, n in self.status()["nodes"].items()}
+
+    def scale(self, drafters: int) -> dict[str, Any]:
+        self.last_status = self.ray.get(self.controller.scale.remote(drafters))
+        return self.last_status
+
+    async def wait_ready(self, client: Any) -> dict[str, Any]:
+        """Until the verifier answers and every drafter started is in its pool (``launch.ready_timeout_s``)."""
+        deadline = time.monotonic() + self.config["launch"]["ready_timeout_s"]
+        while True:
+            await asyncio.to_thread(self.check_alive)
+            with contextlib.suppress(TimeoutError):
+                pong = await client.ping(timeout_s=1.0)
+                if sum(bool(d.get("alive")) for d in pong.get("drafters") or []) >= self.drafter_count:
+                    await asyncio.to_thread(self.status)
+                    return pong
+            if time.monotonic() > deadline:
+                raise RayLaunchError(f"nodes not ready after {self.config['launch']['ready_timeout_s']} s; "
+                                     f"verifier log:\n{self.log_tail('verifier')}")
+            await asyncio.sleep(0.2)
+
+    async def follow(self, client: Any) -> None:
+        """Point ``client`` at the verifier's address when a restart moved it."""
+        status = await asyncio.to_thread(self.status)
+        if status["client_address"] != client.address:
+            log.warning("the verifier moved to %s; the client follows", status["client_address"])
+            await client.retarget(status["client_address"])
+
+    def stop(self, timeout_s: float = 30.0, keep_logs: bool = False) -> None:
+        import shutil
+
+        if self.controller is not None:
+            try:
+                self.ray.get(self.controller.stop.remote(), timeout=timeout_s)
+            except Exception as exc:  # the cluster went away: its actors went with it
+                log.warning("stopping the Ray nodes: %s", exc)
+            self.ray.kill(self.controller, no_restart=True)
+            self.controller = None
+        if not keep_logs:
+            shutil.rmtree(Path(self.run_dir) / "keys", ignore_errors=True)

@@ -1,0 +1,225 @@
+"""One pipespec node inside a Ray actor: the code that runs on the host Ray placed the node on.
+
+The launcher (:mod:`runtime.ray_launch`) makes one :class:`NodeHost` actor per node and calls :meth:`NodeHost.serve`
+on it, a call that lasts as long as the node serves: Ray watches the actor's process, and the launcher watches that
+call. The ZeroMQ links stay the data plane, as with the process backend; Ray only places, starts and restarts the
+process. Nothing here imports Ray at module level: the class is wrapped with ``ray.remote`` by the launcher.
+
+What a node gets, as call arguments (nothing through files or the environment):
+
+- its config (a plain dict, endpoints filled in by the launcher);
+- the CURVE key files it needs (the launcher generated them for this run), written here into a private folder of
+  this host; every link of a Ray launch runs CURVE (:func:`runtime.ray_launch.ray_config`);
+- for a drafter with ``launch.link_delay_ms``: the verifier's address, which it reaches through a
+  :mod:`runtime.delay_proxy` on its own host.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import os
+import platform
+import shutil
+import socket
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from runtime import security
+
+#: Log lines each actor keeps for :meth:`NodeHost.log_tail` (its stdout also goes to Ray's log files on its host).
+LOG_LINES = 2000
+
+
+class NodeFailed(RuntimeError):
+    """A node that failed to start or stopped with an error; the message carries the end of its log."""
+
+
+class _Ring(logging.Handler):
+    """The last :data:`LOG_LINES` formatted log lines of this process."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: collections.deque[str] = collections.deque(maxlen=LOG_LINES)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.lines.append(self.format(record))
+        except Exception:  # a log line must never take the node down
+            self.handleError(record)
+
+
+def host_facts() -> dict[str, Any]:
+    """What a sweep table and ``pipespec serve --ray`` say about the host a node runs on."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    gpu = None
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            gpu = torch.cuda.get_device_name(0)
+    except Exception:  # no torch build with CUDA, or a driver problem: the host has no usable GPU for us
+        gpu = None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {"host": socket.gethostname(), "cpu": cpu, "cores": cores, "gpu": gpu}
+
+
+def free_ports(ip: str, count: int, preferred: list[int] | tuple[int, ...] = ()) -> list[int]:
+    """``count`` TCP ports free on ``ip`` now: the ``preferred`` ones where they are free (a restarted verifier
+    binds its old ports, so drafters and clients reconnect by themselves), the kernel's choice otherwise."""
+    ports: list[int] = []
+    for port in [*preferred, *[0] * count]:
+        if len(ports) == count:
+            break
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as ZeroMQ binds: TIME_WAIT does not block
+            try:
+                s.bind((ip, port))
+            except OSError:
+                continue
+            chosen = s.getsockname()[1]
+        if chosen not in ports:
+            ports.append(chosen)
+    return ports
+
+
+def write_keys(folder: Path, files: dict[str, bytes]) -> None:
+    """The key files a node was handed, under ``folder`` (0700; secret files 0600), as ``runtime.keys`` lays
+    them out."""
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    for relative, data in files.items():
+        path = folder / relative
+        if path.resolve().parent != (folder / Path(relative).parent).resolve() or ".." in Path(relative).parts:
+            raise ValueError(f"key file name {relative!r} leaves the keys folder")
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600 if relative.endswith("_secret") else 0o644)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+
+
+class _DelayProxy:
+    """:mod:`runtime.delay_proxy` on loopback in a thread of its own, in front of the verifier's drafter socket."""
+
+    def __init__(self, connect: tuple[str, int], delay_ms: float):
+        from runtime import delay_proxy
+
+        self.loop = asyncio.new_event_loop()
+        started: dict[str, Any] = {}
+        ready = threading.Event()
+
+        async def start() -> None:
+            try:
+                server = await delay_proxy.serve(("127.0.0.1", 0), connect, delay_ms / 1000)
+                started["port"] = server.sockets[0].getsockname()[1]
+            except Exception as exc:  # reported to the caller below
+                started["error"] = exc
+            ready.set()
+
+        def run() -> None:
+            self.loop.run_until_complete(start())
+            self.loop.run_forever()
+
+        self.thread = threading.Thread(target=run, name="delay-proxy", daemon=True)
+        self.thread.start()
+        if not ready.wait(10) or "error" in started:
+            raise NodeFailed(f"the link delay proxy did not start: {started.get('error', 'timed out')}")
+        self.port: int = started["port"]
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+class NodeHost:
+    """A Ray actor that runs one node (the launcher wraps it with ``ray.remote``; ``max_concurrency`` > 1, so
+    :meth:`stop`, :meth:`log_tail` and :meth:`facts` answer while :meth:`serve` runs)."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.node: Any = None
+        self.stopping = threading.Event()
+        self.ring = _Ring()
+        self.ring.setFormatter(logging.Formatter(f"%(asctime)s {name} %(levelname)s %(message)s"))
+        self.started_at = time.time()  # a restarted actor is a new instance: the launcher compares this
+        self.work_dir = Path(tempfile.mkdtemp(prefix="pipespec-ray-"))  # 0700: the keys go in here
+
+    def facts(self) -> dict[str, Any]:
+        """This actor's host: ``ip`` (the address Ray knows it by), ``node_id``, ``pid``, ``started_at`` and
+        :func:`host_facts`."""
+        import ray
+
+        return {"ip": ray.util.get_node_ip_address(), "node_id": ray.get_runtime_context().get_node_id(),
+                "pid": os.getpid(), "started_at": self.started_at, **host_facts()}
+
+    def free_ports(self, count: int, preferred: list[int] | tuple[int, ...] = ()) -> list[int]:
+        import ray
+
+        return free_ports(ray.util.get_node_ip_address(), count, preferred)
+
+    def serve(self, role: str, config: dict[str, Any], keys: dict[str, bytes], link_delay_ms: float = 0.0) -> int:
+        """Run the node until :meth:`stop` (returns 0) or until it fails (raises :class:`NodeFailed` with the end
+        of its log)."""
+        from runtime.node_setup import node_log_level, prepare_models
+        from weights.progress import quiet_library_bars
+
+        root = logging.getLogger()
+        if self.ring not in root.handlers:
+            root.addHandler(self.ring)
+        root.setLevel(node_log_level())
+        quiet_library_bars()
+        self.stopping.clear()
+        proxy = None
+        try:
+            keys_dir = self.work_dir / "keys"
+            shutil.rmtree(keys_dir, ignore_errors=True)
+            write_keys(keys_dir, keys)
+            config = {**config, "security": {**config["security"], "keys_dir": str(keys_dir)}}
+            if role == "drafter" and link_delay_ms > 0:
+                host, port = config["drafter"]["verifier_endpoint"].removeprefix("tcp://").rsplit(":", 1)
+                proxy = _DelayProxy((host.strip("[]"), int(port)), link_delay_ms)
+                config = {**config, "drafter": {**config["drafter"],
+                                                "verifier_endpoint": f"tcp://127.0.0.1:{proxy.port}"}}
+            prepare_models({**config, "launch": {**config["launch"], "start_drafter": role == "drafter"}})
+            self.node = self._build(role, config)
+            if self.stopping.is_set():  # stop() came while the model loaded
+                return 0
+            code = self.node.serve()
+            return int(code or 0)
+        except Exception as exc:
+            logging.getLogger("pipespec.ray").exception("%s failed", self.name)
+            raise NodeFailed(f"{self.name} ({role}) failed: {exc}\nEnd of its log:\n{self.log_tail(25)}") from None
+        finally:
+            self.node = None
+            if proxy is not None:
+                proxy.close()
+
+    @staticmethod
+    def _build(role: str, config: dict[str, Any]) -> Any:
+        if role == "verifier":
+            from verifier_node.server import VerifierServer
+
+            return VerifierServer.from_config(config, links=security.verifier_links(config, run_secret=None))
+        from drafter_node.node import DrafterNode
+
+        return DrafterNode.from_config(config, links=security.drafter_links(config, run_secret=None))
+
+    def stop(self) -> None:
+        """Ask the node to stop (its :meth:`serve` call then returns)."""
+        self.stopping.set()
+        node = self.node
+        if node is not None:
+            node.stop()
+
+    def log_tail(self, lines: int = 25) -> str:
+        return "\n".join(list(self.ring.lines)[-lines:])
