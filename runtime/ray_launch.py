@@ -463,11 +463,7 @@ class RayCluster:
             scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False),
             runtime_env={"env_vars": self.env},
         ).remote(self.config, self.env)
-        try:
-            started = self.ray.get(self.controller.start.remote(self.drafter_count))
-        except self.ray.exceptions.RayTaskError as exc:
-            cause = exc.cause if exc.cause is not None else exc
-            raise RayLaunchError(str(cause)) from None
+        started = unwrapped(self.ray, self.controller.start.remote(self.drafter_count))
         write_keys(Path(self.run_dir) / "keys", started.pop("client_keys"))
         self.placed_s = started.pop("placed_s")
         self.last_status = started
@@ -491,7 +487,8 @@ class RayCluster:
         return {name: {k: n.get(k) for k in keys} for name, n in self.status()["nodes"].items()}
 
     def scale(self, drafters: int) -> dict[str, Any]:
-        self.last_status = self.ray.get(self.controller.scale.remote(drafters))
+        """Run ``drafters`` drafters (:meth:`Controller.scale`); returns the new status."""
+        self.last_status = unwrapped(self.ray, self.controller.scale.remote(check_drafters(drafters)))
         return self.last_status
 
     async def wait_ready(self, client: Any) -> dict[str, Any]:
@@ -528,3 +525,58 @@ class RayCluster:
             self.controller = None
         if not keep_logs:
             shutil.rmtree(Path(self.run_dir) / "keys", ignore_errors=True)
+
+
+def unwrapped(ray: Any, ref: Any, timeout_s: float | None = None) -> Any:
+    """``ray.get(ref)``, with an error the actor raised re-raised as itself (a launch error, a config error) instead
+    of Ray's wrapper, and a dead controller said in words."""
+    try:
+        return ray.get(ref, timeout=timeout_s)
+    except ray.exceptions.RayTaskError as exc:
+        cause = exc.cause if exc.cause is not None else exc
+        if isinstance(cause, (LaunchError, ConfigError, ValueError)):
+            raise RayLaunchError(str(cause)) from None
+        raise RayLaunchError(f"the pipespec controller failed: {cause}") from None
+    except ray.exceptions.RayActorError as exc:
+        raise RayLaunchError(f"the pipespec controller is gone ({type(exc).__name__}): its launcher stopped or "
+                             "its host left the cluster") from None
+
+
+def check_drafters(drafters: int) -> int:
+    from runtime.config_schema import MAX_LAUNCHED_DRAFTERS
+
+    if isinstance(drafters, bool) or not isinstance(drafters, int) or not 0 <= drafters <= MAX_LAUNCHED_DRAFTERS:
+        raise ConfigError(f"--drafters: an integer in [0, {MAX_LAUNCHED_DRAFTERS}], got {drafters!r}")
+    return drafters
+
+
+def scale(drafters: int, address: str | None = "auto", name: str | None = None) -> dict[str, Any]:
+    """Run ``drafters`` drafters in the pipespec run ``name`` (``launch.ray_name``) on the Ray cluster at
+    ``address`` (``"auto"``: the one this host knows), from any process; returns the run's status."""
+    check_drafters(drafters)
+    ray = connect(address)
+    name = name or DEFAULT_NAME
+    try:
+        controller = ray.get_actor(name, namespace=NAMESPACE)
+    except ValueError:
+        raise RayLaunchError(f"no pipespec run named {name!r} on this Ray cluster: start one with `pipespec serve "
+                             "--ray`, or give its launch.ray_name with --name") from None
+    return unwrapped(ray, controller.scale.remote(drafters))
+
+
+def status_lines(status: dict[str, Any]) -> list[str]:
+    """One line per node: name, role, state, host and placement."""
+    lines = []
+    for name, node in status["nodes"].items():
+        where = f"{node.get('host', '?')} ({node.get('ip', '?')})"
+        lines.append(f"{name}: {node['role']} {node['state']} on {where}, restarts {node['restarts']}, placement "
+                     f"{node['placement']}" + (f", error: {node['error']}" if node.get("error") else ""))
+    return lines
+
+
+def scale_command(drafters: int, address: str | None, name: str | None) -> int:
+    """``pipespec scale --drafters N``: prints the run's nodes afterwards."""
+    status = scale(drafters, address or "auto", name)
+    for line in status_lines(status):
+        print(line)
+    return 0

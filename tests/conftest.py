@@ -22,7 +22,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 #: The tiers of pyproject.toml's markers; every test carries at least one (a file's ``pytestmark`` or its own).
-TIERS = ("unit", "cluster", "statistical", "netns", "slow")
+TIERS = ("unit", "cluster", "statistical", "netns", "slow", "ray")
 #: The tiers whose tests start node processes.
 NODE_TIERS = ("cluster", "statistical", "netns", "slow")
 

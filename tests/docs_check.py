@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DOC_FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 CHECKED_LANGS = {"bash", "sh", "shell", "console", "python", "yaml"}
 SHELL_LANGS = {"bash", "sh", "shell", "console"}
-KINDS = {"run", "parse-only", "compile-only", "config"}
+KINDS = {"run", "parse-only", "compile-only", "config", "ray"}
 #: kinds that must say why the block is not run
 NEEDS_REASON = {"parse-only", "compile-only"}
 MARKER = re.compile(r"<!--\s*docs-check:\s*([\w-]+)\s*(?::\s*(.*?))?\s*-->\s*$")
@@ -217,6 +217,8 @@ def parse_pipespec(argv: list[str], block: Block) -> dict[str, Any] | None:
     except SystemExit as exc:
         expect_exit_0(exc, f"pipespec {shlex.join(argv)}")
         return None
+    if args.command == "scale":
+        return None  # its flags parsed; it takes no config
     if args.command == "models":
         for name in getattr(args, "names", None) or []:
             assert name in NAMED_MODELS, f"pipespec models install {name}: not a named model"
@@ -310,9 +312,50 @@ def parse_make(argv: list[str]) -> None:
         assert r.returncode == 0, f"make -n {target}: {r.stderr.strip()}"
 
 
+#: The ``ray start`` flags the docs may use, and whether each takes a value.
+RAY_START_FLAGS = {"--head": False, "--address": True, "--port": True, "--num-cpus": True, "--num-gpus": True,
+                   "--resources": True, "--labels": True}
+#: The head's address in the docs' Ray recipe (docs/ray.md); the Ray tier puts its cluster's address there.
+RAY_HEAD = "HEAD:6379"
+
+
+def parse_ray_start(argv: list[str]) -> dict[str, Any]:
+    """``ray start FLAGS`` as the docs write it (Ray's own CLI is an optional extra, so it is not imported here):
+    ``{"head": bool, "num_cpus": int | None, "num_gpus": int | None, "resources": {...}, "labels": {...}}``."""
+    assert argv and argv[0] == "start", f"ray {shlex.join(argv)}: only `ray start` is documented"
+    out: dict[str, Any] = {"head": False, "num_cpus": None, "num_gpus": None, "resources": {}, "labels": {}}
+    for arg in argv[1:]:
+        flag, eq, value = arg.partition("=")
+        assert flag in RAY_START_FLAGS, f"ray start: unknown flag {flag}"
+        assert bool(eq) == RAY_START_FLAGS[flag], f"ray start {arg}: write --flag=value for flags with a value"
+        if flag == "--head":
+            out["head"] = True
+        elif flag in ("--num-cpus", "--num-gpus"):
+            out[flag[2:].replace("-", "_")] = int(value)
+        elif flag == "--resources":
+            resources = json.loads(value)
+            assert isinstance(resources, dict) and all(isinstance(v, (int, float)) for v in resources.values())
+            out["resources"] = resources
+        elif flag == "--labels":
+            out["labels"] = dict(pair.split("=", 1) for pair in value.split(","))
+        elif flag == "--address":
+            assert value == RAY_HEAD, f"ray start --address: write {RAY_HEAD} (the docs' placeholder)"
+    return out
+
+
+def ray_blocks(path: Path) -> list[Block]:
+    """A doc's ``<!-- docs-check: ray -->`` blocks in order: the recipe the Ray tier runs (tests/test_ray.py)."""
+    return [b for b in blocks(path) if b.kind == "ray"]
+
+
 def parse_command(tokens: list[str], block: Block, models: dict[str, Path]) -> dict[str, Any] | None:
     """Check one command without running it (``pipespec keys`` excepted); the config it would run with, if any."""
+    if tokens and tokens[-1] == "&":  # started in the background
+        tokens = tokens[:-1]
     prog, argv = program(tokens)
+    if prog == "ray":
+        parse_ray_start(argv)
+        return None
     if prog == "pipespec":
         return parse_pipespec(substitute_models(argv, models), block)
     if prog.startswith("python"):

@@ -27,6 +27,8 @@ from docs_check import (
     compile_python,
     links,
     parse_command,
+    parse_ray_start,
+    ray_blocks,
     torch_pin,
 )
 
@@ -34,8 +36,8 @@ pytestmark = pytest.mark.unit
 
 BLOCKS = checked_blocks()
 #: the markers each language may carry
-ALLOWED = {**{lang: ("run", "parse-only") for lang in SHELL_LANGS}, "python": ("run", "compile-only"),
-           "yaml": ("config",)}
+ALLOWED = {**{lang: ("run", "parse-only", "ray") for lang in SHELL_LANGS}, "python": ("run", "compile-only"),
+           "yaml": ("config", "ray")}
 
 
 def test_the_check_sees_the_docs() -> None:
@@ -106,6 +108,29 @@ def test_shell_block_parses(block: Block, models, tmp_path: Path) -> None:
                 parse_command(tokens, block, models)
             except BaseException as exc:
                 raise AssertionError(f"{block.where}: `{' '.join(tokens)}`: {type(exc).__name__}: {exc}") from exc
+
+
+@pytest.mark.parametrize("path", [p for p in DOC_FILES if ray_blocks(p)], ids=lambda p: p.name)
+def test_ray_recipe_parses(path: Path, models, tmp_path: Path) -> None:
+    """A Ray recipe (``ray`` blocks, run by the Ray tier): its config validates, its `ray start` lines name a head
+    and hosts, its `pipespec` commands parse with that config saved as the file they name."""
+    recipe = ray_blocks(path)
+    configs = [yaml.safe_load(b.text) for b in recipe if b.lang == "yaml"]
+    assert len(configs) == 1, f"{path.name}: a Ray recipe has one config block"
+    from runtime.config import load_config
+
+    assert load_config(configs[0])["launch"]["backend"] == "ray"
+    starts, pipespec = [], []
+    for block in (b for b in recipe if b.lang in SHELL_LANGS):
+        for tokens in commands(block.text):
+            (starts if tokens[0] == "ray" else pipespec).append((tokens, block))
+    assert [parse_ray_start(t[1:])["head"] for t, _ in starts][:1] == [True], "the recipe starts a head first"
+    config_files = {t[t.index("--config") + 1] for t, _ in pipespec if "--config" in t}
+    assert len(config_files) == 1, config_files
+    (tmp_path / config_files.pop()).write_text(yaml.safe_dump(configs[0]), encoding="utf-8")
+    with chdir(tmp_path):
+        for tokens, block in pipespec:
+            parse_command(tokens, block, models)
 
 
 @pytest.mark.parametrize("block", [b for b in BLOCKS if b.lang == "python"], ids=lambda b: b.where)

@@ -1,0 +1,310 @@
+"""The Ray launch backend on a real multi-node Ray cluster on this machine (``ray.cluster_utils.Cluster``): a head
+with no CPUs and worker nodes with distinct custom resources and labels, started once for the tier.
+
+Placement lands each node where its config says; greedy output equals transformers' ``generate``; a drafter's
+host removed mid-request costs no request and no token, and the drafter comes back on a host added later; a
+verifier actor killed is restarted and serves again, drafting resumes, and the HTTP front end answers again;
+``pipespec scale`` adds and removes drafters from another process; the docs' recipe (docs/ray.md) runs as written.
+
+Run with ``make test-ray`` (it installs the ``ray`` extra); the default ``make test`` leaves this tier out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import yaml
+from conftest import tiny_config
+from docs_check import RAY_HEAD, ROOT, commands, parse_ray_start, ray_blocks
+
+from benchmarks.http_overhead import free_port
+from runtime.client import PipespecError
+from runtime.launch import LaunchError, cluster, serve_http
+from testkit.tiny_models import reference_greedy
+
+pytestmark = pytest.mark.ray
+
+PROMPTS = [[5, 17, 33, 2, 60], [7, 8, 9], [100, 3, 44, 12]]
+PIPESPEC = [sys.executable, "-c", "import sys; from runtime.cli import main; sys.exit(main())"]
+#: The hosts of the tier's cluster: a "GPU host" for the target and a "CPU host" for drafters (room for two).
+TARGET_HOST = {"num_cpus": 1, "resources": {"gpu_host": 1}}
+DRAFT_HOST = {"num_cpus": 2, "resources": {"cpu_host": 2}, "labels": {"zone": "b"}}
+
+
+class RayHosts:
+    """The tier's ``ray.cluster_utils.Cluster`` and its worker nodes by role."""
+
+    def __init__(self) -> None:
+        try:
+            import ray
+            from ray.cluster_utils import Cluster
+        except ImportError:
+            pytest.fail("the ray tier needs Ray: run it with `make test-ray` (it installs pipespec[ray])")
+        self.ray = ray
+        self.cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+        self.target_host = self.cluster.add_node(**TARGET_HOST)
+        self.draft_host = self.cluster.add_node(**DRAFT_HOST)
+        ray.init(address=self.cluster.address, namespace="pipespec", log_to_driver=False)
+
+    @property
+    def address(self) -> str:
+        return self.cluster.address
+
+    def node_id(self, node) -> str:
+        return node.node_id
+
+    def shutdown(self) -> None:
+        self.ray.shutdown()
+        self.cluster.shutdown()
+
+
+@pytest.fixture(scope="module")
+def hosts():
+    started = time.monotonic()
+    h = RayHosts()
+    print(f"\nRay cluster (head + 2 hosts) up in {time.monotonic() - started:.1f} s")
+    yield h
+    h.shutdown()
+
+
+def ray_config(tiny, **launch) -> dict:
+    config = tiny_config(tiny("llama"), tiny("llama", "random"))
+    config["verifier"]["placement"] = {"resources": {"gpu_host": 1}}
+    config["drafter"]["placement"] = {"resources": {"cpu_host": 1}, "labels": {"zone": "b"}}
+    config["launch"].update({"backend": "ray", **launch})
+    return config
+
+
+async def generate_all(client, prompts=PROMPTS, n: int = 40):
+    return await asyncio.gather(*(client.generate(token_ids=p, max_new_tokens=n, eos_token_ids=[]) for p in prompts))
+
+
+async def until_drafters(client, count: int, timeout_s: float = 120) -> float:
+    """Seconds until the verifier's pool has ``count`` live drafters."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        with contextlib.suppress(TimeoutError, PipespecError):
+            pong = await client.ping(timeout_s=2)
+            if sum(bool(d.get("alive")) for d in pong.get("drafters") or []) == count:
+                return time.monotonic() - t0
+        await asyncio.sleep(0.2)
+    raise AssertionError(f"the pool did not reach {count} live drafters in {timeout_s} s")
+
+
+def test_nodes_land_where_their_placement_says_and_output_is_greedy(hosts, tiny):
+    target = tiny("llama")
+
+    async def main():
+        t0 = time.monotonic()
+        async with cluster(ray_config(tiny)) as client:
+            ready_s = time.monotonic() - t0
+            status = client.cluster.status()
+            results = await generate_all(client)
+            return status, results, client.cluster.placed_s, ready_s, client.cluster.node_hardware()
+
+    status, results, placed_s, ready_s, hardware = asyncio.run(main())
+    print(f"\nplacement group reserved in {placed_s * 1000:.1f} ms; nodes ready {ready_s:.1f} s after the start")
+    nodes = status["nodes"]
+    assert nodes["verifier"]["node_id"] == hosts.target_host.node_id
+    assert nodes["drafter"]["node_id"] == hosts.draft_host.node_id
+    assert set(hardware) == {"verifier", "drafter"} and hardware["verifier"]["cpu"]
+    for prompt, result in zip(PROMPTS, results):
+        assert result.token_ids == reference_greedy(target, prompt, 40)
+    assert sum(r.metrics["draft_tokens"] for r in results) > 0, "the drafter on the other host never drafted"
+    assert status["client_address"].startswith("tcp://") and "127.0.0.1" not in status["client_address"]
+
+
+def test_a_placement_no_host_can_hold_is_refused_at_once(hosts, tiny):
+    config = ray_config(tiny)
+    config["drafter"]["placement"] = {"resources": {"tpu_host": 1}}
+
+    async def main():
+        async with cluster(config):
+            raise AssertionError("a drafter that no host can hold was placed")
+
+    t0 = time.monotonic()
+    with pytest.raises(LaunchError, match=r"no host of the Ray cluster can hold the drafter node .*tpu_host") as err:
+        asyncio.run(main())
+    assert "cpu_host 2" in str(err.value), "the error says what the hosts offer"
+    assert time.monotonic() - t0 < 60
+    with pytest.raises(ValueError):  # nothing left behind: the run's name is free again
+        hosts.ray.get_actor("pipespec", namespace="pipespec")
+
+
+def test_scale_adds_and_removes_drafters_from_another_process(hosts, tiny):
+    from runtime.ray_launch import scale
+
+    target = tiny("llama")
+
+    async def main():
+        async with cluster(ray_config(tiny)) as client:
+            out = await asyncio.to_thread(
+                subprocess.run, [*PIPESPEC, "scale", "--drafters", "2", "--ray", hosts.address],
+                capture_output=True, text=True, timeout=180, cwd=ROOT)
+            assert out.returncode == 0, out.stderr[-3000:]
+            assert "drafter2: drafter serving" in out.stdout, out.stdout
+            joined_s = await until_drafters(client, 2)
+            two = await generate_all(client)
+            status = await asyncio.to_thread(scale, 0, hosts.address)
+            await until_drafters(client, 0)
+            none = await generate_all(client, PROMPTS[:1])
+            return out, joined_s, two, status, none
+
+    _, joined_s, two, status, none = asyncio.run(main())
+    print(f"\nsecond drafter in the pool {joined_s:.1f} s after `pipespec scale` returned")
+    assert [n for n, s in status["nodes"].items() if s["role"] == "drafter"] == []
+    for prompt, result in zip(PROMPTS, two):
+        assert result.token_ids == reference_greedy(target, prompt, 40)
+    assert none[0].token_ids == reference_greedy(target, PROMPTS[0], 40)
+    assert none[0].metrics["draft_tokens"] == 0
+
+
+def test_verifier_killed_is_restarted_and_http_and_drafting_resume(hosts, tiny):
+    if shutil.which("curl") is None:
+        pytest.fail("curl is needed to check the HTTP front end")
+    target = tiny("llama")
+    config = ray_config(tiny)
+    config["http"] = {"host": "127.0.0.1", "port": free_port(), "model_name": "tiny"}
+
+    def curl(url: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["curl", "-s", "-o", "/dev/null", "-w", "%{http_code}", "--max-time", "60", "-H",
+                               "Content-Type: application/json", "-d",
+                               '{"model": "tiny", "prompt": "hello", "max_tokens": 8}', url],
+                              capture_output=True, text=True, timeout=90)
+
+    async def main():
+        async with cluster(config) as client, serve_http(client, client.config) as server:
+            await until_drafters(client, 1)
+            assert (await asyncio.to_thread(curl, f"{server.url}/v1/completions")).stdout == "200"
+            in_flight = [asyncio.create_task(client.generate(token_ids=p, max_new_tokens=400, eos_token_ids=[]))
+                         for p in PROMPTS]
+            await asyncio.sleep(0.3)
+            before = client.address
+            actor = hosts.ray.get_actor(client.cluster.status()["nodes"]["verifier"]["actor"], namespace="pipespec")
+            hosts.ray.kill(actor, no_restart=False)
+            killed = time.monotonic()
+            failed = await asyncio.gather(*in_flight, return_exceptions=True)
+            while True:  # bounded by the client's timeout and the loop below
+                try:
+                    result = await client.generate(token_ids=PROMPTS[0], max_new_tokens=40, eos_token_ids=[])
+                    break
+                except PipespecError as exc:
+                    assert exc.code == "verifier_gone", exc
+                    assert time.monotonic() - killed < 120, "the verifier did not come back"
+                    await asyncio.sleep(0.25)
+            served_s = time.monotonic() - killed
+            await until_drafters(client, 1)
+            drafting = await generate_all(client)
+            http = await asyncio.to_thread(curl, f"{server.url}/v1/completions")
+            return failed, result, served_s, drafting, http, before, client.address, client.cluster.status()
+
+    failed, result, served_s, drafting, http, before, after, status = asyncio.run(main())
+    print(f"\nverifier killed: {sum(isinstance(f, Exception) for f in failed)} of {len(failed)} requests in flight "
+          f"failed; a request succeeded {served_s:.1f} s after the kill")
+    assert all((isinstance(f, PipespecError) and f.code == "verifier_gone") or
+               (not isinstance(f, Exception) and f.token_ids == reference_greedy(target, p, 400))
+               for f, p in zip(failed, PROMPTS)), failed
+    assert result.token_ids == reference_greedy(target, PROMPTS[0], 40)
+    assert sum(r.metrics["draft_tokens"] for r in drafting) > 0, "drafting did not resume after the restart"
+    assert http.stdout == "200", http
+    assert before == after, "a verifier restarted on its host binds its old address"
+    events = [e["event"] for e in status["events"] if e["node"] == "verifier"]
+    assert events.count("serving") == 2 and "back" in events, status["events"]
+
+
+def test_docs_recipe_runs_on_a_local_multi_node_cluster(tiny, tmp_path):
+    """docs/ray.md's recipe as written: hosts with what its `ray start` lines declare, its config with tiny models,
+    its `pipespec` commands as subprocesses against that cluster (HEAD:6379 → the cluster's address)."""
+    recipe = ray_blocks(ROOT / "docs" / "ray.md")
+    config = yaml.safe_load(next(b.text for b in recipe if b.lang == "yaml"))
+    shell = [t for b in recipe if b.lang != "yaml" for t in commands(b.text)]
+    starts = [parse_ray_start(t[1:]) for t in shell if t[0] == "ray"]
+    pipespec = [t[1:] for t in shell if t[0] == "pipespec"]
+    try:
+        from ray.cluster_utils import Cluster
+    except ImportError:
+        pytest.fail("the ray tier needs Ray: run it with `make test-ray`")
+    head, *workers = starts
+    local = Cluster(initialize_head=True, head_node_args={"num_cpus": head["num_cpus"]})
+    for w in workers:
+        local.add_node(num_cpus=w["num_cpus"], resources=w["resources"], labels=w["labels"])
+    (tmp_path / "ray.yaml").write_text(yaml.safe_dump(config), encoding="utf-8")
+    tiny_keys = [f"--set=verifier.model={tiny('llama')}", f"--set=drafter.model={tiny('llama', 'random')}"]
+    for role in ("verifier", "drafter"):
+        tiny_keys += [f"--set={role}.dtype=float32", f"--set={role}.threads=1", f"--set={role}.profile_s=0"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    background: list[subprocess.Popen] = []
+    try:
+        for argv in pipespec:
+            argv = [a.replace(RAY_HEAD, local.address) for a in argv]
+            if argv[-1] == "&":
+                argv = [*argv[:-1], *tiny_keys, "--port", str(free_port())]
+                proc = subprocess.Popen([*PIPESPEC, *argv], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                                        stderr=subprocess.STDOUT, text=True)
+                background.append(proc)
+                deadline = time.monotonic() + 180
+                lines = []
+                while time.monotonic() < deadline:
+                    line = proc.stdout.readline()
+                    lines.append(line)
+                    if line.startswith("logs:") or (not line and proc.poll() is not None):
+                        break
+                assert any(x.startswith("client address:") for x in lines), "".join(lines)[-3000:]
+                continue
+            if argv[0] in ("generate", "serve"):
+                argv = [*argv, *tiny_keys]
+            out = subprocess.run([*PIPESPEC, *argv], cwd=tmp_path, env=env, capture_output=True, text=True,
+                                 timeout=300)
+            assert out.returncode == 0, f"pipespec {' '.join(argv)}:\n{out.stderr[-3000:]}"
+            if argv[0] == "scale":
+                assert "drafter2: drafter serving" in out.stdout, out.stdout
+            if argv[0] == "generate":
+                assert "verifier on " in out.stderr and "drafter on " in out.stderr, out.stderr[-2000:]
+    finally:
+        for proc in background:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        local.shutdown()
+    assert all(p.returncode == 0 for p in background), [p.returncode for p in background]
+
+
+def test_drafter_host_removed_mid_request_then_back_on_a_new_host(hosts, tiny):
+    """Last in the tier: it takes the drafter host away (and adds another)."""
+    target = tiny("llama")
+
+    async def main():
+        async with cluster(ray_config(tiny)) as client:
+            await until_drafters(client, 1)
+            in_flight = [asyncio.create_task(client.generate(token_ids=p, max_new_tokens=300, eos_token_ids=[]))
+                         for p in PROMPTS]
+            await asyncio.sleep(0.3)
+            hosts.cluster.remove_node(hosts.draft_host)
+            removed = time.monotonic()
+            results = await asyncio.gather(*in_flight)
+            done_s = time.monotonic() - removed
+            hosts.draft_host = hosts.cluster.add_node(**DRAFT_HOST)
+            added = time.monotonic()
+            back_s = await until_drafters(client, 1, timeout_s=180)
+            again = await generate_all(client)
+            return results, done_s, back_s, again, time.monotonic() - added, client.cluster.status()
+
+    results, done_s, back_s, again, _, status = asyncio.run(main())
+    print(f"\ndrafter host removed: every request completed {done_s:.1f} s later; the drafter was back in the "
+          f"pool {back_s:.1f} s after a new host joined")
+    for prompt, result in zip(PROMPTS, results):
+        assert result.token_ids == reference_greedy(target, prompt, 300)
+    for prompt, result in zip(PROMPTS, again):
+        assert result.token_ids == reference_greedy(target, prompt, 40)
+    assert sum(r.metrics["draft_tokens"] for r in again) > 0, "the drafter back on the new host never drafted"
+    assert status["nodes"]["drafter"]["node_id"] == hosts.draft_host.node_id
