@@ -575,11 +575,11 @@ def write_markdown(path: Path, report: dict[str, Any]) -> None:
              f"{meta['max_new_tokens']}; one warm-up generation of {meta['warmup_tokens']} tokens per point (on a "
              "prompt of its own); the points ran one after another, each on its own cluster",
              "- tok/s = new tokens ÷ the generations' wall time; α = accepted ÷ drafted tokens; τ = 1 + accepted "
-             "tokens ÷ drafts; k = drafted tokens ÷ drafts; busy = the node's busy fraction (weighted by each "
+             "tokens ÷ drafts; mean k = drafted tokens ÷ drafts; busy = the node's busy fraction (weighted by each "
              "request's time); mismatches = prompts whose token ids differ from those of the point named (the first "
              "with the same target model and verifier dtype; ref: that point)", ""]
     axes = meta["axes"]
-    header = ["#", *axes, "status", "tok/s", "α", "τ", "k", "verifier busy", "drafter busy", "verifier hardware",
+    header = ["#", *axes, "status", "tok/s", "α", "τ", "mean k", "verifier busy", "drafter busy", "verifier hardware",
               "drafter hardware", "mismatches"]
     body = []
     for r in rows:
@@ -599,9 +599,14 @@ def write_markdown(path: Path, report: dict[str, Any]) -> None:
             detail = ", ".join(f"prompt {m['prompt'] + 1} from token {m['first_diff']}" for m in r["mismatch_detail"])
             notes.append(f"- point {r['index']} ({r['label']}): output differs from point {r['token_ref']} on "
                          f"{detail}.")
+    same: dict[tuple[str, str], list[dict[str, Any]]] = {}  # one note per status and error text
     for r in rows:
         if r["status"] in ("skipped", "failed") and r.get("error"):
-            notes += [f"- point {r['index']} ({r['label']}) {r['status']}:", "", "```text", r["error"].rstrip(), "```"]
+            same.setdefault((r["status"], r["error"].rstrip()), []).append(r)
+    for (status, error), group in same.items():
+        which = f"point {group[0]['index']} ({group[0]['label']})" if len(group) == 1 else \
+            "points " + ", ".join(str(r["index"]) for r in group)
+        notes += [f"- {which} {status}:", "", "```text", error, "```"]
     if notes:
         lines += ["", "Notes:", "", *notes]
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
