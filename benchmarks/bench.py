@@ -413,6 +413,11 @@ def _parser(prog: str | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if any(a in ("--ray", "--sweep") or a.startswith(("--ray=", "--sweep=")) for a in argv):
+        from benchmarks import sweep  # a sweep file (benchmarks/sweep.py) instead of this benchmark's rows
+
+        return sweep.main(argv, prog=prog)
     args = _parser(prog).parse_args(argv)
     if args.replot:
         report = read_result(args.out / "bench.json")  # older, pretty-printed files read the same
