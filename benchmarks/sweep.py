@@ -50,11 +50,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib.util
-import inspect
 import itertools
 import json
 import shlex
-import socket
 import sys
 import time
 import traceback
@@ -363,35 +361,21 @@ def sweep_messages(sweep: Sweep) -> list[list[dict[str, str]]]:
 
 
 async def node_hardware(client: Any) -> dict[str, dict[str, Any]]:
-    """Each node's hardware, ``{node name: {"host", "cpu", "gpu", "threads"}}``, from the cluster's
-    ``node_hardware()`` where it has one; otherwise every node is described as this machine (the process backend
-    runs every node here), with the threads each node reported at start-up (else its config's)."""
-    nodes = getattr(client, "cluster", None)
-    method = getattr(nodes, "node_hardware", None)
-    if callable(method):
-        found = method()
-        return await found if inspect.isawaitable(found) else found
-    # Fallback until Cluster.node_hardware() is on main (issue 31): delete from here once every backend has it.
-    from benchmarks.machine import gpu_name
-    from shared.costs.hardware import cpu_model_name
-
-    config = getattr(client, "config", None) or {}
-    reports = (getattr(client, "startup", None) or {}).get("reports") or []
-    names = list(getattr(client, "processes", None) or ["verifier", "drafter"])
-    drafters = [n for n in names if n != "verifier"]
-    host, cpu, gpu = socket.gethostname(), cpu_model_name(), gpu_name()
-    out = {}
-    for name in names:
+    """Each node's hardware, ``{node name: {"ip", "host", "cpu", "cores", "gpu", "threads"}}``: where the launcher
+    says each node runs (:meth:`runtime.node_setup.Launcher.node_hardware`), with the threads each node reported at
+    start-up (else its config's)."""
+    out = await asyncio.to_thread(client.cluster.node_hardware)
+    config = client.config
+    reports = (client.startup or {}).get("reports") or []
+    drafters = [n for n in out if n != "verifier"]
+    for name, hw in out.items():
         role = "verifier" if name == "verifier" else "drafter"
-        section = config.get(role) or {}
-        threads = section.get("threads")
+        threads = config[role]["threads"]
         if role == "verifier" and reports:
             threads = (reports[0].get("verifier_threads") or {}).get("full", threads)
         elif len(reports) == len(drafters):
             threads = (reports[drafters.index(name)].get("drafter_threads") or {}).get("full", threads)
-        device = str(section.get("device") or "cpu")
-        out[name] = {"host": host, "cpu": cpu, "gpu": gpu if device.startswith(("cuda", "auto")) else None,
-                     "threads": threads}
+        hw["threads"] = threads
     return out
 
 

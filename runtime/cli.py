@@ -105,7 +105,8 @@ _K_FLAGS = ("--num-draft-tokens", "--prompt-lookup-num-tokens")
 _DELEGATED = {
     "keys": "make and add CURVE keys (as python -m runtime.keys)",
     "profile": "measure the nodes' cost curves (as python -m runtime.profile)",
-    "bench": "the benchmark against transformers (as scripts/bench.py)",
+    "bench": "the benchmark against transformers (as scripts/bench.py); --sweep FILE / --ray FILE: a sweep over "
+             "configs (docs/benchmarks.md, Sweeps)",
 }
 
 _EPILOG = (

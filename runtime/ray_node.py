@@ -20,7 +20,6 @@ import asyncio
 import collections
 import logging
 import os
-import platform
 import shutil
 import socket
 import tempfile
@@ -55,24 +54,14 @@ class _Ring(logging.Handler):
 
 def host_facts() -> dict[str, Any]:
     """What a sweep table and ``pipespec serve --ray`` say about the host a node runs on."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    gpu = None
-    try:
-        import torch
+    from shared.costs.hardware import cpu_model_name, gpu_name
 
-        if torch.cuda.is_available():
-            gpu = torch.cuda.get_device_name(0)
-    except Exception:  # no torch build with CUDA, or a driver problem: the host has no usable GPU for us
+    try:
+        gpu = gpu_name("cuda")
+    except Exception:  # no CUDA build or no driver: no GPU this node could use
         gpu = None
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return {"host": socket.gethostname(), "cpu": cpu, "cores": cores, "gpu": gpu}
+    return {"host": socket.gethostname(), "cpu": cpu_model_name(), "cores": cores, "gpu": gpu}
 
 
 def free_ports(ip: str, count: int, preferred: list[int] | tuple[int, ...] = ()) -> list[int]:
@@ -186,7 +175,7 @@ class NodeHost:
             write_keys(keys_dir, keys)
             config = {**config, "security": {**config["security"], "keys_dir": str(keys_dir)}}
             if role == "drafter" and link_delay_ms > 0:
-                host, port = config["drafter"]["verifier_endpoint"].removeprefix("tcp://").rsplit(":", 1)
+                host, port = security.drafter_link(config).removeprefix("tcp://").rsplit(":", 1)
                 proxy = _DelayProxy((host.strip("[]"), int(port)), link_delay_ms)
                 config = {**config, "drafter": {**config["drafter"],
                                                 "verifier_endpoint": f"tcp://127.0.0.1:{proxy.port}"}}

@@ -279,6 +279,32 @@ def test_docs_recipe_runs_on_a_local_multi_node_cluster(tiny, tmp_path):
     assert all(p.returncode == 0 for p in background), [p.returncode for p in background]
 
 
+def test_a_sweep_runs_each_point_on_the_cluster_with_its_link_delay(hosts, tiny, tmp_path):
+    """``pipespec bench --ray SWEEP``: each point's nodes where the placement says, the link delay applied (a draft's
+    transit takes at least the added one-way delay), greedy output identical across the points."""
+    import json
+
+    from benchmarks import sweep as sw
+
+    config = ray_config(tiny)
+    del config["launch"]["backend"]  # --ray sets it on every point
+    (tmp_path / "tiny.yaml").write_text(yaml.safe_dump(config), encoding="utf-8")
+    spec = {"base": "tiny.yaml", "prompts": ["def add(a, b):"], "max_new_tokens": 24,
+            "grid": {"link_delay_ms": [0, 20]}}
+    (tmp_path / "sweep.yaml").write_text(yaml.safe_dump(spec), encoding="utf-8")
+    out = tmp_path / "out"
+    assert sw.main(["--ray", str(tmp_path / "sweep.yaml"), "--ray-address", hosts.address, "--out", str(out)],
+                   prog="pipespec bench") == 0
+    report = json.loads((out / "sweep.json").read_text())
+    assert [p["status"] for p in report["points"]] == ["ok", "ok"], report["points"]
+    assert [r["mismatches"] for r in report["rows"]] == ["ref", "0/1 vs #1"]
+    for point in report["points"]:
+        assert point["backend"] == "ray"
+        assert point["hardware"]["verifier"]["ip"] != "local" and point["hardware"]["drafter"]["cpu"]
+    delayed = report["points"][1]["per_prompt"][0]["metrics"]
+    assert delayed["draft_tokens"] > 0 and delayed["draft_transit_ms"] >= 20, delayed
+
+
 def test_drafter_host_removed_mid_request_then_back_on_a_new_host(hosts, tiny):
     """Last in the tier: it takes the drafter host away (and adds another)."""
     target = tiny("llama")
