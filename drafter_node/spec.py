@@ -11,13 +11,13 @@ Hooks raise :class:`ValueError` (any subclass) whose message starts with the off
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from shared.settings import defaults
+from shared.settings import build, defaults
 
 #: ``local(name)``: the local folder (with a config.json) a model name stands for, or None (a named model not
 #: converted yet, a hub id): a ``check_model`` hook then skips its check (the drafter checks when it starts).
@@ -26,6 +26,26 @@ LocalFolder = Callable[[str], Path | None]
 
 class SpecError(ValueError):
     """A drafter type's config check failed; the message names the key."""
+
+
+class OwnKeys(Mapping[str, Any]):
+    """The own keys of a type declared with ``keys=`` (no settings class), as the node gets them: read-only, and
+    picklable like the rest of a config's frozen sections (a ``MappingProxyType`` is not)."""
+
+    def __init__(self, values: Mapping[str, Any]):
+        self._values = dict(values)
+
+    def __getitem__(self, key: str) -> Any:
+        return self._values[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __repr__(self) -> str:
+        return f"OwnKeys({self._values!r})"
 
 
 def _no_check(config: dict[str, Any]) -> None:
@@ -82,6 +102,13 @@ class DrafterSpec:
         # one place for each default: the mapping is read off the declarations
         own = defaults(self.settings) if self.settings is not None else dict(self.keys)
         object.__setattr__(self, "keys", MappingProxyType(own))
+
+    def own_settings(self, drafter: Mapping[str, Any]) -> Any:
+        """This type's own keys out of a validated ``drafter`` section: an instance of :attr:`settings`, an
+        :class:`OwnKeys` for a type declared with ``keys=``, or None for a type without keys of its own."""
+        if self.settings is not None:
+            return build(self.settings, drafter)
+        return OwnKeys({key: drafter[key] for key in self.keys}) if self.keys else None
 
 
 def positive_int(config: dict[str, Any], key: str, minimum: int = 1) -> None:

@@ -228,7 +228,8 @@ SECTIONS: dict[str, type] = {
 
 @dataclass(frozen=True)
 class Config:
-    """A validated config as frozen sections; ``drafter_type`` holds the configured type's own keys."""
+    """A validated config as frozen sections; ``drafter_type`` holds the configured type's own keys
+    (:meth:`drafter_node.spec.DrafterSpec.own_settings`: None for a type without any). Plain values: it pickles."""
 
     verifier: VerifierConfig
     drafter: DrafterConfig

@@ -5,6 +5,7 @@ Every bad value must fail in validation, before any process starts, with a Confi
 
 from __future__ import annotations
 
+import pickle
 import subprocess
 import sys
 import time
@@ -25,6 +26,7 @@ from runtime.config import (
     find_config,
     load_config,
     parse_overrides,
+    typed,
 )
 from shared import named_models
 from weights import install
@@ -451,6 +453,10 @@ def test_a_new_drafter_type_is_one_spec_and_one_registry_line(monkeypatch, tmp_p
     assert d["prompt_lookup_num_tokens"] == 10  # every other type's keys are present, at their defaults
     assert drafter_spec("toy").profile_variant(d) == "toy:3"
     assert drafter_class("toy") is ToyDrafter
+    own = typed(config).drafter_type  # a type declared with keys=: its own keys, read-only, and they pickle
+    assert dict(own) == {"toy_width": 3, "max_matching_ngram_size": 5} and pickle.loads(pickle.dumps(own)) == own
+    with pytest.raises(TypeError):
+        own["toy_width"] = 4  # type: ignore[index]
     assert load_config("cpu.yaml", {**toy, "drafter.toy_width": 7})["drafter"]["toy_width"] == 7
     assert checked == [3, 7] and looked_up == [tmp_path, tmp_path]
     message = _config_error("cpu.yaml", {**toy, "drafter.toy_width": 0})  # the check hook's error, as ConfigError
