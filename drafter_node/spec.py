@@ -71,7 +71,7 @@ class DrafterSpec:
     #: What the type is called in messages ("prompt lookup decoding").
     title: str
     #: The type's own ``drafter.*`` keys: a frozen dataclass of :func:`shared.settings.setting` fields (the keys
-    #: every type shares are declared in runtime/config_schema.py).
+    #: every type shares are declared in drafter_node/settings.py).
     settings: type | None = None
     #: The type's own keys and their defaults: derived from :attr:`settings`; given directly only by a type
     #: without declarations (its keys then have no doc and only its ``check`` hook checks them).
