@@ -56,7 +56,7 @@ from drafter_node.node_picker import LinkPacer, ThreadShare, WorkPicker
 from drafter_node.node_session import NodeSession
 from drafter_node.settings import DrafterConfig
 from drafter_node.start_report import start_plan_label, start_report
-from drafter_node.types import drafter_class
+from drafter_node.types import drafter_class, drafter_spec
 from shared.batch import feed_rows
 from shared.cores import CoreLeases, leases_for
 from shared.costs.cache import CurveCheck
@@ -80,22 +80,23 @@ from shared.transport import AuthWatch, ClientKeys, DrafterLinks, connect_dealer
 log = logging.getLogger("pipespec.drafter")
 
 
-def load_drafter(dcfg: dict[str, Any], profile: ProfileSpec | None = None) -> Drafter:
-    """Build the configured drafter type; files it cannot read or fetch (a hub id without hub access, a missing
-    folder) become one clear error naming what it was loading, not a traceback from deep inside a loader."""
+def load_drafter(settings: DrafterConfig, own: Any = None, profile: ProfileSpec | None = None) -> Drafter:
+    """Build the configured drafter type as ``cls(settings, own, profile)`` (:class:`drafter_node.base.Drafter`);
+    files it cannot read or fetch (a hub id without hub access, a missing folder) become one clear error naming what
+    it was loading, not a traceback from deep inside a loader."""
     try:
-        return drafter_class(dcfg["type"])(dcfg, profile)
+        return drafter_class(settings.type)(settings, own, profile)
     except OSError as exc:
-        sources = ", ".join(f"{k}={dcfg[k]!r}" for k in ("model", "target_model") if dcfg.get(k))
-        raise ModelLoadError(f"drafter type {dcfg['type']!r} cannot load its files ({sources}): {exc}") from None
+        sources = ", ".join(f"{key}={value!r}" for key, value in (("model", settings.model),
+                                                                  ("target_model", settings.target_model)) if value)
+        raise ModelLoadError(f"drafter type {settings.type!r} cannot load its files ({sources}): {exc}") from None
 
 
-def profile_spec(config: dict[str, Any], threads: ThreadPlan) -> ProfileSpec:
+def profile_spec(config: dict[str, Any], own: Any, threads: ThreadPlan) -> ProfileSpec:
     """What the drafter measures of its model: one to max_draft_tokens + 1 rows, at its thread counts."""
-    from drafter_node.types import drafter_spec
-
     dcfg = config["drafter"]
-    variant = drafter_spec(dcfg["type"]).profile_variant(dcfg)
+    settings: DrafterConfig = build(DrafterConfig, dcfg)
+    variant = drafter_spec(settings.type).profile_variant(settings, own)
     return ProfileSpec(threads.counts(), profile_sizes(config), float(dcfg["profile_s"]), variant)
 
 
@@ -190,17 +191,18 @@ class DrafterNode:
         ``fixed_costs``: (verify, draft) curves that replace measured ones and are never re-measured or remembered
         (tests on tiny models, whose forwards all cost about the same, pass them to get the plans they mean to
         exercise: tests/node_entry.py)."""
-        dcfg = config["drafter"]  # the drafter types read the dict (their own keys too)
+        dcfg = config["drafter"]
         settings: DrafterConfig = build(DrafterConfig, dcfg)  # the keys every type has, typed
+        own = drafter_spec(settings.type).own_settings(dcfg)  # the type's own keys, typed
         threads = ThreadPlan.for_node(config, "drafter")
         max_k = settings.max_draft_tokens
         # Batched drafting: one drafter forward advances every session that wants a step (drafter.batching).
         max_batch_sessions = settings.max_batch_sessions if settings.batching else 1
         set_threads(threads.share)
-        spec = profile_spec(config, threads)
+        spec = profile_spec(config, own, threads)
         # Load and measure while no other node on this machine does (the verifier starts at the same time).
         with measuring_alone(settings.device) if settings.profile_s > 0 else contextlib.nullcontext():
-            drafter = drafter or load_drafter(dcfg, spec)
+            drafter = drafter or load_drafter(settings, own, spec)
             profile = measure_profile(config, drafter, spec)
         book = cost_book(max_k, drafter, profile, threads, max_batch_sessions > 1, fixed_costs)
         endpoint = settings.verifier_endpoint or config["verifier"]["endpoint"]

@@ -5,8 +5,10 @@ lists that module; the config loader (``runtime/config.py``) reads nothing else 
 every registered spec module, so those stay light: at module scope they import this module only, and their hooks
 import the type's implementation (torch, transformers) when they run.
 
-Hooks raise :class:`ValueError` (any subclass) whose message starts with the offending key
-(``drafter.KEY: ...``); the config loader turns it into its ``ConfigError``.
+The loader's hooks (``check``, ``check_model``) see the config dict it is validating; they raise
+:class:`ValueError` (any subclass) whose message starts with the offending key (``drafter.KEY: ...``), which the
+loader turns into its ``ConfigError``. The node's hook (``profile_variant``) gets the typed settings the type is
+built from.
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ def _no_model_check(config: dict[str, Any], local: LocalFolder) -> None:
     return None
 
 
-def _no_variant(dcfg: dict[str, Any]) -> str:
+def _no_variant(settings: Any, own: Any) -> str:
     return ""
 
 
@@ -88,8 +90,10 @@ class DrafterSpec:
     check: Callable[[dict[str, Any]], None] = _no_check
     #: Checks that need the model's config.json: ``check_model(config, local)``, see :data:`LocalFolder`.
     check_model: Callable[[dict[str, Any], LocalFolder], None] = _no_model_check
-    #: What distinguishes this type's cost profile from another's on the same model ("" when nothing does).
-    profile_variant: Callable[[dict[str, Any]], str] = _no_variant
+    #: What distinguishes this type's cost profile from another's on the same model ("" when nothing does):
+    #: ``profile_variant(settings, own)``, given what the type is built from (the typed ``drafter`` section and the
+    #: type's own settings, see :class:`drafter_node.base.Drafter`).
+    profile_variant: Callable[[Any, Any], str] = _no_variant
 
     def __post_init__(self) -> None:
         module, sep, cls = self.cls.partition(":")

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from drafter_node.types import drafter_spec
-from runtime.config import ConfigError, load_config
+from runtime.config import ConfigError, load_config, typed
 from runtime.paths import results_dir
 from shared.costs.cache import profile_cache_dir
 from shared.costs.curve import NodeProfile, verify_score
@@ -99,7 +99,8 @@ def plan_nodes(config: dict[str, Any]) -> tuple[list[Node], str | None]:
 
         exit_layer = d["assistant_early_exit"]
         node.model_config = exit_config(path, exit_layer)
-        node.variant = drafter_spec(kind).profile_variant(d)  # the node's own cache key (drafter_node/type_specs)
+        sections = typed(config)  # the node's own cache key (drafter_node/type_specs)
+        node.variant = drafter_spec(kind).profile_variant(sections.drafter, sections.drafter_type)
         node.label = f"{_label(d['model'])} (first {exit_layer} layers)"
     elif kind not in PLAIN_MODEL_TYPES:
         return nodes, f"{kind} is not a type this tool knows how to profile"
