@@ -76,13 +76,14 @@ class Node:
 
 def _threads(config: dict[str, Any], role: str) -> list[int]:
     """The thread counts the node measures at start-up (its share and, with ``threads: auto``, every core)."""
-    return ThreadPlan.for_node(config, role).counts()
+    other = "drafter" if role == "verifier" else "verifier"
+    return ThreadPlan.for_node(config[role]["threads"], config[role]["device"], config[other]["device"]).counts()
 
 
 def plan_nodes(config: dict[str, Any]) -> tuple[list[Node], str | None]:
     """The models to profile (verifier first) and, when the drafter has none to profile, the reason."""
     v, d = config["verifier"], config["drafter"]
-    sizes = profile_sizes(config)
+    sizes = profile_sizes(d["max_draft_tokens"])
     target = resolve_model(v["model"], progress=_progress)
     nodes = [Node("verifier", _label(v["model"]), target, v["device"], v["dtype"], _threads(config, "verifier"), sizes,
                   v["max_memory"])]

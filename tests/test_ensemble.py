@@ -306,7 +306,8 @@ def test_drafter_node_refused_at_connect_exits_with_the_message(tiny, capsys):
             cfg = copy.deepcopy(client.config)  # the verifier's config, concrete endpoints
             cfg["drafter"].update(type="prompt_lookup")
             sections = typed(cfg)
-            node = DrafterNode.from_config(cfg, drafter=PromptLookupDrafter(sections.drafter, sections.drafter_type),
+            node = DrafterNode.from_config(sections, drafter=PromptLookupDrafter(sections.drafter,
+                                                                                 sections.drafter_type),
                                            links=drafter_links(cfg))
             result = {}
             thread = threading.Thread(target=lambda: result.setdefault("rc", node._loop()))

@@ -382,7 +382,7 @@ def test_a_drafter_whose_key_is_not_allowed_stops_with_a_clear_error(no_download
     config = load_config("prompt_lookup.yaml", {"verifier.endpoint": endpoint, "security.curve": "on",
                                                 "security.keys_dir": str(keys), "drafter.profile_s": 0})
     sections = typed(config)
-    node = DrafterNode.from_config(config, drafter=PromptLookupDrafter(sections.drafter, sections.drafter_type),
+    node = DrafterNode.from_config(sections, drafter=PromptLookupDrafter(sections.drafter, sections.drafter_type),
                                    links=security.drafter_links(config))
     result = {}
     thread = threading.Thread(target=lambda: result.setdefault("rc", node._loop()))
