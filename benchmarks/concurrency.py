@@ -685,8 +685,8 @@ def run(args: argparse.Namespace, keys: list[str], source: str | dict[str, Any])
     prompts = chat_prompts(load_tokenizer(target), messages)
 
     v, d = cfg["verifier"], cfg["drafter"]
-    vthreads = ThreadPlan.for_node(cfg, "verifier")
-    dthreads = ThreadPlan.for_node(cfg, "drafter")
+    vthreads = ThreadPlan.for_node(v["threads"], v["device"], d["device"])
+    dthreads = ThreadPlan.for_node(d["threads"], d["device"], v["device"])
     hf_threads = args.hf_threads or vthreads.full
     setups: dict[str, ClusterSetup | HFSetup] = {}
     rows: dict[str, Row] = {}

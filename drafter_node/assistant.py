@@ -8,6 +8,7 @@ import torch
 
 from drafter_node.base import Capabilities, Drafter, DraftSession
 from drafter_node.lm_drafter import LMDraftSession, drafter_backend
+from drafter_node.settings import DrafterConfig
 from shared.models import ProfileSpec, load_causal_lm, load_tokenizer, resolve_model, tokenizer_id
 from shared.sampling import GenerationParams
 
@@ -15,16 +16,16 @@ from shared.sampling import GenerationParams
 class AssistantDrafter(Drafter):
     type_name = "assistant"
 
-    def __init__(self, dcfg: dict[str, Any], profile: ProfileSpec | None = None):
-        path = resolve_model(dcfg["model"])
+    def __init__(self, settings: DrafterConfig, own: Any = None, profile: ProfileSpec | None = None):
+        path = resolve_model(settings.model)
         self.tokenizer = load_tokenizer(path)
         self.tokenizer_id = tokenizer_id(self.tokenizer)
-        self.model = load_causal_lm(path, dcfg["device"], dcfg["dtype"], dcfg["max_memory"],
-                                    config=self.model_config(path, dcfg), profile=profile)
+        self.model = load_causal_lm(path, settings.device, settings.dtype, settings.max_memory,
+                                    config=self.model_config(path, own), profile=profile)
         # Where the sessions' KV caches live (drafter.backend); a compiled one builds steps at the node's threads.
-        self.backend = drafter_backend(self.model, dcfg, profile.threads if profile else None)
-        self.max_draft_tokens = int(dcfg["max_draft_tokens"])
-        self.q_top_m = int(dcfg["q_top_k"])
+        self.backend = drafter_backend(self.model, settings, profile.threads if profile else None)
+        self.max_draft_tokens = settings.max_draft_tokens
+        self.q_top_m = settings.q_top_k
         self.capabilities = Capabilities(sends_q=True, greedy_q=True)
         self.target_vocab_size = self.model.config.vocab_size  # replaced by the verifier's at connect time
 
@@ -32,8 +33,9 @@ class AssistantDrafter(Drafter):
     def profile_model(self):
         return self.model
 
-    def model_config(self, path: str, dcfg: dict[str, Any]):
-        """The architecture to build (None: the checkpoint's own). Subtypes shape the drafter here."""
+    def model_config(self, path: str, own: Any):
+        """The architecture to build (None: the checkpoint's own). Subtypes shape the drafter here from their own
+        settings (``own``; the assistant has none)."""
         return None
 
     def open_session(

@@ -155,9 +155,18 @@ class DraftSession(ABC):
 class Drafter(ABC):
     """A drafter type: loads what it needs once, then opens one session per request.
 
-    Types are built as ``cls(dcfg, profile)``: ``dcfg`` is the validated ``drafter`` section (every key present),
-    ``profile`` the start-up cost profile's spec that :func:`shared.models.load_causal_lm` takes (types that load no
-    causal LM ignore it)."""
+    Types are built as ``cls(settings, own, profile)`` (:func:`drafter_node.node.load_drafter`):
+
+    * ``settings``: the typed ``drafter`` section, a :class:`drafter_node.settings.DrafterConfig` (the keys every
+      type has: ``model``, ``device``, ``dtype``, ``q_top_k``, ``max_draft_tokens``, ``backend``, ...);
+    * ``own``: the type's own keys, ``Config.drafter_type`` (:meth:`drafter_node.spec.DrafterSpec.own_settings`):
+      an instance of the settings class its spec declares (``drafter_node/type_specs/<name>.py``), or None for a
+      type without keys of its own;
+    * ``profile``: the start-up cost profile's spec that :func:`shared.models.load_causal_lm` takes (types that load
+      no causal LM ignore it).
+
+    Both settings objects are frozen, validated and complete: a type reads their attributes and restates no default
+    (each key's default is declared once, in its settings class)."""
 
     type_name: ClassVar[str]
     capabilities: Capabilities

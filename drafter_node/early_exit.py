@@ -49,7 +49,10 @@ def exit_config(path: str, exit_layer: int):
 
 
 class EarlyExitDrafter(AssistantDrafter):
+    """Built as the assistant is, with ``own`` an ``EarlyExitSettings`` (the exit layer; not imported here: its
+    spec module imports this one for its check)."""
+
     type_name = "early_exit"
 
-    def model_config(self, path: str, dcfg: dict[str, Any]):
-        return exit_config(path, dcfg["assistant_early_exit"])
+    def model_config(self, path: str, own: Any):
+        return exit_config(path, own.assistant_early_exit)

@@ -27,10 +27,11 @@ import torch
 
 from drafter_node.base import BatchStep, DraftSession, DraftToken
 from drafter_node.branches import Branches, rank_outcomes, supports_flat_rows
+from drafter_node.settings import DrafterConfig
 from shared.backend import DynamicBackend, TargetBackend, make_backend
 from shared.batch import Row, RowOutput, can_batch
 from shared.kv import CachedLM
-from shared.node_keys import DEFAULT_KV_SLOTS, kv_slots
+from shared.node_keys import kv_slots
 from shared.sampling import GenerationParams, make_generator, process_logits
 
 _NO_CONTEXT = torch.empty(0, dtype=torch.long)
@@ -44,12 +45,13 @@ def predraft_room(max_draft_tokens: int) -> int:
     return max_draft_tokens * (max_draft_tokens + 2)
 
 
-def drafter_backend(model: Any, dcfg: dict[str, Any], thread_counts: list[int] | None = None) -> TargetBackend:
+def drafter_backend(model: Any, settings: DrafterConfig, thread_counts: list[int] | None = None) -> TargetBackend:
     """The KV backend of a drafter's model from its ``drafter`` section (``backend``, ``kv_slot_tokens``,
-    ``kv_slots``; null slots: the smaller of ``max_batch_sessions`` and :data:`DEFAULT_KV_SLOTS`). ``thread_counts``:
-    the node's planned counts (its ``ProfileSpec.threads``), which a compiled backend builds its steps for."""
-    slots = kv_slots(dcfg.get("kv_slots"), dcfg.get("max_batch_sessions", DEFAULT_KV_SLOTS))
-    return make_backend(model, dcfg.get("backend", "auto"), slots, dcfg.get("kv_slot_tokens"), role="drafter",
+    ``kv_slots``; null slots: the smaller of ``max_batch_sessions`` and :data:`~shared.node_keys.DEFAULT_KV_SLOTS`).
+    ``thread_counts``: the node's planned counts (its ``ProfileSpec.threads``), which a compiled backend builds its
+    steps for."""
+    slots = kv_slots(settings.kv_slots, settings.max_batch_sessions)
+    return make_backend(model, settings.backend, slots, settings.kv_slot_tokens, role="drafter",
                         thread_counts=thread_counts)
 
 

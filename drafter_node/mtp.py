@@ -28,7 +28,6 @@ sequence length ``m`` keeps exactly the positions ``i < m − j − 1`` of modul
 from __future__ import annotations
 
 import importlib
-from typing import Any
 
 import torch
 from torch import nn
@@ -36,6 +35,7 @@ from transformers import AutoConfig
 
 from drafter_node.base import Capabilities, Drafter, DraftSession
 from drafter_node.lm_drafter import pick_token
+from drafter_node.settings import DrafterConfig
 from shared.checkpoint import read_tensors, weight_map
 from shared.models import DTYPES, ProfileSpec, concrete_dtype, load_tokenizer, resolve_model, tokenizer_id
 from shared.sampling import GenerationParams
@@ -226,17 +226,18 @@ class Rows:
 class MTPDrafter(Drafter):
     type_name = "mtp"
 
-    def __init__(self, dcfg: dict[str, Any], profile: ProfileSpec | None = None):  # no causal LM: no profile
-        path = resolve_model(dcfg["model"])
+    def __init__(self, settings: DrafterConfig, own: None = None,
+                 profile: ProfileSpec | None = None):  # no causal LM: no profile
+        path = resolve_model(settings.model)
         self.tokenizer = load_tokenizer(path)
         self.tokenizer_id = tokenizer_id(self.tokenizer)
-        self.dtype = DTYPES[concrete_dtype(dcfg["dtype"], dcfg["device"])]
-        self.device = dcfg["device"]
+        self.dtype = DTYPES[concrete_dtype(settings.dtype, settings.device)]
+        self.device = settings.device
         if self.device == "auto":  # a few layers: one device is enough
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         self.config, self.modules, self.embed, self.head, self.rotary = load_mtp(path, self.dtype, self.device)
         self.block_len = len(self.modules)
-        self.q_top_m = int(dcfg["q_top_k"])
+        self.q_top_m = settings.q_top_k
         self.capabilities = Capabilities(sends_q=True, greedy_q=True, needs_hidden_states=True)
         self.target_vocab_size = self.config.vocab_size  # replaced by the verifier's at connect time
 

@@ -20,12 +20,11 @@ processing and drawn from q (:func:`drafter_node.lm_drafter.pick_token`), so sam
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from drafter_node.base import Capabilities, Drafter, DraftSession, DraftToken
 from drafter_node.lm_drafter import pick_token
+from drafter_node.settings import DrafterConfig
 from shared.checkpoint import read_tensors, weight_map
 from shared.models import DTYPES, ProfileSpec, load_causal_lm, load_tokenizer, model_dtype, resolve_model, tokenizer_id
 from shared.sampling import GenerationParams
@@ -114,21 +113,22 @@ def load_target_embeddings(path: str, target_config, device: str, dtype: str) ->
 class AssistantMTPDrafter(Drafter):
     type_name = "mtp_drafter"
 
-    def __init__(self, dcfg: dict[str, Any], profile: ProfileSpec | None = None):  # no causal LM: no profile
+    def __init__(self, settings: DrafterConfig, own: None = None,
+                 profile: ProfileSpec | None = None):  # no causal LM: no profile
         from transformers import AutoConfig
 
-        assistant_path = resolve_model(dcfg["model"])
-        target_path = resolve_model(dcfg["target_model"] or dcfg["model"])
+        assistant_path = resolve_model(settings.model)
+        target_path = resolve_model(settings.target_model or settings.model)
         target_config = AutoConfig.from_pretrained(target_path)
         self.kv_layers = kv_layers_for(target_config, AutoConfig.from_pretrained(assistant_path))
         self.tokenizer = load_tokenizer(target_path)  # an -assistant checkpoint need not carry a tokenizer
         self.tokenizer_id = tokenizer_id(self.tokenizer)
-        self.model = load_causal_lm(assistant_path, dcfg["device"], dcfg["dtype"], dcfg["max_memory"])
-        self.embed = load_target_embeddings(target_path, target_config, dcfg["device"], model_dtype(self.model))
+        self.model = load_causal_lm(assistant_path, settings.device, settings.dtype, settings.max_memory)
+        self.embed = load_target_embeddings(target_path, target_config, settings.device, model_dtype(self.model))
         self.device = self.embed.weight.device
         self.dtype = self.embed.weight.dtype
         self.sliding_window = _text_config(self.model.config).sliding_window
-        self.q_top_m = int(dcfg["q_top_k"])
+        self.q_top_m = settings.q_top_k
         self.capabilities = Capabilities(sends_q=True, greedy_q=True, needs_hidden_states=True,
                                          needs_kv_layers=sorted(self.kv_layers.values()))
         self.target_vocab_size = _text_config(target_config).vocab_size

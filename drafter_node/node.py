@@ -54,9 +54,9 @@ from drafter_node.cost_model import CostBook
 from drafter_node.node_handlers import MessageHandler
 from drafter_node.node_picker import LinkPacer, ThreadShare, WorkPicker
 from drafter_node.node_session import NodeSession
-from drafter_node.settings import DrafterConfig
+from drafter_node.settings import Config, DrafterConfig
 from drafter_node.start_report import start_plan_label, start_report
-from drafter_node.types import drafter_class
+from drafter_node.types import drafter_class, drafter_spec
 from shared.batch import feed_rows
 from shared.cores import CoreLeases, leases_for
 from shared.costs.cache import CurveCheck
@@ -73,40 +73,39 @@ from shared.protocol import (
     ThreadCounts,
     encode,
 )
-from shared.settings import build
 from shared.signals import stop_on_signals
 from shared.transport import AuthWatch, ClientKeys, DrafterLinks, connect_dealer
 
 log = logging.getLogger("pipespec.drafter")
 
 
-def load_drafter(dcfg: dict[str, Any], profile: ProfileSpec | None = None) -> Drafter:
-    """Build the configured drafter type; files it cannot read or fetch (a hub id without hub access, a missing
-    folder) become one clear error naming what it was loading, not a traceback from deep inside a loader."""
+def load_drafter(settings: DrafterConfig, own: Any = None, profile: ProfileSpec | None = None) -> Drafter:
+    """Build the configured drafter type as ``cls(settings, own, profile)`` (:class:`drafter_node.base.Drafter`);
+    files it cannot read or fetch (a hub id without hub access, a missing folder) become one clear error naming what
+    it was loading, not a traceback from deep inside a loader."""
     try:
-        return drafter_class(dcfg["type"])(dcfg, profile)
+        return drafter_class(settings.type)(settings, own, profile)
     except OSError as exc:
-        sources = ", ".join(f"{k}={dcfg[k]!r}" for k in ("model", "target_model") if dcfg.get(k))
-        raise ModelLoadError(f"drafter type {dcfg['type']!r} cannot load its files ({sources}): {exc}") from None
+        sources = ", ".join(f"{key}={value!r}" for key, value in (("model", settings.model),
+                                                                  ("target_model", settings.target_model)) if value)
+        raise ModelLoadError(f"drafter type {settings.type!r} cannot load its files ({sources}): {exc}") from None
 
 
-def profile_spec(config: dict[str, Any], threads: ThreadPlan) -> ProfileSpec:
+def profile_spec(config: Config, threads: ThreadPlan) -> ProfileSpec:
     """What the drafter measures of its model: one to max_draft_tokens + 1 rows, at its thread counts."""
-    from drafter_node.types import drafter_spec
+    settings = config.drafter
+    variant = drafter_spec(settings.type).profile_variant(settings, config.drafter_type)
+    return ProfileSpec(threads.counts(), profile_sizes(settings.max_draft_tokens), float(settings.profile_s),
+                       variant)
 
-    dcfg = config["drafter"]
-    variant = drafter_spec(dcfg["type"]).profile_variant(dcfg)
-    return ProfileSpec(threads.counts(), profile_sizes(config), float(dcfg["profile_s"]), variant)
 
-
-def measure_profile(config: dict[str, Any], drafter: Drafter, spec: ProfileSpec) -> NodeProfile | None:
+def measure_profile(config: Config, drafter: Drafter, spec: ProfileSpec) -> NodeProfile | None:
     """The drafter model's cost profile (cached, or measured now); None: learned from the rounds alone."""
     model = drafter.profile_model
     if model is None or spec.budget_s <= 0:
         return None
-    dcfg = config["drafter"]
-    source = dcfg["model"] or config["verifier"]["model"]
-    return profile_node(model, source, dcfg["device"], spec, "drafter")
+    source = config.drafter.model or config.verifier.model
+    return profile_node(model, source, config.drafter.device, spec, "drafter")
 
 
 def cost_book(max_k: int, drafter: Drafter, profile: NodeProfile | None, threads: ThreadPlan, batched: bool,
@@ -183,16 +182,18 @@ class DrafterNode:
         self.rejoins = 0
 
     @classmethod
-    def from_config(cls, config: dict[str, Any], fixed_costs: tuple[CostCurve, CostCurve] | None = None,
+    def from_config(cls, config: Config, fixed_costs: tuple[CostCurve, CostCurve] | None = None,
                     drafter: Drafter | None = None, *, links: DrafterLinks) -> DrafterNode:
         """Load the configured drafter (unless ``drafter`` is given), measure its profile and connect to the
-        verifier. ``links``: CURVE keys and run secret, resolved by the launcher (``runtime.security.drafter_links``).
+        verifier. ``config``: the typed config (``runtime.config.typed``; the drafter reads its ``drafter`` section
+        and its type's own settings, ``drafter_type``, and of the ``verifier`` section the endpoint, message limit,
+        model and device). ``links``: CURVE keys and run secret, resolved by the launcher
+        (``runtime.security.drafter_links``).
         ``fixed_costs``: (verify, draft) curves that replace measured ones and are never re-measured or remembered
         (tests on tiny models, whose forwards all cost about the same, pass them to get the plans they mean to
         exercise: tests/node_entry.py)."""
-        dcfg = config["drafter"]  # the drafter types read the dict (their own keys too)
-        settings: DrafterConfig = build(DrafterConfig, dcfg)  # the keys every type has, typed
-        threads = ThreadPlan.for_node(config, "drafter")
+        settings = config.drafter
+        threads = ThreadPlan.for_node(settings.threads, settings.device, config.verifier.device)
         max_k = settings.max_draft_tokens
         # Batched drafting: one drafter forward advances every session that wants a step (drafter.batching).
         max_batch_sessions = settings.max_batch_sessions if settings.batching else 1
@@ -200,11 +201,11 @@ class DrafterNode:
         spec = profile_spec(config, threads)
         # Load and measure while no other node on this machine does (the verifier starts at the same time).
         with measuring_alone(settings.device) if settings.profile_s > 0 else contextlib.nullcontext():
-            drafter = drafter or load_drafter(dcfg, spec)
+            drafter = drafter or load_drafter(settings, config.drafter_type, spec)
             profile = measure_profile(config, drafter, spec)
         book = cost_book(max_k, drafter, profile, threads, max_batch_sessions > 1, fixed_costs)
-        endpoint = settings.verifier_endpoint or config["verifier"]["endpoint"]
-        max_bytes = config["verifier"]["max_message_bytes"]
+        endpoint = settings.verifier_endpoint or config.verifier.endpoint
+        max_bytes = config.verifier.max_message_bytes
         # The run secret is shown in hello where the link has no CURVE (there the verifier's key allow-list decides).
         keys, key_name, run_secret = links.keys, links.key_name, links.run_secret
         connection = VerifierConnection(zmq.Context.instance(), endpoint, keys)
@@ -445,8 +446,9 @@ class DrafterNode:
                         "at the next start", ratio)
 
 
-def run(config: dict[str, Any], links: DrafterLinks, fixed_costs: tuple[CostCurve, CostCurve] | None = None) -> int:
-    """Entry point of the drafter process (``links``, ``fixed_costs``: see :meth:`DrafterNode.from_config`)."""
+def run(config: Config, links: DrafterLinks, fixed_costs: tuple[CostCurve, CostCurve] | None = None) -> int:
+    """Entry point of the drafter process: ``config`` built once by the caller (``runtime.config.typed``);
+    ``links``, ``fixed_costs``: see :meth:`DrafterNode.from_config`."""
     node = DrafterNode.from_config(config, fixed_costs=fixed_costs, links=links)
     stop_on_signals(node.stop)
     return node.serve()

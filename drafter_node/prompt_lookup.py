@@ -8,7 +8,7 @@ q, exact under greedy and sampling alike.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -17,6 +17,8 @@ from shared.protocol import ANY_TOKENIZER
 from shared.sampling import GenerationParams
 
 if TYPE_CHECKING:
+    from drafter_node.settings import DrafterConfig
+    from drafter_node.type_specs.prompt_lookup import PromptLookupSettings
     from shared.models import ProfileSpec
 
 
@@ -53,9 +55,10 @@ class PromptLookupDrafter(Drafter):
     type_name = "prompt_lookup"
     free_drafting = True  # a lookup in the token history
 
-    def __init__(self, dcfg: dict[str, Any], profile: ProfileSpec | None = None):  # no causal LM: no profile
-        self.max_ngram = int(dcfg["max_matching_ngram_size"])
-        self.count = int(dcfg["prompt_lookup_num_tokens"])
+    def __init__(self, settings: DrafterConfig, own: PromptLookupSettings,
+                 profile: ProfileSpec | None = None):  # no causal LM: no profile
+        self.max_ngram = own.max_matching_ngram_size
+        self.count = own.prompt_lookup_num_tokens
         self.tokenizer_id = ANY_TOKENIZER
         self.capabilities = Capabilities(sends_q=False)
         self.block_len = self.count  # a lookup costs nothing: blocks are as long as the match allows

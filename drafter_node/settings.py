@@ -1,6 +1,8 @@
 """The ``drafter`` section's keys every drafter type has, declared once (each type's own keys are declared in its
-spec, ``drafter_node/type_specs/<name>.py``). Here, beside the node, so the node reads its section typed;
-runtime/config_schema.py lists it with the other sections.
+spec, ``drafter_node/type_specs/<name>.py``), and :class:`Config`, the whole typed config the nodes take. Here,
+beside the node, so the nodes name these types without importing ``runtime/`` (a layer above them); the verifier node
+imports :class:`Config` from here (verifier_node/ already imports drafter_node/, never the reverse).
+runtime/config_schema.py lists every section in the reference's order; ``runtime.config.typed`` builds a Config.
 """
 
 from __future__ import annotations
@@ -10,6 +12,14 @@ from typing import Any
 
 from drafter_node.schedule import SCHEDULES
 from drafter_node.types import DEFAULT_DRAFTER_TYPE
+from shared.config_sections import (
+    ClientConfig,
+    HttpConfig,
+    LaunchConfig,
+    SecurityConfig,
+    VerificationConfig,
+    VerifierConfig,
+)
 from shared.node_keys import (
     node_backend,
     node_device,
@@ -75,3 +85,20 @@ class DrafterConfig:
         None, "Target checkpoint read by types that read it (null: verifier.model).", kind="str"
     )
     placement: Any = node_placement()
+
+
+@dataclass(frozen=True)
+class Config:
+    """A validated config as frozen sections (:func:`runtime.config.typed` builds one; the launcher builds it once
+    and hands it to the nodes). ``drafter_type`` holds the configured type's own keys
+    (:meth:`drafter_node.spec.DrafterSpec.own_settings`: None for a type without any). Plain values: it pickles (a
+    node on a Ray cluster gets it as a call argument)."""
+
+    verifier: VerifierConfig
+    drafter: DrafterConfig
+    drafter_type: Any
+    verification: VerificationConfig
+    client: ClientConfig
+    launch: LaunchConfig
+    security: SecurityConfig
+    http: HttpConfig

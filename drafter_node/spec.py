@@ -5,19 +5,21 @@ lists that module; the config loader (``runtime/config.py``) reads nothing else 
 every registered spec module, so those stay light: at module scope they import this module only, and their hooks
 import the type's implementation (torch, transformers) when they run.
 
-Hooks raise :class:`ValueError` (any subclass) whose message starts with the offending key
-(``drafter.KEY: ...``); the config loader turns it into its ``ConfigError``.
+The loader's hooks (``check``, ``check_model``) see the config dict it is validating; they raise
+:class:`ValueError` (any subclass) whose message starts with the offending key (``drafter.KEY: ...``), which the
+loader turns into its ``ConfigError``. The node's hook (``profile_variant``) gets the typed settings the type is
+built from.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from shared.settings import defaults
+from shared.settings import build, defaults
 
 #: ``local(name)``: the local folder (with a config.json) a model name stands for, or None (a named model not
 #: converted yet, a hub id): a ``check_model`` hook then skips its check (the drafter checks when it starts).
@@ -28,6 +30,26 @@ class SpecError(ValueError):
     """A drafter type's config check failed; the message names the key."""
 
 
+class OwnKeys(Mapping[str, Any]):
+    """The own keys of a type declared with ``keys=`` (no settings class), as the node gets them: read-only, and
+    picklable like the rest of a config's frozen sections (a ``MappingProxyType`` is not)."""
+
+    def __init__(self, values: Mapping[str, Any]):
+        self._values = dict(values)
+
+    def __getitem__(self, key: str) -> Any:
+        return self._values[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __repr__(self) -> str:
+        return f"OwnKeys({self._values!r})"
+
+
 def _no_check(config: dict[str, Any]) -> None:
     return None
 
@@ -36,7 +58,7 @@ def _no_model_check(config: dict[str, Any], local: LocalFolder) -> None:
     return None
 
 
-def _no_variant(dcfg: dict[str, Any]) -> str:
+def _no_variant(settings: Any, own: Any) -> str:
     return ""
 
 
@@ -51,7 +73,7 @@ class DrafterSpec:
     #: What the type is called in messages ("prompt lookup decoding").
     title: str
     #: The type's own ``drafter.*`` keys: a frozen dataclass of :func:`shared.settings.setting` fields (the keys
-    #: every type shares are declared in runtime/config_schema.py).
+    #: every type shares are declared in drafter_node/settings.py).
     settings: type | None = None
     #: The type's own keys and their defaults: derived from :attr:`settings`; given directly only by a type
     #: without declarations (its keys then have no doc and only its ``check`` hook checks them).
@@ -68,8 +90,10 @@ class DrafterSpec:
     check: Callable[[dict[str, Any]], None] = _no_check
     #: Checks that need the model's config.json: ``check_model(config, local)``, see :data:`LocalFolder`.
     check_model: Callable[[dict[str, Any], LocalFolder], None] = _no_model_check
-    #: What distinguishes this type's cost profile from another's on the same model ("" when nothing does).
-    profile_variant: Callable[[dict[str, Any]], str] = _no_variant
+    #: What distinguishes this type's cost profile from another's on the same model ("" when nothing does):
+    #: ``profile_variant(settings, own)``, given what the type is built from (the typed ``drafter`` section and the
+    #: type's own settings, see :class:`drafter_node.base.Drafter`).
+    profile_variant: Callable[[Any, Any], str] = _no_variant
 
     def __post_init__(self) -> None:
         module, sep, cls = self.cls.partition(":")
@@ -82,6 +106,13 @@ class DrafterSpec:
         # one place for each default: the mapping is read off the declarations
         own = defaults(self.settings) if self.settings is not None else dict(self.keys)
         object.__setattr__(self, "keys", MappingProxyType(own))
+
+    def own_settings(self, drafter: Mapping[str, Any]) -> Any:
+        """This type's own keys out of a validated ``drafter`` section: an instance of :attr:`settings`, an
+        :class:`OwnKeys` for a type declared with ``keys=``, or None for a type without keys of its own."""
+        if self.settings is not None:
+            return build(self.settings, drafter)
+        return OwnKeys({key: drafter[key] for key in self.keys}) if self.keys else None
 
 
 def positive_int(config: dict[str, Any], key: str, minimum: int = 1) -> None:

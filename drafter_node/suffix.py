@@ -13,7 +13,7 @@ A round where nothing matches well enough sends an empty block (the verifier ste
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -23,6 +23,8 @@ from shared.protocol import ANY_TOKENIZER
 from shared.sampling import GenerationParams
 
 if TYPE_CHECKING:
+    from drafter_node.settings import DrafterConfig
+    from drafter_node.type_specs.suffix import SuffixSettings
     from shared.models import ProfileSpec
 
 
@@ -64,12 +66,13 @@ class SuffixDrafter(Drafter):
     type_name = "suffix"
     free_drafting = True  # lookups in tries
 
-    def __init__(self, dcfg: dict[str, Any], profile: ProfileSpec | None = None):  # no causal LM: no profile
-        self.count = int(dcfg["suffix_num_draft_tokens"])
-        self.max_spec_factor = float(dcfg["suffix_max_spec_factor"])
-        self.min_token_prob = float(dcfg["suffix_min_token_prob"])
-        self.cache = SuffixCache(int(dcfg["suffix_max_tree_depth"]), int(dcfg["suffix_max_cached_requests"]),
-                                 int(dcfg["suffix_max_cached_tokens"]))
+    def __init__(self, settings: DrafterConfig, own: SuffixSettings,
+                 profile: ProfileSpec | None = None):  # no causal LM: no profile
+        self.count = own.suffix_num_draft_tokens
+        self.max_spec_factor = float(own.suffix_max_spec_factor)  # a YAML number may be an int
+        self.min_token_prob = float(own.suffix_min_token_prob)
+        self.cache = SuffixCache(own.suffix_max_tree_depth, own.suffix_max_cached_requests,
+                                 own.suffix_max_cached_tokens)
         self.tokenizer_id = ANY_TOKENIZER
         self.capabilities = Capabilities(sends_q=False)
         self.block_len = self.count  # proposals are as long as the tries allow, up to this

@@ -25,12 +25,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
-from typing import Any
 
 import torch
 
 from drafter_node.base import Capabilities, Drafter, DraftSession, DraftToken
 from drafter_node.lm_drafter import choose, drafter_backend, predraft_room, with_room
+from drafter_node.settings import DrafterConfig
 from shared.backend import DynamicBackend
 from shared.kv import CachedLM
 from shared.models import ProfileSpec, load_causal_lm, load_tokenizer, resolve_model, tokenizer_id
@@ -361,22 +361,22 @@ class UniversalSession(DraftSession):
 class UniversalDrafter(Drafter):
     type_name = "universal"
 
-    def __init__(self, dcfg: dict[str, Any], profile: ProfileSpec | None = None):
-        if not dcfg["model"]:
+    def __init__(self, settings: DrafterConfig, own: None = None, profile: ProfileSpec | None = None):
+        if not settings.model:
             raise ValueError("drafter.model: the universal drafter needs its own small model")
-        if not dcfg["target_model"]:
+        if not settings.target_model:
             raise ValueError("drafter.target_model: the universal drafter needs the target's tokenizer")
-        path = resolve_model(dcfg["model"])
+        path = resolve_model(settings.model)
         self.tokenizer = load_tokenizer(path)
-        self.target_tokenizer = load_tokenizer(resolve_model(dcfg["target_model"]))  # only the tokenizer files
+        self.target_tokenizer = load_tokenizer(resolve_model(settings.target_model))  # only the tokenizer files
         # The ids this drafter sends are the target tokenizer's: announce its fingerprint, so a verifier whose
         # target has another tokenizer (a drafter configured for a different target) refuses it.
         self.tokenizer_id = tokenizer_id(self.target_tokenizer)
         self.tokenizer_hint = (
             f" (the universal drafter translates to the tokenizer of drafter.target_model = "
-            f"{dcfg['target_model']!r}, default verifier.model: point it at the verifier's target)"
+            f"{settings.target_model!r}, default verifier.model: point it at the verifier's target)"
         )
-        self.model = load_causal_lm(path, dcfg["device"], dcfg["dtype"], dcfg["max_memory"],
+        self.model = load_causal_lm(path, settings.device, settings.dtype, settings.max_memory,
                                     profile=profile)
         self.draft_vocab_size = min(len(self.tokenizer), int(self.model.get_output_embeddings().weight.shape[0]))
         self.draft_special_ids = set(self.tokenizer.all_special_ids) | {
@@ -385,9 +385,9 @@ class UniversalDrafter(Drafter):
         self.vocab = VocabMap.build(self.tokenizer, self.target_tokenizer)
         self.max_positions = int(getattr(self.model.config, "max_position_embeddings", None) or 1 << 62)
         # Where the sessions' KV caches live (drafter.backend); a compiled one builds steps at the node's threads.
-        self.backend = drafter_backend(self.model, dcfg, profile.threads if profile else None)
-        self.max_draft_tokens = int(dcfg["max_draft_tokens"])
-        self.q_top_m = int(dcfg["q_top_k"])
+        self.backend = drafter_backend(self.model, settings, profile.threads if profile else None)
+        self.max_draft_tokens = settings.max_draft_tokens
+        self.q_top_m = settings.q_top_k
         self.capabilities = Capabilities(sends_q=True)  # sampled drafts carry q; greedy drafts are one-hot
         self.target_vocab_size = len(self.target_tokenizer)  # replaced by the verifier's at connect time
         bos = self.tokenizer.bos_token_id

@@ -441,12 +441,9 @@ def fill_run_dir(config: dict[str, Any], run_dir: str) -> dict[str, Any]:
 
 def typed(config: dict[str, Any]) -> Config:
     """The frozen sections of a config :func:`load_config` returned (its ``drafter.type``'s own keys in
-    ``drafter_type``: an instance of that type's settings class, or a read-only mapping for a type without one)."""
-    from types import MappingProxyType
-
-    spec = drafter_spec(config["drafter"]["type"])
-    d = config["drafter"]
-    own = build(spec.settings, d) if spec.settings is not None else MappingProxyType({k: d[k] for k in spec.keys})
+    ``drafter_type``: see :meth:`drafter_node.spec.DrafterSpec.own_settings`). The result pickles (a node on a Ray
+    cluster gets it as a call argument)."""
+    own = drafter_spec(config["drafter"]["type"]).own_settings(config["drafter"])
     sections = {name: build(cls, config[name]) for name, cls in SECTIONS.items()}
     return Config(drafter_type=own, **sections)
 

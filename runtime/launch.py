@@ -404,11 +404,11 @@ def _run_role(config: dict[str, Any], role: str, run_dir: str | None, hooks: dic
 
         print(f"verifier: drafters connect to {config['verifier']['endpoint']}; clients to "
               f"{config['client']['endpoint']}", flush=True)
-        run(config, security.verifier_links(config, secret), **(hooks or {}))
+        run(typed(config), security.verifier_links(config, secret), **(hooks or {}))
         return 0
     from drafter_node.node import run
 
-    return run(config, security.drafter_links(config, secret), **(hooks or {}))
+    return run(typed(config), security.drafter_links(config, secret), **(hooks or {}))
 
 
 def _load_messages(path: str) -> list[dict[str, str]]:

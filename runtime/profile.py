@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from drafter_node.types import drafter_spec
-from runtime.config import ConfigError, load_config
+from runtime.config import ConfigError, load_config, typed
 from runtime.paths import results_dir
 from shared.costs.cache import profile_cache_dir
 from shared.costs.curve import NodeProfile, verify_score
@@ -76,13 +76,14 @@ class Node:
 
 def _threads(config: dict[str, Any], role: str) -> list[int]:
     """The thread counts the node measures at start-up (its share and, with ``threads: auto``, every core)."""
-    return ThreadPlan.for_node(config, role).counts()
+    other = "drafter" if role == "verifier" else "verifier"
+    return ThreadPlan.for_node(config[role]["threads"], config[role]["device"], config[other]["device"]).counts()
 
 
 def plan_nodes(config: dict[str, Any]) -> tuple[list[Node], str | None]:
     """The models to profile (verifier first) and, when the drafter has none to profile, the reason."""
     v, d = config["verifier"], config["drafter"]
-    sizes = profile_sizes(config)
+    sizes = profile_sizes(d["max_draft_tokens"])
     target = resolve_model(v["model"], progress=_progress)
     nodes = [Node("verifier", _label(v["model"]), target, v["device"], v["dtype"], _threads(config, "verifier"), sizes,
                   v["max_memory"])]
@@ -99,7 +100,8 @@ def plan_nodes(config: dict[str, Any]) -> tuple[list[Node], str | None]:
 
         exit_layer = d["assistant_early_exit"]
         node.model_config = exit_config(path, exit_layer)
-        node.variant = drafter_spec(kind).profile_variant(d)  # the node's own cache key (drafter_node/type_specs)
+        sections = typed(config)  # the node's own cache key (drafter_node/type_specs)
+        node.variant = drafter_spec(kind).profile_variant(sections.drafter, sections.drafter_type)
         node.label = f"{_label(d['model'])} (first {exit_layer} layers)"
     elif kind not in PLAIN_MODEL_TYPES:
         return nodes, f"{kind} is not a type this tool knows how to profile"

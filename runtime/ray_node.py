@@ -195,13 +195,16 @@ class NodeHost:
 
     @staticmethod
     def _build(role: str, config: dict[str, Any]) -> Any:
+        """The node, from its typed config; every link runs CURVE, so no run secret is asked or shown."""
+        from runtime.config import typed
+
         if role == "verifier":
             from verifier_node.server import VerifierServer
 
-            return VerifierServer.from_config(config, links=security.verifier_links(config, run_secret=None))
+            return VerifierServer.from_config(typed(config), links=security.verifier_links(config))
         from drafter_node.node import DrafterNode
 
-        return DrafterNode.from_config(config, links=security.drafter_links(config, run_secret=None))
+        return DrafterNode.from_config(typed(config), links=security.drafter_links(config))
 
     def stop(self) -> None:
         """Ask the node to stop (its :meth:`serve` call then returns)."""

@@ -2,7 +2,7 @@
 launcher's private run folder, and the per-run secret its drafter shows in ``hello`` on links without CURVE.
 
 Every function takes a config :func:`runtime.config.load_config` returned (merged with its declared defaults), so
-the keys are read without fallbacks: their defaults are declared once, in ``runtime/config_schema.py``.
+the keys are read without fallbacks: their defaults are declared once (``shared/config_sections.py``).
 
 See docs/deployment.md, "Security", for the setup and the threat model.
 """

@@ -52,13 +52,12 @@ class ThreadPlan:
     full: int
 
     @classmethod
-    def for_node(cls, config: dict[str, Any], role: str) -> ThreadPlan:
-        value = config[role]["threads"]
-        if value != AUTO:
-            return cls(int(value), int(value))
+    def for_node(cls, threads: int | str, device: str, other_device: str) -> ThreadPlan:
+        """The plan of a node whose section says ``threads`` and ``device``; ``other_device``: the other node's."""
+        if threads != AUTO:
+            return cls(int(threads), int(threads))
         cores = available_cores()
-        other = config["drafter" if role == "verifier" else "verifier"]["device"]
-        both_on_cpu = config[role]["device"] == "cpu" and other == "cpu"
+        both_on_cpu = device == "cpu" and other_device == "cpu"
         share = max(1, cores // 2) if both_on_cpu else cores
         return cls(share, cores)
 
@@ -95,12 +94,12 @@ def model_dtype(model) -> str:
     return str(next(model.parameters()).dtype).removeprefix("torch.")
 
 
-def profile_sizes(config: dict[str, Any]) -> list[int]:
-    """Forward sizes both nodes measure: 1 .. max_draft_tokens + 1 new tokens (verifier) or rows (drafter), on the
-    ladder 1, 2, 3, 4, 6, 8, 12, … (the curve interpolates between them)."""
+def profile_sizes(max_draft_tokens: int) -> list[int]:
+    """Forward sizes both nodes measure: 1 .. ``drafter.max_draft_tokens`` + 1 new tokens (verifier) or rows
+    (drafter), on the ladder 1, 2, 3, 4, 6, 8, 12, … (the curve interpolates between them)."""
     from shared.costs.measure import sizes_up_to
 
-    return sizes_up_to(min(int(config["drafter"]["max_draft_tokens"]), 64) + 1)
+    return sizes_up_to(min(max_draft_tokens, 64) + 1)
 
 
 def profile_node(model, source: str, device: str, spec: ProfileSpec, role: str):

@@ -1,9 +1,9 @@
 """Declaring config keys: a :func:`setting` is a dataclass field that also carries its doc, bounds and choices.
 
-The config sections (``runtime/config_schema.py``) and the drafter types' own keys are frozen dataclasses built from
-these fields, so each key's default, its allowed values and its one-line doc are written once; the loader's generic
-checks and the generated reference (``docs/configuration.md``) read them from here. Only the standard library is
-imported, so drafter type specs may use this module at import time.
+The config sections (listed in ``runtime/config_schema.py``) and the drafter types' own keys are frozen dataclasses
+built from these fields, so each key's default, its allowed values and its one-line doc are written once; the
+loader's generic checks and the generated reference (``docs/configuration.md``) read them from here. Only the
+standard library is imported, so drafter type specs may use this module at import time.
 """
 
 from __future__ import annotations

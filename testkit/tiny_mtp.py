@@ -16,6 +16,7 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, DeepseekV3Config, Glm4MoeConfig, PreTrainedTokenizerFast
 
 from drafter_node.mtp import MTPModule, _modeling_classes
+from drafter_node.settings import DrafterConfig
 from testkit.tiny_models import save_tiny
 
 
@@ -106,7 +107,7 @@ def distil_mtp(folder: Path, steps: int = 150, prompts: int = 64, new_tokens: in
                            min_new_tokens=new_tokens, do_sample=False, eos_token_id=[], pad_token_id=1)
     with torch.no_grad():
         prev = target(seqs, output_hidden_states=True).hidden_states[-1]
-    drafter = MTPDrafter({"model": str(folder), "dtype": "float32", "device": "cpu", "q_top_k": 0})
+    drafter = MTPDrafter(DrafterConfig(type="mtp", model=str(folder), dtype="float32", device="cpu", q_top_k=0))
     t = seqs.shape[1]
     accuracy = 0.0
     for j, module in enumerate(drafter.modules):

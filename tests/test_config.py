@@ -5,6 +5,7 @@ Every bad value must fail in validation, before any process starts, with a Confi
 
 from __future__ import annotations
 
+import pickle
 import subprocess
 import sys
 import time
@@ -15,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 
+from drafter_node.settings import DrafterConfig
 from drafter_node.spec import DrafterSpec, positive_int
 from drafter_node.types import DRAFTER_TYPES, drafter_class, drafter_spec
 from runtime.config import (
@@ -25,6 +27,7 @@ from runtime.config import (
     find_config,
     load_config,
     parse_overrides,
+    typed,
 )
 from shared import named_models
 from weights import install
@@ -439,7 +442,8 @@ def test_a_new_drafter_type_is_one_spec_and_one_registry_line(monkeypatch, tmp_p
 
     spec = DrafterSpec(name="toy", cls="toy_type_toy:ToyDrafter", title="toy drafting",
                        keys={"toy_width": 3, "max_matching_ngram_size": 5}, sends_q=False,
-                       check=check, check_model=check_model, profile_variant=lambda dcfg: f"toy:{dcfg['toy_width']}")
+                       check=check, check_model=check_model,
+                       profile_variant=lambda settings, own: f"toy:{own['toy_width']}")
     _register(monkeypatch, spec, ToyDrafter=ToyDrafter)
     (tmp_path / "config.json").write_text("{}")
     toy = {"drafter.type": "toy", "drafter.model": str(tmp_path)}
@@ -449,8 +453,13 @@ def test_a_new_drafter_type_is_one_spec_and_one_registry_line(monkeypatch, tmp_p
     assert d["toy_width"] == 3 and checked == [3] and looked_up == [tmp_path]
     assert d["max_matching_ngram_size"] == 5  # a key two types declare: the configured type's default
     assert d["prompt_lookup_num_tokens"] == 10  # every other type's keys are present, at their defaults
-    assert drafter_spec("toy").profile_variant(d) == "toy:3"
+    sections = typed(config)
+    assert drafter_spec("toy").profile_variant(sections.drafter, sections.drafter_type) == "toy:3"
     assert drafter_class("toy") is ToyDrafter
+    own = sections.drafter_type  # a type declared with keys=: its own keys, read-only, and they pickle
+    assert dict(own) == {"toy_width": 3, "max_matching_ngram_size": 5} and pickle.loads(pickle.dumps(own)) == own
+    with pytest.raises(TypeError):
+        own["toy_width"] = 4  # type: ignore[index]
     assert load_config("cpu.yaml", {**toy, "drafter.toy_width": 7})["drafter"]["toy_width"] == 7
     assert checked == [3, 7] and looked_up == [tmp_path, tmp_path]
     message = _config_error("cpu.yaml", {**toy, "drafter.toy_width": 0})  # the check hook's error, as ConfigError
@@ -488,8 +497,11 @@ def test_every_registered_type_declares_a_consistent_spec():
         assert not set(spec.keys) & {"type", "model", "target_model", "q_top_k", "num_draft_tokens"}
         assert spec.needs_model or not spec.model_defaults_to_target
         assert DEFAULTS["drafter"].keys() >= spec.keys.keys()
-    assert drafter_spec("early_exit").profile_variant({"assistant_early_exit": 8}) == "early_exit:8"
-    assert all(drafter_spec(name).profile_variant({}) == "" for name in DRAFTER_TYPES if name != "early_exit")
+    early_exit = drafter_spec("early_exit")
+    own = early_exit.settings(assistant_early_exit=8)
+    assert early_exit.profile_variant(DrafterConfig(type="early_exit"), own) == "early_exit:8"
+    assert all(drafter_spec(name).profile_variant(DrafterConfig(type=name), drafter_spec(name).own_settings({}))
+               == "" for name in DRAFTER_TYPES if name != "early_exit")  # own_settings({}): the defaults
     assert [name for name in DRAFTER_TYPES if not drafter_spec(name).sends_q] == ["prompt_lookup", "suffix"]
     assert [name for name in DRAFTER_TYPES if not drafter_spec(name).needs_model] == ["prompt_lookup", "suffix"]
 

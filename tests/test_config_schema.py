@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import pickle
 
 import pytest
 
@@ -94,8 +95,10 @@ def test_typed_round_trips_every_bundled_config(path) -> None:
         assert section == {k: config[name][k] for k in section}, name
         assert set(section) == {f.name for f in dataclasses.fields(cls)}
     spec = drafter_spec(config["drafter"]["type"])
-    own = dataclasses.asdict(t.drafter_type) if spec.settings is not None else dict(t.drafter_type)
+    own = dataclasses.asdict(t.drafter_type) if spec.settings is not None else dict(t.drafter_type or {})
     assert own == {k: config["drafter"][k] for k in spec.keys}
+    assert (t.drafter_type is None) == (not spec.keys)
+    assert pickle.loads(pickle.dumps(t)) == t  # a node on a Ray cluster gets it as a call argument
 
 
 @pytest.mark.parametrize(("override", "message"), [

@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM
 from drafter_node.base import BatchStep, DraftToken
 from drafter_node.lm_drafter import LMDraftSession
 from drafter_node.node import DrafterNode
-from runtime.config import ConfigError, load_config
+from runtime.config import ConfigError, load_config, typed
 from runtime.launch import cluster
 from runtime.security import drafter_links
 from shared.backend import StaticHandle
@@ -204,7 +204,7 @@ def node_for(tiny, tmp_path):
     def make(**keys):
         config = load_config(tiny_config(tiny("llama"), tiny("llama", "random"), num_draft_tokens=4, **keys))
         config["verifier"]["endpoint"] = f"ipc://{tmp_path}/nobody.ipc"
-        node = DrafterNode.from_config(config, links=drafter_links(config))
+        node = DrafterNode.from_config(typed(config), links=drafter_links(config))
         nodes.append(node)
         for sid, prompt in enumerate(PROMPTS):
             node.handler.on_session_start(SessionStart(session=sid, token_ids=prompt, params=GREEDY.to_dict()))

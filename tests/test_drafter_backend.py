@@ -6,6 +6,7 @@ running cluster with ``drafter.backend: static`` gives greedy output identical t
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
@@ -15,7 +16,8 @@ from transformers import AutoModelForCausalLM
 
 from drafter_node.base import DraftToken
 from drafter_node.lm_drafter import LMDraftSession, drafter_backend, predraft_room
-from runtime.config import load_config
+from drafter_node.settings import DrafterConfig
+from runtime.config import load_typed
 from shared.backend import CompiledBackend, DynamicBackend, StaticBackend, StaticHandle
 from shared.kv import CachedLM
 from shared.sampling import GenerationParams
@@ -204,16 +206,16 @@ def test_a_full_slot_skips_pre_drafts_and_moves_the_session_to_a_dynamic_cache(t
 @pytest.mark.unit
 def test_the_drafter_backend_follows_its_config_keys(tiny):
     model = load(tiny("llama"))
-    dcfg = load_config(tiny_config(tiny("llama"), tiny("llama", "random"), backend="static"))["drafter"]
-    backend = drafter_backend(model, dcfg)
+    settings = load_typed(tiny_config(tiny("llama"), tiny("llama", "random"), backend="static")).drafter
+    backend = drafter_backend(model, settings)
     assert isinstance(backend, StaticBackend) and backend.slots == 8  # the smaller of max_batch_sessions and 8
     assert backend.slot_tokens == min(4096, model.config.max_position_embeddings)
-    dcfg.update(kv_slots=3, kv_slot_tokens=100, max_batch_sessions=2)
-    backend = drafter_backend(model, dcfg)
+    settings = dataclasses.replace(settings, kv_slots=3, kv_slot_tokens=100, max_batch_sessions=2)
+    backend = drafter_backend(model, settings)
     assert (backend.slots, backend.slot_tokens) == (3, 100)
-    dcfg.update(kv_slots=None)
-    assert drafter_backend(model, dcfg).slots == 2
-    assert isinstance(drafter_backend(model, {**dcfg, "backend": "dynamic"}), DynamicBackend)
+    settings = dataclasses.replace(settings, kv_slots=None)
+    assert drafter_backend(model, settings).slots == 2
+    assert isinstance(drafter_backend(model, dataclasses.replace(settings, backend="dynamic")), DynamicBackend)
 
 
 CLUSTER_PROMPTS = [[5, 17, 33, 2, 60], [100, 101, 7], [42] * 12 + [9, 8]]
@@ -229,7 +231,7 @@ def static_cluster_config(tiny) -> dict:
 def test_the_clusters_drafter_sessions_get_slots(tiny):
     from drafter_node.assistant import AssistantDrafter
 
-    drafter = AssistantDrafter(load_config(static_cluster_config(tiny))["drafter"])
+    drafter = AssistantDrafter(load_typed(static_cluster_config(tiny)).drafter)
     params = GenerationParams(max_new_tokens=20, eos_token_ids=[])
     sessions = [drafter.open_session(p, len(p), params, {}) for p in CLUSTER_PROMPTS]
     assert [type(s.lm) for s in sessions] == [StaticHandle, StaticHandle, CachedLM]  # two slots, then dynamic
@@ -258,8 +260,8 @@ def test_a_drafter_model_without_static_slots_gets_dynamic_caches(tmp_path, capl
     model = AutoModelForCausalLM.from_pretrained(
         build_hybrid(tmp_path / "qwen3_next", "qwen3_next", tmp_path / "tok", seed=3), dtype=torch.float32).eval()
     with caplog.at_level(logging.INFO, logger="pipespec.backend"):
-        backend = drafter_backend(model, {"backend": "auto", "kv_slots": None, "kv_slot_tokens": 64,
-                                          "max_batch_sessions": 4})
+        backend = drafter_backend(model, DrafterConfig(backend="auto", kv_slots=None, kv_slot_tokens=64,
+                                                       max_batch_sessions=4))
     assert isinstance(backend, DynamicBackend)
     assert "drafter: KV backend auto falls back to dynamic caches" in caplog.text
     session = LMDraftSession(model, PROMPTS[0], 3, GREEDY, 0, model.config.vocab_size, backend=backend)

@@ -13,7 +13,7 @@ from sampling_check import check_lossless_sampling, exact_joint, tv
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from drafter_node.early_exit import EarlyExitDrafter
-from runtime.config import ConfigError, load_config
+from runtime.config import ConfigError, load_config, load_typed
 from runtime.launch import cluster
 from testkit.tiny_models import build_model, build_small_vocab_tokenizer, reference_greedy
 
@@ -31,9 +31,8 @@ def early_exit_config(target, exit_layer=1, **keys):
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
 def test_drafter_holds_only_the_first_layers_with_the_targets_weights(tiny, arch):
     target_path = tiny(arch)
-    dcfg = load_config(early_exit_config(target_path))["drafter"]
-    dcfg["dtype"] = "float32"
-    drafter = EarlyExitDrafter(dcfg)
+    config = load_typed(early_exit_config(target_path), {"drafter.dtype": "float32"})
+    drafter = EarlyExitDrafter(config.drafter, config.drafter_type)
     target = AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.float32)
     theirs = target.state_dict()
     ours = drafter.model.state_dict()

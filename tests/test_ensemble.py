@@ -20,7 +20,7 @@ from sampling_check import PROMPT, VOCAB, exact_joint, tv
 
 from drafter_node.lm_drafter import choose
 from runtime.client import PipespecError
-from runtime.config import ConfigError, load_config
+from runtime.config import ConfigError, load_config, typed
 from runtime.launch import cluster
 from runtime.security import drafter_links
 from shared.protocol import Capabilities, Error, Hello, Welcome, decode, encode
@@ -305,7 +305,10 @@ def test_drafter_node_refused_at_connect_exits_with_the_message(tiny, capsys):
         async with cluster(config) as client:
             cfg = copy.deepcopy(client.config)  # the verifier's config, concrete endpoints
             cfg["drafter"].update(type="prompt_lookup")
-            node = DrafterNode.from_config(cfg, drafter=PromptLookupDrafter(cfg["drafter"]), links=drafter_links(cfg))
+            sections = typed(cfg)
+            node = DrafterNode.from_config(sections, drafter=PromptLookupDrafter(sections.drafter,
+                                                                                 sections.drafter_type),
+                                           links=drafter_links(cfg))
             result = {}
             thread = threading.Thread(target=lambda: result.setdefault("rc", node._loop()))
             thread.start()

@@ -214,12 +214,13 @@ def test_client_times_out_instead_of_hanging(tmp_path):
 def test_drafter_file_errors_become_one_clear_message(monkeypatch):
     """A drafter whose files cannot be read or fetched (hub id without hub access) fails with one line naming them."""
     import drafter_node.node as node
+    from drafter_node.settings import DrafterConfig
     from shared.models import ModelLoadError
 
-    def broken(dcfg, profile):  # a drafter type is built as cls(dcfg, profile)
+    def broken(settings, own, profile):  # a drafter type is built as cls(settings, own, profile)
         raise OSError("couldn't connect to the hub, and the files are not cached")
 
     monkeypatch.setattr(node, "drafter_class", lambda name: broken)
     with pytest.raises(ModelLoadError, match=r"drafter type 'mtp_drafter' cannot load its files \(model='org/x', "
                                              r"target_model='org/t'\): couldn't connect"):
-        node.load_drafter({"type": "mtp_drafter", "model": "org/x", "target_model": "org/t"})
+        node.load_drafter(DrafterConfig(type="mtp_drafter", model="org/x", target_model="org/t"))

@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM
 
 from drafter_node.base import DraftToken
 from drafter_node.mtp import MTPDrafter, MTPError
-from runtime.config import ConfigError, load_config
+from runtime.config import ConfigError, load_config, load_typed
 from runtime.launch import cluster
 from shared.sampling import GenerationParams
 from testkit.tiny_models import build_small_vocab_tokenizer, build_tokenizer, reference_greedy
@@ -53,8 +53,7 @@ def mtp_config(target, **keys):
 
 
 def load_drafter(target) -> MTPDrafter:
-    dcfg = load_config(mtp_config(target))["drafter"]
-    return MTPDrafter(dcfg)
+    return MTPDrafter(load_typed(mtp_config(target)).drafter)
 
 
 @pytest.mark.parametrize("arch", ["deepseek_v3", "glm4_moe"])
@@ -270,9 +269,9 @@ def test_checkpoint_without_mtp_layers_is_a_clear_error(mtp_target, case):
 
     with pytest.raises(ConfigError, match="num_nextn_predict_layers"):
         asyncio.run(launch())
-    dcfg = load_config(tiny_config(target, None))["drafter"]  # an assistant config passes; the drafter refuses
+    settings = load_typed(tiny_config(target, None)).drafter  # an assistant config passes; the drafter refuses
     with pytest.raises(MTPError, match="num_nextn_predict_layers"):
-        MTPDrafter(dcfg)
+        MTPDrafter(settings)
 
 
 def test_a_target_without_mtp_support_is_a_clear_error(tiny):

@@ -15,7 +15,8 @@ from sampling_check import check_lossless_sampling, exact_joint
 from transformers import AutoModelForCausalLM
 
 from drafter_node.mtp_drafter import AssistantMTPDrafter, MTPDrafterError
-from runtime.config import ConfigError, load_config
+from drafter_node.settings import DrafterConfig
+from runtime.config import ConfigError, load_config, load_typed
 from runtime.launch import cluster
 from shared.kv import CachedLM, KVRowsError
 from shared.protocol import split_state
@@ -42,8 +43,7 @@ def mtp_config(target, assistant, **keys):
 
 
 def drafter_for(target, assistant, **keys) -> AssistantMTPDrafter:
-    dcfg = load_config(mtp_config(target, assistant, **keys))["drafter"]
-    return AssistantMTPDrafter(dcfg)
+    return AssistantMTPDrafter(load_typed(mtp_config(target, assistant, **keys)).drafter)
 
 
 def test_drafter_reads_only_the_targets_input_embeddings(gemma4, monkeypatch):
@@ -192,7 +192,8 @@ def test_a_target_that_is_not_gemma4_is_a_clear_error(gemma4, tiny):
     with pytest.raises(ConfigError, match=r"verifier\.model: the target \(llama\) provides no shared K/V states"):
         load_config(mtp_config(llama, assistant))
     with pytest.raises(MTPDrafterError, match="provides no shared K/V states"):
-        AssistantMTPDrafter({"model": str(assistant), "target_model": str(llama), "device": "cpu", "dtype": "float32"})
+        AssistantMTPDrafter(DrafterConfig(type="mtp_drafter", model=str(assistant), target_model=str(llama),
+                                          dtype="float32"))
     with pytest.raises(ConfigError, match=r"drafter\.model: a 'llama' checkpoint is not a Gemma 4 assistant"):
         load_config(mtp_config(gemma4[0], llama))
 

@@ -21,7 +21,7 @@ from conftest import tiny_config
 
 from runtime import security
 from runtime.client import AsyncClient
-from runtime.config import ConfigError, check_security, load_config
+from runtime.config import ConfigError, check_security, load_config, typed
 from runtime.delay_proxy import serve as serve_proxy
 from runtime.keys import client_keys, init, peer_keys, server_keys
 from runtime.launch import Cluster, LaunchError, cluster
@@ -381,7 +381,8 @@ def test_a_drafter_whose_key_is_not_allowed_stops_with_a_clear_error(no_download
     router = bind_router(ctx, endpoint, auth=auth, domain=security.DRAFTER_DOMAIN)
     config = load_config("prompt_lookup.yaml", {"verifier.endpoint": endpoint, "security.curve": "on",
                                                 "security.keys_dir": str(keys), "drafter.profile_s": 0})
-    node = DrafterNode.from_config(config, drafter=PromptLookupDrafter(config["drafter"]),
+    sections = typed(config)
+    node = DrafterNode.from_config(sections, drafter=PromptLookupDrafter(sections.drafter, sections.drafter_type),
                                    links=security.drafter_links(config))
     result = {}
     thread = threading.Thread(target=lambda: result.setdefault("rc", node._loop()))

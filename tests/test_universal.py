@@ -21,7 +21,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from drafter_node.universal import UniversalDrafter, VocabMap
-from runtime.config import ConfigError, load_config
+from runtime.config import ConfigError, load_config, load_typed
 from runtime.launch import LaunchError, cluster
 from shared.models import tokenizer_id
 from shared.sampling import GenerationParams
@@ -141,8 +141,8 @@ class OracleLM:
 
 
 def make_drafter(pairs, name: str, q_top_k: int = 0) -> UniversalDrafter:
-    dcfg = load_config(universal_config(pairs["target"], pairs[name], q_top_k=q_top_k))["drafter"]
-    drafter = UniversalDrafter(dcfg)
+    config = load_typed(universal_config(pairs["target"], pairs[name], q_top_k=q_top_k))
+    drafter = UniversalDrafter(config.drafter, config.drafter_type)
     drafter.target_vocab_size = len(drafter.target_tokenizer)
     return drafter
 

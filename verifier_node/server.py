@@ -33,6 +33,7 @@ from typing import Any
 import torch
 import zmq
 
+from drafter_node.settings import Config
 from drafter_node.types import DRAFTER_TYPES
 from shared.backend import DynamicBackend, TargetBackend, make_backend
 from shared.cores import CoreLeases, leases_for
@@ -144,14 +145,13 @@ class VerifierSettings:
     client_endpoint: str
 
     @classmethod
-    def from_config(cls, config: dict[str, Any]) -> VerifierSettings:
-        vcfg = config["verifier"]
-        weight = config["verification"]["ensemble_weight"]
+    def from_config(cls, config: Config) -> VerifierSettings:
+        v = config.verifier
+        weight = config.verification.ensemble_weight
         check_ensemble_weight(weight)
-        return cls(model_name=vcfg["model"], draft_timeout_s=vcfg["draft_timeout_ms"] / 1000,
-                   max_sessions=vcfg["max_sessions"], max_message_bytes=vcfg["max_message_bytes"],
-                   client_timeout_s=float(config["client"]["heartbeat_timeout_s"]), ensemble_weight=weight,
-                   drafter_endpoint=vcfg["endpoint"], client_endpoint=config["client"]["endpoint"])
+        return cls(model_name=v.model, draft_timeout_s=v.draft_timeout_ms / 1000, max_sessions=v.max_sessions,
+                   max_message_bytes=v.max_message_bytes, client_timeout_s=float(config.client.heartbeat_timeout_s),
+                   ensemble_weight=weight, drafter_endpoint=v.endpoint, client_endpoint=config.client.endpoint)
 
 
 @dataclass
@@ -164,16 +164,16 @@ class VerifierSockets:
     auth: Authenticator | None = None
 
     @classmethod
-    def bind(cls, config: dict[str, Any], links: VerifierLinks) -> VerifierSockets:
+    def bind(cls, config: Config, links: VerifierLinks) -> VerifierSockets:
         """Bind both endpoints of ``config``, each with CURVE where ``links`` says its link runs it."""
         ctx = zmq.Context.instance()
-        allow_remote = bool(config["verifier"]["allow_remote"])
+        allow_remote = config.verifier.allow_remote
         keys = links.keys
         auth = Authenticator(ctx, keys, log) if keys else None  # before binding: no key is let in unchecked
         try:
-            drafter = bind_router(ctx, config["verifier"]["endpoint"], allow_remote, domain=DRAFTER_DOMAIN,
+            drafter = bind_router(ctx, config.verifier.endpoint, allow_remote, domain=DRAFTER_DOMAIN,
                                   auth=auth if links.curve_drafters else None)
-            client = bind_router(ctx, config["client"]["endpoint"], allow_remote,
+            client = bind_router(ctx, config.client.endpoint, allow_remote,
                                  auth=auth if links.curve_clients else None, domain=CLIENT_DOMAIN)
         except BaseException:
             if auth is not None:
@@ -245,45 +245,47 @@ class VerifierServer:
         self.running = True
 
     @classmethod
-    def from_config(cls, config: dict[str, Any], *, links: VerifierLinks, forward_delay_s: float = 0.0,
+    def from_config(cls, config: Config, *, links: VerifierLinks, forward_delay_s: float = 0.0,
                     accept: AcceptRule | None = None, model: Any = None, tokenizer: Any = None) -> VerifierServer:
         """Load the target (unless ``model`` / ``tokenizer`` are given), measure its profile and bind the sockets.
+        ``config``: the typed config (``runtime.config.typed``; the verifier reads its ``verifier``,
+        ``verification`` and ``client`` sections, and the drafter's ``device`` and ``max_draft_tokens``).
         ``links``: CURVE keys and run secret, resolved by the launcher (``runtime.security.verifier_links``).
         ``forward_delay_s`` and ``accept`` exist for tests (tests/node_entry.py injects them): seconds added
         before each target forward, so tests on tiny models (whose forwards take about as long as a drafter's step
         or a message) can rely on drafts made ahead and on requests arriving while a forward runs; and an
         acceptance rule that replaces the method's own (the negative control of the distribution tests)."""
-        vcfg = config["verifier"]
-        threads = ThreadPlan.for_node(config, "verifier")
+        v = config.verifier
+        threads = ThreadPlan.for_node(v.threads, v.device, config.drafter.device)
         set_threads(threads.share)
-        path = resolve_model(vcfg["model"])
+        path = resolve_model(v.model)
         tokenizer = tokenizer or load_tokenizer(path)
-        spec = ProfileSpec(threads.counts(), profile_sizes(config), float(vcfg["profile_s"]), role="verifier")
+        spec = ProfileSpec(threads.counts(), profile_sizes(config.drafter.max_draft_tokens), float(v.profile_s),
+                           role="verifier")
         profile: NodeProfile | None = None
         # Load and measure while no other node on this machine does (the drafter starts at the same time).
-        with measuring_alone(vcfg["device"]) if spec.budget_s > 0 else contextlib.nullcontext():
-            model = model or load_causal_lm(path, vcfg["device"], vcfg["dtype"], vcfg["max_memory"], profile=spec)
+        with measuring_alone(v.device) if spec.budget_s > 0 else contextlib.nullcontext():
+            model = model or load_causal_lm(path, v.device, v.dtype, v.max_memory, profile=spec)
             if spec.budget_s > 0:
-                profile = profile_node(model, vcfg["model"], vcfg["device"], spec, "verifier")
+                profile = profile_node(model, v.model, v.device, spec, "verifier")
         # Batched verification: one target forward over every session whose round is ready (shared/batch.py).
-        max_batch_sessions = int(vcfg["max_batch_sessions"]) if vcfg["batching"] else 1
+        max_batch_sessions = v.max_batch_sessions if v.batching else 1
         # Where the sessions' KV caches live (shared/backend.py): a slot per session batched at once.
-        slots = kv_slots(vcfg["kv_slots"], vcfg["max_sessions"], vcfg["max_batch_sessions"])
-        backend = make_backend(model, vcfg["backend"], slots, int(vcfg["kv_slot_tokens"]),
-                               compiled_tokens=int(vcfg["compiled_max_tokens"]), thread_counts=threads.counts())
+        slots = kv_slots(v.kv_slots, v.max_sessions, v.max_batch_sessions)
+        backend = make_backend(model, v.backend, slots, v.kv_slot_tokens, compiled_tokens=v.compiled_max_tokens,
+                               thread_counts=threads.counts())
         batching = max_batch_sessions > 1 and backend.can_batch()
         if max_batch_sessions > 1 and not batching:
             log.warning("verifier: batched verification is not possible with this target (sliding-window layers or "
                         "an attention kernel without custom masks): one forward per session")
-        log.info("verifier: %s in %s, threads %d (share) / %d (full)", vcfg["model"], model_dtype(model),
+        log.info("verifier: %s in %s, threads %d (share) / %d (full)", v.model, model_dtype(model),
                  threads.share, threads.full)
-        limits = BatchLimits(batching, max_batch_sessions, int(vcfg["max_batch_tokens"]),
-                             int(vcfg["max_prefill_tokens"]))
+        limits = BatchLimits(batching, max_batch_sessions, v.max_batch_tokens, v.max_prefill_tokens)
         settings = VerifierSettings.from_config(config)
         # Without CURVE on the drafter link, a launcher-given secret is what a drafter's hello must show.
         return cls(settings, model, tokenizer, profile, threads, limits, VerifierSockets.bind(config, links),
                    run_secret=links.run_secret, forward_delay_s=forward_delay_s, accept=accept, backend=backend,
-                   cores=leases_for(vcfg["device"], threads.full, set_threads))
+                   cores=leases_for(v.device, threads.full, set_threads))
 
     @property
     def sessions(self) -> dict[int, Session]:
@@ -723,9 +725,10 @@ class VerifierServer:
         self._release(s)
 
 
-def run(config: dict[str, Any], links: VerifierLinks, forward_delay_s: float = 0.0,
+def run(config: Config, links: VerifierLinks, forward_delay_s: float = 0.0,
         accept: AcceptRule | None = None) -> None:
-    """Entry point of the verifier process (``links``, ``forward_delay_s``, ``accept``: see :class:`VerifierServer`)."""
+    """Entry point of the verifier process: ``config`` built once by the caller (``runtime.config.typed``);
+    ``links``, ``forward_delay_s``, ``accept``: see :meth:`VerifierServer.from_config`."""
     server = VerifierServer.from_config(config, links=links, forward_delay_s=forward_delay_s, accept=accept)
     stop_on_signals(server.stop)
     server.serve()

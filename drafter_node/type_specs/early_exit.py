@@ -37,5 +37,5 @@ SPEC = DrafterSpec(
     check=lambda config: positive_int(config, "assistant_early_exit"),
     check_model=_check_model,
     # E layers of a model cost differently from the whole model: their profile is their own
-    profile_variant=lambda dcfg: f"early_exit:{dcfg['assistant_early_exit']}",
+    profile_variant=lambda settings, own: f"early_exit:{own.assistant_early_exit}",
 )

@@ -1,0 +1,213 @@
+"""The config sections that need nothing above ``shared/``: ``verifier``, ``verification``, ``client``,
+``launch``, ``security`` and ``http``, each a frozen dataclass of :func:`shared.settings.setting` fields (every
+key's default, bounds and one-line doc, declared once).
+
+They live down here, not in ``runtime/``, because the nodes take the whole typed config
+(:class:`drafter_node.settings.Config`) and a node may not import ``runtime/`` (tests/test_layers.py). The drafter
+reads the ``verifier`` section too (its endpoint, message limit, model and device), so that section is not the
+verifier node's alone. ``runtime/config_schema.py`` lists every section in the reference's order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from shared.node_keys import (
+    DEFAULT_COMPILED_TOKENS,
+    node_backend,
+    node_device,
+    node_dtype,
+    node_kv_slot_tokens,
+    node_kv_slots,
+    node_max_memory,
+    node_placement,
+    node_profile_s,
+    node_threads,
+)
+from shared.protocol import DEFAULT_MAX_MESSAGE_BYTES
+from shared.sampling import MAX_NEW_TOKENS
+from shared.settings import setting
+from shared.transport import CURVE_MODES
+
+#: ``launch.backend``: child processes of the launcher, or actors on a Ray cluster (runtime/ray_launch.py).
+LAUNCH_BACKENDS = ("process", "ray")
+#: ``launch.placement_strategy``: Ray's placement group strategies.
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+
+#: Most drafter processes one launcher starts (``launch.drafters``).
+MAX_LAUNCHED_DRAFTERS = 16
+
+
+@dataclass(frozen=True)
+class VerifierConfig:
+    """``verifier``: the target model and the node that verifies drafts."""
+
+    model: Any = setting(None, "Target model: a named model, a local folder or a hub id (required).", kind="str")
+    device: str = node_device()
+    dtype: str = node_dtype()
+    threads: Any = node_threads()
+    profile_s: float = node_profile_s()
+    endpoint: str = setting(
+        "ipc://{run_dir}/verifier.ipc", "Where drafters connect; {run_dir}: the launcher's run folder.", kind="str"
+    )
+    max_memory: Any = node_max_memory()
+    draft_timeout_ms: int = setting(
+        3000,
+        "Cap on the wait for a draft (the wait follows each session's measured answers).",
+        kind="int",
+        bounds=(1, None),
+    )
+    max_sessions: int = setting(64, "Concurrent requests; more get a busy error.", kind="int", bounds=(1, None))
+    batching: bool = setting(True, "Verify several sessions' drafts in one batched forward.", kind="bool")
+    max_batch_sessions: int = setting(64, "Most sessions in one batched forward.", kind="int", bounds=(1, None))
+    max_batch_tokens: int = setting(
+        1024,
+        "Most tokens (pending + drafts, every row's) in one forward; one session always fits.",
+        kind="int",
+        bounds=(1, None),
+    )
+    max_prefill_tokens: int = setting(2048, "Most prompt tokens prefilled in one step.", kind="int", bounds=(1, None))
+    max_message_bytes: int = setting(
+        DEFAULT_MAX_MESSAGE_BYTES, "Larger messages get an error reply.", kind="int", bounds=(1, None)
+    )
+    backend: str = node_backend()
+    compiled_max_tokens: int = setting(
+        DEFAULT_COMPILED_TOKENS,
+        "Compiled backend: the most new tokens of a compiled decode step (steps are compiled for 1, 2, 4, … up to "
+        "it at start-up; longer forwards run eagerly).",
+        kind="int",
+        bounds=(1, 256),
+    )
+    kv_slot_tokens: int = node_kv_slot_tokens()
+    kv_slots: Any = node_kv_slots("the smallest of max_sessions, max_batch_sessions and 8")
+    allow_remote: bool = setting(
+        False, "With security.curve: off, must be true to listen on a non-loopback address.", kind="bool"
+    )
+    placement: Any = node_placement()
+
+
+@dataclass(frozen=True)
+class VerificationConfig:
+    """``verification``: how drafts are accepted."""
+
+    ensemble_weight: Any = setting(
+        None,
+        "Static ensemble weight, in the open interval (0, 1); null: standard, lossless verification.",
+        kind="number",
+        bounds=(0, 1),
+        open_low=True,
+        open_high=True,
+        hint="leave it unset, null, for standard, lossless verification",
+    )
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    """``client``: the client socket and its timeouts."""
+
+    endpoint: str = setting("ipc://{run_dir}/client.ipc", "Where clients connect.", kind="str")
+    timeout_s: float = setting(
+        600,
+        "A client raises TimeoutError after this long without a reply.",
+        kind="number",
+        bounds=(0, None),
+        open_low=True,
+        unit="seconds",
+    )
+    heartbeat_timeout_s: float = setting(
+        5.0,
+        "Seconds without a client ping before its requests are dropped (at least 1).",
+        kind="number",
+        bounds=(1.0, None),
+        unit="seconds",
+        hint="clients ping every 0.5 s while requests are in flight",
+    )
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """``launch``: what the launcher starts."""
+
+    ready_timeout_s: float = setting(
+        900,
+        "Start-up bound (includes first-time model conversion).",
+        kind="number",
+        bounds=(0, None),
+        open_low=True,
+        unit="seconds",
+    )
+    start_drafter: bool = setting(True, "Start drafter processes (false: they join with --role drafter).", kind="bool")
+    drafters: int = setting(
+        1,
+        "Drafter processes to start.",
+        kind="int",
+        bounds=(1, MAX_LAUNCHED_DRAFTERS),
+        hint="more can join with --role drafter",
+    )
+    backend: str = setting(
+        "process",
+        "process: the nodes are child processes of this one; ray: actors on a Ray cluster (docs/ray.md).",
+        kind="str",
+        choices=LAUNCH_BACKENDS,
+    )
+    ray_address: Any = setting(
+        None, "backend ray: the cluster to join (ray://HOST:PORT or HOST:PORT; null: a local Ray).", kind="str"
+    )
+    ray_name: str = setting(
+        "pipespec", "backend ray: the run's name on the cluster (`pipespec scale --name` finds it by it).", kind="str"
+    )
+    placement_strategy: str = setting(
+        "PACK",
+        "backend ray: how the nodes' bundles spread over the hosts (Ray's placement group strategy).",
+        kind="str",
+        choices=PLACEMENT_STRATEGIES,
+    )
+    max_restarts: int = setting(
+        3,
+        "backend ray: times Ray restarts a node actor that died (-1: without limit).",
+        kind="int",
+        bounds=(-1, None),
+    )
+    link_delay_ms: float = setting(
+        0,
+        "backend ray: one-way delay added on each drafter's link to the verifier (a delay proxy on its host).",
+        kind="number",
+        bounds=(0, 10000),
+        unit="milliseconds",
+    )
+
+
+@dataclass(frozen=True)
+class SecurityConfig:
+    """``security``: CURVE encryption and the key files."""
+
+    curve: str = setting(
+        "auto", "auto: CURVE on every non-loopback tcp link; on: every link; off.", kind="str", choices=CURVE_MODES
+    )
+    keys_dir: Any = setting(None, "Folder made by `python -m runtime.keys init DIR`.", kind="str")
+    drafter_key: str = setting("drafter", "The drafter's key pair: keys_dir/drafters/NAME.key_secret.", kind="str")
+    client_key: str = setting("client", "The launcher's client key pair: keys_dir/clients/NAME.key_secret.", kind="str")
+
+
+@dataclass(frozen=True)
+class HttpConfig:
+    """``http``: the OpenAI-compatible HTTP server, off while host is null (``--http HOST:PORT`` sets both)."""
+
+    host: Any = setting(None, "Address to serve on (null: no HTTP server).", kind="str")
+    port: int = setting(8000, "TCP port.", kind="int", bounds=(1, 65535))
+    api_key: Any = setting(None, "Bearer token clients must send (null: PIPESPEC_HTTP_API_KEY or none).", kind="str")
+    allow_remote: bool = setting(False, "Serve on a non-loopback address (needs api_key).", kind="bool")
+    model_name: Any = setting(None, "Model name the API reports (null: the target's name).", kind="str")
+    default_max_tokens: int = setting(
+        256, "max_tokens when a request gives none.", kind="int", bounds=(1, MAX_NEW_TOKENS)
+    )
+    max_body_bytes: int = setting(4 * 1024 * 1024, "Largest request body accepted.", kind="int", bounds=(1024, 1 << 30))
+    scrape_timeout_s: float = setting(
+        1.0,
+        "Seconds a /metrics scrape waits for the verifier.",
+        kind="number",
+        bounds=(0, 60),
+        open_low=True,
+        unit="seconds",
+    )
