@@ -37,7 +37,7 @@ from runtime.config import (
 )
 from runtime.first_run import ProfileRelay, run_summary, startup_lines, with_reports
 from runtime.keys import KeysError
-from runtime.node_setup import (  # re-exported: callers and tests name them here
+from runtime.node_setup import (  # NODE_ENV, LaunchError: also named here by callers and tests
     NODE_ENV,
     Launcher,
     LaunchError,

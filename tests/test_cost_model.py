@@ -643,7 +643,7 @@ def test_a_target_that_refeeds_on_rollback_pays_for_rejections():
 def test_the_debug_log_says_why_each_round_runs_its_plan(caplog, monkeypatch):
     import logging
 
-    from runtime.launch import LOG_LEVEL_ENV, node_log_level
+    from runtime.node_setup import LOG_LEVEL_ENV, node_log_level
 
     s = _amx_schedule()
     with caplog.at_level(logging.DEBUG, logger="pipespec.schedule"):
