@@ -273,7 +273,12 @@ async def start_launcher(cfg: dict[str, Any], run_dir: str | None = None, env: d
         await asyncio.to_thread(prepare_models, cfg)
         nodes = Cluster(cfg, run_dir=run_dir, env=env, prefix=prefix, entry=entry)
     try:
-        await asyncio.to_thread(nodes.start)
+        if isinstance(nodes, Cluster):
+            # in this thread: a node's death signal (PR_SET_PDEATHSIG) follows the thread that started it, and a
+            # worker thread of to_thread may end while the nodes run
+            nodes.start()
+        else:
+            await asyncio.to_thread(nodes.start)
     except BaseException:
         await asyncio.to_thread(nodes.stop, keep_logs=True)
         raise
