@@ -507,6 +507,8 @@ async def _serve(config: dict[str, Any], run_dir: str | None) -> int:
                 _progress(line)
             await _show_hosts(nodes)
             print(f"client address: {nodes.client_address}", flush=True)
+            if config["launch"]["backend"] == "ray":
+                print(f"client keys: {nodes.run_dir}/keys (runtime.keys.client_keys(FOLDER))", flush=True)
             async with contextlib.AsyncExitStack() as stack:
                 await stack.enter_async_context(_following(nodes, client))
                 if config["http"]["host"] is not None:

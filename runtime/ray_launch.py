@@ -49,6 +49,8 @@ CALL_TIMEOUT_S = 30.0
 WATCH_S = 0.25
 #: Concurrent calls one node actor takes: serve (the node), stop, log tail, facts.
 NODE_CONCURRENCY = 4
+#: Times a node that fails while its actor lives is served again when ``launch.max_restarts`` is -1.
+NODE_RETRIES = 3
 INSTALL_HINT = "the ray backend needs Ray: pip install 'pipespec[ray]'"
 
 
@@ -220,12 +222,20 @@ class Controller:
             for i, name in enumerate(names):
                 self.nodes[name] = _Node(name, "verifier" if i == 0 else "drafter",
                                          self._actor(name, wanted[name], group, i), wanted[name], group, i)
-            self._serve(self.nodes["verifier"])
-            for name in names[1:]:
-                self._serve(self.nodes[name])
+            for name in names:  # the verifier first: the drafters connect to its address
+                self._first_serve(self.nodes[name])
         self.watcher = threading.Thread(target=self._watch, name="pipespec-ray-watch", daemon=True)
         self.watcher.start()
         return {**self.status(), "client_keys": key_material(self.keys_dir, "client"), "placed_s": placed_s}
+
+    def _first_serve(self, node: _Node) -> None:
+        """:meth:`_serve`, with an actor that cannot start on its host said in words."""
+        try:
+            self._serve(node)
+        except (self.ray.exceptions.RayActorError, self.ray.exceptions.GetTimeoutError) as exc:
+            first = str(exc).strip().splitlines()[-1][:500] if str(exc).strip() else type(exc).__name__
+            raise RayLaunchError(f"the {node.name} actor did not start on its host ({first}); every host needs the "
+                                 "same Python, pipespec and Ray versions (pip install 'pipespec[ray]')") from None
 
     def _serve(self, node: _Node) -> None:
         """Start ``node``'s serve call (the verifier first picks its ports: its old ones where it can)."""
@@ -279,7 +289,9 @@ class Controller:
         self._event(node.name, "ended", why=why)
         node.restarts += 1
         limit = self.config["launch"]["max_restarts"]
-        if not actor_died and limit != -1 and node.restarts > limit:
+        # Ray counts actor restarts itself; a node that failed with its actor alive (its model would not load, its
+        # serve loop raised) is served again here, at most max_restarts times (NODE_RETRIES without a limit)
+        if not actor_died and node.restarts > (NODE_RETRIES if limit == -1 else limit):
             node.state, node.error = "failed", why
             self._event(node.name, "given up", restarts=node.restarts - 1)
             return
@@ -300,10 +312,8 @@ class Controller:
                 if moved:
                     self._repoint_drafters()
                 return
-            except ray.exceptions.ActorDiedError as exc:
-                if "restarting" not in str(exc).lower() and "max_restarts" in str(exc).lower():
-                    break
-                time.sleep(0.5)
+            except ray.exceptions.ActorDiedError:
+                break  # dead for good (a restarting actor is "unavailable", not "died")
             except (ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError,
                     ray.exceptions.RayActorError):
                 time.sleep(0.5)
@@ -343,7 +353,7 @@ class Controller:
                 with self.lock:
                     self.nodes[name] = _Node(name, "drafter", self._actor(name, drafter_at, group, 0), drafter_at,
                                              group, 0)
-                    self._serve(self.nodes[name])
+                    self._first_serve(self.nodes[name])
         for node in sorted(current, key=lambda n: (len(n.name), n.name))[drafters:][::-1]:
             with self.lock:
                 self.nodes.pop(node.name)

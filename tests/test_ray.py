@@ -27,6 +27,7 @@ from docs_check import RAY_HEAD, ROOT, commands, parse_ray_start, ray_blocks
 from benchmarks.http_overhead import free_port
 from runtime.client import PipespecError
 from runtime.launch import LaunchError, cluster, serve_http
+from runtime.ray_launch import scale
 from testkit.ray_hosts import until_drafters, until_served
 from testkit.tiny_models import reference_greedy
 
@@ -34,9 +35,14 @@ pytestmark = pytest.mark.ray
 
 PROMPTS = [[5, 17, 33, 2, 60], [7, 8, 9], [100, 3, 44, 12]]
 PIPESPEC = [sys.executable, "-c", "import sys; from runtime.cli import main; sys.exit(main())"]
-#: The hosts of the tier's cluster: a "GPU host" for the target and a "CPU host" for drafters (room for two).
-TARGET_HOST = {"num_cpus": 1, "resources": {"gpu_host": 1}}
-DRAFT_HOST = {"num_cpus": 2, "resources": {"cpu_host": 2}, "labels": {"zone": "b"}}
+#: docs/ray.md's recipe: its config, its shell commands, and the hosts its `ray start` lines declare (a target host
+#: and a drafter host with room for two drafters and a label): the tier's cluster is the one the docs describe.
+RECIPE = ray_blocks(ROOT / "docs" / "ray.md")
+RECIPE_CONFIG = yaml.safe_load(next(b.text for b in RECIPE if b.lang == "yaml"))
+RECIPE_COMMANDS = [t for b in RECIPE if b.lang != "yaml" for t in commands(b.text)]
+HEAD, TARGET_START, DRAFT_START = [parse_ray_start(t[1:]) for t in RECIPE_COMMANDS if t[0] == "ray"]
+HOSTS = {name: {"num_cpus": start["num_cpus"], "resources": start["resources"], "labels": start["labels"]}
+         for name, start in (("target", TARGET_START), ("draft", DRAFT_START))}
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +50,8 @@ def hosts():
     try:
         from testkit.ray_hosts import RayHosts
 
-        h = RayHosts({"target": TARGET_HOST, "draft": DRAFT_HOST})
+        assert HEAD["head"] and HEAD["num_cpus"] == 0, "the recipe's head runs no node"
+        h = RayHosts(HOSTS)
     except ImportError:
         pytest.fail("the ray tier needs Ray: run it with `make test-ray` (it installs pipespec[ray])")
     print(f"\nRay cluster (head + 2 hosts) up in {h.up_s:.1f} s")
@@ -53,9 +60,10 @@ def hosts():
 
 
 def ray_config(tiny, **launch) -> dict:
+    """Tiny models, placed as the recipe's config places its nodes."""
     config = tiny_config(tiny("llama"), tiny("llama", "random"))
-    config["verifier"]["placement"] = {"resources": {"gpu_host": 1}}
-    config["drafter"]["placement"] = {"resources": {"cpu_host": 1}, "labels": {"zone": "b"}}
+    for role in ("verifier", "drafter"):
+        config[role]["placement"] = RECIPE_CONFIG[role]["placement"]
     config["launch"].update({"backend": "ray", **launch})
     return config
 
@@ -98,15 +106,13 @@ def test_a_placement_no_host_can_hold_is_refused_at_once(hosts, tiny):
     t0 = time.monotonic()
     with pytest.raises(LaunchError, match=r"no host of the Ray cluster can hold the drafter node .*tpu_host") as err:
         asyncio.run(main())
-    assert "cpu_host 2" in str(err.value), "the error says what the hosts offer"
+    assert "draft_host 2" in str(err.value), "the error says what the hosts offer"
     assert time.monotonic() - t0 < 60
     with pytest.raises(ValueError):  # nothing left behind: the run's name is free again
         hosts.ray.get_actor("pipespec", namespace="pipespec")
 
 
 def test_scale_adds_and_removes_drafters_from_another_process(hosts, tiny):
-    from runtime.ray_launch import scale
-
     target = tiny("llama")
 
     async def main():
@@ -179,22 +185,11 @@ def test_verifier_killed_is_restarted_and_http_and_drafting_resume(hosts, tiny):
     assert events.count("serving") == 2 and "back" in events, status["events"]
 
 
-def test_docs_recipe_runs_on_a_local_multi_node_cluster(tiny, tmp_path):
-    """docs/ray.md's recipe as written: hosts with what its `ray start` lines declare, its config with tiny models,
-    its `pipespec` commands as subprocesses against that cluster (HEAD:6379 → the cluster's address)."""
-    recipe = ray_blocks(ROOT / "docs" / "ray.md")
-    config = yaml.safe_load(next(b.text for b in recipe if b.lang == "yaml"))
-    shell = [t for b in recipe if b.lang != "yaml" for t in commands(b.text)]
-    starts = [parse_ray_start(t[1:]) for t in shell if t[0] == "ray"]
-    pipespec = [t[1:] for t in shell if t[0] == "pipespec"]
-    try:
-        from ray.cluster_utils import Cluster
-    except ImportError:
-        pytest.fail("the ray tier needs Ray: run it with `make test-ray`")
-    head, *workers = starts
-    local = Cluster(initialize_head=True, head_node_args={"num_cpus": head["num_cpus"]})
-    for w in workers:
-        local.add_node(num_cpus=w["num_cpus"], resources=w["resources"], labels=w["labels"])
+def test_docs_recipe_runs_on_a_local_multi_node_cluster(hosts, tiny, tmp_path):
+    """docs/ray.md's recipe as written, on the tier's cluster (its hosts are the recipe's): its config with tiny
+    models, its `pipespec` commands as subprocesses (HEAD:6379 → the cluster's address)."""
+    config = RECIPE_CONFIG
+    pipespec = [t[1:] for t in RECIPE_COMMANDS if t[0] == "pipespec"]
     (tmp_path / "ray.yaml").write_text(yaml.safe_dump(config), encoding="utf-8")
     tiny_keys = [f"--set=verifier.model={tiny('llama')}", f"--set=drafter.model={tiny('llama', 'random')}"]
     for role in ("verifier", "drafter"):
@@ -203,7 +198,7 @@ def test_docs_recipe_runs_on_a_local_multi_node_cluster(tiny, tmp_path):
     background: list[subprocess.Popen] = []
     try:
         for argv in pipespec:
-            argv = [a.replace(RAY_HEAD, local.address) for a in argv]
+            argv = [a.replace(RAY_HEAD, hosts.address) for a in argv]
             if argv[-1] == "&":
                 argv = [*argv[:-1], *tiny_keys, "--port", str(free_port())]
                 proc = subprocess.Popen([*PIPESPEC, *argv], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
@@ -234,7 +229,6 @@ def test_docs_recipe_runs_on_a_local_multi_node_cluster(tiny, tmp_path):
                 proc.wait(60)
             except subprocess.TimeoutExpired:
                 proc.kill()
-        local.shutdown()
     assert all(p.returncode == 0 for p in background), [p.returncode for p in background]
 
 
