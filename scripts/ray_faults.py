@@ -53,7 +53,7 @@ def _config(args: argparse.Namespace, target: str, drafter: str) -> dict[str, An
 
 async def measure(args: argparse.Namespace, target: str, drafter: str) -> dict[str, Any]:
     from runtime.launch import cluster
-    from testkit.ray_hosts import RayHosts, until_drafters, until_served
+    from testkit.ray_hosts import RayHosts, live_drafters, until_drafters, until_served
 
     hosts = RayHosts(HOSTS)
     log(f"Ray cluster: head + {len(HOSTS)} hosts up in {hosts.up_s:.1f} s")
@@ -89,6 +89,9 @@ async def measure(args: argparse.Namespace, target: str, drafter: str) -> dict[s
             for name, fault, re_add in faults:
                 await until_drafters(client, 1, timeout_s=600)
                 before = client.address
+                # a drafter fault: the one that comes back is another (the verifier counts the old one as alive
+                # until its heartbeat times out); a verifier fault: the new verifier knows no drafter yet
+                old_drafters = await live_drafters(client) if name.startswith("drafter") else set()
                 requests = [asyncio.create_task(client.generate(token_ids=p, max_new_tokens=args.max_new_tokens,
                                                                 eos_token_ids=[]))
                             for p in PROMPTS[: args.requests]]
@@ -103,7 +106,7 @@ async def measure(args: argparse.Namespace, target: str, drafter: str) -> dict[s
                 if re_add is not None and re_add not in hosts.nodes:
                     hosts.add(re_add)  # a new host joins once the requests are over
                 t_add = time.monotonic()
-                await until_drafters(client, 1, timeout_s=600)
+                await until_drafters(client, 1, timeout_s=600, besides=old_drafters)
                 back_s = time.monotonic() - t_fault
                 row = {"scenario": name, "requests": len(results),
                        "failed": sum(isinstance(r, BaseException) for r in results),

@@ -48,15 +48,22 @@ class RayHosts:
         self.cluster.shutdown()
 
 
-async def until_drafters(client: Any, count: int, timeout_s: float = 120) -> float:
-    """Seconds until the verifier's pool has ``count`` live drafters (AssertionError after ``timeout_s``)."""
+async def live_drafters(client: Any) -> set[str]:
+    """The ids of the drafters the verifier counts as alive now."""
+    pong = await client.ping(timeout_s=2)
+    return {d["id"] for d in pong.get("drafters") or [] if d.get("alive")}
+
+
+async def until_drafters(client: Any, count: int, timeout_s: float = 120, besides: set[str] = frozenset()) -> float:
+    """Seconds until the verifier's pool has ``count`` live drafters, not counting those in ``besides`` (drafters
+    that were there before a fault: the verifier counts a drafter whose host vanished as alive until its heartbeat
+    times out). AssertionError after ``timeout_s``."""
     from runtime.client import PipespecError
 
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout_s:
         with contextlib.suppress(TimeoutError, PipespecError):
-            pong = await client.ping(timeout_s=2)
-            if sum(bool(d.get("alive")) for d in pong.get("drafters") or []) == count:
+            if len(await live_drafters(client) - besides) == count:
                 return time.monotonic() - t0
         await asyncio.sleep(0.2)
     raise AssertionError(f"the pool did not reach {count} live drafters in {timeout_s} s")

@@ -28,7 +28,7 @@ from benchmarks.http_overhead import free_port
 from runtime.client import PipespecError
 from runtime.launch import LaunchError, cluster, serve_http
 from runtime.ray_launch import scale
-from testkit.ray_hosts import until_drafters, until_served
+from testkit.ray_hosts import live_drafters, until_drafters, until_served
 from testkit.tiny_models import reference_greedy
 
 pytestmark = pytest.mark.ray
@@ -265,6 +265,7 @@ def test_drafter_host_removed_mid_request_then_back_on_a_new_host(hosts, tiny):
     async def main():
         async with cluster(ray_config(tiny)) as client:
             await until_drafters(client, 1)
+            before = await live_drafters(client)
             in_flight = [asyncio.create_task(client.generate(token_ids=p, max_new_tokens=300, eos_token_ids=[]))
                          for p in PROMPTS]
             await asyncio.sleep(0.3)
@@ -274,7 +275,7 @@ def test_drafter_host_removed_mid_request_then_back_on_a_new_host(hosts, tiny):
             done_s = time.monotonic() - removed
             hosts.add("draft")
             added = time.monotonic()
-            back_s = await until_drafters(client, 1, timeout_s=180)
+            back_s = await until_drafters(client, 1, timeout_s=180, besides=before)
             again = await generate_all(client)
             return results, done_s, back_s, again, time.monotonic() - added, client.cluster.status()
 
