@@ -51,6 +51,19 @@ def _config(args: argparse.Namespace, target: str, drafter: str) -> dict[str, An
             "client": {"timeout_s": 300}, "launch": {"backend": "ray", "ready_timeout_s": 900, "max_restarts": -1}}
 
 
+async def _since(t0: float, wait: Any) -> float:
+    """Seconds from ``t0`` (monotonic) until ``wait`` is done."""
+    await wait
+    return time.monotonic() - t0
+
+
+async def _in_turn(first: Any, then: Any) -> None:
+    """``first`` (a task, or None), then ``then``."""
+    if first is not None:
+        await first
+    await then
+
+
 async def measure(args: argparse.Namespace, target: str, drafter: str) -> dict[str, Any]:
     from runtime.launch import cluster
     from testkit.ray_hosts import RayHosts, live_drafters, until_drafters, until_served
@@ -97,26 +110,42 @@ async def measure(args: argparse.Namespace, target: str, drafter: str) -> dict[s
                             for p in PROMPTS[: args.requests]]
                 await asyncio.sleep(args.fault_after_s)
                 t_fault = time.monotonic()
+
                 await fault()
+                verifier_fault = name.startswith("verifier")
+                # measured beside the requests in flight: when a request is served again (a verifier fault; a
+                # drafter fault never stops serving), when a drafter is back in the pool (a removed drafter host:
+                # only once a new host joins, after the requests)
+                served = asyncio.create_task(_since(t_fault, until_served(
+                    client, {"token_ids": PROMPTS[0], "max_new_tokens": 4, "eos_token_ids": []}))) \
+                    if verifier_fault else None
+                # after a verifier fault, only the new verifier's pool counts (the dying one still answers a moment)
+                back = asyncio.create_task(_since(t_fault, _in_turn(
+                    served, until_drafters(client, 1, timeout_s=600, besides=old_drafters)))) \
+                    if re_add != "draft" else None
                 results = await asyncio.gather(*requests, return_exceptions=True)
                 done_s = time.monotonic() - t_fault
-                _, _ = await until_served(client, {"token_ids": PROMPTS[0], "max_new_tokens": 4,
-                                                   "eos_token_ids": []})
-                served_s = time.monotonic() - t_fault
-                if re_add is not None and re_add not in hosts.nodes:
+                served_s = await served if served is not None else None
+                after_add_s = None
+                if back is None:
                     hosts.add(re_add)  # a new host joins once the requests are over
-                t_add = time.monotonic()
-                await until_drafters(client, 1, timeout_s=600, besides=old_drafters)
-                back_s = time.monotonic() - t_fault
+                    t_add = time.monotonic()
+                    await until_drafters(client, 1, timeout_s=600, besides=old_drafters)
+                    after_add_s = time.monotonic() - t_add
+                    back_s = time.monotonic() - t_fault
+                else:
+                    back_s = await back
+                if re_add == "target" and re_add not in hosts.nodes:
+                    hosts.add(re_add)  # the spare target host for later runs of the loop
                 row = {"scenario": name, "requests": len(results),
                        "failed": sum(isinstance(r, BaseException) for r in results),
                        "wrong_tokens": sum(not isinstance(r, BaseException) and r.token_ids != ref
                                            for r, ref in zip(results, reference)),
                        "requests_done_s": done_s, "served_again_s": served_s, "drafter_back_s": back_s,
-                       "drafter_back_after_host_added_s": time.monotonic() - t_add if re_add == "draft" else None,
+                       "drafter_back_after_host_added_s": after_add_s,
                        "verifier_moved": client.address != before}
                 log(f"{name}: {row['failed']} of {row['requests']} requests failed, {row['wrong_tokens']} wrong; "
-                    f"served again after {served_s:.1f} s, drafter in the pool after {back_s:.1f} s")
+                    f"served again after {_fmt(served_s)} s, drafter in the pool after {back_s:.1f} s")
                 out["scenarios"].append(row)
             out["events"] = client.cluster.status()["events"]
     finally:
@@ -144,7 +173,9 @@ def write(out_dir: Path, result: dict[str, Any], args: argparse.Namespace, comma
              f"{result['placement_group_s'] * 1000:.1f} ms; every node serving {result['ready_s']:.1f} s after the "
              "start (actor processes, imports, model load)",
              f"- each scenario: {args.requests} greedy requests of {args.max_new_tokens} tokens in flight, the fault "
-             f"{args.fault_after_s} s after they start; seconds counted from the fault", ""]
+             f"{args.fault_after_s} s after they start; seconds counted from the fault, each measured beside the "
+             "requests in flight; served again: after a verifier fault (a drafter fault never stops serving); "
+             "a removed drafter host: a new one joins once the requests ended", ""]
     columns = ["scenario", "requests failed", "tokens differ", "requests ended after s", "served again after s",
                "drafter in the pool after s", "… after a new host joined, s", "verifier address moved"]
     rows = [[r["scenario"], f"{r['failed']} of {r['requests']}", str(r["wrong_tokens"]), _fmt(r["requests_done_s"]),
