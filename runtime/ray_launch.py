@@ -24,11 +24,13 @@ Ray is an optional dependency (``pip install 'pipespec[ray]'``); nothing else im
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import copy
 import logging
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +51,8 @@ CALL_TIMEOUT_S = 30.0
 WATCH_S = 0.25
 #: Concurrent calls one node actor takes: serve (the node), stop, log tail, facts.
 NODE_CONCURRENCY = 4
+#: Events (placed, serving, ended, back, …) the controller keeps for ``status()``; older ones are dropped.
+EVENTS_KEPT = 1000
 #: Times a node that fails while its actor lives is served again when ``launch.max_restarts`` is -1.
 NODE_RETRIES = 3
 INSTALL_HINT = "the ray backend needs Ray: pip install 'pipespec[ray]'"
@@ -141,8 +145,9 @@ def key_material(folder: Path, role: str) -> dict[str, bytes]:
 class _Node:
     """The controller's record of one node actor."""
 
-    def __init__(self, name: str, role: str, actor: Any, placement: Placement, group: Any, bundle: int):
-        self.name, self.role, self.actor, self.placement = name, role, actor, placement
+    def __init__(self, name: str, role: str, actor: tuple[str, Any], placement: Placement, group: Any, bundle: int):
+        self.name, self.role, self.placement = name, role, placement
+        self.actor_name, self.actor = actor  # Ray's name for it (ray.get_actor finds it) and its handle
         self.group, self.bundle = group, bundle  # the placement group and the bundle it sits in
         self.serving: Any = None  # the ObjectRef of the running serve call
         self.facts: dict[str, Any] = {}
@@ -162,7 +167,7 @@ class Controller:
         self.config = ray_config(config)
         self.env = env
         self.nodes: dict[str, _Node] = {}
-        self.events: list[dict[str, Any]] = []
+        self.events: collections.deque[dict[str, Any]] = collections.deque(maxlen=EVENTS_KEPT)
         self.lock = threading.RLock()
         self.stopping = threading.Event()
         self.watcher: threading.Thread | None = None
@@ -177,14 +182,17 @@ class Controller:
         self.events.append(entry)
         log.info("%s: %s %s", node, what, detail or "")
 
-    def _actor(self, name: str, placement: Placement, group: Any, bundle: int) -> Any:
+    def _actor(self, name: str, placement: Placement, group: Any, bundle: int) -> tuple[str, Any]:
+        """A node actor in ``bundle`` of ``group``: its Ray name (``launch.ray_name:NODE:ID``) and handle."""
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from runtime.ray_node import NodeHost
 
         cls = self.ray.remote(NodeHost)
-        return cls.options(
-            name=f"{self.config['launch']['ray_name']}:{name}", namespace=NAMESPACE,
+        # unique per actor: a drafter scaled away and back gets a new actor while Ray may still hold the old name
+        actor_name = f"{self.config['launch']['ray_name']}:{name}:{uuid.uuid4().hex[:8]}"
+        return actor_name, cls.options(
+            name=actor_name, namespace=NAMESPACE,
             max_restarts=self.config["launch"]["max_restarts"], max_task_retries=0,
             max_concurrency=NODE_CONCURRENCY, num_cpus=placement.num_cpus, num_gpus=placement.num_gpus,
             resources=placement.resources or None,
@@ -373,7 +381,7 @@ class Controller:
     def status(self) -> dict[str, Any]:
         """The client address and each node's role, state, host facts and restarts; the run's events."""
         with self.lock:
-            nodes = {n.name: {"actor": f"{self.config['launch']['ray_name']}:{n.name}", "role": n.role,
+            nodes = {n.name: {"actor": n.actor_name, "role": n.role,
                               "state": n.state, "restarts": n.restarts, "error": n.error,
                               "placement": n.placement.describe(), **n.facts} for n in self.nodes.values()}
         return {"client_address": self.config["client"]["endpoint"], "nodes": nodes, "events": list(self.events)}
