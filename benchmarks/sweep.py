@@ -77,7 +77,6 @@ NAMED_AXES = {"k": "drafter.num_draft_tokens", "schedule": "drafter.draft_schedu
 DEFAULT_PROMPTS = 2
 DEFAULT_MAX_NEW_TOKENS = 32
 PROMPTS_FILE = "code_prompts.json"
-RAY_HINT = "pip install 'pipespec[ray]'"
 #: What each point's warm-up generation decodes (none of the measured prompts).
 WARMUP_MESSAGES = [{"role": "user", "content": "Write a Python function that returns the square of a number."}]
 
@@ -677,9 +676,6 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         p.error("--ray-address goes with --ray")
     extra: dict[str, Any] = {}
     if args.ray:
-        if importlib.util.find_spec("ray") is None:
-            print(f"{name}: --ray needs Ray, which is not installed here: {RAY_HINT}", file=sys.stderr)
-            return 2
         extra["launch.backend"] = "ray"
         if args.ray_address:
             extra["launch.ray_address"] = args.ray_address
@@ -697,6 +693,11 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
                 f"{k}={_label(v)}" for k, v in point.overrides.items()) or "the base config"
             print(f"{point.index:3d}  {point.label}: {what}")
         return 0
+    if args.ray and importlib.util.find_spec("ray") is None:  # a dry run needs no Ray: it only expands the grid
+        from runtime.ray_launch import INSTALL_HINT
+
+        print(f"{name}: {INSTALL_HINT}", file=sys.stderr)
+        return 2
     from runtime.paths import results_dir
 
     out = args.out or results_dir()
