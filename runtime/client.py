@@ -354,10 +354,14 @@ class AsyncClient:
                 raise PipespecError(f"no pong from the verifier at {self.address} within {self.timeout_s} s",
                                     "verifier_gone") from None
         rid = next(self._ids)
-        frames = encode(Generate(
-            request_id=rid, params={k: v for k, v in params.items() if v is not None}, token_ids=token_ids,
-            prompt=prompt, messages=messages, drafter_type=drafter_type,
-        ))
+        try:
+            frames = encode(Generate(
+                request_id=rid, params={k: v for k, v in params.items() if v is not None}, token_ids=token_ids,
+                prompt=prompt, messages=messages, drafter_type=drafter_type,
+            ))
+        except UnicodeEncodeError as exc:  # a lone surrogate (JSON "\ud800"): no UTF-8 for it, so no message
+            raise PipespecError(f"the request's text is not valid Unicode: {exc.object[exc.start]!r} at character "
+                                f"{exc.start} of a string (a lone surrogate); send UTF-8 text", "bad_request") from None
         size = sum(len(f) if isinstance(f, bytes) else f.nbytes for f in frames)
         limit = self.max_message_bytes or DEFAULT_MAX_MESSAGE_BYTES
         if size > limit or len(frames[0]) > MAX_HEADER_BYTES:

@@ -526,3 +526,12 @@ def test_loading_a_config_imports_no_model_code():
                           stdin=subprocess.DEVNULL)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]", "a drafter spec module imports model code at module scope"
+
+
+def test_prompt_lookup_blocks_are_bounded_by_what_the_verifier_takes():
+    """A block longer than the verifier's 64-token limit would pass the config and have every draft refused."""
+    from shared.protocol import MAX_DRAFT_TOKENS
+
+    assert load_config("prompt_lookup.yaml", {"drafter.prompt_lookup_num_tokens": MAX_DRAFT_TOKENS})
+    with pytest.raises(ConfigError, match=r"drafter.prompt_lookup_num_tokens: must be an integer in \[1, 64\]"):
+        load_config("prompt_lookup.yaml", {"drafter.prompt_lookup_num_tokens": MAX_DRAFT_TOKENS + 1})

@@ -175,6 +175,21 @@ def test_unsupported_or_invalid_fields_are_openai_400s(server, kind, kwargs, par
     assert err.body["param"] is not None and err.body["param"].startswith(param), err.body
 
 
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", '{"model": "M", "prompt": "ab\\ud800c", "max_tokens": 3}'),
+    ("/v1/chat/completions", '{"model": "M", "messages": [{"role": "user", "content": "\\udfff"}], "max_tokens": 3}'),
+])
+def test_a_lone_surrogate_in_the_text_is_a_400_not_a_500(server, path, body):
+    """JSON may escape a lone surrogate; no UTF-8 encodes it, so the request is refused as bad, not failed."""
+    status, text = _http(server, "POST", path, body.replace("M", server.model).encode(),
+                         {"Content-Type": "application/json"})
+    error = json.loads(text)["error"]
+    assert status == 400 and error["code"] == "bad_request" and "lone surrogate" in error["message"], text
+    status, _ = _http(server, "POST", path, body.replace("M", server.model).replace("\\u", "u").encode(),
+                      {"Content-Type": "application/json"})
+    assert status == 200  # the same request with plain text is served
+
+
 def test_verifier_errors_map_to_http_statuses(server):
     client = _openai(server)
     with pytest.raises(openai.BadRequestError) as info:  # prompt + max_tokens beyond the tiny target's 512

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from drafter_node.spec import DrafterSpec, positive_int
+from shared.protocol import MAX_DRAFT_TOKENS
 from shared.settings import setting
 
 
@@ -13,7 +14,8 @@ from shared.settings import setting
 class PromptLookupSettings:
     """``prompt_lookup``'s own ``drafter`` keys."""
 
-    prompt_lookup_num_tokens: int = setting(10, "Tokens copied per draft block.", kind="int", bounds=(1, None))
+    prompt_lookup_num_tokens: int = setting(10, "Tokens copied per draft block (the verifier takes blocks of up to "
+                                            f"{MAX_DRAFT_TOKENS}).", kind="int", bounds=(1, MAX_DRAFT_TOKENS))
     max_matching_ngram_size: int = setting(2, "Longest n-gram matched in the history.", kind="int",
                                            bounds=(1, None))
 
