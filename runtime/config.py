@@ -69,6 +69,8 @@ DEFAULTS: dict[str, dict[str, Any]] = {
 
 #: Read when ``http.api_key`` is null: a key kept out of config files and argv (``ps`` shows argv to everyone).
 HTTP_API_KEY_ENV = "PIPESPEC_HTTP_API_KEY"
+#: Keys whose values are secrets, and the environment variable that carries each instead of argv (``--set``).
+SECRET_KEYS = {"http.api_key": HTTP_API_KEY_ENV}
 #: Shortest ``http.api_key`` accepted (a guessable key on a network address protects nothing).
 MIN_API_KEY_CHARS = 16
 
@@ -143,6 +145,10 @@ def parse_overrides(overrides: dict[str, Any] | list[str] | None) -> dict[str, A
         if not sep or not key:
             raise ConfigError(f"--set {item!r}: use section.key=value")
         parsed[key.strip()] = yaml.safe_load(value) if value.strip() else None
+        if key.strip() in SECRET_KEYS and parsed[key.strip()] is not None:
+            raise ConfigError(f"--set {key.strip()}=…: a secret on the command line is visible to every user of this "
+                              f"host (ps shows argv): set ${SECRET_KEYS[key.strip()]}, or put it in a config file only "
+                              "you can read")
     return parsed
 
 

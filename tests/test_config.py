@@ -535,3 +535,11 @@ def test_prompt_lookup_blocks_are_bounded_by_what_the_verifier_takes():
     assert load_config("prompt_lookup.yaml", {"drafter.prompt_lookup_num_tokens": MAX_DRAFT_TOKENS})
     with pytest.raises(ConfigError, match=r"drafter.prompt_lookup_num_tokens: must be an integer in \[1, 64\]"):
         load_config("prompt_lookup.yaml", {"drafter.prompt_lookup_num_tokens": MAX_DRAFT_TOKENS + 1})
+
+
+def test_a_secret_is_refused_on_the_command_line():
+    """``--set http.api_key=…`` would put the key in argv, which ``ps`` shows to every user of the host."""
+    with pytest.raises(ConfigError, match=r"PIPESPEC_HTTP_API_KEY"):
+        parse_overrides(["http.api_key=0123456789abcdef0123"])
+    assert parse_overrides({"http.api_key": "0123456789abcdef0123"}) == {"http.api_key": "0123456789abcdef0123"}
+    assert parse_overrides(["http.api_key="]) == {"http.api_key": None}  # unsetting it reveals nothing
