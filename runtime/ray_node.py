@@ -89,7 +89,7 @@ def write_keys(folder: Path, files: dict[str, bytes]) -> None:
     folder.mkdir(mode=0o700, parents=True, exist_ok=True)
     for relative, data in files.items():
         path = folder / relative
-        if path.resolve().parent != (folder / Path(relative).parent).resolve() or ".." in Path(relative).parts:
+        if not path.resolve().is_relative_to(folder.resolve()):  # "../x" or an absolute name
             raise ValueError(f"key file name {relative!r} leaves the keys folder")
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600 if relative.endswith("_secret") else 0o644)

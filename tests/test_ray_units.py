@@ -15,8 +15,9 @@ import zmq.asyncio
 from runtime import cli, keys, launch
 from runtime.client import AsyncClient
 from runtime.config import ConfigError, load_config
+from runtime.node_setup import node_names
 from runtime.placement import Placement, PlacementError, parse_placement
-from runtime.ray_launch import RayLaunchError, check_feasible, key_material, node_names, ray_config
+from runtime.ray_launch import RayLaunchError, check_feasible, key_material, ray_config
 from runtime.ray_node import free_ports, write_keys
 from shared.protocol import Ping, Pong, decode, encode
 
@@ -86,8 +87,9 @@ def test_each_node_gets_only_the_keys_it_needs_and_writes_them_privately(tmp_pat
     assert (tmp_path / "node" / "drafters" / "drafter.key_secret").stat().st_mode & 0o777 == 0o600
     assert keys.peer_keys(tmp_path / "node", "drafter", "drafter").public == keys.peer_keys(
         tmp_path / "k", "drafter", "drafter").public
-    with pytest.raises(ValueError, match=r"leaves the keys folder"):
-        write_keys(tmp_path / "evil", {"../outside.key": b"x"})
+    for name in ("../outside.key", str(tmp_path / "outside.key")):  # up and out, or an absolute name
+        with pytest.raises(ValueError, match=r"leaves the keys folder"):
+            write_keys(tmp_path / "evil", {name: b"x"})
     assert not (tmp_path / "outside.key").exists()
 
 
