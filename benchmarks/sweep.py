@@ -379,10 +379,8 @@ async def node_hardware(client: Any) -> dict[str, dict[str, Any]]:
 
 
 def _log_tails(client: Any) -> str:
-    nodes = getattr(client, "cluster", None)
-    if not hasattr(nodes, "log_tail"):
-        return ""
-    return "\n".join(f"--- end of {name} log ---\n{nodes.log_tail(name)}" for name in getattr(client, "processes", {}))
+    nodes = client.cluster
+    return "\n".join(f"--- end of {name} log ---\n{nodes.log_tail(name)}" for name in nodes.processes)
 
 
 async def _generate(client: Any, messages: list[dict[str, str]], max_new_tokens: int) -> dict[str, Any]:
@@ -408,7 +406,7 @@ async def run_point(sweep: Sweep, point: Point, record: dict[str, Any], messages
         record["drafter"] = {"type": config["drafter"]["type"], "model": config["drafter"].get("model")}
         record["backend"] = config["launch"]["backend"]
         record["hardware"] = await node_hardware(client)
-        record["startup"] = (getattr(client, "startup", None) or {}).get("reports") or []
+        record["startup"] = (client.startup or {}).get("reports") or []
         log(f"point {point.index}: ready in {record['start_s']:.1f} s; hardware: {hardware_text(record['hardware'])}")
         await _generate(client, WARMUP_MESSAGES, WARMUP_TOKENS)
         for i, m in enumerate(messages):

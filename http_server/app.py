@@ -22,7 +22,7 @@ from http_server.generation import Generation
 from http_server.metrics import CONTENT_TYPE, HttpMetrics
 from http_server.schemas import ChatRequest, CompletionRequest, check_supported
 from http_server.sse import BodyLimit, sse
-from runtime.client import AsyncClient, PipespecError
+from runtime.client import AsyncClient, PipespecError, live_drafters
 from runtime.config_schema import HttpConfig
 
 log = logging.getLogger("pipespec.http")
@@ -223,7 +223,7 @@ def create_app(client: AsyncClient, model_name: str, *, api_key: str | None = No
             pong = await asyncio.wait_for(client.ping(timeout_s=scrape_timeout_s), scrape_timeout_s + 0.5)
         except Exception:  # a health check answers, whatever the verifier does
             return JSONResponse({"status": "unavailable", "verifier": False}, status_code=503)
-        live = sum(bool(d.get("alive")) for d in pong.get("drafters") or [])
+        live = len(live_drafters(pong))
         return JSONResponse({"status": "ok", "verifier": True, "drafters": live, "sessions": pong.get("sessions")})
 
     @app.get("/metrics", dependencies=guarded)

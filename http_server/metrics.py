@@ -11,6 +11,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from runtime.client import live_drafters
+
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -76,7 +78,7 @@ class HttpMetrics:
         else:
             self.verifier_up.set(1)
             self.running.set(pong.get("sessions") or 0)
-            live = Tally(d.get("type") or "unknown" for d in pong.get("drafters") or [] if d.get("alive"))
+            live = Tally(d.get("type") or "unknown" for d in live_drafters(pong))
             with contextlib.suppress(Exception):
                 self.drafters.clear()  # types that left the pool drop out
             for kind, count in live.items():

@@ -50,6 +50,11 @@ from shared.transport import ClientKeys, is_local_endpoint, make_dealer
 CANCEL_WAIT_S = 10.0
 
 
+def live_drafters(pong: dict[str, Any]) -> list[dict[str, Any]]:
+    """The drafters a verifier's pong (:meth:`AsyncClient.ping`) counts as alive, each ``{id, type, host, ...}``."""
+    return [d for d in pong.get("drafters") or [] if d.get("alive")]
+
+
 class PipespecError(RuntimeError):
     """The verifier refused or failed a request; ``code`` says why (``bad_request``, ``busy``, …)."""
 

@@ -42,7 +42,9 @@ from runtime.node_setup import (  # NODE_ENV, LaunchError: also named here by ca
     Launcher,
     LaunchError,
     node_log_level,
+    node_names,
     prepare_models,
+    wait_until_serving,
 )
 from runtime.node_setup import progress as _progress
 from runtime.paths import PACKAGE_ROOT
@@ -161,8 +163,8 @@ class Cluster:
 
     def start(self) -> None:
         self.start_node("verifier")
-        for i in range(self.drafter_count):  # drafter, drafter2, drafter3, …
-            self.start_node("drafter", "drafter" if i == 0 else f"drafter{i + 1}")
+        for name in node_names(self.drafter_count):
+            self.start_node("drafter", name)
 
     def log_tail(self, role: str, lines: int = 25) -> str:
         try:
@@ -185,30 +187,18 @@ class Cluster:
     async def wait_ready(self, client: AsyncClient) -> dict[str, Any]:
         """Wait (bounded by ``launch.ready_timeout_s``) until the verifier answers and every drafter it started is
         in the pool."""
-        deadline = time.monotonic() + self.config["launch"]["ready_timeout_s"]
-        need = self.drafter_count
+        timeout_s = self.config["launch"]["ready_timeout_s"]
         relay = ProfileRelay({name: self.log_path(name) for name in self.processes}, _progress)
-        try:
-            return await self._wait_ready(client, deadline, need, relay)
-        finally:
-            relay.close()
 
-    async def _wait_ready(self, client: AsyncClient, deadline: float, need: int,
-                          relay: ProfileRelay) -> dict[str, Any]:
-        while True:
+        async def check() -> None:
             relay.poll()
             self.check_alive()
-            try:
-                pong = await client.ping(timeout_s=1.0)
-                if sum(bool(d.get("alive")) for d in pong.get("drafters") or []) >= need:
-                    return pong
-            except TimeoutError:
-                pass
-            if time.monotonic() > deadline:
-                raise LaunchError(
-                    f"nodes not ready after {self.config['launch']['ready_timeout_s']} s; logs in {self.run_dir}"
-                )
-            await asyncio.sleep(0.2)
+
+        try:
+            return await wait_until_serving(client, self.drafter_count, timeout_s, check,
+                                            lambda: f"nodes not ready after {timeout_s} s; logs in {self.run_dir}")
+        finally:
+            relay.close()
 
     def stop(self, timeout_s: float = 10.0, keep_logs: bool = False) -> None:
         for proc in self.processes.values():
@@ -278,7 +268,7 @@ async def start_launcher(cfg: dict[str, Any], run_dir: str | None = None, env: d
             # worker thread of to_thread may end while the nodes run
             nodes.start()
         else:
-            await asyncio.to_thread(nodes.start)
+            await asyncio.to_thread(nodes.start)  # placing the nodes blocks on Ray
     except BaseException:
         await asyncio.to_thread(nodes.stop, keep_logs=True)
         raise

@@ -7,8 +7,12 @@ cluster) both use these; ``runtime.launch`` re-exports them under their old name
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import sys
+import time
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
@@ -53,6 +57,29 @@ class Launcher(Protocol):
     async def follow(self, client: AsyncClient) -> None: ...  # point the client at a verifier that moved
 
     def stop(self, timeout_s: float = 10.0, keep_logs: bool = False) -> None: ...
+
+
+def node_names(drafters: int, start: int = 0) -> list[str]:
+    """The names of drafter nodes ``start`` … ``start + drafters - 1``: ``drafter``, ``drafter2``, ``drafter3``, …"""
+    return ["drafter" if i == 0 else f"drafter{i + 1}" for i in range(start, start + drafters)]
+
+
+async def wait_until_serving(client: AsyncClient, drafters: int, timeout_s: float, check: Callable[[], Awaitable[None]],
+                             not_ready: Callable[[], str]) -> dict[str, Any]:
+    """The verifier's pong once it answers with ``drafters`` live drafters in its pool; ``check()`` runs before each
+    ping (it raises for a node that failed), and after ``timeout_s`` a :class:`LaunchError` says ``not_ready()``."""
+    from runtime.client import live_drafters
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        await check()
+        with contextlib.suppress(TimeoutError):
+            pong = await client.ping(timeout_s=1.0)
+            if len(live_drafters(pong)) >= drafters:
+                return pong
+        if time.monotonic() > deadline:
+            raise LaunchError(not_ready())
+        await asyncio.sleep(0.2)
 
 
 def progress(message: str) -> None:

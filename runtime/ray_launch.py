@@ -36,7 +36,7 @@ from typing import Any
 
 from runtime import keys as keyfiles
 from runtime.config import ConfigError
-from runtime.node_setup import LaunchError
+from runtime.node_setup import LaunchError, node_names, wait_until_serving
 from runtime.placement import Placement, parse_placement
 
 log = logging.getLogger("pipespec.ray")
@@ -82,11 +82,6 @@ def connect(address: str | None) -> Any:
         except (ConnectionError, ValueError, RuntimeError) as exc:
             raise RayLaunchError(f"cannot reach the Ray cluster at {address or 'RAY_ADDRESS'}: {exc}") from None
     return ray
-
-
-def node_names(drafters: int, start: int = 0) -> list[str]:
-    """``drafter``, ``drafter2``, … as the process backend names them."""
-    return ["drafter" if i == 0 else f"drafter{i + 1}" for i in range(start, start + drafters)]
 
 
 def ray_config(config: dict[str, Any]) -> dict[str, Any]:
@@ -248,7 +243,6 @@ class Controller:
     def _serve(self, node: _Node) -> None:
         """Start ``node``'s serve call (the verifier first picks its ports: its old ones where it can)."""
         node.facts = self.ray.get(node.actor.facts.remote(), timeout=CALL_TIMEOUT_S)
-        cfg = copy.deepcopy(self.config)
         if node.role == "verifier":
             self.verifier_ports = self.ray.get(node.actor.free_ports.remote(2, self.verifier_ports),
                                                timeout=CALL_TIMEOUT_S)
@@ -256,8 +250,8 @@ class Controller:
             self.config["verifier"]["endpoint"] = f"tcp://{ip}:{self.verifier_ports[0]}"
             self.config["client"]["endpoint"] = f"tcp://{ip}:{self.verifier_ports[1]}"
             self.config["drafter"]["verifier_endpoint"] = None
-            cfg = copy.deepcopy(self.config)
-        node.serving = node.actor.serve.remote(node.role, cfg, key_material(self.keys_dir, node.role),
+        node.serving = node.actor.serve.remote(node.role, copy.deepcopy(self.config),
+                                               key_material(self.keys_dir, node.role),
                                                self.config["launch"]["link_delay_ms"] if node.role == "drafter" else 0)
         node.state = "serving"
         self._event(node.name, "serving", ip=node.facts["ip"], pid=node.facts["pid"])
@@ -386,11 +380,11 @@ class Controller:
                               "placement": n.placement.describe(), **n.facts} for n in self.nodes.values()}
         return {"client_address": self.config["client"]["endpoint"], "nodes": nodes, "events": list(self.events)}
 
-    def node_failure(self) -> str | None:
-        """The error of a node that failed for good, if any (the launcher's start-up check)."""
+    def node_failures(self) -> list[dict[str, str]]:
+        """The nodes that failed for good: ``{name, role, error}`` each (the launcher's liveness check)."""
         with self.lock:
-            failed = [n for n in self.nodes.values() if n.state == "failed"]
-        return f"{failed[0].name}: {failed[0].error}" if failed else None
+            return [{"name": n.name, "role": n.role, "error": n.error or "failed"}
+                    for n in self.nodes.values() if n.state == "failed"]
 
     def log_tail(self, name: str, lines: int = 25) -> str:
         node = self.nodes.get(name)
@@ -492,9 +486,10 @@ class RayCluster:
 
     def check_alive(self, roles: list[str] | None = None) -> None:
         """Raise :class:`RayLaunchError` when a node (of ``roles``) failed for good."""
-        failure = self.ray.get(self.controller.node_failure.remote(), timeout=CALL_TIMEOUT_S)
-        if failure and (not roles or failure.split(":", 1)[0].rstrip("0123456789") in roles):
-            raise RayLaunchError(failure)
+        failures = self.ray.get(self.controller.node_failures.remote(), timeout=CALL_TIMEOUT_S)
+        for failure in failures:
+            if not roles or failure["role"] in roles:
+                raise RayLaunchError(f"{failure['name']}: {failure['error']}")
 
     def log_tail(self, name: str, lines: int = 25) -> str:
         return self.ray.get(self.controller.log_tail.remote(name, lines), timeout=CALL_TIMEOUT_S)
@@ -511,18 +506,16 @@ class RayCluster:
 
     async def wait_ready(self, client: Any) -> dict[str, Any]:
         """Until the verifier answers and every drafter started is in its pool (``launch.ready_timeout_s``)."""
-        deadline = time.monotonic() + self.config["launch"]["ready_timeout_s"]
-        while True:
+        timeout_s = self.config["launch"]["ready_timeout_s"]
+
+        async def check() -> None:
             await asyncio.to_thread(self.check_alive)
-            with contextlib.suppress(TimeoutError):
-                pong = await client.ping(timeout_s=1.0)
-                if sum(bool(d.get("alive")) for d in pong.get("drafters") or []) >= self.drafter_count:
-                    await asyncio.to_thread(self.status)
-                    return pong
-            if time.monotonic() > deadline:
-                raise RayLaunchError(f"nodes not ready after {self.config['launch']['ready_timeout_s']} s; "
-                                     f"verifier log:\n{self.log_tail('verifier')}")
-            await asyncio.sleep(0.2)
+
+        pong = await wait_until_serving(
+            client, self.drafter_count, timeout_s, check,
+            lambda: f"nodes not ready after {timeout_s} s; verifier log:\n{self.log_tail('verifier')}")
+        await asyncio.to_thread(self.status)  # where each node runs now
+        return pong
 
     async def follow(self, client: Any) -> None:
         """Point ``client`` at the verifier's address when a restart moved it."""

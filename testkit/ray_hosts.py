@@ -50,8 +50,9 @@ class RayHosts:
 
 async def live_drafters(client: Any) -> set[str]:
     """The ids of the drafters the verifier counts as alive now."""
-    pong = await client.ping(timeout_s=2)
-    return {d["id"] for d in pong.get("drafters") or [] if d.get("alive")}
+    from runtime.client import live_drafters as alive
+
+    return {d["id"] for d in alive(await client.ping(timeout_s=2))}
 
 
 async def until_drafters(client: Any, count: int, timeout_s: float = 120, besides: set[str] = frozenset()) -> float:
