@@ -1,11 +1,13 @@
-"""``prompt_lookup``: continuations copied from the token history (``drafter_node/prompt_lookup.py``)."""
+"""``prompt_lookup``: continuations copied from the token history (``drafter_node/prompt_lookup.py``).
+
+Every key is checked from its declaration (kind and bounds), so the type needs no ``check`` hook.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
-from drafter_node.spec import DrafterSpec, positive_int
+from drafter_node.spec import DrafterSpec
 from shared.protocol import MAX_DRAFT_TOKENS
 from shared.settings import setting
 
@@ -20,11 +22,6 @@ class PromptLookupSettings:
                                            bounds=(1, None))
 
 
-def _check(config: dict[str, Any]) -> None:
-    positive_int(config, "prompt_lookup_num_tokens")
-    positive_int(config, "max_matching_ngram_size")
-
-
 SPEC = DrafterSpec(
     name="prompt_lookup",
     cls="drafter_node.prompt_lookup:PromptLookupDrafter",
@@ -32,5 +29,4 @@ SPEC = DrafterSpec(
     settings=PromptLookupSettings,
     needs_model=False,
     sends_q=False,  # one-hot drafts: no distribution to ensemble with
-    check=_check,
 )
