@@ -13,7 +13,7 @@ _STATUS_BY_CODE: dict[str, tuple[int, str]] = {
     "unsupported": (400, "invalid_request_error"),
     "ensemble_needs_q": (400, "invalid_request_error"),
     "too_large": (413, "invalid_request_error"),
-    "busy": (429, "rate_limit_error"),  # the verifier is at verifier.max_sessions: retry later
+    "busy": (429, "rate_limit_error"),  # sessions, pending requests or KV tokens at their limit: retry later
     "closed": (503, "server_error"),
     "verifier_gone": (503, "server_error"),
     "numerical_error": (500, "server_error"),

@@ -85,6 +85,41 @@ class VerifierConfig:
         False, "With security.curve: off, must be true to listen on a non-loopback address.", kind="bool"
     )
     placement: Any = node_placement()
+    # Request preparation off the loop and admission by memory (verifier_node/request_prep.py, admission.py).
+    max_pending_requests: int = setting(
+        16,
+        "Requests being tokenised or having their grammar compiled at once (off the loop); more get a busy error.",
+        kind="int",
+        bounds=(1, None),
+    )
+    grammar_compile_timeout_s: float = setting(
+        5.0,
+        "A grammar compile running longer fails its request (400); the compiler process is killed and restarted.",
+        kind="number",
+        bounds=(0, None),
+        open_low=True,
+        unit="seconds",
+    )
+    grammar_cache_bytes: int = setting(
+        64 * 1024 * 1024,
+        "Bytes of compiled grammars kept (xgrammar's cache and pipespec's, each).",
+        kind="int",
+        bounds=(0, None),
+    )
+    max_model_len: Any = setting(
+        None,
+        "Most prompt + max_new_tokens of one request (null: the target's max_position_embeddings, or 32768 for a "
+        "target that states none); longer requests get a 400.",
+        kind="int",
+        bounds=(1, None),
+    )
+    max_kv_tokens: Any = setting(
+        None,
+        "Token budget: the sum of prompt + max_new_tokens over admitted requests (null: kv_slots × kv_slot_tokens "
+        "where the backend has slots, else 65536); a request that does not fit now gets a busy error.",
+        kind="int",
+        bounds=(1, None),
+    )
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ import json
 import re
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,8 +25,11 @@ import torch
 
 from shared.sampling import GrammarSpec, ParamError
 
-#: Compiled grammars kept per verifier (a compile can take a while on a large vocabulary: a repeated schema is free).
+#: pipespec's own cache of compiled grammars: at most this many entries (and ``cache_bytes`` in all, measured with
+#: ``CompiledGrammar.memory_size_bytes``; a compile can take a while on a large vocabulary: a repeated spec is free).
 COMPILED_CACHE = 64
+#: ``verifier.grammar_cache_bytes``' default: the byte bound of both caches (xgrammar's own and pipespec's).
+DEFAULT_CACHE_BYTES = 64 * 1024 * 1024
 #: ``[12:07:59] /project/cpp/x.cc:94: `` and ``Check failed: (...) is false: `` prefixes of xgrammar's messages.
 _ENGINE_PREFIX = re.compile(r"^\s*\[[^\]]*\]\s*\S+:\d+:\s*(Check failed: \(.*?\) is false:\s*)?")
 
@@ -58,37 +62,75 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()
 
 
-class GrammarCompiler:
-    """Compiles grammar specs against the target's tokenizer (one per verifier), caching the compiled grammars."""
+#: A cache key: (scope, kind, value). ``scope`` is an opaque string the caller passes (a tenant, say; None: shared).
+CacheKey = tuple[str | None, str, str]
 
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]):
+
+class GrammarCompiler:
+    """Compiles grammar specs against the target's tokenizer (one per verifier), caching the compiled grammars.
+
+    Both caches are bounded in bytes: xgrammar's own (``cache_limit_bytes``) and pipespec's dict of compiled grammars
+    (by count, :data:`COMPILED_CACHE`, and by ``cache_bytes``). ``compile_with``: who compiles a spec that is not
+    cached (a function of the spec, returning a compiled grammar or raising :class:`ParamError`; None: this
+    process, :meth:`compile_uncached`); the verifier passes a child process's (:mod:`verifier_node.request_prep`).
+    ``info``: a ready ``xgrammar.TokenizerInfo`` instead of one built from ``tokenizer`` (the child process)."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int], *,
+                 cache_bytes: int = DEFAULT_CACHE_BYTES, info: Any = None,
+                 compile_with: Callable[[GrammarSpec], Any] | None = None):
         self.xgr = _import_xgrammar()
         self.vocab_size = vocab_size
         # The target's logits row may be longer than the tokenizer (padded embeddings): the bitmask covers the row.
-        self.info = self.xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
-                                                            stop_token_ids=list(stop_token_ids) or None)
-        self.compiler = self.xgr.GrammarCompiler(self.info, max_threads=1)
-        self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        self.info = info if info is not None else self.xgr.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids) or None)
+        self.cache_bytes = int(cache_bytes)
+        self.compiler = self.xgr.GrammarCompiler(self.info, max_threads=1, cache_limit_bytes=self.cache_bytes)
+        self.compile_with = compile_with or self.compile_uncached
+        self._cache: OrderedDict[CacheKey, Any] = OrderedDict()
+        self._sizes: dict[CacheKey, int] = {}
+        self._cached_bytes = 0
         self._lock = threading.Lock()
 
-    def compile(self, spec: GrammarSpec) -> Any:
-        """The compiled grammar of ``spec``; a spec the engine refuses raises :class:`ParamError` with its message."""
-        key = (spec.kind, spec.value)
+    @property
+    def cached(self) -> tuple[int, int]:
+        """(entries, bytes) in pipespec's cache."""
+        with self._lock:
+            return len(self._cache), self._cached_bytes
+
+    def compile(self, spec: GrammarSpec, scope: str | None = None) -> Any:
+        """The compiled grammar of ``spec`` (cached under ``(scope, kind, value)``); a spec the engine refuses
+        raises :class:`ParamError` with its message."""
+        key: CacheKey = (scope, spec.kind, spec.value)
         with self._lock:
             if key in self._cache:
                 self._cache.move_to_end(key)
                 return self._cache[key]
+        compiled = self.compile_with(spec)
+        self._remember(key, compiled)
+        return compiled
+
+    def compile_uncached(self, spec: GrammarSpec) -> Any:
+        """Compile ``spec`` in this process (no pipespec cache; xgrammar's own, bounded, still applies)."""
         try:
-            compiled = self._compile(spec)
+            return self._compile(spec)
         except ParamError:
             raise
         except Exception as exc:  # xgrammar raises RuntimeError with the parser's message
             raise ParamError(f"{spec.kind}: refused by the grammar engine (xgrammar): {engine_message(exc)}") from None
+
+    def _remember(self, key: CacheKey, compiled: Any) -> None:
+        size = int(getattr(compiled, "memory_size_bytes", 0) or 0) + len(key[2])
+        if size > self.cache_bytes:
+            return  # larger than the whole bound: used once, not kept
         with self._lock:
+            if key in self._cache:
+                return
             self._cache[key] = compiled
-            while len(self._cache) > COMPILED_CACHE:
-                self._cache.popitem(last=False)
-        return compiled
+            self._sizes[key] = size
+            self._cached_bytes += size
+            while len(self._cache) > COMPILED_CACHE or self._cached_bytes > self.cache_bytes:
+                old, _ = self._cache.popitem(last=False)
+                self._cached_bytes -= self._sizes.pop(old)
 
     def _compile(self, spec: GrammarSpec) -> Any:
         c = self.compiler
@@ -105,9 +147,10 @@ class GrammarCompiler:
             return c.compile_grammar("root ::= " + " | ".join(json.dumps(s) for s in choices))
         return c.compile_grammar(spec.value)  # "grammar": EBNF (GBNF-style, as in vLLM and llama.cpp)
 
-    def session(self, spec: GrammarSpec, end_token_ids: set[int]) -> SessionGrammar:
-        """A fresh matcher of ``spec`` for one request; it accepts an end token only where the grammar is complete."""
-        compiled = self.compile(spec)
+    def session(self, spec: GrammarSpec, end_token_ids: set[int], scope: str | None = None) -> SessionGrammar:
+        """A fresh matcher of ``spec`` for one request; it accepts an end token only where the grammar is complete.
+        ``scope``: see :meth:`compile`."""
+        compiled = self.compile(spec, scope)
         matcher = self.xgr.GrammarMatcher(compiled, override_stop_tokens=sorted(end_token_ids) or None)
         grammar = SessionGrammar(self.xgr, matcher, self.vocab_size, end_token_ids)
         if not grammar.mask().any():

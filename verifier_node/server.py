@@ -27,6 +27,7 @@ import contextlib
 import logging
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -92,11 +93,20 @@ from shared.transport import (
     secret_matches,
 )
 from verifier_node.acceptance import AcceptRule, check_ensemble_weight
+from verifier_node.admission import MemoryAdmission
 from verifier_node.draft_check import checked_stats, dense_q, tree_parents
 from verifier_node.draft_wait import DraftWait
 from verifier_node.drafters import DrafterLink, DrafterPool
-from verifier_node.grammar import GrammarCompiler
+from verifier_node.grammar import DEFAULT_CACHE_BYTES, GrammarCompiler
 from verifier_node.pool_policy import PoolPolicy
+from verifier_node.request_prep import (
+    DEFAULT_COMPILE_TIMEOUT_S,
+    DEFAULT_MAX_PENDING,
+    GrammarChild,
+    PrepJob,
+    RequestPrep,
+    check_schema_bounds,
+)
 from verifier_node.rounds import RoundRunner, ThreadSwitch
 from verifier_node.scheduler import BatchLimits, Prefills, Scheduler
 from verifier_node.session import NumericalError, RoundResult, Session
@@ -143,6 +153,12 @@ class VerifierSettings:
     ensemble_weight: float | None  # static ensemble verification (lossy by design), None: off
     drafter_endpoint: str
     client_endpoint: str
+    # request preparation and admission (verifier_node.request_prep, verifier_node.admission); None: the default
+    max_pending_requests: int = DEFAULT_MAX_PENDING
+    grammar_compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S
+    grammar_cache_bytes: int = DEFAULT_CACHE_BYTES
+    max_model_len: int | None = None
+    max_kv_tokens: int | None = None
 
     @classmethod
     def from_config(cls, config: Config) -> VerifierSettings:
@@ -151,7 +167,10 @@ class VerifierSettings:
         check_ensemble_weight(weight)
         return cls(model_name=v.model, draft_timeout_s=v.draft_timeout_ms / 1000, max_sessions=v.max_sessions,
                    max_message_bytes=v.max_message_bytes, client_timeout_s=float(config.client.heartbeat_timeout_s),
-                   ensemble_weight=weight, drafter_endpoint=v.endpoint, client_endpoint=config.client.endpoint)
+                   ensemble_weight=weight, drafter_endpoint=v.endpoint, client_endpoint=config.client.endpoint,
+                   max_pending_requests=v.max_pending_requests, grammar_compile_timeout_s=v.grammar_compile_timeout_s,
+                   grammar_cache_bytes=v.grammar_cache_bytes, max_model_len=v.max_model_len,
+                   max_kv_tokens=v.max_kv_tokens)
 
 
 @dataclass
@@ -198,13 +217,14 @@ class VerifierServer:
     def __init__(self, settings: VerifierSettings, model: Any, tokenizer: Any, profile: NodeProfile | None,
                  threads: ThreadPlan, limits: BatchLimits, sockets: VerifierSockets, *, run_secret: str | None = None,
                  forward_delay_s: float = 0.0, accept: AcceptRule | None = None, backend: TargetBackend | None = None,
-                 cores: CoreLeases | None = None):
+                 cores: CoreLeases | None = None, prep_hook: Callable[[PrepJob], None] | None = None):
         """Serve with built parts: the target ``model`` and its ``tokenizer``, its measured ``profile`` (None: not
         measured), the thread plan (its share already applied), the batch ``limits`` (batching only where the
         target can), bound ``sockets``. ``run_secret``: what a drafter's hello must show where the drafter link has
         no CURVE (None: nothing). ``forward_delay_s`` and ``accept``: see :meth:`from_config`. ``backend``: who holds
         the sessions' KV caches (:mod:`shared.backend`; None: dynamic caches). ``cores``: the CPU core leases each
-        forward holds (:mod:`shared.cores`; None: the planned thread counts as they are)."""
+        forward holds (:mod:`shared.cores`; None: the planned thread counts as they are). ``prep_hook``: for tests,
+        run by the preparation worker before each request it prepares (a slow tokenizer or compile)."""
         self.settings = settings
         self.draft_timeout = settings.draft_timeout_s
         self.max_sessions = settings.max_sessions
@@ -226,13 +246,18 @@ class VerifierServer:
         self.tokenizer_id = tokenizer_id(tokenizer)
         self.default_eos = default_eos_ids(model, tokenizer)
         self.grammars: GrammarCompiler | None = None  # built at the first request with a grammar (xgrammar optional)
-        self.max_positions = getattr(model.config, "max_position_embeddings", None)
+        self.grammar_child: GrammarChild | None = None  # where grammars compile (started with self.grammars)
+        self.admission = MemoryAdmission.resolve(settings.max_model_len, settings.max_kv_tokens, model.config,
+                                                 self.backend)
         self.sockets = sockets
         self.drafter_sock, self.client_sock = sockets.drafter, sockets.client
         self.run_secret = run_secret
         self.poller = zmq.Poller()
         self.poller.register(self.drafter_sock, zmq.POLLIN)
         self.poller.register(self.client_sock, zmq.POLLIN)
+        # Tokenising and grammar compiles run off this loop; a finished one wakes it through prep.socket.
+        self.prep = RequestPrep(self._prepare, settings.max_pending_requests, hook=prep_hook)
+        self.poller.register(self.prep.socket, zmq.POLLIN)
         self.scheduler = Scheduler(limits)
         self.by_request: dict[tuple[bytes, int], int] = {}
         self.next_sid = 1
@@ -246,7 +271,8 @@ class VerifierServer:
 
     @classmethod
     def from_config(cls, config: Config, *, links: VerifierLinks, forward_delay_s: float = 0.0,
-                    accept: AcceptRule | None = None, model: Any = None, tokenizer: Any = None) -> VerifierServer:
+                    accept: AcceptRule | None = None, model: Any = None, tokenizer: Any = None,
+                    prep_hook: Callable[[PrepJob], None] | None = None) -> VerifierServer:
         """Load the target (unless ``model`` / ``tokenizer`` are given), measure its profile and bind the sockets.
         ``config``: the typed config (``runtime.config.typed``; the verifier reads its ``verifier``,
         ``verification`` and ``client`` sections, and the drafter's ``device`` and ``max_draft_tokens``).
@@ -254,7 +280,8 @@ class VerifierServer:
         ``forward_delay_s`` and ``accept`` exist for tests (tests/node_entry.py injects them): seconds added
         before each target forward, so tests on tiny models (whose forwards take about as long as a drafter's step
         or a message) can rely on drafts made ahead and on requests arriving while a forward runs; and an
-        acceptance rule that replaces the method's own (the negative control of the distribution tests)."""
+        acceptance rule that replaces the method's own (the negative control of the distribution tests).
+        ``prep_hook``: see :meth:`__init__`."""
         v = config.verifier
         threads = ThreadPlan.for_node(v.threads, v.device, config.drafter.device)
         set_threads(threads.share)
@@ -285,7 +312,7 @@ class VerifierServer:
         # Without CURVE on the drafter link, a launcher-given secret is what a drafter's hello must show.
         return cls(settings, model, tokenizer, profile, threads, limits, VerifierSockets.bind(config, links),
                    run_secret=links.run_secret, forward_delay_s=forward_delay_s, accept=accept, backend=backend,
-                   cores=leases_for(v.device, threads.full, set_threads))
+                   cores=leases_for(v.device, threads.full, set_threads), prep_hook=prep_hook)
 
     @property
     def sessions(self) -> dict[int, Session]:
@@ -311,6 +338,7 @@ class VerifierServer:
                     self._drain(self.drafter_sock, self._on_drafter_message)
                 if self.client_sock in events:
                     self._drain(self.client_sock, self._on_client_message)
+                self._admit_prepared()
                 self.policy.reap()  # after the drains: a long round must not make a drafter that kept talking look dead
                 self._drop_silent_clients()
                 work = self.scheduler.next_work()
@@ -331,6 +359,11 @@ class VerifierServer:
         self.running = False
 
     def close(self) -> None:
+        if self.grammar_child is not None:
+            self.grammar_child.kill()  # a compile in work ends now, so the worker can stop
+        self.prep.close()
+        if self.grammar_child is not None:
+            self.grammar_child.close()
         self.sockets.close()
 
     def _drain(self, sock: zmq.Socket, handler) -> None:
@@ -371,7 +404,12 @@ class VerifierServer:
                 log.warning("session %d (request %d of client %s): cancelled, nothing from the client for %.1f s",
                             s.sid, s.request_id, s.client.hex(), silent)
                 self.finish(s, "client_gone")
-        live = {s.client for s in self.sessions.values()}
+        for peer, rid in list(self.prep.pending):
+            if now - self.client_seen.get(peer, now) > self.client_timeout:
+                log.warning("request %d of client %s: dropped while being prepared, nothing from the client", rid,
+                            peer.hex())
+                self.prep.cancel((peer, rid))
+        live = {s.client for s in self.sessions.values()} | self.prep.clients()
         for peer in [p for p in self.client_seen if p not in live and now - self.client_seen[p] > self.client_timeout]:
             del self.client_seen[peer]  # bounded: forget peers that are gone and hold nothing
 
@@ -564,6 +602,9 @@ class VerifierServer:
             sid = self.by_request.get((peer, msg.request_id))
             if sid is not None:
                 self.finish(self.sessions[sid], "cancelled")
+            elif self.prep.cancel((peer, msg.request_id)) is not None:  # cancelled while being prepared
+                self.client_sock.send_multipart([peer, *encode(Done(request_id=msg.request_id, token_ids=[], text="",
+                                                                    metrics={}, finish_reason="cancelled"))])
         elif isinstance(msg, Ping):
             live, n = self.pool.live(), self.rounds.counts
             self.client_sock.send_multipart([peer, *encode(Pong(
@@ -581,10 +622,13 @@ class VerifierServer:
             raise ProtocolError(f"a client may not send {msg.TYPE!r}", code="unexpected")
 
     def _on_generate(self, peer: bytes, msg: Generate) -> None:
+        """Cheap checks here, on the loop; the prompt's tokenisation and the grammar's compile in the preparation
+        worker (:mod:`verifier_node.request_prep`), after which :meth:`_admit` makes the session. A request of
+        token ids and no grammar has nothing slow to prepare: it is admitted at once."""
         rid = msg.request_id
-        if (peer, rid) in self.by_request:
+        if (peer, rid) in self.by_request or (peer, rid) in self.prep:
             raise ParamError(f"request_id {rid} is already running for this client")
-        if len(self.sessions) >= self.max_sessions:
+        if len(self.sessions) + len(self.prep) >= self.max_sessions:
             raise ProtocolError(f"verifier is at its limit of {self.max_sessions} sessions", "busy", rid)
         params_in = dict(msg.params)
         params_in.setdefault("eos_token_ids", self.default_eos)
@@ -598,35 +642,74 @@ class VerifierServer:
                 f"ensemble verification needs the draft distribution q; drafter type {live[0].type!r} sends none "
                 "under greedy decoding (use do_sample=true, or a drafter that sends q when greedy)"
             )
-        prompt = self._prompt_ids(msg)
-        if self.max_positions and len(prompt) + params.max_new_tokens > self.max_positions:
-            raise ParamError(
-                f"prompt ({len(prompt)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds the target's "
-                f"context of {self.max_positions}"
-            )
+        if params.grammar_spec is not None and self.ensemble_weight is not None:
+            raise ParamError("structured output cannot be combined with static ensemble verification")
+        job = PrepJob(peer, msg, params, wanted)
+        self._admission_check(job, len(msg.token_ids) if msg.token_ids is not None else 1)  # before any work
+        if msg.token_ids is None or params.grammar_spec is not None:
+            self.prep.submit(job)
+            return
+        self._prepare(job)
+        self._admit(job)
+
+    def _prepare(self, job: PrepJob) -> None:
+        """Fill ``job``: the prompt's ids and the grammar's matcher (the preparation worker's thread, or the loop
+        for a request with nothing slow to prepare)."""
+        job.prompt = self._prompt_ids(job.msg)
+        job.grammar = self._grammar(job.params, job.scope)
+
+    def _admission_check(self, job: PrepJob, prompt_len: int) -> None:
+        in_use = sum(s.prompt_len + s.params.max_new_tokens for s in self.sessions.values())
+        self.admission.check(prompt_len, job.params.max_new_tokens, in_use, job.msg.request_id)
+
+    def _admit_prepared(self) -> None:
+        """Admit the requests the preparation worker has finished (or send their errors); never blocks."""
+        for job in self.prep.finished():
+            try:
+                if job.error is not None:
+                    raise job.error
+                self._admit(job)
+            except ProtocolError as exc:
+                self.client_sock.send_multipart([job.peer, *error_frames(str(exc), exc.code,
+                                                                         request_id=job.msg.request_id)])
+            except (ParamError, ValueError) as exc:
+                self.client_sock.send_multipart([job.peer, *error_frames(str(exc), "bad_request",
+                                                                         request_id=job.msg.request_id)])
+
+    def _admit(self, job: PrepJob) -> None:
+        """A prepared request becomes a session, if its tokens fit (:mod:`verifier_node.admission`)."""
+        prompt, params, rid = job.prompt, job.params, job.msg.request_id
+        assert prompt is not None
+        self._admission_check(job, len(prompt))
         sid = self.next_sid
         self.next_sid += 1
         # Under ensemble verification a plain step is not equivalent (it samples from p, not from w·p + (1 − w)·q),
         # so there the wait stays the cap; lossless sessions wait as long as their drafter's answers take.
         wait = DraftWait(self.draft_timeout, adaptive=self.ensemble_weight is None)
-        s = Session(sid, self.model, self.tokenizer, prompt, params, peer, rid, self.ensemble_weight, wanted, wait,
-                    accept=self.accept_rule, grammar=self._grammar(params), backend=self.backend)
+        s = Session(sid, self.model, self.tokenizer, prompt, params, job.peer, rid, self.ensemble_weight, job.wanted,
+                    wait, accept=self.accept_rule, grammar=job.grammar, backend=self.backend)
         self.scheduler.add(s)
-        self.by_request[(peer, rid)] = sid
+        self.by_request[(job.peer, rid)] = sid
         self.policy.reassign(s)
 
-    def _grammar(self, params: GenerationParams):
-        """The request's grammar matcher (structured output), or None. Compiled here, on the loop (cached per spec);
-        a spec the engine refuses, or a verifier without xgrammar, is a ``ParamError`` (the client's 400)."""
+    def _grammar(self, params: GenerationParams, scope: str | None = None):
+        """The request's grammar matcher (structured output), or None. Compiled in a child process (cached per
+        ``(scope, kind, value)``), from the preparation worker; a spec the engine refuses, one past the bounds, one
+        that compiles too long, or a verifier without xgrammar, is a ``ParamError`` (the client's 400)."""
         spec = params.grammar_spec
         if spec is None:
             return None
-        if self.ensemble_weight is not None:
-            raise ParamError("structured output cannot be combined with static ensemble verification")
+        check_schema_bounds(spec)
         try:
             if self.grammars is None:
-                self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.default_eos)
-            return self.grammars.session(spec, params.end_token_ids)
+                grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.default_eos,
+                                           cache_bytes=self.settings.grammar_cache_bytes)
+                self.grammar_child = GrammarChild(grammars.xgr, grammars.info, self.vocab_size,
+                                                  self.settings.grammar_cache_bytes,
+                                                  self.settings.grammar_compile_timeout_s)
+                grammars.compile_with = self.grammar_child.compile
+                self.grammars = grammars
+            return self.grammars.session(spec, params.end_token_ids, scope)
         except ParamError:
             raise
         except Exception as exc:  # the engine failed on this tokenizer or matcher: this request only, never the node
@@ -726,9 +809,10 @@ class VerifierServer:
 
 
 def run(config: Config, links: VerifierLinks, forward_delay_s: float = 0.0,
-        accept: AcceptRule | None = None) -> None:
+        accept: AcceptRule | None = None, prep_hook: Callable[[PrepJob], None] | None = None) -> None:
     """Entry point of the verifier process: ``config`` built once by the caller (``runtime.config.typed``);
-    ``links``, ``forward_delay_s``, ``accept``: see :meth:`VerifierServer.from_config`."""
-    server = VerifierServer.from_config(config, links=links, forward_delay_s=forward_delay_s, accept=accept)
+    ``links``, ``forward_delay_s``, ``accept``, ``prep_hook``: see :meth:`VerifierServer.from_config`."""
+    server = VerifierServer.from_config(config, links=links, forward_delay_s=forward_delay_s, accept=accept,
+                                        prep_hook=prep_hook)
     stop_on_signals(server.stop)
     server.serve()
