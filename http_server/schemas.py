@@ -6,9 +6,9 @@ Field policy (documented in docs/http.md):
 - implemented: ``model``, ``prompt`` / ``messages``, ``max_tokens`` / ``max_completion_tokens``, ``temperature``,
   ``top_p``, ``seed``, ``stop``, ``stream``, ``stream_options.include_usage``, and pipespec's own ``top_k`` and
   ``repetition_penalty``;
-- structured output, one constraint per request: ``response_format`` (``text``, ``json_object``, ``json_schema``),
-  vLLM's ``structured_outputs`` (``json``, ``regex``, ``grammar``, ``choice``) and its older ``guided_json``,
-  ``guided_regex``, ``guided_grammar``, ``guided_choice``;
+- structured output, one constraint per request: ``response_format`` (``text``, ``json_object``, ``json_schema``
+  with its ``strict``), vLLM's ``structured_outputs`` (``json``, ``regex``, ``grammar``, ``choice``) and its older
+  ``guided_json``, ``guided_regex``, ``guided_grammar``, ``guided_choice``; not together with ``stop``;
 - accepted when they ask for nothing (their default): ``n: 1``, ``best_of: 1``, ``echo: false``, ``logprobs``
   false / null, ``presence_penalty`` / ``frequency_penalty`` 0, ``logit_bias`` empty; accepted and ignored:
   ``user``, ``metadata``, ``store``, ``service_tier``;
@@ -180,7 +180,13 @@ def check_supported(req: _Request) -> None:
                               code="unsupported_parameter")
     if req.logit_bias:
         raise bad_request("logit_bias is not supported by pipespec", param="logit_bias", code="unsupported_parameter")
-    req.grammar_spec()  # a malformed or doubled constraint is a 400 before anything runs
+    spec = req.grammar_spec()  # a malformed or doubled constraint is a 400 before anything runs
+    if spec is not None and req.stop_strings():
+        # A stop string cuts the text wherever it appears, so the output would end short of what the constraint
+        # asks for while finish_reason says "stop" (complete): refused rather than served broken.
+        raise bad_request(f"stop cannot be combined with an output constraint ({spec.kind}): a stop string would cut "
+                          "the constrained text short of what the constraint asks for; put the end into the schema, "
+                          "regex or grammar instead", param="stop", code="invalid_value")
     for name in sorted(set(req.model_extra or {}) - IGNORED_FIELDS):
         raise bad_request(f"{name} is not supported by pipespec (unknown or unimplemented field)", param=name,
                           code="unsupported_parameter")

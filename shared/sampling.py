@@ -43,18 +43,21 @@ MAX_CHOICES = 256
 class GrammarSpec:
     """A request's output constraint: ``kind`` (one of :data:`GRAMMAR_KINDS`) and its text ``value`` — a JSON
     schema as JSON text, nothing for ``json_object``, a regex, an EBNF grammar, or a JSON list of strings for
-    ``choice``. The verifier compiles it with xgrammar (:mod:`verifier_node.grammar`)."""
+    ``choice``. ``strict`` (json_schema only; OpenAI's ``json_schema.strict``): True, no properties or items the
+    schema does not name; False, JSON Schema's own defaults (``additionalProperties`` absent allows any). The
+    verifier compiles it with xgrammar (:mod:`verifier_node.grammar`)."""
 
     kind: str
     value: str = ""
+    strict: bool = True
 
     @classmethod
     def from_wire(cls, data: Any) -> GrammarSpec:
         """Check the ``grammar`` parameter (``{"kind", "value"}``): the shape and size only; the engine judges the
         content when the verifier compiles it."""
-        if not isinstance(data, dict) or set(data) - {"kind", "value"} or "kind" not in data:
-            raise ParamError('grammar must be {"kind": ..., "value": ...}')
-        kind, value = data["kind"], data.get("value", "")
+        if not isinstance(data, dict) or set(data) - {"kind", "value", "strict"} or "kind" not in data:
+            raise ParamError('grammar must be {"kind": ..., "value": ..., "strict": true or false (optional)}')
+        kind, value, strict = data["kind"], data.get("value", ""), data.get("strict", True)
         if kind not in GRAMMAR_KINDS:
             raise ParamError(f"grammar kind must be one of {', '.join(GRAMMAR_KINDS)}, got {kind!r}")
         if value is None:
@@ -66,6 +69,10 @@ class GrammarSpec:
             raise ParamError(f"grammar value is {len(value)} characters; at most {MAX_GRAMMAR_CHARS} are accepted")
         if kind != "json_object" and not value:
             raise ParamError(f"grammar kind {kind} needs a non-empty value")
+        if not isinstance(strict, bool):
+            raise ParamError(f"grammar strict must be true or false, got {strict!r}")
+        if not strict and kind != "json_schema":
+            raise ParamError(f"grammar strict=false applies to json_schema only, not {kind}")
         if kind == "choice":
             try:
                 choices = json.loads(value)
@@ -74,10 +81,23 @@ class GrammarSpec:
             if not (isinstance(choices, list) and 0 < len(choices) <= MAX_CHOICES
                     and all(isinstance(c, str) and c for c in choices)):
                 raise ParamError(f"choice must be a list of 1 to {MAX_CHOICES} non-empty strings")
-        return cls(kind, value)
+            for c in choices:
+                if not _is_unicode(c):
+                    raise ParamError(f"choice {c!r} is not valid Unicode text (a lone surrogate escape)")
+        return cls(kind, value, strict)
 
-    def to_wire(self) -> dict[str, str]:
-        return {"kind": self.kind, "value": self.value}
+    def to_wire(self) -> dict[str, Any]:
+        """The wire form; ``strict`` only when false (the default), so a plain spec reads as before."""
+        return {"kind": self.kind, "value": self.value, **({} if self.strict else {"strict": False})}
+
+
+def _is_unicode(text: str) -> bool:
+    """No lone surrogate (JSON's ``\\ud83d`` without its pair): the text has a UTF-8 form."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def structured_output(
@@ -99,7 +119,12 @@ def structured_output(
             if not isinstance(inner, dict) or not isinstance(inner.get("schema"), (dict, bool)):
                 raise ParamError('response_format of type json_schema needs "json_schema": {"name": ..., '
                                  '"schema": {...}}')
-            given.append(_schema_spec(inner["schema"]))
+            strict = inner.get("strict")
+            if strict is not None and not isinstance(strict, bool):
+                raise ParamError(f"response_format json_schema.strict must be true or false, got {strict!r}")
+            # strict absent or null: strict, as pipespec always compiled (OpenAI's default is false, which leaves
+            # the output unconstrained there; here a schema is always enforced, strict=false only relaxes it)
+            given.append(_schema_spec(inner["schema"], strict is not False))
         elif kind != "text":
             raise ParamError(f"response_format type must be text, json_object or json_schema, got {kind!r}")
     if json_schema is not None:
@@ -118,15 +143,15 @@ def structured_output(
     return given[0] if given else None
 
 
-def _schema_spec(schema: Any) -> GrammarSpec:
+def _schema_spec(schema: Any, strict: bool = True) -> GrammarSpec:
     """A JSON schema given as an object or as JSON text."""
     if isinstance(schema, str):
-        return GrammarSpec.from_wire({"kind": "json_schema", "value": schema})
+        return GrammarSpec.from_wire({"kind": "json_schema", "value": schema, "strict": strict})
     try:
         text = json.dumps(schema)
     except (TypeError, ValueError) as exc:
         raise ParamError(f"the JSON schema is not JSON: {exc}") from None
-    return GrammarSpec.from_wire({"kind": "json_schema", "value": text})
+    return GrammarSpec.from_wire({"kind": "json_schema", "value": text, "strict": strict})
 
 
 @dataclass
@@ -143,7 +168,7 @@ class GenerationParams:
     eos_token_ids: list[int] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     seed: int | None = None
-    grammar: dict[str, str] | None = None  # structured output: GrammarSpec.to_wire(); the verifier compiles it
+    grammar: dict[str, Any] | None = None  # structured output: GrammarSpec.to_wire(); the verifier compiles it
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], vocab_size: int | None = None) -> GenerationParams:

@@ -210,3 +210,29 @@ def test_a_verifier_without_xgrammar_refuses_constraints_and_serves_the_rest(tin
             assert info.value.code == "bad_request"
             return await c.generate(prompt="x", max_new_tokens=4)
     assert len(asyncio.run(main()).token_ids) == 4
+
+
+def test_constraints_keep_their_word_or_refuse_over_http(server):
+    """An emoji choice comes back exactly; strict=false is served; a schema keyword the engine ignores, and stop
+    strings with a constraint, are 400s that name them."""
+    client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=60)
+    r = client.completions.create(model=server.model, prompt="go:", max_tokens=12, temperature=0,
+                                  extra_body={"guided_choice": ["a\U0001F600"]})
+    assert r.choices[0].text == "a\U0001F600" and r.choices[0].finish_reason == "stop"
+    loose = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    r = client.chat.completions.create(
+        model=server.model, temperature=0, max_tokens=MAX_NEW, messages=[{"role": "user", "content": "x"}],
+        response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": loose, "strict": False}})
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(r.choices[0].message.content)["ok"], bool)
+    bad = [
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {
+            "type": "object", "properties": {"n": {"type": "integer", "not": {"const": 3}}}}}}},
+         "'not' at /properties/n/not is not supported"),
+        ({"stop": ["}"], "response_format": {"type": "json_object"}}, "stop cannot be combined"),
+    ]
+    for extra, message in bad:
+        with pytest.raises(openai.BadRequestError, match=message) as info:
+            client.chat.completions.create(model=server.model, max_tokens=4, **extra,
+                                           messages=[{"role": "user", "content": "x"}])
+        assert info.value.status_code == 400

@@ -24,12 +24,17 @@ from typing import Any
 import torch
 
 from shared.sampling import GrammarSpec, ParamError
+from verifier_node.schema_check import check_schema
 
 #: pipespec's own cache of compiled grammars: at most this many entries (and ``cache_bytes`` in all, measured with
 #: ``CompiledGrammar.memory_size_bytes``; a compile can take a while on a large vocabulary: a repeated spec is free).
 COMPILED_CACHE = 64
 #: ``verifier.grammar_cache_bytes``' default: the byte bound of both caches (xgrammar's own and pipespec's).
 DEFAULT_CACHE_BYTES = 64 * 1024 * 1024
+#: Tokens the grammar may force past the drafter's block in one round: a grammar that forces a long run (a regex of
+#: one long literal, a long ``const``) fills it over several rounds, each taking its turn with the other sessions,
+#: rather than one round verifying thousands of tokens.
+MAX_FORCED_PER_ROUND = 32
 #: ``[12:07:59] /project/cpp/x.cc:94: `` and ``Check failed: (...) is false: `` prefixes of xgrammar's messages.
 _ENGINE_PREFIX = re.compile(r"^\s*\[[^\]]*\]\s*\S+:\d+:\s*(Check failed: \(.*?\) is false:\s*)?")
 
@@ -63,7 +68,7 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 
 #: A cache key: (scope, kind, value). ``scope`` is an opaque string the caller passes (a tenant, say; None: shared).
-CacheKey = tuple[str | None, str, str]
+CacheKey = tuple[str | None, str, str, bool]
 
 
 class GrammarCompiler:
@@ -98,9 +103,9 @@ class GrammarCompiler:
             return len(self._cache), self._cached_bytes
 
     def compile(self, spec: GrammarSpec, scope: str | None = None) -> Any:
-        """The compiled grammar of ``spec`` (cached under ``(scope, kind, value)``); a spec the engine refuses
+        """The compiled grammar of ``spec`` (cached under ``(scope, kind, value, strict)``); a spec the engine refuses
         raises :class:`ParamError` with its message."""
-        key: CacheKey = (scope, spec.kind, spec.value)
+        key: CacheKey = (scope, spec.kind, spec.value, spec.strict)
         with self._lock:
             if key in self._cache:
                 self._cache.move_to_end(key)
@@ -135,16 +140,16 @@ class GrammarCompiler:
     def _compile(self, spec: GrammarSpec) -> Any:
         c = self.compiler
         if spec.kind == "json_schema":
+            check_json_schema(spec.value)
             # Compact JSON (no free whitespace): a model cannot wander into endless whitespace, and more tokens are
-            # forced (drafted for free). strict_mode: no properties the schema does not name.
-            return c.compile_json_schema(spec.value, any_whitespace=False, strict_mode=True)
+            # forced (drafted for free). strict_mode (the default): no properties or items the schema does not name.
+            return c.compile_json_schema(spec.value, any_whitespace=False, strict_mode=spec.strict)
         if spec.kind == "json_object":
             return c.compile_builtin_json_grammar()
         if spec.kind == "regex":
             return c.compile_regex(spec.value)
         if spec.kind == "choice":
-            choices = json.loads(spec.value)
-            return c.compile_grammar("root ::= " + " | ".join(json.dumps(s) for s in choices))
+            return c.compile_grammar(choice_grammar(json.loads(spec.value)))
         return c.compile_grammar(spec.value)  # "grammar": EBNF (GBNF-style, as in vLLM and llama.cpp)
 
     def session(self, spec: GrammarSpec, end_token_ids: set[int], scope: str | None = None) -> SessionGrammar:
@@ -156,6 +161,45 @@ class GrammarCompiler:
         if not grammar.mask().any():
             raise ParamError(f"{spec.kind}: the grammar allows no token at all (an impossible schema or grammar)")
         return grammar
+
+
+def check_json_schema(text: str) -> None:
+    """Refuse a schema with keywords the engine would compile without effect (:mod:`verifier_node.schema_check`)."""
+    try:
+        schema = json.loads(text)
+    except ValueError:
+        return  # not JSON: the engine's own message says so
+    except RecursionError:
+        raise ParamError("json_schema: the schema is nested too deeply") from None
+    try:
+        check_schema(schema)
+    except RecursionError:
+        raise ParamError("json_schema: the schema is nested too deeply") from None
+
+
+def ebnf_literal(text: str) -> str:
+    """``text`` as an EBNF string literal: the characters themselves (UTF-8 in the grammar, so a character outside
+    the BMP stays one character, not two JSON surrogate escapes), with only backslash, quote and control characters
+    escaped."""
+    out = []
+    for ch in text:
+        if ch in '"\\':
+            out.append("\\" + ch)
+        elif ch in _EBNF_ESCAPES:
+            out.append(_EBNF_ESCAPES[ch])
+        elif ord(ch) < 0x20 or ord(ch) == 0x7F:
+            out.append(f"\\u{ord(ch):04x}")  # exactly four digits (\\x takes every hex digit that follows)
+        else:
+            out.append(ch)
+    return '"' + "".join(out) + '"'
+
+
+_EBNF_ESCAPES = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def choice_grammar(choices: list[str]) -> str:
+    """The EBNF grammar of exactly one of ``choices``."""
+    return "root ::= " + " | ".join(ebnf_literal(c) for c in choices)
 
 
 @dataclass
@@ -203,7 +247,8 @@ class SessionGrammar:
         return unpack_bitmask(self.bitmask, self.vocab_size)[0]
 
     def plan(self, draft: list[int], q: torch.Tensor | None, limit: int) -> GrammarPlan:
-        """Masks for ``draft`` (at most ``limit`` tokens verified), forced tokens appended or swapped in.
+        """Masks for ``draft`` (at most ``limit`` tokens verified), forced tokens appended or swapped in (at most
+        :data:`MAX_FORCED_PER_ROUND` past the drafter's own).
 
         * A draft token the grammar allows is kept and the matcher steps over it.
         * Where the mask allows one token only, that token is the target's choice whatever the scores (greedy: the
@@ -230,6 +275,8 @@ class SessionGrammar:
             if only.numel() == 1:  # forced: drafted for free
                 token = int(only[0, 0])
                 if not (on_draft and i < len(draft) and draft[i] == token):
+                    if forced >= MAX_FORCED_PER_ROUND:
+                        break  # the rest next round (this row, the bonus, still commits the forced token)
                     on_draft = False
                 kept.append(token)
                 q_rows.append(None)
