@@ -67,7 +67,13 @@ class VerifierConfig:
         kind="int",
         bounds=(1, None),
     )
-    max_prefill_tokens: int = setting(2048, "Most prompt tokens prefilled in one step.", kind="int", bounds=(1, None))
+    max_prefill_tokens: int = setting(
+        2048,
+        "Most prompt tokens prefilled in one forward (rows × longest chunk when prompts share one); a longer prompt "
+        "is prefilled in chunks of this many tokens, the running sessions' rounds between them.",
+        kind="int",
+        bounds=(1, None),
+    )
     max_message_bytes: int = setting(
         DEFAULT_MAX_MESSAGE_BYTES, "Larger messages get an error reply.", kind="int", bounds=(1, None)
     )

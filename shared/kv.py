@@ -156,6 +156,21 @@ class CachedLM:
             self.cache.crop(min(0, keep - self.length))  # transformers 5: a negative count removes that many tokens
             self.length = min(keep, self.length)
 
+    def restore(self, keep: int) -> None:
+        """Hold exactly the first ``keep`` positions again after a forward that failed part-way (a batched forward
+        whose caches grew, some rows' or layers' and not others'): every layer that grew past ``keep`` is cut,
+        whatever ``length`` says, and ``length`` is ``keep``. Attention layers only (recurrent and sliding caches
+        take :meth:`crop`, which restores their states)."""
+        if self.recurrent or self._sliding:
+            if keep < self.length:
+                self.crop(keep)
+            return
+        for layer in self.cache.layers:
+            held = layer.get_seq_length() if getattr(layer, "is_initialized", True) else 0
+            if held > keep:
+                layer.crop(keep - held)  # a negative count: that many positions removed
+        self.length = keep
+
     def _roll_back_states(self, keep: int) -> None:
         """``crop`` for a cache with recurrent layers: back to the last forward's start, then re-feed up to ``keep``."""
         if keep >= self.length:

@@ -21,12 +21,27 @@ from shared.backend import DynamicBackend, TargetBackend
 from shared.batch import Row
 from shared.cores import CoreLeases
 from shared.costs.cache import CurveCheck
+from shared.kv import CachedLM
 from shared.models import ThreadPlan, set_threads
 from verifier_node.scheduler import Scheduler
 from verifier_node.session import RoundPlan, RoundResult, Session
 from verifier_node.tree import tree_row
 
 log = logging.getLogger("pipespec.verifier")
+
+
+@contextlib.contextmanager
+def restored_on_failure(lms: list[CachedLM]) -> Iterator[None]:
+    """Around a batched forward: if it raises, every row's cache holds again exactly what it held before (the
+    forward may have grown some rows, or some layers of a row, before it failed), so the per-session forwards that
+    follow feed each row from its committed length, not from a stale one."""
+    held = [(lm, lm.length) for lm in lms]
+    try:
+        yield
+    except BaseException:
+        for lm, length in held:
+            lm.restore(length)
+        raise
 
 
 class RoundOutput(Protocol):
@@ -129,47 +144,64 @@ class RoundRunner:
             yield granted
 
     # ------------------------------------------------------------------ prefills
+    @property
+    def chunk_tokens(self) -> int:
+        """Most prompt tokens of one session a prefill forward feeds (a longer prompt takes several turns)."""
+        return self.scheduler.limits.max_prefill_tokens
+
     def prefill_batch(self, sessions: list[Session]) -> None:
-        """Cache the prompts of ``sessions`` (one forward over all of them when there are several) and announce
-        each to its drafter. A failure ends only the session it belongs to."""
+        """Cache the next chunk of each prompt of ``sessions`` (one forward over all of them when there are several;
+        a chunk is at most ``max_prefill_tokens``, so a long prompt takes several turns and the running sessions'
+        rounds come between them). A session whose whole prompt is cached is announced to its drafter (with the
+        prompt's state, collected over its chunks, where its drafter needs it). A failure ends only the session it
+        belongs to."""
         # A prompt is one long forward: every core (a drafter that drafts prefills its own copy meanwhile, one whose
         # plan is k = 0 waits; the threads follow the plan again from the first round)
         self.threads.use(self.threads.plan.full)
-        needs = []  # what each session's own drafter needs: hidden states or K/V rows of the prompt
         for s in list(sessions):
-            d = s.drafter
-            want_hidden, kv_layers = bool(d and d.needs_hidden), list(d.kv_layers) if d else []
             try:
-                if not (want_hidden or kv_layers):
-                    self.out.announce(s)  # early: its drafter prefills its own copy while we do
+                if s.prefill_needs is None:  # its first chunk: what its drafter needs is collected over the chunks
+                    d = s.drafter
+                    s.prefill_for = d
+                    s.prefill_needs = (bool(d and d.needs_hidden), list(d.kv_layers) if d else [])
+                    if not any(s.prefill_needs):
+                        self.out.announce(s)  # early: its drafter prefills its own copy while we do
             except Exception as exc:
                 self.out.round_failed(s, exc)
                 sessions.remove(s)
-                continue
-            needs.append((want_hidden, kv_layers))
+        chunks = [s.prefill_chunk(self.chunk_tokens) for s in sessions]
         with self.computing():
-            fed = self._prompt_forward(sessions, [w for w, _ in needs])
-        for s, (want_hidden, kv_layers), done in zip(sessions, needs, fed):
+            fed = self._prompt_forward(sessions, chunks)
+        for s, chunk, done in zip(sessions, chunks, fed):
             if done is None:
                 continue  # its forward failed (reported)
             try:
-                hidden, kv = s.prefilled_with(done[0] if want_hidden else None, kv_layers, done[1])
-                if want_hidden or kv_layers:
-                    self.out.announce(s, hidden, kv)
+                want_hidden, kv_layers = s.prefill_needs
+                state = s.chunk_fed(len(chunk), done[0] if want_hidden else None, kv_layers, done[1])
+                if state is None:
+                    continue  # chunks left: the next on a later turn
+                if s.drafter is not s.prefill_for:  # moved while its chunks ran: announced as a move announces
+                    d = s.drafter
+                    self.out.announce(s, kv=s.lm.held_rows(d.kv_layers) if d is not None and d.kv_layers else None)
+                elif want_hidden or kv_layers or not s.announced:
+                    self.out.announce(s, *state)
                 s.wait.ready(len(s.tokens), s.ready_since)
             except Exception as exc:
                 self.out.round_failed(s, exc)
 
-    def _prompt_forward(self, sessions: list[Session], want_hidden: list[bool]) -> list[tuple | None]:
-        """The prompts' forward: one over every prompt when batching allows it, else one each. Per session:
-        (hidden states or None, forward seconds), or None where its forward failed (the session ended)."""
+    def _prompt_forward(self, sessions: list[Session], chunks: list[list[int]]) -> list[tuple | None]:
+        """The forward of the prompts' next ``chunks``: one over every chunk when batching allows it, else one each.
+        Per session: (hidden states or None, forward seconds), or None where its forward failed (the session
+        ended)."""
         self._forward_delay()
-        rows = [i for i, s in enumerate(sessions) if s.prompt_to_cache]
+        rows = [i for i, chunk in enumerate(chunks) if chunk]
+        want_hidden = [bool(s.prefill_needs and s.prefill_needs[0]) for s in sessions]
 
         def together() -> list[tuple]:
             t0 = time.monotonic()
-            outs = self.backend.feed_rows([Row(sessions[i].lm, sessions[i].prompt_to_cache) for i in rows],
-                             want_hidden=any(want_hidden[i] for i in rows), logits=False)
+            with restored_on_failure([sessions[i].lm for i in rows]):
+                outs = self.backend.feed_rows([Row(sessions[i].lm, chunks[i]) for i in rows],
+                                              want_hidden=any(want_hidden[i] for i in rows), logits=False)
             seconds = time.monotonic() - t0
             self.counts.count_prefill(len(rows))
             hidden = {i: o.hidden for i, o in zip(rows, outs)}
@@ -177,8 +209,8 @@ class RoundRunner:
 
         def alone(i: int) -> tuple:
             s, t0 = sessions[i], time.monotonic()
-            hidden = s.feed_prompt(want_hidden[i])
-            if s.prompt_to_cache:
+            hidden = s.feed_prompt(chunks[i], want_hidden[i])
+            if chunks[i]:
                 self.counts.count_prefill(1)
             return hidden, time.monotonic() - t0
 
@@ -187,7 +219,8 @@ class RoundRunner:
     def together_or_each(self, what: str, rows: int, sessions: list[Session], together: Callable[[], list],
                          alone: Callable[[int], Any]) -> list:
         """``together()``: one batched forward's per-session results, when batching is on and there are several
-        ``rows``; if it raises (before any cache changed) or does not apply, ``alone(i)`` for each session, where a
+        ``rows``; if it raises (its caches rolled back to where they were: :func:`restored_on_failure`) or does not
+        apply, ``alone(i)`` for each session, where a
         failure ends that session only and gives None."""
         if rows > 1 and self.scheduler.limits.batching:
             try:
@@ -290,9 +323,10 @@ class RoundRunner:
         def together() -> list[tuple]:
             tokens = sum(len(r.plan.fed) for r in rounds)
             t0 = time.monotonic()
-            rows = [Row(r.session.lm, r.plan.fed) if r.plan.tree is None else
-                    tree_row(r.session.lm, r.plan.fed[0], r.plan.tree) for r in rounds]
-            outs = self.backend.feed_rows(rows, any(r.want_hidden for r in rounds))
+            with restored_on_failure([r.session.lm for r in rounds]):
+                rows = [Row(r.session.lm, r.plan.fed) if r.plan.tree is None else
+                        tree_row(r.session.lm, r.plan.fed[0], r.plan.tree) for r in rounds]
+                outs = self.backend.feed_rows(rows, any(r.want_hidden for r in rounds))
             forward_s = time.monotonic() - t0
             self.counts.count_forward(len(rounds), tokens, forward_s)
             return [(o.logits, o.hidden if r.want_hidden else None, forward_s, len(rounds), tokens)

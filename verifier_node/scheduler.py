@@ -32,7 +32,8 @@ class Prefills:
 @dataclass(frozen=True)
 class BatchLimits:
     """How much one forward may take: ``batching`` (the target can batch at all), and the rows and tokens a batched
-    round or prefill may hold (``max_batch_sessions`` 1: no batching asked for)."""
+    round or prefill may hold (``max_batch_sessions`` 1: no batching asked for); ``max_prefill_tokens`` also bounds
+    one prompt's chunk (a longer prompt is prefilled over several turns)."""
 
     batching: bool
     max_batch_sessions: int
@@ -140,14 +141,16 @@ class Scheduler:
 
     def prompts_to_prefill(self, first: Session, now: float) -> Prefills:
         """``first`` and, when batching, the other prompts waiting, in order, while the padded forward (rows × the
-        longest prompt) stays within ``max_prefill_tokens``, the rows within ``max_batch_sessions``, and padding
-        adds at most PREFILL_PADDING of the prompts' own tokens (padded positions are computed like real ones: a
-        long prompt among short ones would cost more than it saves, so it waits for a turn with prompts like it)."""
+        longest chunk) stays within ``max_prefill_tokens``, the rows within ``max_batch_sessions``, and padding
+        adds at most PREFILL_PADDING of the chunks' own tokens (padded positions are computed like real ones: a
+        long prompt among short ones would cost more than it saves, so it waits for a turn with prompts like it).
+        A chunk is what is left of a prompt, up to ``max_prefill_tokens``: a longer prompt takes several turns,
+        with the running sessions' rounds between them (chunked prefill)."""
         chosen = [first]
         limits = self.limits
         if not limits.batching:
             return Prefills(chosen)
-        longest = real = len(first.prompt_to_cache)
+        longest = real = self._chunk(first)
         rows = 1 if real else 0  # a one-token prompt caches nothing: no row
         for sid in self.order:
             s = self.sessions[sid]
@@ -155,7 +158,7 @@ class Scheduler:
                 continue
             if len(chosen) >= limits.max_batch_sessions:
                 break
-            n = len(s.prompt_to_cache)
+            n = self._chunk(s)
             if n:
                 padded = max(longest, n) * (rows + 1)
                 if padded > limits.max_prefill_tokens or padded > (1 + PREFILL_PADDING) * (real + n):
@@ -163,6 +166,10 @@ class Scheduler:
                 longest, real, rows = max(longest, n), real + n, rows + 1
             chosen.append(s)
         return Prefills(chosen)
+
+    def _chunk(self, s: Session) -> int:
+        """Tokens of ``s``'s next prefill chunk."""
+        return min(len(s.prompt_to_cache), self.limits.max_prefill_tokens)
 
     def _to_back(self, taken: list[Session]) -> None:
         for s in taken:

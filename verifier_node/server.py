@@ -560,7 +560,8 @@ class VerifierServer:
         if s is not None and s.drafter is not link:
             s.metrics.stale_drafts += 1
             return  # from a drafter that no longer serves this session
-        if s is None or not s.prefilled or msg.base_len != len(s.tokens):
+        # Announced while its prompt's chunks still run (chunked prefill): its first draft waits for the last chunk.
+        if s is None or not (s.prefilled or s.announced) or msg.base_len != len(s.tokens):
             if s is not None:
                 s.metrics.stale_drafts += 1
                 s.wait.arrived(msg.base_len, time.monotonic(), bool(msg.tokens))  # too late: still a measured delay

@@ -205,6 +205,12 @@ class Session:
         backend = backend or DynamicBackend(model)
         self.lm = backend.open(len(prompt) + params.max_new_tokens)
         self.prefilled = False
+        self.cached_prompt = 0  # prompt tokens the prefill's chunks cached so far
+        # What the prefill's chunks collect for the drafter it was started for (its needs: hidden states, K/V rows)
+        self.prefill_for = None
+        self.prefill_needs: tuple[bool, list[int]] | None = None
+        self._chunk_hidden: list[torch.Tensor] = []
+        self._chunk_kv: list[dict[str, torch.Tensor]] = []
         self.ready_since = time.monotonic()
         self.timed_from = self.ready_since  # the end of its last round's publish (RoundTiming's clock)
         self.draft: dict | None = None  # the draft waiting for this round, if any
@@ -231,36 +237,57 @@ class Session:
 
     @property
     def prompt_to_cache(self) -> list[int]:
-        """What the prefill feeds: every prompt token but the last (the first round feeds that one)."""
-        return self.tokens[: self.prompt_len - 1] if self.prompt_len > 1 else []
+        """What the prefill still feeds: every prompt token but the last (the first round feeds that one), less the
+        tokens earlier chunks cached."""
+        return self.tokens[self.cached_prompt : self.prompt_len - 1] if self.prompt_len > 1 else []
+
+    def prefill_chunk(self, limit: int | None) -> list[int]:
+        """The prefill's next chunk: the next ``limit`` prompt tokens to cache (None: all of them)."""
+        left = self.prompt_to_cache
+        return left if limit is None else left[:limit]
 
     def prefill(
-        self, want_hidden: bool = False, kv_layers: list[int] = ()
+        self, want_hidden: bool = False, kv_layers: list[int] = (), chunk_tokens: int | None = None
     ) -> tuple[torch.Tensor | None, dict[str, torch.Tensor] | None]:
-        """Cache every prompt token but the last, in a forward of its own; return the hidden states and K/V rows of
-        the cached positions when asked (``kv_layers``: target layer indices)."""
-        t0 = time.monotonic()
-        hidden = self.feed_prompt(want_hidden)
-        return self.prefilled_with(hidden, kv_layers, time.monotonic() - t0)
+        """Cache every prompt token but the last, in forwards of its own (of at most ``chunk_tokens`` each; None:
+        one); return the hidden states and K/V rows of the cached positions when asked (``kv_layers``: target layer
+        indices)."""
+        while True:
+            t0 = time.monotonic()
+            chunk = self.prefill_chunk(chunk_tokens)
+            hidden = self.feed_prompt(chunk, want_hidden)
+            done = self.chunk_fed(len(chunk), hidden, kv_layers, time.monotonic() - t0)
+            if done is not None:
+                return done
 
-    def feed_prompt(self, want_hidden: bool = False) -> torch.Tensor | None:
-        """The prompt's forward alone (no logits); its last hidden states when asked."""
-        fed = self.prompt_to_cache
-        if not fed:
+    def feed_prompt(self, chunk: list[int], want_hidden: bool = False) -> torch.Tensor | None:
+        """A chunk of the prompt's forward alone (no logits); its last hidden states when asked."""
+        if not chunk:
             return None
-        _, hidden = self.lm.feed(fed, want_hidden=want_hidden, last_logits_only=True)
+        _, hidden = self.lm.feed(chunk, want_hidden=want_hidden, last_logits_only=True)
         return hidden
 
-    def prefilled_with(
-        self, hidden: torch.Tensor | None, kv_layers: list[int] = (), forward_s: float = 0.0
-    ) -> tuple[torch.Tensor | None, dict[str, torch.Tensor] | None]:
-        """After the prompt's forward (its own, or a batch's of several prompts that took ``forward_s``): the K/V rows
-        the drafter needs, and the session ready for rounds."""
-        fed = len(self.prompt_to_cache)
-        kv = self.lm.new_rows(list(kv_layers), fed, fed) if fed and kv_layers else None
-        if fed:
-            self.lm.crop(fed)
+    def chunk_fed(
+        self, count: int, hidden: torch.Tensor | None, kv_layers: list[int] = (), forward_s: float = 0.0
+    ) -> tuple[torch.Tensor | None, dict[str, torch.Tensor] | None] | None:
+        """After the forward of the prompt's next ``count`` tokens (its own, or a batch's of several prompts that
+        took ``forward_s``): keep the chunk's hidden states and K/V rows (``kv_layers``); once the whole prompt is
+        cached, the session is ready for rounds and this returns the hidden states and K/V rows of every cached
+        prompt position (None while chunks are left)."""
+        if count:
+            if hidden is not None:
+                self._chunk_hidden.append(hidden)
+            if kv_layers:
+                self._chunk_kv.append(self.lm.new_rows(list(kv_layers), count, count))
+            self.lm.crop(self.lm.length)  # sliding layers: back to their window between chunks
+            self.cached_prompt += count
         self.metrics.verify_s += forward_s
+        if self.prompt_to_cache:
+            return None
+        hidden = torch.cat(self._chunk_hidden) if self._chunk_hidden else None
+        kv = ({name: torch.cat([c[name] for c in self._chunk_kv], dim=2) for name in self._chunk_kv[0]}
+              if self._chunk_kv else None)
+        self._chunk_hidden, self._chunk_kv = [], []
         self.prefilled = True
         self.ready_since = self.timed_from = time.monotonic()
         return hidden, kv
