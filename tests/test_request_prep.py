@@ -74,6 +74,9 @@ def test_grammar_child_compiles_and_is_killed_past_its_time_limit(tiny):
         remote = GrammarCompiler(tokenizer, len(tokenizer), [EOS], compile_with=child.compile)
         a, b = remote.session(spec, {EOS}), local.session(spec, {EOS})
         assert torch.equal(a.mask(), b.mask())  # the grammar that came back is the one compiled here
+        loose = GrammarSpec("json_schema", spec.value, strict=False)  # strict: false reaches the child
+        assert child.compile(loose).serialize_json() == local.compile_uncached(loose).serialize_json()
+        assert child.compile(loose).serialize_json() != local.compile_uncached(spec).serialize_json()
         with pytest.raises(ParamError, match="refused by the grammar engine"):
             child.compile(GrammarSpec("regex", "(unclosed"))
         first = child.proc

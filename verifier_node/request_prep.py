@@ -164,7 +164,7 @@ class GrammarChild:
         """Compile ``spec`` in the child, within ``timeout_s`` (past it: the child is killed, :class:`ParamError`)."""
         proc = self.proc if self.proc is not None and self.proc.poll() is None else self._start()
         try:
-            _write(proc.stdin, {"kind": spec.kind, "value": spec.value})
+            _write(proc.stdin, {"kind": spec.kind, "value": spec.value, "strict": spec.strict})
             reply = _read(proc.stdout.fileno(), time.monotonic() + self.timeout_s)
         except (OSError, EOFError, ValueError) as exc:  # the child crashed on this spec: this request fails
             self.close()
@@ -218,7 +218,8 @@ def _child_main() -> None:
         except EOFError:
             return
         try:
-            compiled = compiler.compile_uncached(GrammarSpec(request["kind"], request["value"]))
+            compiled = compiler.compile_uncached(GrammarSpec(request["kind"], request["value"],
+                                                                 bool(request.get("strict", True))))
             _write(out, {"ok": compiled.serialize_json()})
         except ParamError as exc:
             _write(out, {"error": str(exc)})

@@ -24,6 +24,7 @@ server). :class:`VerifierServer` is the I/O loop and the message handlers that t
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import secrets
 import time
@@ -239,6 +240,7 @@ class VerifierServer:
         self.model = model
         self.backend = backend or DynamicBackend(model)
         self.tokenizer = tokenizer
+        self._worker_tokenizer: Any = None  # the preparation worker's copy (made at its first text prompt)
         self.profile = profile
         self.dtype = model_dtype(model)
         self.vocab_size = logits_vocab_size(model)
@@ -728,22 +730,15 @@ class VerifierServer:
         return value
 
     def _prompt_ids(self, msg: Generate) -> list[int]:
+        """The prompt's token ids. Runs in the preparation worker, with a copy of the tokenizer of its own: the loop
+        detokenises with ``self.tokenizer`` meanwhile, and a Rust tokenizer object is not meant to be shared."""
         # decode checked the types and that exactly one of token_ids, prompt and messages is given
         if msg.token_ids is not None:
             ids = msg.token_ids
-        elif msg.prompt is not None:
-            try:
-                ids = self.tokenizer(msg.prompt, add_special_tokens=True)["input_ids"]
-            except Exception as exc:  # a tokenizer may refuse odd text (lone surrogates, …)
-                raise ParamError(f"the target's tokenizer cannot encode the prompt: {exc!r:.300}") from None
         else:
-            if not getattr(self.tokenizer, "chat_template", None):
-                raise ParamError("the target's tokenizer has no chat template; send prompt or token_ids")
-            try:
-                ids = self.tokenizer.apply_chat_template(msg.messages, add_generation_prompt=True, tokenize=True,
-                                                         return_dict=True)["input_ids"]
-            except Exception as exc:  # the template's own raise_exception, or one that fails on these messages
-                raise ParamError(f"the target's chat template failed on these messages: {exc!r:.300}") from None
+            if self._worker_tokenizer is None:
+                self._worker_tokenizer = copy.deepcopy(self.tokenizer)
+            ids = _encode(self._worker_tokenizer, msg)
         if not ids:
             raise ParamError("the prompt is empty")
         if any(t < 0 or t >= self.vocab_size for t in ids):
@@ -807,6 +802,22 @@ class VerifierServer:
             return
         self.client_sock.send_multipart([s.client, *frames])
         self._release(s)
+
+
+def _encode(tokenizer: Any, msg: Generate) -> list[int]:
+    """``msg``'s prompt text or chat messages as token ids (a ParamError where the tokenizer or template refuses)."""
+    if msg.prompt is not None:
+        try:
+            return tokenizer(msg.prompt, add_special_tokens=True)["input_ids"]
+        except Exception as exc:  # a tokenizer may refuse odd text (lone surrogates, …)
+            raise ParamError(f"the target's tokenizer cannot encode the prompt: {exc!r:.300}") from None
+    if not getattr(tokenizer, "chat_template", None):
+        raise ParamError("the target's tokenizer has no chat template; send prompt or token_ids")
+    try:
+        return tokenizer.apply_chat_template(msg.messages, add_generation_prompt=True, tokenize=True,
+                                             return_dict=True)["input_ids"]
+    except Exception as exc:  # the template's own raise_exception, or one that fails on these messages
+        raise ParamError(f"the target's chat template failed on these messages: {exc!r:.300}") from None
 
 
 def run(config: Config, links: VerifierLinks, forward_delay_s: float = 0.0,
