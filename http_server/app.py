@@ -19,6 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from http_server.errors import OpenAIError, error_body, from_pipespec
 from http_server.generation import Generation
+from http_server.guard import ClientStalled, HostCheck
 from http_server.metrics import CONTENT_TYPE, HttpMetrics
 from http_server.schemas import ChatRequest, CompletionRequest, check_supported
 from http_server.sse import BodyLimit, sse
@@ -63,14 +64,33 @@ class _Format:
         return self._choice(finish_reason, text=text)
 
 
+class _Stream(StreamingResponse):
+    """A streamed response that closes its body iterator when it ends early (its request is then cancelled on the
+    verifier at once, not when the iterator is collected), and takes a stalled client's
+    :class:`~http_server.guard.ClientStalled` as the end of the stream."""
+
+    async def stream_response(self, send: Any) -> None:
+        try:
+            await super().stream_response(send)
+        except ClientStalled:
+            pass
+        finally:
+            await self.body_iterator.aclose()
+
+
 def create_app(client: AsyncClient, model_name: str, *, api_key: str | None = None,
                default_max_tokens: int = HttpConfig.default_max_tokens,
                max_body_bytes: int = HttpConfig.max_body_bytes,
-               scrape_timeout_s: float = HttpConfig.scrape_timeout_s) -> FastAPI:
+               scrape_timeout_s: float = HttpConfig.scrape_timeout_s,
+               allowed_hosts: frozenset[str] | None = None) -> FastAPI:
     """The app. ``model_name``: the id ``/v1/models`` lists and requests may name; ``api_key``: when set, ``/v1/*``
-    and ``/metrics`` need ``Authorization: Bearer <api_key>`` (``/health`` stays open)."""
+    and ``/metrics`` need ``Authorization: Bearer <api_key>`` (``/health`` stays open, with its details for
+    authorized callers only); ``allowed_hosts``: when given, a request whose Host header is neither a loopback name
+    nor one of these is refused (:class:`~http_server.guard.HostCheck`)."""
     app = FastAPI(title="pipespec", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    if allowed_hosts is not None:
+        app.add_middleware(HostCheck, allowed=frozenset(allowed_hosts))  # added last: runs first
     metrics = HttpMetrics()
     app.state.metrics = metrics
     created = int(time.time())
@@ -112,6 +132,8 @@ def create_app(client: AsyncClient, model_name: str, *, api_key: str | None = No
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        if isinstance(exc, ClientStalled):  # its connection is gone: nothing to log or send
+            return JSONResponse({}, status_code=500)
         log.exception("unexpected error in the HTTP server")
         return JSONResponse(error_body(f"internal error: {type(exc).__name__}", "server_error",
                                        code="internal_error"), status_code=500)
@@ -167,7 +189,7 @@ def create_app(client: AsyncClient, model_name: str, *, api_key: str | None = No
             return JSONResponse({**base(fmt, rid), "object": fmt.object,
                                  "choices": [fmt.whole(out.text, out.finish_reason)], "usage": out.usage(),
                                  "metrics": out.metrics()})
-        return StreamingResponse(sse(stream_events(gen, pieces, first, fmt, rid, req.include_usage())),
+        return _Stream(sse(stream_events(gen, pieces, first, fmt, rid, req.include_usage())),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
@@ -218,11 +240,15 @@ def create_app(client: AsyncClient, model_name: str, *, api_key: str | None = No
                                             "owned_by": "pipespec"}]}
 
     @app.get("/health")
-    async def health() -> JSONResponse:
+    async def health(request: Request) -> JSONResponse:
         try:
             pong = await asyncio.wait_for(client.ping(timeout_s=scrape_timeout_s), scrape_timeout_s + 0.5)
         except Exception:  # a health check answers, whatever the verifier does
             return JSONResponse({"status": "unavailable", "verifier": False}, status_code=503)
+        try:  # the load (sessions, drafters) only to callers with the key; without a key, to the loopback callers
+            await authorize(request)
+        except OpenAIError:
+            return JSONResponse({"status": "ok", "verifier": True})
         live = len(live_drafters(pong))
         return JSONResponse({"status": "ok", "verifier": True, "drafters": live, "sessions": pong.get("sessions")})
 

@@ -3,9 +3,9 @@ OpenAI fields pipespec does not implement into a 400 instead of silently ignorin
 
 Field policy (documented in docs/http.md):
 
-- implemented: ``model``, ``prompt`` / ``messages``, ``max_tokens`` / ``max_completion_tokens``, ``temperature``,
-  ``top_p``, ``seed``, ``stop``, ``stream``, ``stream_options.include_usage``, and pipespec's own ``top_k`` and
-  ``repetition_penalty``;
+- implemented: ``model``, ``prompt`` / ``messages`` (a message's ``name`` goes to the chat template),
+  ``max_tokens`` / ``max_completion_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop``, ``stream``,
+  ``stream_options.include_usage``, and pipespec's own ``top_k`` and ``repetition_penalty``;
 - structured output, one constraint per request: ``response_format`` (``text``, ``json_object``, ``json_schema``
   with its ``strict``), vLLM's ``structured_outputs`` (``json``, ``regex``, ``grammar``, ``choice``) and its older
   ``guided_json``, ``guided_regex``, ``guided_grammar``, ``guided_choice``; not together with ``stop``;
@@ -153,11 +153,14 @@ class ChatMessage(BaseModel):
     name: str | None = Field(default=None, max_length=256)
 
     def as_template_input(self) -> dict[str, str]:
-        """``{role, content}`` for the target's chat template (text parts joined; ``developer`` is a system turn,
-        which every template knows)."""
+        """``{role, content}`` and ``name`` when given, for the target's chat template (text parts joined;
+        ``developer`` is a system turn, which every template knows; a template that uses no ``name`` ignores it)."""
         parts = self.content if isinstance(self.content, list) else [TextPart(type="text", text=self.content or "")]
         text = "".join(part.text for part in parts)
-        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+        turn = {"role": "system" if self.role == "developer" else self.role, "content": text}
+        if self.name is not None:
+            turn["name"] = self.name
+        return turn
 
 
 class ChatRequest(_Request):

@@ -11,6 +11,7 @@ from typing import Any
 import uvicorn
 
 from http_server.app import create_app
+from http_server.guard import SendGuard
 from runtime.client import AsyncClient
 from runtime.config_schema import HttpConfig
 
@@ -44,9 +45,15 @@ class HttpServer:
             raise ValueError("HttpServer needs http.host")
         self.host, self.port = http.host, http.port
         self.model_name = http.model_name or model_name
+        # no API key: anyone who reaches the (loopback) port is trusted, so its Host must name this server (a web
+        # page re-pointed at 127.0.0.1 by DNS rebinding names its own); with a key, browsers cannot send it
+        # cross-origin, so no Host check is needed
+        hosts = None if http.api_key else frozenset({self.host.lower(), *http.allowed_hosts})
         self.app = create_app(client, self.model_name, api_key=http.api_key, default_max_tokens=http.default_max_tokens,
-                              max_body_bytes=http.max_body_bytes, scrape_timeout_s=http.scrape_timeout_s)
-        self._config = uvicorn.Config(self.app, loop="none", lifespan="off", log_level="warning", access_log=False,
+                              max_body_bytes=http.max_body_bytes, scrape_timeout_s=http.scrape_timeout_s,
+                              allowed_hosts=hosts)
+        self._config = uvicorn.Config(SendGuard(self.app, http.send_timeout_s),
+                                      loop="none", lifespan="off", log_level="warning", access_log=False,
                                       timeout_keep_alive=5, timeout_graceful_shutdown=STOP_TIMEOUT_S / 2,
                                       limit_concurrency=max(64, CONNECTIONS_PER_SESSION * max_sessions + 16))
         self._server = _EmbeddedServer(self._config)

@@ -19,6 +19,7 @@ would refuse. ``close()`` cancels the requests in flight and fails their waiters
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import itertools
 from collections.abc import AsyncIterator
@@ -95,6 +96,61 @@ class _LocalFailure:
         self.code = code
 
 
+#: Replies one request may hold unread: beyond it, chunks merge into the last one held (so a consumer that stops
+#: reading costs at most its request's own text and tokens, which the final result carries anyway).
+MAX_PENDING_REPLIES = 64
+
+
+class _Merged:
+    """Chunks merged in an inbox past its bound: parts kept in lists, joined once when read (merging stays linear)."""
+
+    def __init__(self, first: ChunkMessage):
+        self.request_id = first.request_id
+        self.token_ids = list(first.token_ids)
+        self.texts = [first.text]
+
+    def add(self, chunk: ChunkMessage) -> None:
+        self.token_ids.extend(chunk.token_ids)
+        self.texts.append(chunk.text)
+
+    def chunk(self) -> ChunkMessage:
+        return ChunkMessage(request_id=self.request_id, token_ids=self.token_ids, text="".join(self.texts))
+
+
+class _Inbox:
+    """One request's replies, in order, at most ``limit`` of them: a chunk that would go beyond it is merged into
+    the last chunk held; the final reply (done, error, local failure) always gets a place of its own."""
+
+    def __init__(self, limit: int = MAX_PENDING_REPLIES):
+        self.limit = limit
+        self._items: collections.deque[Message | _LocalFailure | _Merged] = collections.deque()
+        self._ready = asyncio.Event()
+
+    def qsize(self) -> int:
+        return len(self._items)
+
+    def put_nowait(self, item: Message | _LocalFailure) -> None:
+        items = self._items
+        if len(items) >= self.limit:
+            last = items[-1] if items else None
+            if isinstance(item, ChunkMessage) and isinstance(last, (ChunkMessage, _Merged)):
+                if isinstance(last, ChunkMessage):
+                    last = items[-1] = _Merged(last)
+                last.add(item)
+                return
+            if len(items) >= self.limit + 2:  # room for the final reply and a local failure; anything else is late
+                return
+        items.append(item)
+        self._ready.set()
+
+    async def get(self) -> Message | _LocalFailure:
+        while not self._items:
+            self._ready.clear()
+            await self._ready.wait()
+        item = self._items.popleft()
+        return item.chunk() if isinstance(item, _Merged) else item
+
+
 class AsyncClient:
     """A client of one verifier. ``timeout_s`` bounds each wait for a reply; ``heartbeat_s`` is the ping period
     while requests are in flight (and the ZMTP heartbeat interval); ``gone_after_s`` is how long the connection may
@@ -113,7 +169,7 @@ class AsyncClient:
         self.heartbeat_s = heartbeat_s
         self.gone_after_s = gone_after_s
         self._ids = itertools.count(1)
-        self._queues: dict[int, asyncio.Queue] = {}
+        self._queues: dict[int, _Inbox] = {}
         self._pong_waiters: list[asyncio.Future] = []
         self._drop_waiters: list[asyncio.Future] = []  # pings that fail when the connection drops (first request)
         self._reader: asyncio.Task | None = None
@@ -238,7 +294,7 @@ class AsyncClient:
             await asyncio.sleep(self.heartbeat_s)
         self._heartbeat = None
 
-    def _track(self, rid: int, queue: asyncio.Queue) -> None:
+    def _track(self, rid: int, queue: _Inbox) -> None:
         self._queues[rid] = queue
         if self._heartbeat is None:
             self._heartbeat = asyncio.create_task(self._watch())
@@ -374,7 +430,7 @@ class AsyncClient:
             raise PipespecError(
                 f"request of {size} bytes exceeds the verifier's limit ({limit} bytes per message, "
                 f"{MAX_HEADER_BYTES} per header): send a shorter prompt", "too_large")
-        queue: asyncio.Queue[Message | _LocalFailure] = asyncio.Queue()
+        queue = _Inbox()  # bounded: the reader task never waits for a slow consumer
         self._track(rid, queue)
         finished = False
         cancel_sent = False

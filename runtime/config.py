@@ -336,6 +336,12 @@ def _check_http(config: dict[str, Any]) -> None:
                                         or len(h["model_name"]) > 256):
         raise ConfigError(f"http.model_name: a non-empty name (at most 256 characters), or null for the target's "
                           f"name, got {h['model_name']!r}")
+    hosts = h["allowed_hosts"]
+    if not isinstance(hosts, (list, tuple)) or not all(
+            isinstance(x, str) and x and len(x) <= 253 and x.isprintable() and not any(c in x for c in " /@")
+            for x in hosts):
+        raise ConfigError(f"http.allowed_hosts: a list of host names (without port), got {hosts!r}")
+    h["allowed_hosts"] = [x.lower().rstrip(".") for x in hosts]
     host = h["host"]
     if host is None:
         return

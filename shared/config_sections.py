@@ -252,3 +252,17 @@ class HttpConfig:
         open_low=True,
         unit="seconds",
     )
+    # what one HTTP client may cost the others (issue 32): a stalled reader, a foreign Host header
+    send_timeout_s: float = setting(
+        30.0,
+        "Seconds a response may wait for its client to read; then it is cancelled and the connection closed.",
+        kind="number",
+        bounds=(0, 3600),
+        open_low=True,
+        unit="seconds",
+    )
+    allowed_hosts: Any = setting(
+        (),
+        "Host names accepted besides loopback and http.host when api_key is null (DNS-rebinding guard).",
+        kind="any",
+    )

@@ -204,7 +204,10 @@ def bind_router(
     """A ROUTER bound to ``endpoint``; with ``auth``, a CURVE server for the keys of ``domain``."""
     check_endpoint(endpoint, allow_remote, curve=auth is not None)
     sock = _configure(ctx.socket(zmq.ROUTER))
-    sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+    # No ROUTER_HANDOVER: with it, a peer that announces another's routing id takes over that peer's pipe and its
+    # replies. pipespec's peers announce none (each connection, a reconnection included, gets a fresh one from
+    # ZeroMQ), so a duplicate can only be a hijack; without handover ZeroMQ ignores the newcomer.
+    sock.setsockopt(zmq.ROUTER_HANDOVER, 0)
     if auth is not None:
         auth.secure(sock, domain)
     sock.bind(endpoint)

@@ -116,6 +116,29 @@ def test_sockets_get_safety_options(ctx, tmp_path):
     assert router.getsockopt_string(zmq.LAST_ENDPOINT) == endpoint
 
 
+def test_a_peer_announcing_anothers_routing_id_does_not_take_over_its_pipe(ctx, tmp_path):
+    """Replies stay with the peer that owns the pipe: a second connection naming the same routing id is ignored,
+    not handed the first one's messages (ROUTER_HANDOVER off)."""
+    endpoint = f"ipc://{tmp_path}/h.ipc"
+    router = bind_router(ctx, endpoint)
+    victim = transport.make_dealer(ctx)
+    victim.setsockopt(zmq.ROUTING_ID, b"victim")
+    victim.connect(endpoint)
+    victim.send_multipart(encode(Error(message="hello", code="x")))
+    peer, *_ = _recv(router)
+    assert peer.bytes == b"victim"
+    thief = transport.make_dealer(ctx)
+    thief.setsockopt(zmq.ROUTING_ID, b"victim")
+    thief.connect(endpoint)
+    thief.send_multipart(encode(Error(message="steal", code="x")))
+    assert not router.poll(500)  # the newcomer's messages are dropped with its pipe
+    router.send_multipart([b"victim", *encode(Error(message="for the victim", code="x"))])
+    assert decode(_recv(victim)).message == "for the victim"
+    assert not thief.poll(500)
+    for sock in (thief, victim, router):
+        sock.close(linger=0)
+
+
 def test_router_dealer_exchange_over_ipc(ctx, tmp_path):
     endpoint = f"ipc://{tmp_path}/v.ipc"
     router = bind_router(ctx, endpoint)
