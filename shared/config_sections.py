@@ -93,7 +93,7 @@ class VerifierConfig:
     placement: Any = node_placement()
     # Request preparation off the loop and admission by memory (verifier_node/request_prep.py, admission.py).
     max_pending_requests: int = setting(
-        16,
+        64,
         "Requests being tokenised or having their grammar compiled at once (off the loop); more get a busy error.",
         kind="int",
         bounds=(1, None),

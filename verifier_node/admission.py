@@ -64,7 +64,7 @@ class MemoryAdmission:
         need = prompt_len + max_new_tokens
         if need > self.max_model_len:
             raise ParamError(f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
-                             f"verifier.max_model_len ({self.max_model_len})")
+                             f"the context this verifier serves, verifier.max_model_len ({self.max_model_len})")
         if need > self.max_kv_tokens:
             raise ParamError(f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
                              f"verifier's whole KV budget, verifier.max_kv_tokens ({self.max_kv_tokens})")
