@@ -385,7 +385,8 @@ def check_security(config: dict[str, Any], roles: tuple[str, ...] = ("verifier",
             f"{security.drafter_link(config)!r} {'with' if links['drafter'] else 'without'} it (auto decides by "
             "address): set security.curve: on, or use the same kind of address on both sides"
         )
-    loaders = {"verifier": security.verifier_keys, "drafter": security.drafter_keys,
+    # the verifier's: its keys and those of security.gateway_clients
+    loaders = {"verifier": security.verifier_links, "drafter": security.drafter_keys,
                "client": security.client_keys_for}
     for role in roles:
         if role == "drafter" and not config["launch"]["start_drafter"] and "verifier" in roles:

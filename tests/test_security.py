@@ -458,6 +458,10 @@ def test_check_security_names_the_missing_key_file(no_downloads, keys, tmp_path)
                   "security.keys_dir": str(keys)}
     config = load_config("cpu.yaml", both_curve)
     check_security(config)
+    # a gateway named that the client allow-list lacks
+    gateway = load_config("cpu.yaml", {**both_curve, "security.curve": "on", "security.gateway_clients": "client,gw"})
+    with pytest.raises(ConfigError, match=r"clients/gw\.key"):
+        check_security(gateway, ("verifier",))
     (keys / "drafters" / "drafter.key_secret").unlink()
     with pytest.raises(ConfigError, match="add-drafter drafter"):
         check_security(config)
