@@ -193,3 +193,11 @@ class Drafter(ABC):
         self, token_ids: list[int], prompt_len: int, params: GenerationParams, extras: dict[str, torch.Tensor]
     ) -> DraftSession:
         """Start drafting for a request whose committed prefix is ``token_ids``."""
+
+    def open_tenant_session(
+        self, token_ids: list[int], prompt_len: int, params: GenerationParams, extras: dict[str, torch.Tensor],
+        tenant: str | None,
+    ) -> DraftSession:
+        """:meth:`open_session` for a request of ``tenant`` (the verifier's opaque id, None: no tenant); a type that
+        keeps state across requests (``suffix``) overrides it to keep each tenant's apart."""
+        return self.open_session(token_ids, prompt_len, params, extras)

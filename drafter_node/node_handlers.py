@@ -189,7 +189,7 @@ class MessageHandler:
             old.draft.close()
         params = GenerationParams.from_dict(msg.params)
         prompt_len = len(msg.token_ids) if msg.prompt_len is None else msg.prompt_len
-        draft = self.drafter.open_session(msg.token_ids, prompt_len, params, msg.tensors)
+        draft = self.drafter.open_tenant_session(msg.token_ids, prompt_len, params, msg.tensors, msg.tenant)
         draft.want_q = self.want_q
         self.book.start_batch(msg.decoding)  # before the schedule's first plan
         self.picker.add(NodeSession(sid, draft, self._schedule_for(draft), self.book))

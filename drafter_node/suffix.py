@@ -1,7 +1,8 @@
 """``suffix`` drafter: suffix decoding (arXiv 2411.04975), as vLLM's ``method: suffix``.
 
 Drafts come from :class:`drafter_node.suffix_tree.SuffixCache`: a suffix trie over the request's own prompt and
-generated tokens, and one over the responses of every request this drafter process served (the cache lives on the
+generated tokens, and one over the responses of every request this drafter process served for the same tenant
+(``SessionStart.tenant``; one for everybody with ``suffix_share_across_tenants``; the cache lives on the
 :class:`SuffixDrafter`, built once per process, so every session it serves adds to it and drafts from it, across
 rejoins to a restarted verifier). Only
 committed tokens go in — a session's response token by token as the verifier commits it, so concurrent requests
@@ -31,12 +32,13 @@ if TYPE_CHECKING:
 class SuffixSession(DraftSession):
     cheap_steps = True
 
-    def __init__(self, token_ids: list[int], prompt_len: int, params: GenerationParams, drafter: SuffixDrafter):
+    def __init__(self, token_ids: list[int], prompt_len: int, params: GenerationParams, drafter: SuffixDrafter,
+                 tenant: str | None = None):
         super().__init__(token_ids, prompt_len, params)
         self.drafter = drafter
         self.cache = drafter.cache
         # a session may start past its prompt (moved from another drafter): that part is response already
-        self.req = self.cache.start(token_ids[:prompt_len], token_ids[prompt_len:])
+        self.req = self.cache.start(token_ids[:prompt_len], token_ids[prompt_len:], tenant=tenant)
         self._open = True
 
     def propose(self, n: int) -> int:
@@ -72,7 +74,8 @@ class SuffixDrafter(Drafter):
         self.max_spec_factor = float(own.suffix_max_spec_factor)  # a YAML number may be an int
         self.min_token_prob = float(own.suffix_min_token_prob)
         self.cache = SuffixCache(own.suffix_max_tree_depth, own.suffix_max_cached_requests,
-                                 own.suffix_max_cached_tokens)
+                                 own.suffix_max_cached_tokens, own.suffix_max_tenants,
+                                 own.suffix_share_across_tenants)
         self.tokenizer_id = ANY_TOKENIZER
         self.capabilities = Capabilities(sends_q=False)
         self.block_len = self.count  # proposals are as long as the tries allow, up to this
@@ -82,3 +85,9 @@ class SuffixDrafter(Drafter):
         self, token_ids: list[int], prompt_len: int, params: GenerationParams, extras: dict[str, torch.Tensor]
     ) -> DraftSession:
         return SuffixSession(token_ids, prompt_len, params, self)
+
+    def open_tenant_session(
+        self, token_ids: list[int], prompt_len: int, params: GenerationParams, extras: dict[str, torch.Tensor],
+        tenant: str | None,
+    ) -> DraftSession:
+        return SuffixSession(token_ids, prompt_len, params, self, tenant)

@@ -10,8 +10,9 @@ be removed again (:meth:`SuffixTrie.remove`: the counts go back down and nodes w
 frequent children (a chain, as vLLM's v1 proposer uses; the trie could give token trees later).
 
 :class:`SuffixCache` is what one drafter process holds: a trie per active request (its prompt and the tokens
-generated so far) and one global trie over the responses of earlier requests — and of the active ones, as they
-grow — bounded by a number of requests and of tokens, the oldest evicted first.
+generated so far) and one global trie per tenant over the responses of that tenant's earlier requests — and of its
+active ones, as they grow — bounded overall by a number of requests and of tokens (the oldest evicted first) and by
+a number of tenants (the least recently used one dropped whole).
 """
 
 from __future__ import annotations
@@ -149,6 +150,11 @@ class SuffixTrie:
         return sid in self._seqs
 
     @property
+    def sequences(self) -> int:
+        """Sequences held."""
+        return len(self._seqs)
+
+    @property
     def tokens(self) -> int:
         """Tokens held, over all sequences."""
         return sum(len(s) for s in self._seqs.values())
@@ -225,35 +231,60 @@ def speculate(trie: SuffixTrie, context: Sequence[int], max_tokens: int, max_spe
 
 class SuffixCache:
     """One drafter's suffix structures: a trie per active request over its prompt and generated tokens, and one
-    global trie over the responses of the requests it served (active ones included, token by token), bounded by
-    ``max_requests`` and ``max_tokens`` (the oldest response evicted first, its counts removed from the trie)."""
+    global trie per tenant over the responses of the requests it served for that tenant (active ones included,
+    token by token), so one tenant is never offered another's responses. The bounds are overall: ``max_requests``
+    and ``max_tokens`` over every tenant's responses (the oldest response evicted first, its counts removed from its
+    trie), and ``max_tenants`` tries (the least recently used tenant's dropped whole). ``share_across_tenants``:
+    one global trie for everyone (every request in tenant None's scope), as a single-user setup has."""
 
-    def __init__(self, max_depth: int, max_requests: int, max_tokens: int):
+    def __init__(self, max_depth: int, max_requests: int, max_tokens: int, max_tenants: int = 1024,
+                 share_across_tenants: bool = False):
         self.max_depth = max_depth
         self.max_requests = max_requests
         self.max_tokens = max_tokens
-        self.global_trie = SuffixTrie(max_depth)
+        self.max_tenants = max(1, max_tenants)
+        self.share_across_tenants = share_across_tenants
+        self._tries: OrderedDict[str | None, SuffixTrie] = OrderedDict()  # tenant → its global trie, LRU first
         self._local: dict[int, tuple[SuffixTrie, int]] = {}  # request → its own trie and its sequence there
-        self._order: OrderedDict[int, int] = OrderedDict()  # request → its sequence in the global trie, oldest first
+        self._scope: dict[int, str | None] = {}  # request → the tenant whose global trie it reads and feeds
+        # request → its tenant and its sequence in that tenant's global trie, oldest first (over every tenant)
+        self._order: OrderedDict[int, tuple[str | None, int]] = OrderedDict()
         self._pending: set[int] = set()  # active requests with no response token yet: not cached so far
         self._global_tokens = 0
         self._next_req = 0
 
     @property
     def cached_requests(self) -> int:
-        """Responses in the global trie (active ones included)."""
+        """Responses in the global tries (active ones included)."""
         return len(self._order)
 
     @property
     def cached_tokens(self) -> int:
         return self._global_tokens
 
-    def start(self, prompt: Sequence[int], response: Sequence[int] = ()) -> int:
-        """A new request: its local trie over ``prompt`` + ``response`` and its response in the global trie."""
+    @property
+    def tenants(self) -> int:
+        """Tenants with a global trie."""
+        return len(self._tries)
+
+    @property
+    def global_trie(self) -> SuffixTrie:
+        """Tenant None's global trie (the only one when tenants are not used or shared)."""
+        return self.trie_of(None)
+
+    def trie_of(self, tenant: str | None) -> SuffixTrie:
+        """``tenant``'s global trie (an empty one when it has none)."""
+        trie = self._tries.get(tenant)
+        return trie if trie is not None else SuffixTrie(self.max_depth)
+
+    def start(self, prompt: Sequence[int], response: Sequence[int] = (), tenant: str | None = None) -> int:
+        """A new request of ``tenant``: its local trie over ``prompt`` + ``response`` and its response in the
+        tenant's global trie."""
         req = self._next_req
         self._next_req += 1
         local = SuffixTrie(self.max_depth)
         self._local[req] = (local, local.new_sequence([*prompt, *response]))
+        self._scope[req] = None if self.share_across_tenants else tenant
         if self.max_requests > 0 and self.max_tokens > 0:
             self._pending.add(req)
         self._add_response(req, response)
@@ -268,6 +299,7 @@ class SuffixCache:
     def stop(self, req: int) -> None:
         """Request ``req`` is over: its local trie goes, its response stays cached (until evicted)."""
         self._local.pop(req, None)
+        self._scope.pop(req, None)
         self._pending.discard(req)
 
     def _add_response(self, req: int, tokens: Sequence[int]) -> None:
@@ -275,17 +307,24 @@ class SuffixCache:
         # place among the cached requests); an evicted one does not come back
         if tokens and req in self._pending:
             self._pending.discard(req)
-            self._order[req] = self.global_trie.new_sequence()
+            tenant = self._scope[req]
+            trie = self._tries.get(tenant)
+            if trie is None:
+                trie = self._tries[tenant] = SuffixTrie(self.max_depth)
+            self._tries.move_to_end(tenant)
+            self._order[req] = (tenant, trie.new_sequence())
+            self._evict_tenants(keep=tenant)
         if tokens and req in self._order:
             self._add_global(req, tokens)
             self._evict(keep=req)
 
     def _add_global(self, req: int, tokens: Sequence[int]) -> None:
-        seq = self._order[req]
+        tenant, seq = self._order[req]
+        trie = self._tries[tenant]
         # a response longer than the token cap keeps only what fits: a single request never exceeds the bound
-        room = self.max_tokens - len(self.global_trie.sequence(seq))
+        room = self.max_tokens - len(trie.sequence(seq))
         take = tokens[:max(room, 0)]
-        self.global_trie.extend(seq, take)
+        trie.extend(seq, take)
         self._global_tokens += len(take)
 
     def _evict(self, keep: int) -> None:
@@ -297,15 +336,32 @@ class SuffixCache:
                 break
             self.evict(victim)
 
+    def _evict_tenants(self, keep: str | None) -> None:
+        """Drop the least recently used tenants' tries (every response in them) while there are too many."""
+        while len(self._tries) > self.max_tenants:
+            tenant = next(t for t in self._tries if t != keep)
+            for req in [r for r, (t, _) in self._order.items() if t == tenant]:
+                self.evict(req)
+            self._tries.pop(tenant, None)
+
     def evict(self, req: int) -> None:
-        seq = self._order.pop(req)
-        self._global_tokens -= len(self.global_trie.sequence(seq))
-        self.global_trie.remove(seq)
+        tenant, seq = self._order.pop(req)
+        trie = self._tries[tenant]
+        self._global_tokens -= len(trie.sequence(seq))
+        trie.remove(seq)
+        if not trie.sequences:  # its last response: the tenant takes no place
+            del self._tries[tenant]
 
     def speculate(self, req: int, context: Sequence[int], max_tokens: int, max_spec_factor: float,
                   min_token_prob: float) -> Proposal:
-        """The better (by score) of the request's own trie's and the global trie's proposals after ``context``."""
+        """The better (by score) of the request's own trie's and its tenant's global trie's proposals after
+        ``context``."""
         tail = context[max(0, len(context) - self.max_depth):]
         local = speculate(self._local[req][0], tail, max_tokens, max_spec_factor, min_token_prob)
-        glob = speculate(self.global_trie, tail, max_tokens, max_spec_factor, min_token_prob)
+        tenant = self._scope.get(req)
+        trie = self._tries.get(tenant)
+        if trie is None:
+            return local
+        self._tries.move_to_end(tenant)
+        glob = speculate(trie, tail, max_tokens, max_spec_factor, min_token_prob)
         return glob if glob.score > local.score else local

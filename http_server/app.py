@@ -25,6 +25,7 @@ from http_server.schemas import ChatRequest, CompletionRequest, check_supported
 from http_server.sse import BodyLimit, sse
 from runtime.client import AsyncClient, PipespecError, live_drafters
 from runtime.config_schema import HttpConfig
+from runtime.keys import DEFAULT_TENANT
 
 log = logging.getLogger("pipespec.http")
 T = TypeVar("T")
@@ -79,14 +80,19 @@ class _Stream(StreamingResponse):
 
 
 def create_app(client: AsyncClient, model_name: str, *, api_key: str | None = None,
+               api_keys: dict[str, str] | None = None,
                default_max_tokens: int = HttpConfig.default_max_tokens,
                max_body_bytes: int = HttpConfig.max_body_bytes,
                scrape_timeout_s: float = HttpConfig.scrape_timeout_s,
-               allowed_hosts: frozenset[str] | None = None) -> FastAPI:
+               allowed_hosts: frozenset[str] | None = None,
+               request_metrics: bool = HttpConfig.request_metrics) -> FastAPI:
     """The app. ``model_name``: the id ``/v1/models`` lists and requests may name; ``api_key``: when set, ``/v1/*``
     and ``/metrics`` need ``Authorization: Bearer <api_key>`` (``/health`` stays open, with its details for
-    authorized callers only); ``allowed_hosts``: when given, a request whose Host header is neither a loopback name
-    nor one of these is refused (:class:`~http_server.guard.HostCheck`)."""
+    authorized callers only), and the caller is tenant ``default``; ``api_keys``: more keys, key → tenant
+    (``http.api_keys_file``). A request's tenant goes to the verifier with it (docs/security.md).
+    ``allowed_hosts``: when given, a request whose Host header is neither a loopback name nor one of these is
+    refused (:class:`~http_server.guard.HostCheck`). ``request_metrics``: each response carries its request's
+    speculative metrics (off: a client could read from them how well another tenant's text predicts its own)."""
     app = FastAPI(title="pipespec", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
     if allowed_hosts is not None:
@@ -94,16 +100,25 @@ def create_app(client: AsyncClient, model_name: str, *, api_key: str | None = No
     metrics = HttpMetrics()
     app.state.metrics = metrics
     created = int(time.time())
-    expected = api_key.encode() if api_key else None
+    tenants = [(key.encode(), tenant) for key, tenant in (api_keys or {}).items()]
+    if api_key:
+        tenants.append((api_key.encode(), DEFAULT_TENANT))
 
-    async def authorize(request: Request) -> None:
-        if expected is None:
-            return
+    async def authorize(request: Request) -> str | None:
+        """The caller's tenant: its API key's (None when the server has no key)."""
+        if not tenants:
+            return None
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        # compare_digest: the time taken says nothing about how much of the key matched
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), expected):
-            raise OpenAIError(401, "Incorrect API key provided: send Authorization: Bearer <http.api_key>",
+        given = token.strip().encode()
+        found = None
+        for key, tenant in tenants:  # every key compared, so the time taken does not say which one matched
+            # compare_digest: the time taken says nothing about how much of a key matched
+            if hmac.compare_digest(given, key) and found is None:
+                found = tenant
+        if scheme.lower() != "bearer" or found is None:
+            raise OpenAIError(401, "Incorrect API key provided: send Authorization: Bearer <your API key>",
                               code="invalid_api_key")
+        return found
 
     guarded = [Depends(authorize)]
 
@@ -163,9 +178,14 @@ def create_app(client: AsyncClient, model_name: str, *, api_key: str | None = No
     def base(fmt: _Format, rid: str) -> dict[str, Any]:
         return {"id": rid, "object": fmt.chunk_object, "created": int(time.time()), "model": model_name}
 
-    async def run(request: Request, req: CompletionRequest | ChatRequest, fmt: _Format) -> Response:
+    def spec_metrics(out: Any) -> dict[str, Any]:
+        """The response's ``metrics`` block, only where ``http.request_metrics`` is on."""
+        return {"metrics": out.metrics()} if request_metrics else {}
+
+    async def run(request: Request, req: CompletionRequest | ChatRequest, fmt: _Format,
+                  tenant: str | None) -> Response:
         check(req)
-        gen = Generation(client, req, default_max_tokens)
+        gen = Generation(client, req, default_max_tokens, tenant)
         pieces = gen.pieces()
         rid = fmt.id_prefix + secrets.token_hex(12)
         try:
@@ -188,7 +208,7 @@ def create_app(client: AsyncClient, model_name: str, *, api_key: str | None = No
                            time.monotonic() - out.started)
             return JSONResponse({**base(fmt, rid), "object": fmt.object,
                                  "choices": [fmt.whole(out.text, out.finish_reason)], "usage": out.usage(),
-                                 "metrics": out.metrics()})
+                                 **spec_metrics(out)})
         return _Stream(sse(stream_events(gen, pieces, first, fmt, rid, req.include_usage())),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -212,7 +232,7 @@ def create_app(client: AsyncClient, model_name: str, *, api_key: str | None = No
             finished = True
             metrics.record(out.finish_reason, out.result.metrics if out.result else None, out.ttft_s,
                            time.monotonic() - out.started)
-            yield {**head, "choices": [fmt.finish(out.finish_reason)], **extra, "metrics": out.metrics()}
+            yield {**head, "choices": [fmt.finish(out.finish_reason)], **extra, **spec_metrics(out)}
             if include_usage:
                 yield {**head, "choices": [], "usage": out.usage()}
         except (PipespecError, TimeoutError) as exc:  # after the 200: the error travels as an event
@@ -226,13 +246,15 @@ def create_app(client: AsyncClient, model_name: str, *, api_key: str | None = No
                     metrics.record_error("client_gone")
 
     # ------------------------------------------------------------------------------------------ routes
-    @app.post("/v1/completions", dependencies=guarded)
-    async def completions(request: Request, req: CompletionRequest) -> Response:
-        return await run(request, req, _Format(chat=False))
+    @app.post("/v1/completions")
+    async def completions(request: Request, req: CompletionRequest,
+                          tenant: str | None = Depends(authorize)) -> Response:
+        return await run(request, req, _Format(chat=False), tenant)
 
-    @app.post("/v1/chat/completions", dependencies=guarded)
-    async def chat_completions(request: Request, req: ChatRequest) -> Response:
-        return await run(request, req, _Format(chat=True))
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request, req: ChatRequest,
+                               tenant: str | None = Depends(authorize)) -> Response:
+        return await run(request, req, _Format(chat=True), tenant)
 
     @app.get("/v1/models", dependencies=guarded)
     async def models() -> dict[str, Any]:

@@ -91,8 +91,10 @@ class Generation:
     round), then read :attr:`outcome`. A stop string ends the text and cancels the request on the verifier (its
     result still comes, with the metrics of what ran); closing the iterator early cancels it too."""
 
-    def __init__(self, client: AsyncClient, req: CompletionRequest | ChatRequest, default_max_tokens: int):
+    def __init__(self, client: AsyncClient, req: CompletionRequest | ChatRequest, default_max_tokens: int,
+                 tenant: str | None = None):
         self.client = client
+        self.tenant = tenant  # the caller's tenant (its API key's), passed on to the verifier
         self.inputs = prompt_inputs(req)
         self.params = generation_params(req, default_max_tokens)
         self.stops = StopMatcher(req.stop_strings())
@@ -103,7 +105,8 @@ class Generation:
         received = ""  # the verifier's text so far (what the stop matcher has seen)
         tokens = 0  # the verifier's tokens so far
         out = self.outcome
-        stream = self.client.stream(**self.inputs, include_result=True, cancel=cancel, **self.params)
+        stream = self.client.stream(**self.inputs, include_result=True, cancel=cancel, tenant=self.tenant,
+                                    **self.params)
         async with contextlib.aclosing(stream):
             async for item in stream:
                 if isinstance(item, Chunk):

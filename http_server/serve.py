@@ -14,6 +14,7 @@ from http_server.app import create_app
 from http_server.guard import SendGuard
 from runtime.client import AsyncClient
 from runtime.config_schema import HttpConfig
+from runtime.keys import read_api_keys
 
 #: Open connections uvicorn serves at once (more get a 503): a bound per verifier session, with room for scrapes.
 CONNECTIONS_PER_SESSION = 2
@@ -48,10 +49,13 @@ class HttpServer:
         # no API key: anyone who reaches the (loopback) port is trusted, so its Host must name this server (a web
         # page re-pointed at 127.0.0.1 by DNS rebinding names its own); with a key, browsers cannot send it
         # cross-origin, so no Host check is needed
-        hosts = None if http.api_key else frozenset({self.host.lower(), *http.allowed_hosts})
-        self.app = create_app(client, self.model_name, api_key=http.api_key, default_max_tokens=http.default_max_tokens,
-                              max_body_bytes=http.max_body_bytes, scrape_timeout_s=http.scrape_timeout_s,
-                              allowed_hosts=hosts)
+        keyed = http.api_key or http.api_keys_file
+        hosts = None if keyed else frozenset({self.host.lower(), *http.allowed_hosts})
+        api_keys = read_api_keys(http.api_keys_file) if http.api_keys_file else None
+        self.app = create_app(client, self.model_name, api_key=http.api_key, api_keys=api_keys,
+                              default_max_tokens=http.default_max_tokens, max_body_bytes=http.max_body_bytes,
+                              scrape_timeout_s=http.scrape_timeout_s, allowed_hosts=hosts,
+                              request_metrics=http.request_metrics)
         self._config = uvicorn.Config(SendGuard(self.app, http.send_timeout_s),
                                       loop="none", lifespan="off", log_level="warning", access_log=False,
                                       timeout_keep_alive=5, timeout_graceful_shutdown=STOP_TIMEOUT_S / 2,

@@ -348,6 +348,7 @@ class AsyncClient:
         include_result: bool = False,
         drafter_type: str | None = None,
         cancel: asyncio.Event | None = None,
+        tenant: str | None = None,
         **params: Any,
     ) -> AsyncIterator[Chunk | GenerationResult]:
         """Yield committed tokens as the verifier commits them. Same arguments as :meth:`generate`;
@@ -356,7 +357,7 @@ class AsyncClient:
         ``cancel``: set it (between two items) to end the request early *and still get its result*: the client
         sends a cancel, drops the chunks that follow, and the result comes with ``finish_reason == "cancelled"`` and
         the metrics of what ran (within :data:`CANCEL_WAIT_S`; a stream closed early instead gets no result)."""
-        async for item in self._run(prompt, token_ids, messages, params, drafter_type, cancel):
+        async for item in self._run(prompt, token_ids, messages, params, drafter_type, cancel, tenant):
             if include_result or isinstance(item, Chunk):
                 yield item
 
@@ -367,6 +368,7 @@ class AsyncClient:
         token_ids: list[int] | None = None,
         messages: list[dict[str, str]] | None = None,
         drafter_type: str | None = None,
+        tenant: str | None = None,
         **params: Any,
     ) -> GenerationResult:
         """Generate from exactly one of ``prompt``, ``token_ids`` or ``messages`` (chat, templated by the target).
@@ -377,9 +379,11 @@ class AsyncClient:
         or ``{"type": "json_schema", "json_schema": {"name", "schema"}}``), ``json_schema`` (a dict or JSON
         text), ``regex``, ``grammar`` (EBNF) or ``choice`` (a list of strings).
         ``drafter_type``: only a drafter of this type may serve the request (see docs/deployment.md, "Drafter pool").
+        ``tenant``: the user the request is for, set by a gateway such as the HTTP server (docs/security.md; a client
+        that is not trusted to set it gets ``unauthorized``).
         """
         result = None
-        async for item in self._run(prompt, token_ids, messages, params, drafter_type):
+        async for item in self._run(prompt, token_ids, messages, params, drafter_type, tenant=tenant):
             if isinstance(item, GenerationResult):
                 result = item
         assert result is not None
@@ -400,7 +404,7 @@ class AsyncClient:
         return params
 
     async def _run(self, prompt, token_ids, messages, params: dict[str, Any], drafter_type: str | None = None,
-                   cancel: asyncio.Event | None = None):
+                   cancel: asyncio.Event | None = None, tenant: str | None = None):
         unknown = sorted(set(params) - set(_PARAM_NAMES) - set(_CONSTRAINT_NAMES))
         if unknown:
             raise TypeError(f"unknown generation parameter(s): {', '.join(unknown)}")
@@ -418,7 +422,7 @@ class AsyncClient:
         try:
             frames = encode(Generate(
                 request_id=rid, params={k: v for k, v in params.items() if v is not None}, token_ids=token_ids,
-                prompt=prompt, messages=messages, drafter_type=drafter_type,
+                prompt=prompt, messages=messages, drafter_type=drafter_type, tenant=tenant,
             ))
         except UnicodeEncodeError as exc:  # a lone surrogate (JSON "\ud800"): no UTF-8 for it, so no message
             raise PipespecError(f"the request's text is not valid Unicode: {exc.object[exc.start]!r} at character "

@@ -29,6 +29,7 @@ from runtime.config_schema import (
     Config,
     DrafterConfig,
 )
+from runtime.keys import MIN_API_KEY_CHARS, KeysError, read_api_keys
 from runtime.paths import PACKAGE_ROOT
 from shared.settings import build, checked, declared, defaults, violation
 from shared.transport import EndpointError, check_endpoint, curve_wanted
@@ -71,8 +72,6 @@ DEFAULTS: dict[str, dict[str, Any]] = {
 HTTP_API_KEY_ENV = "PIPESPEC_HTTP_API_KEY"
 #: Keys whose values are secrets, and the environment variable that carries each instead of argv (``--set``).
 SECRET_KEYS = {"http.api_key": HTTP_API_KEY_ENV}
-#: Shortest ``http.api_key`` accepted (a guessable key on a network address protects nothing).
-MIN_API_KEY_CHARS = 16
 
 
 class ConfigError(ValueError):
@@ -331,6 +330,11 @@ def _check_http(config: dict[str, Any]) -> None:
                                      or not h["api_key"].isprintable() or " " in h["api_key"]):
         raise ConfigError(f"http.api_key: a string of at least {MIN_API_KEY_CHARS} printable characters without "
                           f"spaces (e.g. `python -c 'import secrets; print(secrets.token_urlsafe(32))'`), or null")
+    if h["api_keys_file"] is not None:
+        try:  # read here too, so a bad file stops the start with its line, not the first request
+            read_api_keys(h["api_keys_file"])
+        except KeysError as exc:
+            raise ConfigError(f"http.api_keys_file: {exc}") from None
     # allow_remote, port, default_max_tokens, max_body_bytes and scrape_timeout_s: checked against their declarations
     if h["model_name"] is not None and (not isinstance(h["model_name"], str) or not h["model_name"]
                                         or len(h["model_name"]) > 256):
@@ -354,7 +358,9 @@ def _check_http(config: dict[str, Any]) -> None:
             raise ConfigError(f"http.host: {host!r} is not an IP address or localhost (name the interface's "
                               "address, e.g. 127.0.0.1 or 0.0.0.0)") from None
         if not address.is_loopback:
-            missing = [what for what, ok in (("http.api_key (a Bearer token clients must send)", h["api_key"]),
+            keyed = h["api_key"] or h["api_keys_file"]
+            missing = [what for what, ok in (("http.api_key or http.api_keys_file (Bearer tokens clients must send)",
+                                              keyed),
                                              ("http.allow_remote: true", h["allow_remote"])) if not ok]
             if missing:
                 raise ConfigError(
@@ -379,7 +385,8 @@ def check_security(config: dict[str, Any], roles: tuple[str, ...] = ("verifier",
             f"{security.drafter_link(config)!r} {'with' if links['drafter'] else 'without'} it (auto decides by "
             "address): set security.curve: on, or use the same kind of address on both sides"
         )
-    loaders = {"verifier": security.verifier_keys, "drafter": security.drafter_keys,
+    # the verifier's: its keys and those of security.gateway_clients
+    loaders = {"verifier": security.verifier_links, "drafter": security.drafter_keys,
                "client": security.client_keys_for}
     for role in roles:
         if role == "drafter" and not config["launch"]["start_drafter"] and "verifier" in roles:

@@ -100,9 +100,64 @@ def peer_keys(keys_dir: str | os.PathLike, role: str, name: str) -> ClientKeys:
     return ClientKeys(_server_public(folder), public, secret)
 
 
+def public_key(keys_dir: str | os.PathLike, role: str, name: str) -> bytes:
+    """The public key (z85 text) of the ``role`` peer ``name``: its ``.key`` file in the allow-list, no secret."""
+    folder = _folder(keys_dir)
+    return _load(folder / ROLES[role] / f"{check_name(name)}.key", folder, need_secret=False)[0]
+
+
 def client_keys(keys_dir: str | os.PathLike, name: str = "client") -> ClientKeys:
     """The keys an :class:`~runtime.client.AsyncClient` connects with: ``AsyncClient(addr, curve=client_keys(d))``."""
     return peer_keys(keys_dir, "client", name)
+
+
+#: The tenant of ``http.api_key`` (the single key of a one-user setup).
+DEFAULT_TENANT = "default"
+#: Shortest API key accepted (a guessable key on a network address protects nothing).
+MIN_API_KEY_CHARS = 16
+
+
+def check_api_key(key: object, where: str) -> str:
+    """``key`` if it is a usable API key: at least :data:`MIN_API_KEY_CHARS` printable characters, no whitespace."""
+    if not isinstance(key, str) or len(key) < MIN_API_KEY_CHARS or not key.isprintable() or any(
+            c.isspace() for c in key):
+        raise KeysError(f"{where}: a key of at least {MIN_API_KEY_CHARS} printable characters without spaces (e.g. "
+                        "`python -c 'import secrets; print(secrets.token_urlsafe(32))'`)")
+    return key
+
+
+def read_api_keys(path: str | os.PathLike) -> dict[str, str]:
+    """``http.api_keys_file``: lines ``TENANT<TAB>KEY`` or ``TENANT:KEY`` (blank lines and ``#`` comments skipped),
+    as key → tenant. Refused if others can read it (as ssh refuses a secret key file) or if a key repeats; a
+    tenant may have several keys (rotation)."""
+    file = Path(path).expanduser()
+    try:
+        mode = file.stat().st_mode
+        text = file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise KeysError(f"API keys file {str(file)!r} cannot be read: {exc}") from None
+    if mode & 0o077:
+        raise KeysError(f"API keys file {str(file)!r} is readable by other users: `chmod 600 {file}`")
+    keys: dict[str, str] = {}
+    for n, line in enumerate(text.splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        tenant, sep, key = line.partition("\t") if "\t" in line else line.partition(":")
+        where = f"API keys file {str(file)!r}, line {n}"
+        if not sep:
+            raise KeysError(f"{where}: write TENANT:KEY (or TENANT<TAB>KEY)")
+        try:
+            check_name(tenant.strip())
+        except KeysError as exc:
+            raise KeysError(f"{where}: tenant {exc}") from None
+        key = check_api_key(key.strip(), where)
+        if key in keys:
+            raise KeysError(f"{where}: this key is also tenant {keys[key]!r}'s; give each tenant its own")
+        keys[key] = tenant.strip()
+    if not keys:
+        raise KeysError(f"API keys file {str(file)!r} holds no key")
+    return keys
 
 
 def allowed_count(folder: Path) -> int:

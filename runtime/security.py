@@ -15,7 +15,7 @@ import stat
 from pathlib import Path
 from typing import Any
 
-from runtime.keys import KeysError, peer_keys, server_keys
+from runtime.keys import KeysError, peer_keys, public_key, server_keys
 
 # SECRET_ENV travels in the environment, not argv: ``ps`` shows every user a process's arguments, while
 # ``/proc/PID/environ`` is readable by its own user only. The constants live in shared/ because the nodes name them.
@@ -139,7 +139,22 @@ def verifier_links(config: dict[str, Any], run_secret: str | None = None) -> Ver
     ``run_secret``: the launcher's, asked of drafters on a link without CURVE (None: none is asked)."""
     curve = curve_links(config)
     return VerifierLinks(curve_drafters=curve["verifier"], curve_clients=curve["client"],
-                         keys=verifier_keys(config), run_secret=None if curve["verifier"] else run_secret)
+                         keys=verifier_keys(config), run_secret=None if curve["verifier"] else run_secret,
+                         gateways=gateway_keys(config) if curve["client"] else frozenset())
+
+
+def gateway_keys(config: dict[str, Any]) -> frozenset[str]:
+    """The z85 public keys of ``security.gateway_clients`` (null: the run's own ``security.client_key``, skipped
+    when the allow-list lacks it), the clients that may name a request's tenant under CURVE."""
+    sec = config["security"]
+    names = sec["gateway_clients"]
+    if names is None:
+        try:
+            return frozenset({public_key(_keys_dir(config), "client", sec["client_key"]).decode()})
+        except KeysError:
+            return frozenset()  # this verifier's allow-list has no key of that name: no gateway
+    return frozenset(public_key(_keys_dir(config), "client", n.strip()).decode()  # z85 text, as ZAP's User-Id
+                     for n in names.split(",") if n.strip())
 
 
 def drafter_links(config: dict[str, Any], run_secret: str | None = None) -> DrafterLinks:

@@ -59,6 +59,9 @@ class VerifierConfig:
         bounds=(1, None),
     )
     max_sessions: int = setting(64, "Concurrent requests; more get a busy error.", kind="int", bounds=(1, None))
+    max_sessions_per_tenant: Any = setting(
+        None, "Concurrent requests of one tenant; more get a busy error (null: max_sessions only); docs/security.md.",
+        kind="int", bounds=(1, None))
     batching: bool = setting(True, "Verify several sessions' drafts in one batched forward.", kind="bool")
     max_batch_sessions: int = setting(64, "Most sessions in one batched forward.", kind="int", bounds=(1, None))
     max_batch_tokens: int = setting(
@@ -229,6 +232,9 @@ class SecurityConfig:
     keys_dir: Any = setting(None, "Folder made by `python -m runtime.keys init DIR`.", kind="str")
     drafter_key: str = setting("drafter", "The drafter's key pair: keys_dir/drafters/NAME.key_secret.", kind="str")
     client_key: str = setting("client", "The launcher's client key pair: keys_dir/clients/NAME.key_secret.", kind="str")
+    gateway_clients: Any = setting(
+        None, "Client keys (names in keys_dir/clients, comma-separated) that may name a request's tenant under CURVE "
+        "(null: client_key, the run's own HTTP server); docs/security.md.", kind="str")
 
 
 @dataclass(frozen=True)
@@ -238,6 +244,12 @@ class HttpConfig:
     host: Any = setting(None, "Address to serve on (null: no HTTP server).", kind="str")
     port: int = setting(8000, "TCP port.", kind="int", bounds=(1, 65535))
     api_key: Any = setting(None, "Bearer token clients must send (null: PIPESPEC_HTTP_API_KEY or none).", kind="str")
+    api_keys_file: Any = setting(
+        None, "File of `TENANT:KEY` lines (or TENANT<TAB>KEY), one API key per tenant; readable by its owner only "
+        "(api_key, if set too, is tenant default); docs/security.md.", kind="str")
+    request_metrics: bool = setting(
+        False, "Put each request's speculative-decoding metrics in its response (they tell a client how well its "
+        "text was predicted); /metrics has the aggregates either way.", kind="bool")
     allow_remote: bool = setting(False, "Serve on a non-loopback address (needs api_key).", kind="bool")
     model_name: Any = setting(None, "Model name the API reports (null: the target's name).", kind="str")
     default_max_tokens: int = setting(

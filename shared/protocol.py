@@ -63,6 +63,8 @@ MAX_HOST_CHARS = 255
 MAX_REPORT_CHARS = 200
 #: Most start-up reports one pong lists (one per live drafter).
 MAX_REPORTS = 256
+#: Longest ``generate.tenant`` / ``session_start.tenant`` (a tenant name, or the verifier's opaque id of one).
+MAX_TENANT_CHARS = 128
 #: ``tokenizer_id`` of a drafter that only copies token ids (prompt lookup): it fits any target tokenizer.
 ANY_TOKENIZER = "any"
 
@@ -408,6 +410,11 @@ def _non_negative(where: str, obj: Any, *names: str) -> None:
             raise ProtocolError(f"{where}: {name} must be ≥ 0, got {v!r}")
 
 
+def _check_tenant(where: str, tenant: str | None) -> None:
+    if tenant is not None and not (0 < len(tenant) <= MAX_TENANT_CHARS and tenant.isprintable()):
+        raise ProtocolError(f"{where}: tenant must be 1 to {MAX_TENANT_CHARS} printable characters", "bad_request")
+
+
 # -------------------------------------------------------------------------------------------- message types
 @_message
 class Hello(Message):
@@ -469,6 +476,9 @@ class SessionStart(Message):
     # Sessions that will share a verifier forward once this one is cached, this one included (as Commit.decoding;
     # 0: unknown): the new session's first plan is made for that batch, not for the one before it arrived.
     decoding: int = 0
+    # The request's tenant as an opaque id (a hash, never a key or a name; None: no tenant): state a drafter keeps
+    # across requests (the suffix cache) is kept per tenant (docs/security.md).
+    tenant: str | None = None
     # extras: hidden, kv.{layer} for the prefix (what fits under the size cap; the rest follows in state pieces)
     tensors: dict[str, torch.Tensor] = _tensors()
 
@@ -476,6 +486,7 @@ class SessionStart(Message):
         if self.prompt_len is not None and not 0 <= self.prompt_len <= len(self.token_ids):
             raise ProtocolError(f"session_start: prompt_len must be in [0, {len(self.token_ids)}]")
         _non_negative(self.TYPE, self, "decoding")
+        _check_tenant(self.TYPE, self.tenant)
 
 
 @_message
@@ -579,8 +590,13 @@ class Generate(Message):
     prompt: str | None = None
     messages: list[dict[str, str]] | None = None  # chat turns {role, content}, templated by the target
     drafter_type: str | None = None  # only a drafter of this type may serve the request (None: any)
+    # The user the request is for (None: the sender's own tenant). Only a trusted gateway may set it: any client on
+    # a client link without CURVE, under CURVE a client whose key is a gateway (docs/security.md); others get an
+    # unauthorized error.
+    tenant: str | None = None
 
     def validate(self) -> None:
+        _check_tenant(self.TYPE, self.tenant)
         given = [v for v in (self.token_ids, self.prompt, self.messages) if v is not None]
         if len(given) != 1:
             raise ProtocolError("give exactly one of token_ids, prompt or messages", "bad_request")

@@ -93,11 +93,13 @@ ERROR_CODES = (
     ("bad_message, bad_version, unknown_type, too_large", "the peer that sent it", "that message (it is dropped)"),
     ("not_connected, unexpected", "a drafter that has not said hello / a peer sending another side's type",
      "that message"),
-    ("unauthorized", "a drafter whose `hello` lacks the launcher's run secret", "that hello"),
+    ("unauthorized", "a drafter whose `hello` lacks the launcher's run secret; a client that sets `generate.tenant` "
+     "without being a gateway (docs/security.md)", "that hello / that request"),
     ("bad_request", "the client (with its `request_id`)",
      "that request, before it starts: bad parameters or prompt, a chat template that raises, a prompt too long for "
      "the context"),
-    ("busy", "the client", "that request: the verifier already runs `verifier.max_sessions` sessions"),
+    ("busy", "the client", "that request: the verifier already runs `verifier.max_sessions` sessions, or its "
+     "tenant `verifier.max_sessions_per_tenant`"),
     ("numerical_error", "the client",
      "that session: the target's scores came out NaN or infinite (a case the parameter bounds cannot foresee, e.g. "
      "a broken checkpoint)"),

@@ -69,6 +69,9 @@ class VerifierLinks:
     curve_clients: bool = False
     keys: ServerKeys | None = None
     run_secret: str | None = None
+    #: Under CURVE on the client link, the clients (z85 public keys, as ZAP's User-Id gives them) that may set
+    #: ``generate.tenant``: trusted gateways such as the run's own HTTP server (docs/security.md).
+    gateways: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -85,6 +88,16 @@ class DrafterLinks:
 def secret_matches(expected: str, given: Any) -> bool:
     """Constant-time comparison of a peer's ``run_secret`` with ours."""
     return isinstance(given, str) and hmac.compare_digest(expected.encode(), given.encode())
+
+
+def peer_user_id(frame: zmq.Frame) -> str | None:
+    """The ZAP User-Id of the peer that sent ``frame`` (received with ``copy=False``): under CURVE the z85 text of its
+    public key; None on a link without a ZAP handler."""
+    try:
+        user_id = frame.get("User-Id")
+    except zmq.ZMQError:
+        return None
+    return user_id or None
 
 
 def is_local_endpoint(endpoint: str) -> bool:

@@ -163,6 +163,10 @@ def test_missing_xgrammar_is_a_clear_param_error(target, monkeypatch):
 def test_compiled_grammars_are_cached(compiler):
     spec = GrammarSpec("regex", REGEX)
     assert compiler.compile(spec) is compiler.compile(GrammarSpec("regex", REGEX))
+    # per tenant (scope): no tenant learns from a quick answer that another compiled the same spec
+    assert compiler.compile(spec, "tenant-a") is compiler.compile(spec, "tenant-a")
+    assert compiler.compile(spec, "tenant-a") is not compiler.compile(spec, "tenant-b")
+    assert compiler.compile(spec, "tenant-a") is not compiler.compile(spec)
 
 
 # ------------------------------------------------------------------------------------------ masks and rollback

@@ -35,7 +35,7 @@ START_TIMEOUT_S = 150
 def server(tiny, tmp_path_factory):
     target = tiny("llama")
     config = tiny_config(target, tiny("llama", "random"), num_draft_tokens=3)
-    config["http"] = {"max_body_bytes": 65536}
+    config["http"] = {"max_body_bytes": 65536, "request_metrics": True}  # the tests read per-request metrics
     path = tmp_path_factory.mktemp("http") / "http.yaml"
     path.write_text(yaml.safe_dump(config))
     port = free_port()
@@ -342,7 +342,7 @@ def test_api_key_through_the_launchers_serve_http(server):
     key = "k" * 24
     port = free_port()
     config = load_config(str(server.config_path), {"http.host": "127.0.0.1", "http.port": port,
-                                                   "http.api_key": key})
+                                                   "http.api_key": key, "http.request_metrics": False})
 
     async def main():
         async with AsyncClient(server.address, timeout_s=60) as c, serve_http(c, config) as http:
@@ -353,6 +353,10 @@ def test_api_key_through_the_launchers_serve_http(server):
                 assert info.value.body["code"] == "invalid_api_key"
             async with openai.AsyncOpenAI(base_url=base, api_key=key, max_retries=0) as good:
                 r = await good.completions.create(model=server.model, prompt="hi", max_tokens=2, temperature=0)
+                chunks = [c async for c in await good.completions.create(
+                    model=server.model, prompt="hi", max_tokens=2, temperature=0, stream=True)]
+            # http.request_metrics off (the default): no per-request speculative metrics, streamed or not
+            assert "metrics" not in r.model_extra and not any("metrics" in c.model_extra for c in chunks)
             codes = []
             for path, headers in (("/health", {}), ("/metrics", {}), ("/metrics", {"Authorization": f"Bearer {key}"})):
                 status, _ = await asyncio.to_thread(_http, server, "GET", path, None, headers, port)

@@ -27,6 +27,7 @@ from shared.protocol import (
     MAX_DRAFT_TOKENS,
     MAX_HEADER_BYTES,
     MAX_IDLE_ROUNDS,
+    MAX_TENANT_CHARS,
     MESSAGE_TYPES,
     SCHEMA_VERSION,
     Cancel,
@@ -77,7 +78,7 @@ VALID: dict[str, Message] = {
                        threads=ThreadCounts(share=2, full=4), rollback_refeeds=True,
                        dtype="bfloat16"),
     "session_start": SessionStart(session=3, token_ids=[1, 2, 3], params={"max_new_tokens": 8, "do_sample": False},
-                                  prompt_len=2, decoding=4),
+                                  prompt_len=2, decoding=4, tenant="9f86d081884c7d65"),
     "draft": Draft(session=3, base_len=10, epoch=1, tokens=[4, 5, 6], idle_rounds=0, overlap=False,
                    sent_at=1.7e9, stats={"blocks": 2, "plans": {"k=3": 2}}),
     "commit": Commit(session=3, base_len=10, tokens=[4, 5], new_len=12, drafted=3, accepted=1, verify_s=0.25,
@@ -87,7 +88,7 @@ VALID: dict[str, Message] = {
     "heartbeat": Heartbeat(report=StartReport(decision="pays", schedule="cost", k=4, overlap=True, speedup=1.6,
                                               verify_1_s=0.29, drafter_threads=ThreadCounts(share=1, full=2))),
     "generate": Generate(request_id=7, params={"temperature": 0.7, "seed": None}, token_ids=[5, 6],
-                         drafter_type="assistant"),
+                         drafter_type="assistant", tenant="alice"),
     "chunk": Chunk(request_id=7, token_ids=[1], text="é ✓"),
     "done": Done(request_id=7, token_ids=[1, 2], text="ok", metrics={"rounds": 2, "acceptance_rate": 0.5},
                  finish_reason="length"),
@@ -579,6 +580,15 @@ def test_generate_messages_need_role_and_content():
     exc = _error([_pack({"v": SCHEMA_VERSION, "type": "generate", "request_id": 5, "params": {},
                          "messages": [{"role": "user"}]})])
     assert exc.code == "bad_request" and exc.request_id == 5 and "role, content" in str(exc)
+
+
+@pytest.mark.parametrize("tenant", ["", "a\nb", "x" * (MAX_TENANT_CHARS + 1)], ids=["empty", "newline", "long"])
+def test_a_bad_tenant_is_refused(tenant):
+    exc = _error([_pack({"v": SCHEMA_VERSION, "type": "generate", "request_id": 6, "params": {}, "token_ids": [1],
+                         "tenant": tenant})])
+    assert exc.code == "bad_request" and exc.request_id == 6 and "tenant" in str(exc)
+    assert decode([_pack({"v": SCHEMA_VERSION, "type": "generate", "request_id": 6, "params": {}, "token_ids": [1],
+                          "tenant": "x" * MAX_TENANT_CHARS})]).tenant == "x" * MAX_TENANT_CHARS
 
 
 def test_tensors_on_a_type_without_tensors_are_refused():

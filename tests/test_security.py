@@ -20,10 +20,10 @@ import zmq.asyncio
 from conftest import tiny_config
 
 from runtime import security
-from runtime.client import AsyncClient
+from runtime.client import AsyncClient, PipespecError
 from runtime.config import ConfigError, check_security, load_config, typed
 from runtime.delay_proxy import serve as serve_proxy
-from runtime.keys import client_keys, init, peer_keys, server_keys
+from runtime.keys import add, client_keys, init, peer_keys, server_keys
 from runtime.launch import Cluster, LaunchError, cluster
 from shared.models import load_tokenizer, tokenizer_id
 from shared.protocol import Capabilities, Generate, Hello, decode, encode
@@ -265,13 +265,22 @@ def test_curve_cluster_over_tcp_is_exact_and_admits_only_its_keys(tiny, keys):
     config["verifier"]["endpoint"] = f"tcp://127.0.0.1:{free_port()}"
     config["client"]["endpoint"] = f"tcp://127.0.0.1:{free_port()}"
     config["security"] = {"curve": "on", "keys_dir": str(keys)}
+    add(keys, "client", "other")  # an allowed client that is not a gateway
     drafter_end, client_end = config["verifier"]["endpoint"], config["client"]["endpoint"]
 
     async def main():
         out = {}
         async with cluster(config) as client:
             assert client.curve == client_keys(keys)
-            out["result"] = await client.generate(token_ids=PROMPT, max_new_tokens=24, eos_token_ids=[])
+            # the run's own client key is a gateway: it may name the tenant; another client key may not
+            out["result"] = await client.generate(token_ids=PROMPT, max_new_tokens=24, eos_token_ids=[],
+                                                  tenant="alice")
+            async with AsyncClient(client_end, timeout_s=30, curve=peer_keys(keys, "client", "other")) as other:
+                try:
+                    await other.generate(token_ids=PROMPT, max_new_tokens=2, tenant="alice")
+                except PipespecError as exc:
+                    out["other names a tenant"] = exc
+                out["other as itself"] = await other.generate(token_ids=PROMPT, max_new_tokens=2)
             for name, curve in (("no keys", None), ("unknown key", stranger(keys)),
                                 ("drafter key", peer_keys(keys, "drafter", "drafter"))):
                 async with AsyncClient(client_end, timeout_s=1.0, curve=curve) as other:
@@ -295,6 +304,9 @@ def test_curve_cluster_over_tcp_is_exact_and_admits_only_its_keys(tiny, keys):
     assert out["result"].token_ids == expected == out["after"].token_ids
     assert out["result"].metrics["drafts"] > 0 and out["after"].metrics["drafts"] > 0
     assert out["no keys"] == out["unknown key"] == out["drafter key"] == "nothing"
+    refused = out["other names a tenant"]
+    assert refused.code == "unauthorized" and "gateway" in str(refused)
+    assert len(out["other as itself"].token_ids) == 2
     assert out["hello drafter key"] is not None and out["hello drafter key"]["code"] == "tokenizer_mismatch"
     assert out["hello client key"] is out["hello unknown key"] is out["hello no CURVE"] is None
     assert out["pong"]["drafter_connected"], "the real drafter must still be connected"
@@ -434,7 +446,7 @@ def test_security_config_accepts_curve_or_explicit_plain(no_downloads, keys):
     curve = load_config("cpu.yaml", {**REMOTE, "security.keys_dir": str(keys)})  # no allow_remote needed
     assert security.curve_links(curve) == {"verifier": True, "drafter": True, "client": False}
     assert load_config("cpu.yaml")["security"] == {"curve": "auto", "keys_dir": None, "drafter_key": "drafter",
-                                                    "client_key": "client"}
+                                                    "client_key": "client", "gateway_clients": None}
     check_security(load_config("cpu.yaml"))  # ipc, no keys: nothing to load
     # YAML reads a bare on / off as booleans (a config file or --set security.curve=off)
     assert load_config("cpu.yaml", ["security.curve=off"])["security"]["curve"] == "off"
@@ -446,6 +458,10 @@ def test_check_security_names_the_missing_key_file(no_downloads, keys, tmp_path)
                   "security.keys_dir": str(keys)}
     config = load_config("cpu.yaml", both_curve)
     check_security(config)
+    # a gateway named that the client allow-list lacks
+    gateway = load_config("cpu.yaml", {**both_curve, "security.curve": "on", "security.gateway_clients": "client,gw"})
+    with pytest.raises(ConfigError, match=r"clients/gw\.key"):
+        check_security(gateway, ("verifier",))
     (keys / "drafters" / "drafter.key_secret").unlink()
     with pytest.raises(ConfigError, match="add-drafter drafter"):
         check_security(config)

@@ -270,22 +270,64 @@ def test_an_older_active_request_that_grows_evicts_a_newer_one_over_the_token_ca
 @settings(max_examples=60, deadline=None)
 @given(ops=st.lists(st.tuples(st.sampled_from(["start", "append", "stop"]), st.integers(0, 5),
                               st.lists(st.integers(0, 3), max_size=6)), max_size=30),
-       max_requests=st.integers(0, 3), max_tokens=st.integers(0, 12))
-def test_the_cache_stays_within_its_bounds_and_its_trie_matches_what_it_keeps(ops, max_requests, max_tokens):
-    cache = SuffixCache(4, max_requests, max_tokens)
+       max_requests=st.integers(0, 3), max_tokens=st.integers(0, 12), max_tenants=st.integers(1, 3))
+def test_the_cache_stays_within_its_bounds_and_its_trie_matches_what_it_keeps(ops, max_requests, max_tokens,
+                                                                               max_tenants):
+    cache = SuffixCache(4, max_requests, max_tokens, max_tenants)
+    tenants = [None, "a", "b", "c"]
     live: list[int] = []
     for op, pick, tokens in ops:
         if op == "start" or not live:
-            live.append(cache.start([9], tokens))
+            live.append(cache.start([9], tokens, tenant=tenants[pick % len(tenants)]))
         elif op == "append":
             cache.append(live[pick % len(live)], tokens)
         else:
             cache.stop(live.pop(pick % len(live)))
-        kept = [list(cache.global_trie.sequence(s)) for s in cache._order.values()]
-        assert cache.cached_requests <= max_requests
-        assert cache.cached_tokens == sum(map(len, kept)) <= max_tokens
-        assert paths(cache.global_trie) == brute_counts(kept, 4)
-        assert cache.global_trie.nodes == 1 + len(paths(cache.global_trie))
+        assert cache.cached_requests <= max_requests and cache.tenants <= max_tenants
+        total = 0
+        for tenant in tenants:  # each tenant's trie holds exactly its kept responses
+            trie = cache.trie_of(tenant)
+            kept = [list(trie.sequence(seq)) for t, seq in cache._order.values() if t == tenant]
+            total += sum(map(len, kept))
+            assert paths(trie) == brute_counts(kept, 4)
+            assert trie.nodes == 1 + len(paths(trie))
+        assert cache.cached_tokens == total <= max_tokens
+
+
+def test_a_tenant_is_never_offered_another_tenants_response():
+    """Tenant B's request whose context ends like tenant A's response gets nothing from the global part; A's next
+    request does; requests without a tenant share one scope of their own."""
+    response = [101, 7, 6, 42, 999, 1234, 55, 66]
+    cache = SuffixCache(16, max_requests=10, max_tokens=1000)
+    a = cache.start([1, 2, 3], [], tenant="A")
+    cache.append(a, response)
+    cache.stop(a)
+    b = cache.start([8, 9, 101, 7, 6], [], tenant="B")
+    assert cache.speculate(b, [8, 9, 101, 7, 6], 8, 1.0, 0.1).tokens == []
+    anon = cache.start([8, 9, 101, 7, 6], [])
+    assert cache.speculate(anon, [8, 9, 101, 7, 6], 8, 1.0, 0.1).tokens == []
+    a2 = cache.start([8, 9, 101, 7, 6], [], tenant="A")
+    assert cache.speculate(a2, [8, 9, 101, 7, 6], 3, 1.0, 0.1).tokens == [42, 999, 1234]
+    # opted in: one scope for everyone, as before tenants
+    shared = SuffixCache(16, 10, 1000, share_across_tenants=True)
+    a = shared.start([1, 2, 3], [], tenant="A")
+    shared.append(a, response)
+    b = shared.start([8, 9, 101, 7, 6], [], tenant="B")
+    assert shared.speculate(b, [8, 9, 101, 7, 6], 3, 1.0, 0.1).tokens == [42, 999, 1234]
+
+
+def test_the_least_recently_used_tenant_is_dropped_over_the_tenant_bound():
+    cache = SuffixCache(8, max_requests=100, max_tokens=1000, max_tenants=2)
+    for tenant, token in (("A", 10), ("B", 20)):
+        r = cache.start([0], [], tenant=tenant)
+        cache.append(r, [token, token + 1, token + 2])
+        cache.stop(r)
+    probe = cache.start([0], [], tenant="A")  # A drafts: now B is the least recently used
+    assert cache.speculate(probe, [10], 2, 1.0, 0.1).tokens == [11]
+    c = cache.start([0], [], tenant="C")
+    cache.append(c, [30, 31])
+    assert cache.tenants == 2 and cache.trie_of("B").walk([20]) is None and cache.trie_of("A").walk([10]) is not None
+    assert cache.cached_requests == 2 and cache.cached_tokens == 5
 
 
 def test_suffix_config_needs_no_model_and_checks_its_keys():

@@ -237,7 +237,7 @@ class PrepJob:
     msg: Generate
     params: GenerationParams
     wanted: str | None
-    scope: str | None = None  # the grammar cache's scope (None: shared; see GrammarCompiler.compile)
+    scope: str | None = None  # the request's tenant (opaque id): the grammar cache's scope too (None: shared)
     prompt: list[int] | None = None
     grammar: Any = None
     error: ProtocolError | None = None

@@ -29,7 +29,7 @@ import logging
 import secrets
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -91,6 +91,7 @@ from shared.transport import (
     Authenticator,
     VerifierLinks,
     bind_router,
+    peer_user_id,
     secret_matches,
 )
 from verifier_node.acceptance import AcceptRule, check_ensemble_weight
@@ -111,6 +112,7 @@ from verifier_node.request_prep import (
 from verifier_node.rounds import RoundRunner, ThreadSwitch
 from verifier_node.scheduler import BatchLimits, Prefills, Scheduler
 from verifier_node.session import NumericalError, RoundResult, Session
+from verifier_node.tenancy import TenantRule
 
 log = logging.getLogger("pipespec.verifier")
 
@@ -131,6 +133,7 @@ class Receipt:
 
     nbytes: int
     decode_s: float
+    user_id: str | None = None  # the sender's ZAP User-Id (under CURVE its public key, z85), None without CURVE
 
 
 def _state_tensors(
@@ -160,6 +163,7 @@ class VerifierSettings:
     grammar_cache_bytes: int = DEFAULT_CACHE_BYTES
     max_model_len: int | None = None
     max_kv_tokens: int | None = None
+    max_sessions_per_tenant: int | None = None  # None: no cap beyond max_sessions
 
     @classmethod
     def from_config(cls, config: Config) -> VerifierSettings:
@@ -171,7 +175,7 @@ class VerifierSettings:
                    ensemble_weight=weight, drafter_endpoint=v.endpoint, client_endpoint=config.client.endpoint,
                    max_pending_requests=v.max_pending_requests, grammar_compile_timeout_s=v.grammar_compile_timeout_s,
                    grammar_cache_bytes=v.grammar_cache_bytes, max_model_len=v.max_model_len,
-                   max_kv_tokens=v.max_kv_tokens)
+                   max_kv_tokens=v.max_kv_tokens, max_sessions_per_tenant=v.max_sessions_per_tenant)
 
 
 @dataclass
@@ -182,6 +186,7 @@ class VerifierSockets:
     drafter: zmq.Socket
     client: zmq.Socket
     auth: Authenticator | None = None
+    tenancy: TenantRule = field(default_factory=TenantRule)  # who may name a request's tenant
 
     @classmethod
     def bind(cls, config: Config, links: VerifierLinks) -> VerifierSockets:
@@ -201,7 +206,7 @@ class VerifierSockets:
             raise
         log.info("CURVE: drafter link %s, client link %s", "on" if links.curve_drafters else "off",
                  "on" if links.curve_clients else "off")
-        return cls(drafter, client, auth)
+        return cls(drafter, client, auth, TenantRule(links.curve_clients, links.gateways))
 
     def close(self) -> None:
         for sock in (self.drafter, self.client):
@@ -382,7 +387,7 @@ class VerifierServer:
                 log.warning("bad message from %s: %s", peer.hex(), exc)
                 sock.send_multipart([peer, *error_frames(str(exc), exc.code, request_id=exc.request_id)])
                 continue
-            receipt = Receipt(sum(len(f.buffer) for f in body), time.monotonic() - t0)
+            receipt = Receipt(sum(len(f.buffer) for f in body), time.monotonic() - t0, peer_user_id(body[0]))
             try:
                 handler(peer, msg, receipt)
             except ProtocolError as exc:
@@ -533,7 +538,7 @@ class VerifierServer:
         pieces = [] if size <= self._state_budget() else split_state(tensors, len(s.tokens) - 1, self._state_budget())
         self._send_to(d, encode(SessionStart(session=s.sid, token_ids=s.tokens, params=s.params.to_dict(),
                                              prompt_len=s.prompt_len, decoding=self.scheduler.decoding(waiting=True),
-                                             tensors={} if pieces else tensors)))
+                                             tenant=s.tenant, tensors={} if pieces else tensors)))
         for end, part in pieces:  # a long prompt's state, in pieces that each fit the message cap
             self._send_to(d, encode(State(session=s.sid, base_len=len(s.tokens), end=end, tensors=part)))
         s.announced = True
@@ -596,7 +601,7 @@ class VerifierServer:
         self.client_seen[peer] = time.monotonic()
         if isinstance(msg, Generate):
             try:
-                self._on_generate(peer, msg)
+                self._on_generate(peer, msg, receipt.user_id)
             except ProtocolError:
                 raise  # keeps its code (busy)
             except (ParamError, ValueError) as exc:
@@ -624,7 +629,7 @@ class VerifierServer:
         else:
             raise ProtocolError(f"a client may not send {msg.TYPE!r}", code="unexpected")
 
-    def _on_generate(self, peer: bytes, msg: Generate) -> None:
+    def _on_generate(self, peer: bytes, msg: Generate, user_id: str | None = None) -> None:
         """Cheap checks here, on the loop; the prompt's tokenisation and the grammar's compile in the preparation
         worker (:mod:`verifier_node.request_prep`), after which :meth:`_admit` makes the session. A request of
         token ids and no grammar has nothing slow to prepare: it is admitted at once."""
@@ -633,6 +638,13 @@ class VerifierServer:
             raise ParamError(f"request_id {rid} is already running for this client")
         if len(self.sessions) + len(self.prep) >= self.max_sessions:
             raise ProtocolError(f"verifier is at its limit of {self.max_sessions} sessions", "busy", rid)
+        tenant = self.sockets.tenancy.tenant_of(msg, user_id)  # (docs/security.md)
+        cap = self.settings.max_sessions_per_tenant
+        held = sum(1 for s in self.sessions.values() if s.tenant == tenant) + sum(
+            1 for job in self.prep.pending.values() if job.scope == tenant)  # being prepared counts too
+        if cap is not None and held >= cap:
+            raise ProtocolError(f"this tenant is at its limit of {cap} sessions (verifier.max_sessions_per_tenant)",
+                                "busy", rid)
         params_in = dict(msg.params)
         params_in.setdefault("eos_token_ids", self.default_eos)
         params = GenerationParams.from_dict(params_in, self.vocab_size)
@@ -647,7 +659,7 @@ class VerifierServer:
             )
         if params.grammar_spec is not None and self.ensemble_weight is not None:
             raise ParamError("structured output cannot be combined with static ensemble verification")
-        job = PrepJob(peer, msg, params, wanted)
+        job = PrepJob(peer, msg, params, wanted, scope=tenant)
         self._admission_check(job, len(msg.token_ids) if msg.token_ids is not None else 1)  # before any work
         if msg.token_ids is None or params.grammar_spec is not None:
             self.prep.submit(job)
@@ -691,6 +703,7 @@ class VerifierServer:
         wait = DraftWait(self.draft_timeout, adaptive=self.ensemble_weight is None)
         s = Session(sid, self.model, self.tokenizer, prompt, params, job.peer, rid, self.ensemble_weight, job.wanted,
                     wait, accept=self.accept_rule, grammar=job.grammar, backend=self.backend)
+        s.tenant = job.scope
         self.scheduler.add(s)
         self.by_request[(job.peer, rid)] = sid
         self.policy.reassign(s)

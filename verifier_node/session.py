@@ -222,6 +222,7 @@ class Session:
         self.announced = False  # the current drafter knows this session
         self.drafter = None  # the pool's DrafterLink serving this session (verifier_node.drafters); None: plain steps
         self.drafter_type = drafter_type  # the type the request asked for (None: any)
+        self.tenant: str | None = None  # its tenant's opaque id (verifier_node.tenancy; None: no tenant)
         self.wait = wait or DraftWait(3.0)  # how long to wait for its drafter's next draft (verifier_node.draft_wait)
         self.served_by: list[str] = []  # ids of the drafters that served it, in order
         self.tried: set[str] = set()  # drafters demoted for it (not chosen again when it moves)

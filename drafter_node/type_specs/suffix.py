@@ -34,6 +34,12 @@ class SuffixSettings:
     suffix_max_cached_tokens: int = setting(
         100000, "Tokens of responses kept for later requests (at most about 1.6 kB each at depth 24).",
         kind="int", bounds=(0, None))
+    suffix_max_tenants: int = setting(
+        1024, "Tenants with a response cache of their own; the least recently used one's is dropped first.",
+        kind="int", bounds=(1, None))
+    suffix_share_across_tenants: bool = setting(
+        False, "One response cache for every tenant: a request may be offered another tenant's responses "
+        "(docs/security.md).", kind="bool")
 
 
 SPEC = DrafterSpec(
