@@ -136,6 +136,12 @@ class DraftSession(ABC):
     def close(self) -> None:  # noqa: B027
         """Release per-session resources."""
 
+    def background(self) -> bool:
+        """Do one bounded piece of deferred set-up work (the ``suffix`` type builds a long prompt's trie a budget at
+        a time); False: there was none left. The node calls it on turns with nothing else to do, so no session's
+        set-up stalls the loop (heartbeats, other sessions' drafts). Types with no such work keep the default."""
+        return False
+
     # Optional multi-outcome pre-drafting (see drafter_node/branches.py). Types without it keep the default:
     # the node then extends the chain on the single assumption that the whole block is accepted.
     def begin_speculation(self, block_len: int, max_rows: int | None = None) -> bool:

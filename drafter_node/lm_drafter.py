@@ -120,6 +120,7 @@ class LMDraftSession(DraftSession):
         self.vocab_size = vocab_size  # the target's: a drafter head may be padded wider
         self.branches: Branches | None = None
         self.outcomes: list[tuple[int, int, float]] = []  # the last block's ranked outcomes (r, guess, weight)
+        self._block_end: int | None = None  # the committed length once the block in flight is accepted whole
 
     def pick(self, logits: torch.Tensor, ids: list[int]) -> DraftToken:
         """The draft token after ``ids`` (the whole sequence) from the drafter's raw logits at that position."""
@@ -141,6 +142,10 @@ class LMDraftSession(DraftSession):
         (on a dynamic cache from now on where the slot has no room for it)."""
         ids = self.committed + self.chain_tokens
         self.lm = with_room(self.lm, len(self.lm.uncached(ids)))
+        if self.lm.length in (len(self.committed), self._block_end):
+            # A recurrent (hybrid) drafter's rollback point: a rejected block restores it and re-feeds the accepted
+            # drafts only, not the whole context (a no-op for attention caches, which crop).
+            self.lm.anchor()
         return BatchStep([Row(self.lm, self.lm.uncached(ids))],
                          lambda outputs: self.chain.append(self.pick(outputs[0].logits[-1], ids)))
 
@@ -192,6 +197,7 @@ class LMDraftSession(DraftSession):
         guess), ranked by :func:`~drafter_node.branches.rank_outcomes`; :meth:`outcome_weights` keeps the ranking."""
         self._drop_branches()
         self.outcomes = []
+        self._block_end = len(self.committed) + block_len + 1  # the single chain pre-drafted past it anchors there
         if self.params.do_sample or self.ended or not supports_flat_rows(self.lm):
             return False
         if len(self.chain) < block_len + 1:
@@ -236,6 +242,7 @@ class LMDraftSession(DraftSession):
         return [self.pick(row, self.committed + ctx) for row, ctx in zip(logits, contexts)]
 
     def observe_commit(self, tokens: list[int], extras: dict[str, torch.Tensor] | None = None) -> int:
+        self._block_end = None  # that block is verified: the next one sets its own
         branches = self.branches
         row = branches.match(tokens) if branches is not None else None
         if row is None:

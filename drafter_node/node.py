@@ -2,7 +2,9 @@
 verification.
 
 Loop: drain messages (session starts, commits, ends), then do one unit of work for one session, round-robin. A unit
-is either sending a ready block or one drafter step (one token), so a commit is noticed within one step.
+is either sending a ready block or one drafter step (one token), so a commit is noticed within one step. A turn with
+no such work does one bounded piece of a session's deferred set-up (``DraftSession.background``: the ``suffix``
+type's long prompt, a budget of tokens at a time), so no session's set-up holds the loop up.
 
 Batched drafting (``batching: true``, the default): when the unit is a step, every other session that wants one
 (whose block the verifier waits for first, then pre-drafting ones) joins it, up to ``max_batch_sessions``, and one
@@ -180,6 +182,7 @@ class DrafterNode:
         self.curve_check = CurveCheck(profile)
         self.running = True
         self.rejoins = 0
+        self._deferred = False  # a session may have deferred set-up work (DraftSession.background)
 
     @classmethod
     def from_config(cls, config: Config, fixed_costs: tuple[CostCurve, CostCurve] | None = None,
@@ -260,32 +263,51 @@ class DrafterNode:
                                 host=socket.gethostname()[:MAX_HOST_CHARS], run_secret=self.run_secret)))
 
     def _loop(self) -> int:
-        link = self.link
         while self.running:
-            now = link.clock()
-            if not link.welcomed and self.connection.refused():
-                print(f"pipespec drafter: the verifier at {self.connection.endpoint} refused this drafter's CURVE key "
-                      f"(security.drafter_key {self.key_name!r}): its keys folder must hold "
-                      f"drafters/{self.key_name}.key, the public half of this key, in its drafter allow-list",
-                      file=sys.stderr)
-                return 2
-            if link.hello_due(now):
-                self._hello()
-                link.hello_sent(now)
-            elif link.heartbeat_due(now):
-                self._send(encode(Heartbeat()))
-            work = self.picker.next_work()
-            if self.sock.poll(0 if work else 50):
-                status = self._read()
-                if status is not None:
-                    return status
-                work = self.picker.next_work()
-            if link.silent():  # checked after reading, so a long step of ours never looks like a silent verifier
-                self._rejoin(f"no message from the verifier for {link.silent_s:.0f} s")
-                continue
-            if work is not None:
-                self._do(work)
+            status = self.turn()
+            if status is not None:
+                return status
         return 0
+
+    def turn(self) -> int | None:
+        """One turn of the loop: a hello or heartbeat when due, the verifier's messages, then one unit of work, or
+        one piece of a session's deferred set-up where there is none; an exit status where the node must stop."""
+        link = self.link
+        now = link.clock()
+        if not link.welcomed and self.connection.refused():
+            print(f"pipespec drafter: the verifier at {self.connection.endpoint} refused this drafter's CURVE key "
+                  f"(security.drafter_key {self.key_name!r}): its keys folder must hold "
+                  f"drafters/{self.key_name}.key, the public half of this key, in its drafter allow-list",
+                  file=sys.stderr)
+            return 2
+        if link.hello_due(now):
+            self._hello()
+            link.hello_sent(now)
+        elif link.heartbeat_due(now):
+            self._send(encode(Heartbeat()))
+        work = self.picker.next_work()
+        if self.sock.poll(0 if work or self._deferred else 50):
+            status = self._read()
+            if status is not None:
+                return status
+            self._deferred = True  # a new session may bring set-up work: the next idle turn looks
+            work = self.picker.next_work()
+        if link.silent():  # checked after reading, so a long step of ours never looks like a silent verifier
+            self._rejoin(f"no message from the verifier for {link.silent_s:.0f} s")
+            return None
+        if work is not None:
+            self._do(work)
+        elif self._deferred:
+            self._deferred = self._background()
+        return None
+
+    def _background(self) -> bool:
+        """One piece of deferred set-up work of the first session that has some; False: none has any left."""
+        for s in list(self.picker.sessions.values()):
+            with self.handler.dropped_on_failure(s.sid, "setting up"):
+                if s.draft.background():
+                    return True
+        return False
 
     def _read(self) -> int | None:
         """Apply what the socket holds (up to 1000 messages); an exit status where a message ends the node."""

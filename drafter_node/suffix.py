@@ -8,6 +8,10 @@ rejoins to a restarted verifier). Only
 committed tokens go in — a session's response token by token as the verifier commits it, so concurrent requests
 learn from each other; a closed session's response stays until evicted (oldest first, by request count and tokens).
 
+A request's own trie is built a budget at a time (:data:`drafter_node.suffix_tree.BUILD_BUDGET` tokens): one piece
+per draft step and one per node loop turn with nothing else to do (:meth:`SuffixSession.background`), so a long
+prompt never stalls the drafter's loop; until it is built the session drafts from what is built so far.
+
 No model, any tokenizer, no cost curve; drafts are deterministic (one-hot q), exact under greedy and sampling alike.
 A round where nothing matches well enough sends an empty block (the verifier steps on its own at once).
 """
@@ -37,13 +41,15 @@ class SuffixSession(DraftSession):
         super().__init__(token_ids, prompt_len, params)
         self.drafter = drafter
         self.cache = drafter.cache
-        # a session may start past its prompt (moved from another drafter): that part is response already
+        # a session may start past its prompt (moved from another drafter): that part is response already. Its own
+        # trie starts empty: build() puts the tokens in a budget at a time (a long prompt must not stall the loop).
         self.req = self.cache.start(token_ids[:prompt_len], token_ids[prompt_len:], tenant=tenant)
         self._open = True
 
     def propose(self, n: int) -> int:
         if self.ended or not self._open:
             return 0
+        self.cache.build(self.req)  # one piece of a long prompt per step; drafts come from what is built
         depth = self.cache.max_depth
         context = (self.committed[-depth:] + self.chain_tokens)[-depth:]
         d = self.drafter
@@ -56,6 +62,12 @@ class SuffixSession(DraftSession):
         if self._open:
             self.cache.append(self.req, tokens)
         return matched
+
+    def background(self) -> bool:
+        if not self._open or not self.cache.unbuilt(self.req):
+            return False
+        self.cache.build(self.req)
+        return True
 
     def close(self) -> None:
         """Done or cancelled: the request's own trie goes; its response stays in the shared cache."""

@@ -12,6 +12,12 @@ re-feeds the kept tokens after it (for the verifier: the pending token and the a
 costs one more forward over the accepted tokens (counted in ``CachedLM.refed_total``; the drafter's cost model
 charges it from the verifier's curve, ``drafter_node.cost_model.rollback_s``). A model whose cache holds a layer kind
 none of this covers is refused when it is loaded (:func:`rollback_problem`).
+
+A drafter feeds one token per forward, so its last forward's snapshot lies past a rejection; it marks rollback
+points (:meth:`CachedLM.anchor`) at its committed length before drafting a block, and where the block's commit would
+land when it pre-drafts past it, and a rejection restores the latest one before it and re-feeds the accepted drafts
+only: a block's worth of tokens, not the whole context (a model that also has sliding-window layers still rebuilds
+from the start).
 """
 
 from __future__ import annotations
@@ -29,6 +35,10 @@ from transformers.cache_utils import (
 )
 
 from shared.devices import input_device
+
+#: Rollback points a recurrent cache keeps (:meth:`CachedLM.anchor`): a drafter's committed length and the end of the
+#: block in flight; each holds a copy of the recurrent states (no sequence dimension).
+MAX_ANCHORS = 2
 
 
 class KVRowsError(ValueError):
@@ -109,6 +119,7 @@ class CachedLM:
         self.capacity: int | None = None  # the most positions the cache can hold (None: no bound of its own)
         self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
         self._device = input_device(model)
+        self._anchors: list[StateSnapshot] = []  # rollback points the owner marked (recurrent caches only)
         self.reset()
 
     @torch.inference_mode()
@@ -171,13 +182,34 @@ class CachedLM:
                 layer.crop(keep - held)  # a negative count: that many positions removed
         self.length = keep
 
+    def anchor(self) -> None:
+        """Mark the current length as a rollback point (recurrent caches; a no-op for others): a later ``crop`` to
+        a length from here on that lies before the last forward's start restores this state and re-feeds only the
+        tokens after it, not the whole sequence. The latest :data:`MAX_ANCHORS` points are kept; a crop before one
+        forgets it. Not with sliding layers, which keep past their window only the positions since the last crop:
+        those rebuild as before."""
+        if not self.recurrent or self._sliding or any(a.length == self.length for a in self._anchors):
+            return
+        self._anchors.append(StateSnapshot.take(self.cache, self.length))
+        del self._anchors[:-MAX_ANCHORS]
+
     def _roll_back_states(self, keep: int) -> None:
-        """``crop`` for a cache with recurrent layers: back to the last forward's start, then re-feed up to ``keep``."""
+        """``crop`` for a cache with recurrent layers: back to the last forward's start (or the anchor, where that
+        lies past ``keep``), then re-feed up to ``keep``."""
         if keep >= self.length:
             self._crop_attention(0)  # sliding layers: trim the recorded round back to the window
             return
         snapshot, ids = self._snapshot, self._ids[:keep]
-        if snapshot is None or snapshot.length > keep:  # before the last forward's start: rebuild from the start
+        self._anchors = [a for a in self._anchors if a.length <= keep]  # the others summarise tokens being dropped
+        if (snapshot is None or snapshot.length > keep) and self._anchors:
+            # restore a copy: the anchor stays a rollback point (forwards update the live state in place)
+            anchor = self._anchors[-1]
+            anchor.restore(self.cache)
+            self._anchors[-1] = StateSnapshot.take(self.cache, anchor.length)
+            self._crop_attention(self.length - anchor.length)
+            self.length, self._snapshot = anchor.length, None
+            self.refed_total += keep - anchor.length
+        elif snapshot is None or snapshot.length > keep:  # before the last forward's start: rebuild from the start
             self.reset()
             self.refed_total += keep
         else:
@@ -201,6 +233,7 @@ class CachedLM:
         self.recurrent = any(_is_recurrent(layer) for layer in self.cache.layers)
         self._sliding = any(getattr(layer, "is_sliding", False) for layer in self.cache.layers)
         self._snapshot: StateSnapshot | None = None
+        self._anchors = []
         self._ids: list[int] = []  # the cached tokens, kept only for recurrent caches (their rollback re-feeds)
         if self._sliding and not self.recurrent:
             # Keep a round's states until ``crop`` so a sliding layer can be rolled back past its window.
