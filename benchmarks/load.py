@@ -70,15 +70,30 @@ class Tally:
 
     outcomes: list[Outcome] = field(default_factory=list)
     gaps: dict[str, list[float]] = field(default_factory=lambda: {"quiet": [], "mixed": []})
+    #: the mixed phase's gaps with the time each ended, and what the other clients were doing when: (name, start,
+    #: end) of every non-stream request, so the longest stalls can be set against what ran during them
+    ends: list[tuple[float, float]] = field(default_factory=list)
+    spans: list[tuple[str, float, float]] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def add(self, outcome: Outcome) -> None:
         with self.lock:
             self.outcomes.append(outcome)
 
-    def add_gaps(self, phase: str, gaps: list[float]) -> None:
+    def add_gaps(self, phase: str, gaps: list[tuple[float, float]]) -> None:
         with self.lock:
-            self.gaps[phase].extend(gaps)
+            self.gaps[phase].extend(g for g, _ in gaps)
+            if phase == "mixed":
+                self.ends.extend(gaps)
+
+    def span(self, name: str, start: float) -> None:
+        with self.lock:
+            self.spans.append((name, start, time.monotonic()))
+
+    def during(self, start: float, end: float) -> list[str]:
+        """The requests (other than plain streams) in flight at some time in [start, end]."""
+        with self.lock:
+            return sorted({n for n, a, b in self.spans if a <= end and b >= start})
 
 
 class Server:
@@ -127,9 +142,9 @@ def completion(server: Server, prompt: str, max_tokens: int, **extra: Any) -> by
                        **extra}).encode()
 
 
-def stream_once(server: Server, body: bytes) -> tuple[int, list[float], str | None, bytes]:
-    """One streamed request: its status, the gaps between its SSE events after the first (seconds), its finish
-    reason, and the body of a refusal."""
+def stream_once(server: Server, body: bytes) -> tuple[int, list[tuple[float, float]], str | None, bytes]:
+    """One streamed request: its status, the gaps between its SSE events (seconds, each with the monotonic time it
+    ended), its finish reason, and the body of a refusal."""
     conn = server.connect()
     try:
         conn.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
@@ -149,7 +164,7 @@ def stream_once(server: Server, body: bytes) -> tuple[int, list[float], str | No
             if "error" in event:
                 return 200, [], None, json.dumps(event).encode()
             finish = (event.get("choices") or [{}])[0].get("finish_reason") or finish
-        return 200, [b - a for a, b in itertools.pairwise(marks)], finish, b""
+        return 200, [(b - a, b) for a, b in itertools.pairwise(marks)], finish, b""
     finally:
         conn.close()
 
@@ -175,11 +190,13 @@ def plain_stream_worker(server: Server, tally: Tally, phase: Callable[[], str], 
 def plain_worker(server: Server, tally: Tally, until: float, seed: int) -> None:
     rng = random.Random(seed)
     while time.monotonic() < until:
+        start = time.monotonic()
         try:
             status, body = server.exchange("POST", "/v1/completions", completion(server, rng.choice(PROMPTS), 32))
             tally.add(judge("plain", status, body))
         except Exception as exc:
             tally.add(Outcome("plain", None, "lost", repr(exc)[:200]))
+        tally.span("plain", start)
 
 
 def structured_worker(server: Server, tally: Tally, until: float, seed: int) -> None:
@@ -195,11 +212,14 @@ def structured_worker(server: Server, tally: Tally, until: float, seed: int) -> 
                            "max_tokens": 64, "temperature": 0,
                            "response_format": {"type": "json_schema",
                                                "json_schema": {"name": "x", "schema": schema}}}).encode()
+        start = time.monotonic()
         try:
             status, raw = server.exchange("POST", "/v1/chat/completions", body)
         except Exception as exc:
             tally.add(Outcome("structured", None, "lost", repr(exc)[:200]))
             continue
+        finally:
+            tally.span("structured", start)
         outcome = judge("structured", status, raw)
         if outcome.result == "served":
             choice = json.loads(raw)["choices"][0]
@@ -217,6 +237,7 @@ def never_reading_worker(server: Server, tally: Tally, until: float, hold_s: flo
     cannot be seen (it never reads); what it may not do is harm the others, which the other workers see."""
     while time.monotonic() < until:
         body = completion(server, "Tell me a long story.", 400, stream=True)
+        start = time.monotonic()
         try:
             with socket.socket() as sock:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
@@ -227,6 +248,7 @@ def never_reading_worker(server: Server, tally: Tally, until: float, hold_s: flo
             tally.add(Outcome("never_reading", None, "served", "held and closed"))
         except OSError as exc:
             tally.add(Outcome("never_reading", None, "lost", repr(exc)[:200]))
+        tally.span("never-reading", start)
 
 
 def raw_exchange(server: Server, head: bytes, pieces: Any) -> tuple[int, bytes]:
@@ -327,11 +349,14 @@ def hostile_worker(server: Server, tally: Tally, until: float) -> None:
     while time.monotonic() < until:
         name, allowed, send = cases[i % len(cases)]
         i += 1
+        start = time.monotonic()
         try:
             status, body = send()
         except Exception as exc:
             tally.add(Outcome(f"hostile: {name}", None, "lost", repr(exc)[:200]))
             continue
+        finally:
+            tally.span(f"hostile: {name}", start)
         tally.add(judge(f"hostile: {name}", status, body, allowed))
 
 
@@ -431,7 +456,9 @@ def summarise(tally: Tally, memory: dict[str, list[tuple[float, float]]], quiet_
               "quiet_ms": {"p50": pct(quiet, 0.5), "p99": pct(quiet, 0.99), "max": pct(quiet, 1.0)},
               "mixed_ms": {"p50": pct(mixed, 0.5), "p99": pct(mixed, 0.99), "max": pct(mixed, 1.0)},
               "bound_ms": bound,
-              "within_bound": bool(mixed) and bound is not None and pct(mixed, 1.0) <= bound}
+              "within_bound": bool(mixed) and bound is not None and pct(mixed, 1.0) <= bound,
+              "longest": [{"ms": round(1000 * g, 1), "during": tally.during(end - g, end)}
+                          for g, end in sorted(tally.ends, reverse=True)[:8]]}
     return {"outcomes": {k: dict(v) for k, v in sorted(by_kind.items())}, "requests": len(tally.outcomes),
             "lost": lost, "stalls": stalls,
             "memory": {name: _growth(points, quiet_s) for name, points in sorted(memory.items())}}
@@ -458,6 +485,8 @@ def write_report(out: Path, report: dict[str, Any]) -> None:
                   ["mixed", str(s["mixed_gaps"]), *(str(s["mixed_ms"][k]) for k in ("p50", "p99", "max"))]], "lrrrr"),
               "", f"Bound (one round, the quiet phase's longest gap, plus one forward, its median gap): "
               f"{s['bound_ms']} ms; the mixed phase's longest gap is {'within' if s['within_bound'] else 'PAST'} it.",
+              "", "The longest gaps of the mixed phase, and the other requests in flight during each:", "",
+              *[f"- {x['ms']} ms: {', '.join(x['during']) or 'nothing else'}" for x in s["longest"]],
               "", "## Resident memory over the mixed phase (first against last quarter)", "",
               *md_table(["process", "first (MiB)", "last (MiB)", "growth (MiB)", "max (MiB)"], [
                   [name, *(str(g[k]) for k in ("first_mib", "last_mib", "growth_mib", "max_mib"))]

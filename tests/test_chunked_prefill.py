@@ -10,9 +10,7 @@ per-session forwards, so their output is still the reference's."""
 from __future__ import annotations
 
 import asyncio
-import itertools
 import math
-import threading
 
 import pytest
 import torch
@@ -25,13 +23,11 @@ from runtime.launch import cluster
 from shared.backend import DynamicBackend
 from shared.batch import can_batch
 from shared.kv import CachedLM
-from shared.models import ThreadPlan
 from shared.protocol import Chunk, Done, Generate, Ping, Pong, decode, encode
 from shared.sampling import GenerationParams
+from testkit.inproc_verifier import serve_requests, verifier_from_parts
 from testkit.tiny_hybrid import HYBRID_FAMILIES, build_hybrid
 from testkit.tiny_models import reference_greedy
-from verifier_node.scheduler import BatchLimits
-from verifier_node.server import VerifierServer, VerifierSettings, VerifierSockets
 from verifier_node.session import Session
 
 CHUNK = 16
@@ -122,9 +118,6 @@ class FailsAfterGrowing(DynamicBackend):
         return out
 
 
-_names = itertools.count()
-
-
 @pytest.mark.unit
 def test_a_batched_round_that_failed_after_the_caches_grew_is_rolled_back(tiny):
     """Two sessions batched; their first batched forwards fail after growing both caches. The per-session forwards
@@ -133,45 +126,10 @@ def test_a_batched_round_that_failed_after_the_caches_grew_is_rolled_back(tiny):
     target = tiny("llama")
     model = _load(target)
     backend = FailsAfterGrowing(model, failures=3)
-    ctx = zmq.Context.instance()
-    name = f"inproc://chunked-prefill-{next(_names)}"
-    drafter, client = ctx.socket(zmq.ROUTER), ctx.socket(zmq.ROUTER)
-    drafter.bind(f"{name}-drafters")
-    client.bind(f"{name}-clients")
-    settings = VerifierSettings(model_name=str(target), draft_timeout_s=3.0, max_sessions=8,
-                                max_message_bytes=1 << 20, client_timeout_s=60.0, ensemble_weight=None,
-                                drafter_endpoint=f"{name}-drafters", client_endpoint=f"{name}-clients")
     assert can_batch(CachedLM(model))
-    server = VerifierServer(settings, model, AutoTokenizer.from_pretrained(target), None, ThreadPlan(share=1, full=1),
-                            BatchLimits(True, 8, 1024, 2048), VerifierSockets(drafter, client), backend=backend)
+    server, endpoint = verifier_from_parts(target, model=model, backend=backend)
     prompts = {1: SHORT, 2: [9, 9, 8, 7, 6, 5, 4, 3]}
-    got: dict[int, Done] = {}
-    failure: list[BaseException] = []
-
-    def run_client() -> None:
-        sock = ctx.socket(zmq.DEALER)
-        try:
-            sock.connect(f"{name}-clients")
-            for rid, prompt in prompts.items():
-                sock.send_multipart(encode(Generate(request_id=rid, token_ids=prompt,
-                                                    params={"max_new_tokens": 8, "eos_token_ids": []})))
-            while len(got) < len(prompts):
-                if not sock.poll(60_000):
-                    raise TimeoutError("no answer from the verifier")
-                msg = decode(sock.recv_multipart())
-                if isinstance(msg, Done):
-                    got[msg.request_id] = msg
-        except BaseException as exc:  # reported by the test, not lost in the thread
-            failure.append(exc)
-        finally:
-            sock.close(linger=0)
-            server.stop()
-
-    serving = threading.Thread(target=server.serve)
-    serving.start()
-    run_client()
-    serving.join(timeout=120)
-    assert not serving.is_alive() and not failure, failure
+    got, _ = serve_requests(server, endpoint, prompts, 8)
     assert backend.failures == 0  # the failures were met (the two rounds were batched)
     for rid, prompt in prompts.items():
         assert got[rid].finish_reason == "length"

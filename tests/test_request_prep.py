@@ -14,18 +14,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 import zmq
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
-from shared.batch import can_batch
-from shared.kv import CachedLM
-from shared.models import ThreadPlan
 from shared.protocol import Cancel, Chunk, Done, Error, Generate, Ping, Pong, ProtocolError, decode, encode
 from shared.sampling import GrammarSpec, ParamError
+from testkit.inproc_verifier import verifier_from_parts
 from verifier_node.admission import DEFAULT_KV_TOKENS, DEFAULT_MAX_MODEL_LEN, MemoryAdmission
 from verifier_node.grammar import COMPILED_CACHE, GrammarCompiler
 from verifier_node.request_prep import MAX_SCHEMA_DEPTH, MAX_SCHEMA_NODES, GrammarChild, check_schema_bounds
-from verifier_node.scheduler import BatchLimits
-from verifier_node.server import VerifierServer, VerifierSettings, VerifierSockets
+from verifier_node.server import VerifierServer
 
 pytestmark = pytest.mark.unit
 
@@ -150,23 +147,7 @@ def test_admission_bounds_resolve_and_refuse():
 
 # ----------------------------------------------------------------------------------------- a verifier from parts
 def _server(target, **settings) -> tuple[VerifierServer, str]:
-    hook = settings.pop("prep_hook", None)
-    delay = settings.pop("forward_delay_s", 0.0)
-    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
-    tokenizer = AutoTokenizer.from_pretrained(target)
-    ctx = zmq.Context.instance()
-    name = f"inproc://verifier-prep-{next(_names)}"
-    drafter, client = ctx.socket(zmq.ROUTER), ctx.socket(zmq.ROUTER)
-    drafter.bind(f"{name}-drafters")
-    client.bind(f"{name}-clients")
-    base = dict(model_name=str(target), draft_timeout_s=3.0, max_sessions=8, max_message_bytes=1 << 20,
-                client_timeout_s=60.0, ensemble_weight=None, drafter_endpoint=f"{name}-drafters",
-                client_endpoint=f"{name}-clients")
-    limits = BatchLimits(can_batch(CachedLM(model)), 8, 1024, 2048)
-    server = VerifierServer(VerifierSettings(**{**base, **settings}), model, tokenizer, None,
-                            ThreadPlan(share=1, full=1), limits, VerifierSockets(drafter, client), prep_hook=hook,
-                            forward_delay_s=delay)
-    return server, f"{name}-clients"
+    return verifier_from_parts(target, **settings)
 
 
 class _Client:
