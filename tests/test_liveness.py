@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import peer_socket, tiny_config
+from node_entry import node_entry
 
 from runtime.client import AsyncClient, Chunk, PipespecError
 from runtime.launch import REPO_ROOT, cluster
@@ -149,27 +150,23 @@ def test_sessions_of_vanished_clients_are_cancelled(tiny):
 
 
 def test_heartbeating_client_keeps_its_session_past_the_timeout(tiny):
-    """A live client's long request outlasts ``client.heartbeat_timeout_s``: its pings keep it alive."""
+    """A live client's long request outlasts ``client.heartbeat_timeout_s``: its pings keep it alive. The verifier
+    is slowed (10 ms a forward) so the session itself, not only the reading of its output, lasts past the timeout
+    (a reader that sleeps proves nothing: the client's inbox merges unread chunks, and the session ends early)."""
     target = tiny("llama")
     config = tiny_config(target, None)
     config["launch"]["start_drafter"] = False
     config["client"]["heartbeat_timeout_s"] = 1.0
+    new_tokens = 250
 
     async def main():
-        async with cluster(config) as client:
+        async with cluster(config, entry={"verifier": node_entry("forward_delay", "0.01")}) as client:
             t0 = time.monotonic()
-            n = 0
-            async for item in client.stream(token_ids=PROMPT, max_new_tokens=LONG, eos_token_ids=[],
-                                            include_result=True):
-                if isinstance(item, Chunk):
-                    n += len(item.token_ids)
-                    if n < LONG:
-                        await asyncio.sleep(0.01)  # slow the reader so the request outlasts the timeout
-                else:
-                    return item, time.monotonic() - t0
+            result = await client.generate(token_ids=PROMPT, max_new_tokens=new_tokens, eos_token_ids=[])
+            return result, time.monotonic() - t0
 
     result, took = asyncio.run(main())
-    assert result.finish_reason == "length" and len(result.token_ids) == LONG
+    assert result.finish_reason == "length" and len(result.token_ids) == new_tokens
     assert took > 2.0, "the request must outlast the verifier's heartbeat timeout for this test to mean anything"
 
 

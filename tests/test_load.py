@@ -15,7 +15,7 @@ pytestmark = pytest.mark.cluster
 
 
 def test_mixed_load_loses_nothing(tmp_path):
-    rc = main(["--tiny", "--duration", "12", "--quiet-s", "3", "--streams", "2", "--plain", "1",
+    rc = main(["--tiny", "--duration", "8", "--quiet-s", "2", "--streams", "2", "--plain", "1",
                "--structured", "1", "--never-reading", "2", "--hold-s", "4", "--out", str(tmp_path)])
     report = json.loads((tmp_path / "load.json").read_text())
     results = report["results"]
