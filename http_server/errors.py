@@ -3,6 +3,7 @@ verifier's :class:`~runtime.client.PipespecError` codes map onto statuses."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from runtime.client import PipespecError
@@ -41,6 +42,17 @@ class OpenAIError(Exception):
 def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
                code: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+async def send_error(send: Any, status: int, message: str, code: str, *, close: bool = False) -> None:
+    """Answer with an OpenAI-shaped error body straight through ASGI ``send`` (for middlewares, which answer before
+    the app runs); ``close``: ask the client to close the connection (a body left unread)."""
+    body = json.dumps(error_body(message, code=code)).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    if close:
+        headers.append((b"connection", b"close"))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> OpenAIError:

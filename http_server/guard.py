@@ -13,11 +13,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ipaddress
-import json
 import logging
 from typing import Any
 
-from http_server.errors import error_body
+from http_server.errors import send_error
 
 log = logging.getLogger("pipespec.http")
 
@@ -116,12 +115,7 @@ class HostCheck:
         if scope["type"] == "http":
             host = dict(scope.get("headers") or []).get(b"host")
             if host is not None and not host_allowed(host.decode("latin-1"), self.allowed):
-                body = json.dumps(error_body(
-                    f"Host {host.decode('latin-1')[:100]!r} is not this server's name: add it to http.allowed_hosts "
-                    "(or set http.api_key)", code="host_not_allowed")).encode()
-                await send({"type": "http.response.start", "status": 400,
-                            "headers": [(b"content-type", b"application/json"),
-                                        (b"content-length", str(len(body)).encode())]})
-                await send({"type": "http.response.body", "body": body})
+                await send_error(send, 400, f"Host {host.decode('latin-1')[:100]!r} is not this server's name: add "
+                                 "it to http.allowed_hosts (or set http.api_key)", "host_not_allowed")
                 return
         await self.app(scope, receive, send)

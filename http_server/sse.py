@@ -8,7 +8,7 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
-from http_server.errors import error_body
+from http_server.errors import send_error
 
 
 async def sse(events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
@@ -71,9 +71,5 @@ class BodyLimit:
         await self.app(scope, replay, send)
 
     async def _refuse(self, send: Any) -> None:
-        body = json.dumps(error_body(f"request body over the server's limit of {self.max_bytes} bytes "
-                                     "(http.max_body_bytes)", code="request_too_large")).encode()
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                                (b"connection", b"close")]})
-        await send({"type": "http.response.body", "body": body})
+        await send_error(send, 413, f"request body over the server's limit of {self.max_bytes} bytes "
+                         "(http.max_body_bytes)", "request_too_large", close=True)
