@@ -29,7 +29,7 @@ from runtime.config_schema import (
     Config,
     DrafterConfig,
 )
-from runtime.keys import MIN_API_KEY_CHARS, KeysError, read_api_keys
+from runtime.keys import KeysError, check_api_key, read_api_keys
 from runtime.paths import PACKAGE_ROOT
 from shared.settings import build, checked, declared, defaults, violation
 from shared.transport import EndpointError, check_endpoint, curve_wanted
@@ -326,10 +326,11 @@ def _check_http(config: dict[str, Any]) -> None:
     h = config["http"]
     if h["api_key"] is None and os.environ.get(HTTP_API_KEY_ENV):
         h["api_key"] = os.environ[HTTP_API_KEY_ENV]
-    if h["api_key"] is not None and (not isinstance(h["api_key"], str) or len(h["api_key"]) < MIN_API_KEY_CHARS
-                                     or not h["api_key"].isprintable() or " " in h["api_key"]):
-        raise ConfigError(f"http.api_key: a string of at least {MIN_API_KEY_CHARS} printable characters without "
-                          f"spaces (e.g. `python -c 'import secrets; print(secrets.token_urlsafe(32))'`), or null")
+    if h["api_key"] is not None:
+        try:  # the same rule as every key of http.api_keys_file
+            check_api_key(h["api_key"], "http.api_key")
+        except KeysError as exc:
+            raise ConfigError(f"{exc}, or null") from None
     if h["api_keys_file"] is not None:
         try:  # read here too, so a bad file stops the start with its line, not the first request
             read_api_keys(h["api_keys_file"])
