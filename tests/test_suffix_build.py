@@ -10,6 +10,7 @@ import random
 import pytest
 import zmq
 from conftest import tiny_config
+from test_suffix_tree import paths  # every path of a trie with its count
 
 from drafter_node.node import DrafterNode
 from drafter_node.suffix_tree import BUILD_BUDGET, SuffixCache, SuffixTrie, speculate
@@ -21,18 +22,6 @@ from shared.sampling import GenerationParams
 pytestmark = pytest.mark.unit
 
 DEPTH = 6
-
-
-def paths(trie: SuffixTrie) -> dict[tuple[int, ...], int]:
-    """Every path of the trie (the root excluded) with its count."""
-    out: dict[tuple[int, ...], int] = {}
-    stack = [((), trie.root)]
-    while stack:
-        path, node = stack.pop()
-        for tok, child in node.children():
-            out[(*path, tok)] = child.count
-            stack.append(((*path, tok), child))
-    return out
 
 
 def one_shot(tokens: list[int]) -> SuffixTrie:
