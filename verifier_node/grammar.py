@@ -23,14 +23,15 @@ from typing import Any
 
 import torch
 
+from shared.config_sections import VerifierConfig
 from shared.sampling import GrammarSpec, ParamError
 from verifier_node.schema_check import check_schema
 
 #: pipespec's own cache of compiled grammars: at most this many entries (and ``cache_bytes`` in all, measured with
 #: ``CompiledGrammar.memory_size_bytes``; a compile can take a while on a large vocabulary: a repeated spec is free).
 COMPILED_CACHE = 64
-#: ``verifier.grammar_cache_bytes``' default: the byte bound of both caches (xgrammar's own and pipespec's).
-DEFAULT_CACHE_BYTES = 64 * 1024 * 1024
+#: ``verifier.grammar_cache_bytes``' default (declared there): the byte bound of both caches (xgrammar's and ours).
+DEFAULT_CACHE_BYTES: int = VerifierConfig.grammar_cache_bytes
 #: Tokens the grammar may force past the drafter's block in one round: a grammar that forces a long run (a regex of
 #: one long literal, a long ``const``) fills it over several rounds, each taking its turn with the other sessions,
 #: rather than one round verifying thousands of tokens.

@@ -44,9 +44,6 @@ from shared.sampling import GenerationParams, GrammarSpec, ParamError
 
 log = logging.getLogger("pipespec.verifier.prep")
 
-#: ``verifier.grammar_compile_timeout_s``' and ``verifier.max_pending_requests``' defaults.
-DEFAULT_COMPILE_TIMEOUT_S = 5.0
-DEFAULT_MAX_PENDING = 64  # as many as verifier.max_sessions: a burst of text prompts all fits
 #: A JSON schema deeper than this many nested objects / arrays (of its JSON text), or with more values in all, is
 #: refused before compiling: xgrammar's compile time grows fast with nesting (nested anyOf: super-exponentially).
 MAX_SCHEMA_DEPTH = 32

@@ -38,6 +38,7 @@ import zmq
 from drafter_node.settings import Config
 from drafter_node.types import DRAFTER_TYPES
 from shared.backend import DynamicBackend, TargetBackend, make_backend
+from shared.config_sections import VerifierConfig
 from shared.cores import CoreLeases, leases_for
 from shared.costs.cache import CurveCheck
 from shared.costs.curve import NodeProfile
@@ -99,11 +100,9 @@ from verifier_node.admission import MemoryAdmission
 from verifier_node.draft_check import checked_stats, dense_q, tree_parents
 from verifier_node.draft_wait import DraftWait
 from verifier_node.drafters import DrafterLink, DrafterPool
-from verifier_node.grammar import DEFAULT_CACHE_BYTES, GrammarCompiler
+from verifier_node.grammar import GrammarCompiler
 from verifier_node.pool_policy import PoolPolicy
 from verifier_node.request_prep import (
-    DEFAULT_COMPILE_TIMEOUT_S,
-    DEFAULT_MAX_PENDING,
     GrammarChild,
     PrepJob,
     RequestPrep,
@@ -157,10 +156,11 @@ class VerifierSettings:
     ensemble_weight: float | None  # static ensemble verification (lossy by design), None: off
     drafter_endpoint: str
     client_endpoint: str
-    # request preparation and admission (verifier_node.request_prep, verifier_node.admission); None: the default
-    max_pending_requests: int = DEFAULT_MAX_PENDING
-    grammar_compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S
-    grammar_cache_bytes: int = DEFAULT_CACHE_BYTES
+    # request preparation and admission (verifier_node.request_prep, verifier_node.admission): the config's
+    # defaults (declared in shared/config_sections.py); None: resolved by MemoryAdmission
+    max_pending_requests: int = VerifierConfig.max_pending_requests
+    grammar_compile_timeout_s: float = VerifierConfig.grammar_compile_timeout_s
+    grammar_cache_bytes: int = VerifierConfig.grammar_cache_bytes
     max_model_len: int | None = None
     max_kv_tokens: int | None = None
     max_sessions_per_tenant: int | None = None  # None: no cap beyond max_sessions
