@@ -3,9 +3,9 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PROMPT ?= Write a Python function is_prime(n) that returns True when n is a prime number.
 
-.PHONY: setup run test test-fast lint bench test-slow test-ray
+.PHONY: setup setup-gguf run test test-fast lint bench test-slow test-ray
 
-setup: $(VENV)/.installed
+setup: $(VENV)/.installed $(VENV)/.gguf-installed
 
 # torch is pinned explicitly: an unpinned torch would pull a multi-GB CUDA build. xgrammar (structured output) is
 # installed without its dependencies: its wheel requires triton on Linux x86-64, a large GPU compiler it never uses
@@ -18,6 +18,16 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test,bench]'
 	$(PY) -m pip install -q --no-deps $(XGRAMMAR)
+	touch $@
+
+# llama-cpp-python for the gguf drafter type (docs/drafter-types.md): a source build of llama.cpp, 9-25 minutes on
+# two cores the first time, with CPU flags chosen for this machine (no -march=native, no AMX: see the script); the
+# wheel is cached in ~/.cache/pipespec/wheels/ per CPU kind, so a later set-up installs it in seconds. The probe
+# then runs one forward in a child process, so a build this CPU cannot run fails here and not in a drafter node.
+setup-gguf: $(VENV)/.gguf-installed
+
+$(VENV)/.gguf-installed: $(VENV)/.installed scripts/build_llama_cpp.py
+	$(PY) scripts/build_llama_cpp.py --probe
 	touch $@
 
 run: setup
