@@ -28,6 +28,8 @@ import torch
 
 from shared.backend import TargetBackend
 from shared.batch import Row, RowOutput
+from shared.costs.curve import NodeProfile
+from shared.models import ProfileSpec
 from shared.protocol import Capabilities
 from shared.sampling import GenerationParams
 
@@ -192,6 +194,11 @@ class Drafter(ABC):
     def profile_model(self):
         """The causal LM whose plain forward is this type's drafting step, for the start-up cost profile (None: the
         drafter's costs are learned from the rounds it runs)."""
+        return None
+
+    def measure_profile(self, spec: ProfileSpec, progress: Callable[[str], None]) -> NodeProfile | None:
+        """The start-up cost profile of a type whose model is not a torch causal LM (``gguf``: llama.cpp), measured
+        within ``spec`` (or read from the disk cache); None: :attr:`profile_model`'s, measured by the node."""
         return None
 
     @abstractmethod

@@ -103,8 +103,13 @@ def profile_spec(config: Config, threads: ThreadPlan) -> ProfileSpec:
 
 def measure_profile(config: Config, drafter: Drafter, spec: ProfileSpec) -> NodeProfile | None:
     """The drafter model's cost profile (cached, or measured now); None: learned from the rounds alone."""
+    if spec.budget_s <= 0:
+        return None
+    own = drafter.measure_profile(spec, lambda line: log.info("drafter: %s", line))
+    if own is not None:
+        return own
     model = drafter.profile_model
-    if model is None or spec.budget_s <= 0:
+    if model is None:
         return None
     source = config.drafter.model or config.verifier.model
     return profile_node(model, source, config.drafter.device, spec, "drafter")

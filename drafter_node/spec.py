@@ -86,6 +86,9 @@ class DrafterSpec:
     reads_target: bool = False
     #: The drafter sends a draft distribution q (without it, static ensemble verification is refused).
     sends_q: bool = True
+    #: ``drafter.model`` is one model file (a GGUF), not a folder: a named model is installed as its file, not
+    #: converted for torch, and the type's ``check`` hook checks the value (and makes a path absolute).
+    model_file: bool = False
     #: Config-time checks of the type's own keys (``check(config)``; no files are read).
     check: Callable[[dict[str, Any]], None] = _no_check
     #: Checks that need the model's config.json: ``check_model(config, local)``, see :data:`LocalFolder`.

@@ -19,6 +19,7 @@ DRAFTER_TYPES: dict[str, str] = {
     "mtp_drafter": "drafter_node.type_specs.mtp_drafter",
     "universal": "drafter_node.type_specs.universal",
     "suffix": "drafter_node.type_specs.suffix",
+    "gguf": "drafter_node.type_specs.gguf",
 }
 #: ``drafter.type`` when a config names none.
 DEFAULT_DRAFTER_TYPE = "assistant"

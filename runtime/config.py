@@ -218,7 +218,7 @@ def validate(config: dict[str, Any]) -> None:
     _fill_type_keys(d, spec)
     if spec.model_defaults_to_target and d["model"] is None:
         d["model"] = v["model"]
-    if spec.needs_model:
+    if spec.needs_model and not spec.model_file:  # a model file is the type's own check to make
         _check_model(config, "drafter.model")
     if spec.reads_target:
         if d["target_model"] is None:

@@ -89,6 +89,7 @@ def progress(message: str) -> None:
 
 def prepare_models(config: dict[str, Any]) -> None:
     """Install and convert named offline models once, in the foreground, with progress (nodes then load fast)."""
+    from drafter_node.types import drafter_spec
     from shared.named_models import is_named_model
     from weights import install  # looked up at call time, so tests can forbid installing
 
@@ -97,7 +98,10 @@ def prepare_models(config: dict[str, Any]) -> None:
         if section == "drafter" and not config["launch"]["start_drafter"]:
             continue
         if isinstance(name, str) and is_named_model(name):
-            install.ensure_model(name, progress=progress)
+            if section == "drafter" and drafter_spec(config["drafter"]["type"]).model_file:
+                install.ensure_gguf(name, progress=progress)
+            else:
+                install.ensure_model(name, progress=progress)
     check_model_dependent(config)
 
 

@@ -244,6 +244,37 @@ def tokenizer_id(tokenizer) -> str:
     return f"{type(tokenizer).__name__.removesuffix('Fast')}:{len(vocab)}:{digest.hexdigest()[:32]}"
 
 
+def vocab_fingerprint(tokens: list[str]) -> str:
+    """A fingerprint of a vocabulary's token strings in id order, whatever holds it (a transformers tokenizer's
+    vocabulary, a GGUF file's token list): two vocabularies with one fingerprint map every token to the same id.
+    Trailing ``[PAD{id}]`` entries (a head padded wider than the vocabulary, as GGUF converters write it) are left
+    out, so a GGUF and the tokenizer it was converted from agree."""
+    end = len(tokens)
+    while end and tokens[end - 1] == f"[PAD{end - 1}]":
+        end -= 1
+    digest = hashlib.sha256(json.dumps(tokens[:end], ensure_ascii=False).encode())
+    return f"vocab:{end}:{digest.hexdigest()[:32]}"
+
+
+def vocab_tokens(tokenizer) -> list[str]:
+    """A transformers tokenizer's token strings in id order (ids missing from its vocabulary as ``[PAD{id}]``)."""
+    by_id = {i: tok for tok, i in tokenizer.get_vocab().items()}
+    return [by_id.get(i, f"[PAD{i}]") for i in range(max(by_id, default=-1) + 1)]
+
+
+def vocab_prefix_matches(fingerprint: Any, tokens: list[str]) -> bool:
+    """Whether a drafter's :func:`vocab_fingerprint` is that of the first n of ``tokens`` (the target's, in id
+    order): every id the drafter can produce then means the target's token (a target with more tokens, such as
+    added special tokens, is fine; the drafter never proposes those)."""
+    if not isinstance(fingerprint, str) or not fingerprint.startswith("vocab:"):
+        return False
+    _, _, rest = fingerprint.partition(":")
+    count, _, _ = rest.partition(":")
+    if not count.isdigit() or len(count) > 9 or not 0 < int(count) <= len(tokens):
+        return False
+    return vocab_fingerprint(tokens[: int(count)]) == fingerprint
+
+
 def default_eos_ids(model, tokenizer) -> list[int]:
     """EOS ids from the model's generation config (what ``generate`` stops on), else the tokenizer's."""
     eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)

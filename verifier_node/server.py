@@ -57,6 +57,8 @@ from shared.models import (
     resolve_model,
     set_threads,
     tokenizer_id,
+    vocab_prefix_matches,
+    vocab_tokens,
 )
 from shared.node_keys import kv_slots
 from shared.protocol import (
@@ -251,6 +253,8 @@ class VerifierServer:
         self.vocab_size = logits_vocab_size(model)
         self.rollback_refeeds = CachedLM(model).recurrent  # hybrid / state-space target: see shared/kv.py
         self.tokenizer_id = tokenizer_id(tokenizer)
+        # what a drafter without a transformers tokenizer (a GGUF file's token list) is checked against
+        self.vocab_tokens = vocab_tokens(tokenizer)
         self.default_eos = default_eos_ids(model, tokenizer)
         self.grammars: GrammarCompiler | None = None  # built at the first request with a grammar (xgrammar optional)
         self.grammar_child: GrammarChild | None = None  # where grammars compile (started with self.grammars)
@@ -482,7 +486,8 @@ class VerifierServer:
             log.warning("refused a hello from %s: no valid run secret (not a drafter of this run)", peer.hex())
             raise ProtocolError("unauthorized: this verifier takes drafters of its own run only (a hello must carry "
                                 f"the run secret from ${SECRET_ENV})", code="unauthorized")
-        if msg.tokenizer_id not in (self.tokenizer_id, ANY_TOKENIZER):
+        if msg.tokenizer_id not in (self.tokenizer_id, ANY_TOKENIZER) and not vocab_prefix_matches(
+                msg.tokenizer_id, self.vocab_tokens):
             log.error("refused drafter %r: tokenizer %s != target's %s", msg.drafter_type, msg.tokenizer_id,
                       self.tokenizer_id)
             raise ProtocolError(

@@ -18,6 +18,8 @@ from typing import Any
 
 #: The dtypes a profile may be measured in.
 PROFILE_DTYPES = ("float32", "bfloat16", "float16")
+#: A profile's ``dtype``: a torch dtype, or "gguf" (a llama.cpp model in its GGUF file's own tensor types).
+WEIGHT_FORMATS = (*PROFILE_DTYPES, "gguf")
 
 MAX_WIRE_POINTS = 64  # from_dict: the most points a peer's curve may have
 MAX_OBSERVED_POINTS = 32  # observe: the most points a curve grows to
@@ -227,8 +229,8 @@ class NodeProfile:
         model = _check_name("node profile: model", d.get("model"))
         device = _check_name("node profile: device", d.get("device"))
         dtype = d.get("dtype")
-        if dtype not in PROFILE_DTYPES:
-            raise ValueError(f"node profile: dtype must be one of {', '.join(PROFILE_DTYPES)}, got {_short(dtype)}")
+        if dtype not in WEIGHT_FORMATS:
+            raise ValueError(f"node profile: dtype must be one of {', '.join(WEIGHT_FORMATS)}, got {_short(dtype)}")
         raw_curves = d.get("curves")
         if not isinstance(raw_curves, dict) or not 1 <= len(raw_curves) <= MAX_CURVES:
             raise ValueError(f"node profile: curves must be a mapping of 1..{MAX_CURVES} thread counts to curves")

@@ -1,0 +1,45 @@
+"""``gguf``: a GGUF model run by llama.cpp drafts for a torch target (``drafter_node/gguf.py``).
+
+``drafter.model`` is a ``.gguf`` file or a named model (whose GGUF file is installed as it is, not converted).
+The type needs llama-cpp-python, which ``make setup`` builds for the machine's CPU (``make setup-gguf``).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from drafter_node.spec import DrafterSpec, SpecError
+
+
+def _check(config: dict[str, Any]) -> None:
+    """``drafter.model``: a named model or a readable file that starts with the GGUF magic (made absolute: the
+    node runs in another directory); ``drafter.device``: cpu (llama.cpp's CPU build)."""
+    from shared.named_models import NAMED_MODELS
+
+    drafter = config["drafter"]
+    value = drafter["model"]
+    if not value or not isinstance(value, str):
+        raise SpecError("drafter.model: missing model (a .gguf file or a named model)")
+    if value not in NAMED_MODELS:
+        path = os.path.expanduser(value)
+        try:
+            with open(path, "rb") as fh:
+                magic = fh.read(4)
+        except OSError as exc:
+            raise SpecError(f"drafter.model: {value!r} is not a readable GGUF file or a named model "
+                            f"({', '.join(NAMED_MODELS)}): {exc.strerror}") from None
+        if magic != b"GGUF":
+            raise SpecError(f"drafter.model: {value!r} is not a GGUF file (it does not start with 'GGUF')")
+        drafter["model"] = os.path.abspath(path)
+    if drafter["device"] != "cpu":
+        raise SpecError(f"drafter.device: the gguf type runs llama.cpp's CPU build, got {drafter['device']!r}")
+
+
+SPEC = DrafterSpec(
+    name="gguf",
+    cls="drafter_node.gguf:GGUFDrafter",
+    title="a GGUF model in llama.cpp",
+    model_file=True,
+    check=_check,
+)
