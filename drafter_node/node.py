@@ -47,6 +47,7 @@ import socket
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import asdict
 from typing import Any
 
 import zmq
@@ -444,14 +445,15 @@ class DrafterNode:
     def _send_block(self, s: NodeSession) -> None:
         t0 = time.monotonic()
         tokens, tensors, idle_rounds, parents = s.block()
-        stats = {**s.stats, "plans": dict(s.schedule.plans), "dtype": self.dtype_name, "timing": dict(s.timing),
-                 "plan_rates": {k: list(v) for k, v in s.plan_rates.items()}}
+        # the wire keeps plain maps (msgpack): the typed counters go out as dicts
+        stats = {**asdict(s.stats), "plans": dict(s.schedule.plans), "dtype": self.dtype_name,
+                 "timing": asdict(s.timing), "plan_rates": {k: list(v) for k, v in s.plan_rates.items()}}
         if s.plan_check is not None:
             stats["plan_check"] = dict(s.plan_check)
-        self._send(encode(Draft(session=s.sid, base_len=s.sent_base, epoch=s.stats["blocks"], tokens=tokens,
+        self._send(encode(Draft(session=s.sid, base_len=s.sent_base, epoch=s.stats.blocks, tokens=tokens,
                                 idle_rounds=idle_rounds, overlap=s.overlap, sent_at=time.time(), stats=stats,
                                 parents=parents, tensors=tensors)))
-        s.timing["send_s"] += time.monotonic() - t0
+        s.timing.send_s += time.monotonic() - t0
         s.after_send()
 
     @property

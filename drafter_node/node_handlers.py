@@ -231,5 +231,5 @@ class MessageHandler:
         s = self.picker.remove(msg.session)
         if s is not None:
             s.draft.close()
-            if self.memory is not None and s.stats["blocks"] > s.stats["idle_blocks"]:
+            if self.memory is not None and s.stats.blocks > s.stats.idle_blocks:
                 self.memory.session_ended(self.book.acceptance)

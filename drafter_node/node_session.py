@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -19,6 +20,37 @@ from drafter_node.plan_search import MIN_ROUNDS
 from drafter_node.schedule import CostSchedule, DraftLengthSchedule
 
 log = logging.getLogger("pipespec.drafter")
+
+
+@dataclass
+class SessionStats:
+    """What a session counts of its blocks; sent with each block as the ``stats`` of a ``Draft`` (its fields, by
+    ``dataclasses.asdict``, are the wire keys the verifier reads)."""
+
+    busy_s: float = 0.0
+    blocks: int = 0
+    predraft_hits: int = 0  # the next block's start was drafted before the commit came
+    rolled_back: int = 0  # drafted chain tokens a commit threw away
+    idle_blocks: int = 0
+    batch_steps: int = 0  # steps that advanced this session
+    batch_rows: int = 0  # the sessions in each of their forwards, summed
+    tree_blocks: int = 0
+    side_accepted: int = 0
+
+
+@dataclass
+class SessionTiming:
+    """Where this session's drafter time went, summed (the request's metrics show it per block): drafter forwards
+    (``step``, pre-drafting included), encoding and sending blocks, applying commits, and the round trips (block
+    sent → its commit applied: verification as the drafter sees it). Sent as ``stats["timing"]``."""
+
+    step_s: float = 0.0
+    send_s: float = 0.0
+    commit_s: float = 0.0
+    roundtrip_s: float = 0.0
+    roundtrips: int = 0
+    forward_s: float = 0.0
+    profile_s: float = 0.0
 
 
 class NodeSession:
@@ -43,14 +75,8 @@ class NodeSession:
         self.last_step: tuple[int, float] | None = None  # (forward size, seconds) of its last one-forward step
         self._sized: tuple | None = None  # what _sized_done last answered for: (base, chain length, plan)
         self._sized_value: bool | None = None
-        # batch_steps: steps that advanced this session; batch_rows: the sessions in each of their forwards, summed
-        self.stats = {"busy_s": 0.0, "blocks": 0, "predraft_hits": 0, "rolled_back": 0, "idle_blocks": 0,
-                      "batch_steps": 0, "batch_rows": 0, "tree_blocks": 0, "side_accepted": 0}
-        # Where this session's drafter time went, summed (the request's metrics show it per block): drafter forwards
-        # (``step``, pre-drafting included), encoding and sending blocks, applying commits, and the round trips
-        # (block sent → its commit applied: verification as the drafter sees it).
-        self.timing = {"step_s": 0.0, "send_s": 0.0, "commit_s": 0.0, "roundtrip_s": 0.0, "roundtrips": 0,
-                       "forward_s": 0.0, "profile_s": 0.0}
+        self.stats = SessionStats()
+        self.timing = SessionTiming()
         # Per plan used (``solo``, ``sync k=4``, ``overlap k=5 rows=3``, or the schedule's k): [rounds, committed
         # tokens, seconds between commits, the predicted tokens/s summed] — what the cost model expected against
         # what the rounds gave.
@@ -141,18 +167,18 @@ class NodeSession:
             self.book.observe_draft(self.draft.forward_size, spent, self.threads, self.base_len)
             profiled = self.book.profiled_draft_s(self.draft.forward_size, self.threads, self.base_len)
             if profiled:  # the step's forward against the same forward in the start-up profile
-                self.timing["forward_s"] += spent
-                self.timing["profile_s"] += profiled
+                self.timing.forward_s += spent
+                self.timing.profile_s += profiled
 
     def stepped(self, spent: float, sessions: int) -> None:
         """A step of ``spent`` seconds advanced this session in a forward over ``sessions`` sessions (0: it added
         nothing)."""
         self.schedule.observe_step(spent)
-        self.stats["busy_s"] += spent
-        self.timing["step_s"] += spent
+        self.stats.busy_s += spent
+        self.timing.step_s += spent
         if sessions:
-            self.stats["batch_steps"] += 1
-            self.stats["batch_rows"] += sessions
+            self.stats.batch_steps += 1
+            self.stats.batch_rows += sessions
 
     def _step_size(self) -> int:
         if not self.draft.cheap_steps:
@@ -164,7 +190,7 @@ class NodeSession:
         if self.overlap and self.sent_len:
             t0 = time.monotonic()
             self.draft.begin_speculation(self.sent_len, self.schedule.rows)
-            self.stats["busy_s"] += time.monotonic() - t0
+            self.stats.busy_s += time.monotonic() - t0
         chain = self.draft.chain
         self.sent_guesses = [d.alt for d in chain[: self.sent_len]]
         self.sent_probs = [d.prob for d in chain[: self.sent_len]]
@@ -189,12 +215,12 @@ class NodeSession:
                                and chain[i].alt != chain[i].token}
         if self.sent_sides:
             tokens, parents = tree_block(self.sent_chain, self.sent_sides)
-            self.stats["tree_blocks"] += 1
+            self.stats.tree_blocks += 1
         self.sent_at = time.monotonic()
-        self.stats["blocks"] += 1
+        self.stats.blocks += 1
         if idle_rounds:
             self.idle_period_sent = self.schedule.solo_period
-            self.stats["idle_blocks"] += 1
+            self.stats.idle_blocks += 1
         return tokens, tensors, idle_rounds, parents
 
     def on_commit(self, tokens: list[int], drafted: int, accepted: int, extras: dict[str, torch.Tensor],
@@ -213,7 +239,7 @@ class NodeSession:
             while accepted < min(drafted, len(tokens)) and tokens[accepted] == self.sent_chain[accepted]:
                 accepted += 1
             if accepted < len(tokens) and self.sent_sides.get(accepted) == tokens[accepted]:
-                self.stats["side_accepted"] += 1
+                self.stats.side_accepted += 1
         if verified_ours:
             self.schedule.observe_confidence(self.sent_probs[:drafted], accepted)
         if verified_ours and accepted < len(tokens) and accepted < len(self.sent_guesses):
@@ -230,18 +256,18 @@ class NodeSession:
         chain_before = len(self.draft.chain)
         matched = self.draft.observe_commit(tokens, extras)
         if matched < len(tokens):
-            self.stats["rolled_back"] += chain_before - matched
+            self.stats.rolled_back += chain_before - matched
         if verified_ours:
             self.schedule.observe_roundtrip(t0 - self.sent_at)
-            self.timing["roundtrip_s"] += t0 - self.sent_at
-            self.timing["roundtrips"] += 1
+            self.timing.roundtrip_s += t0 - self.sent_at
+            self.timing.roundtrips += 1
         self.schedule.update(drafted, accepted)
         self.exhausted = False
         if self.overlap and matched == len(tokens) and self.draft.chain:
-            self.stats["predraft_hits"] += 1  # the next block's start was drafted before the commit came
+            self.stats.predraft_hits += 1  # the next block's start was drafted before the commit came
         spent = time.monotonic() - t0
-        self.stats["busy_s"] += spent
-        self.timing["commit_s"] += spent
+        self.stats.busy_s += spent
+        self.timing.commit_s += spent
 
     def _count_plan_round(self, committed: int, now: float) -> None:
         """One round of the plan in force (the one its block was sent under) gave ``committed`` tokens since the

@@ -1,9 +1,10 @@
 """What describes one drafter type: its name, its class, its own config keys and how its config is checked.
 
 Each type's ``SPEC = DrafterSpec(...)`` lives in ``drafter_node/type_specs/<name>.py`` and ``drafter_node/types.py``
-lists that module; the config loader (``runtime/config.py``) reads nothing else about a type. The loader imports
-every registered spec module, so those stay light: at module scope they import this module only, and their hooks
-import the type's implementation (torch, transformers) when they run.
+lists that module; the config loader (``runtime/config.py``), the CLI (``runtime/cli.py``), the profiler
+(``runtime/profile.py``) and the generated docs (``runtime/config_doc.py``) read nothing else about a type. The
+loader imports every registered spec module, so those stay light: at module scope they import this module only, and
+their hooks import the type's implementation (torch, transformers) when they run.
 
 The loader's hooks (``check``, ``check_model``) see the config dict it is validating; they raise
 :class:`ValueError` (any subclass) whose message starts with the offending key (``drafter.KEY: ...``), which the
@@ -19,7 +20,8 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from shared.settings import build, defaults
+from shared.protocol import MAX_DRAFT_TOKENS
+from shared.settings import build, declared, defaults
 
 #: ``local(name)``: the local folder (with a config.json) a model name stands for, or None (a named model not
 #: converted yet, a hub id): a ``check_model`` hook then skips its check (the drafter checks when it starts).
@@ -89,6 +91,26 @@ class DrafterSpec:
     #: ``drafter.model`` is one model file (a GGUF), not a folder: a named model is installed as its file, not
     #: converted for torch, and the type's ``check`` hook checks the value (and makes a path absolute).
     model_file: bool = False
+    #: The type's own key (declared in :attr:`settings` as an integer with an upper bound ≤
+    #: :data:`shared.protocol.MAX_DRAFT_TOKENS`) that caps its draft block: ``--num-draft-tokens K`` sets it too.
+    block_length_key: str | None = None
+    #: Why the block length cannot be set (``--num-draft-tokens`` is refused), or None.
+    fixed_k: str | None = None
+    #: Optional Python packages the type needs: ``(import name, what to install)`` pairs; a config of this type
+    #: fails at load time, saying what to install, when one is missing (looked up without importing it).
+    requires: tuple[tuple[str, str], ...] = ()
+    #: Why ``pipespec profile`` does not profile the type's model on its own (None: it does, when there is one).
+    profile_skip: str | None = None
+    #: For a type that profiles a reshaped model (early_exit: the first E layers): ``profile_model(drafter,
+    #: path)``, given the validated ``drafter`` section and the model's resolved path, returns the architecture to
+    #: load the checkpoint into and what the profile table adds to the model's name. None: the plain checkpoint.
+    profile_model: Callable[[Mapping[str, Any], str], tuple[Any, str]] | None = None
+    #: transformers' ``generate()`` equivalent, as Markdown, for the docs ("" when it has none).
+    transformers: str = ""
+    #: What the drafter drafts with, in a few words (the README's table).
+    drafts_with: str = ""
+    #: What the drafter holds and how it drafts (docs/drafter-types.md's table).
+    holds: str = ""
     #: Config-time checks of the type's own keys (``check(config)``; no files are read).
     check: Callable[[dict[str, Any]], None] = _no_check
     #: Checks that need the model's config.json: ``check_model(config, local)``, see :data:`LocalFolder`.
@@ -109,6 +131,28 @@ class DrafterSpec:
         # one place for each default: the mapping is read off the declarations
         own = defaults(self.settings) if self.settings is not None else dict(self.keys)
         object.__setattr__(self, "keys", MappingProxyType(own))
+        if self.block_length_key is not None:
+            self._check_block_length_key()
+        if self.fixed_k is not None and self.block_length_key is not None:
+            raise ValueError(f"drafter type {self.name!r}: a fixed k has no block length key")
+        for item in self.requires:
+            if not (isinstance(item, tuple) and len(item) == 2 and all(isinstance(x, str) and x for x in item)):
+                raise ValueError(f"drafter type {self.name!r}: requires holds (import name, what to install) "
+                                 f"pairs, got {item!r}")
+
+    def _check_block_length_key(self) -> None:
+        """The block length key is a declared integer the config loader caps at what the verifier takes: a type
+        cannot forget the cap (a block over it is refused by the verifier, mid-request)."""
+        meta = {name: m for name, _, m in declared(self.settings)}.get(self.block_length_key) \
+            if self.settings is not None else None
+        if meta is None:
+            raise ValueError(f"drafter type {self.name!r}: block_length_key {self.block_length_key!r} is not one of "
+                             "its declared settings")
+        high = (meta.bounds or (None, None))[1]
+        if meta.kind != "int" or high is None or high > MAX_DRAFT_TOKENS:
+            raise ValueError(f"drafter type {self.name!r}: block_length_key {self.block_length_key!r} must be "
+                             f"declared kind='int' with an upper bound ≤ {MAX_DRAFT_TOKENS} (the verifier's "
+                             f"largest block), got kind {meta.kind!r}, bounds {meta.bounds}")
 
     def own_settings(self, drafter: Mapping[str, Any]) -> Any:
         """This type's own keys out of a validated ``drafter`` section: an instance of :attr:`settings`, an

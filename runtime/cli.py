@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from drafter_node.types import DRAFTER_TYPES, drafter_spec
+from drafter_node.types import DRAFTER_TYPES, drafter_spec, drafter_specs
 from runtime import launch
 from runtime.config import DEFAULT_CONFIG, ConfigError, load_config, parse_overrides
 
@@ -53,18 +53,29 @@ class ModelFlag:
     choices: Sequence[str] | None = field(default=None)
 
 
-#: Every model flag and the config keys it sets: the one table the CLI and its docs read.
+
+def _block_length_types() -> dict[str, str]:
+    """Each drafter type with a block length key of its own → that key (``--num-draft-tokens K`` sets it too)."""
+    return {s.name: f"drafter.{s.block_length_key}" for s in drafter_specs() if s.block_length_key}
+
+
+def _draft_type_help() -> str:
+    types = "; ".join(f"{s.name}: {s.title}" for s in drafter_specs())
+    return f"drafter type (default: the config's, assistant in cpu.yaml): {types}"
+
+
+#: Every model flag and the config keys it sets: the one table the CLI and its docs read. What a flag says of a
+#: drafter type comes from the type's spec (drafter_node/type_specs/), never restated here.
 MODEL_FLAGS: dict[str, ModelFlag] = {
     "--model": ModelFlag({"verifier.model": VALUE}, "target model: a named model, a local folder or a hub id",
                          "PATH_OR_NAME"),
     "--draft-model": ModelFlag({"drafter.model": VALUE}, "draft model: a named model, a local folder or a hub id",
                                "PATH_OR_NAME"),
-    "--draft-type": ModelFlag({"drafter.type": VALUE}, "drafter type (default: the config's, assistant in cpu.yaml)",
-                              "TYPE", choices=tuple(DRAFTER_TYPES)),
+    "--draft-type": ModelFlag({"drafter.type": VALUE}, _draft_type_help(), "TYPE", choices=tuple(DRAFTER_TYPES)),
     "--num-draft-tokens": ModelFlag(
         {"drafter.num_draft_tokens": VALUE, "drafter.draft_schedule": "constant"},
         "draft exactly K tokens per block: the constant schedule with k = K (by default the cost model chooses k); "
-        "for prompt_lookup and suffix also their own block length key", "K", int),
+        f"for {' and '.join(_block_length_types())} also their own block length key", "K", int),
     "--port": ModelFlag({"http.port": VALUE}, "HTTP port (default: the config's http.port, 8000)", "N", int,
                         serve_only=True),
     "--host": ModelFlag({"http.host": VALUE}, "HTTP address (default 127.0.0.1; any other needs http.api_key and "
@@ -73,8 +84,8 @@ MODEL_FLAGS: dict[str, ModelFlag] = {
     "--assistant-model": ModelFlag({"drafter.model": VALUE, "drafter.type": "assistant"},
                                    "= --draft-model D --draft-type assistant", "D", transformers="assistant_model"),
     "--prompt-lookup-num-tokens": ModelFlag(
-        {"drafter.type": "prompt_lookup", "drafter.prompt_lookup_num_tokens": VALUE, "drafter.num_draft_tokens": VALUE,
-         "drafter.draft_schedule": "constant"},
+        {"drafter.type": "prompt_lookup", _block_length_types()["prompt_lookup"]: VALUE,
+         "drafter.num_draft_tokens": VALUE, "drafter.draft_schedule": "constant"},
         "= --draft-type prompt_lookup --num-draft-tokens K", "K", int, transformers="prompt_lookup_num_tokens"),
     "--assistant-early-exit": ModelFlag(
         {"drafter.type": "early_exit", "drafter.assistant_early_exit": VALUE},
@@ -94,12 +105,6 @@ NOT_ALIASED: dict[str, str] = {
         "one; for universal assisted decoding (a drafter with its own tokenizer) use --draft-type universal "
         "--draft-model D"),
 }
-
-#: Drafter types whose block length is a key of their own: ``--num-draft-tokens K`` sets it to K as well.
-BLOCK_LENGTH_KEYS: dict[str, str] = {"prompt_lookup": "drafter.prompt_lookup_num_tokens",
-                                     "suffix": "drafter.suffix_num_draft_tokens"}
-#: Drafter types whose k is fixed by the checkpoint: ``--num-draft-tokens`` is refused for them.
-FIXED_K_TYPES: dict[str, str] = {"mtp": "mtp drafts one token per MTP layer of the checkpoint"}
 
 _K_FLAGS = ("--num-draft-tokens", "--prompt-lookup-num-tokens")
 _DELEGATED = {
@@ -125,7 +130,8 @@ def add_model_flags(p: argparse.ArgumentParser, serve: bool) -> None:
     for flag, spec in MODEL_FLAGS.items():
         if spec.serve_only and not serve:
             continue
-        text = spec.help + (f" (one of {', '.join(spec.choices)})" if spec.choices else "") \
+        listed = spec.choices and not all(choice in spec.help for choice in spec.choices)  # --draft-type's are
+        text = spec.help + (f" (one of {', '.join(spec.choices)})" if listed else "") \
             + (f" (transformers: {spec.transformers})" if spec.transformers else "")
         if spec.type is None:
             g.add_argument(flag, action="store_true", default=None, help=text)
@@ -162,9 +168,9 @@ def build_config(args: argparse.Namespace, serve: bool = False) -> dict[str, Any
     from_set = {**launch.ray_overrides(getattr(args, "ray", None)), **parse_overrides(args.set)}
     if "verifier.model" in from_flags and args.config is None \
             and not {"drafter.model", "drafter.type"} & {*from_flags, *from_set}:
+        modelless = ", ".join(s.name for s in drafter_specs() if not s.needs_model or s.model_defaults_to_target)
         raise ConfigError(f"--model: name the drafter too (--draft-model D, or a --draft-type that needs no draft "
-                          f"model: prompt_lookup, suffix, early_exit, mtp); {DEFAULT_CONFIG}'s drafter was chosen "
-                          "for its own target")
+                          f"model: {modelless}); {DEFAULT_CONFIG}'s drafter was chosen for its own target")
     kind = from_flags.get("drafter.type")
     if kind and "drafter.model" not in {*from_flags, *from_set} and drafter_spec(kind).model_defaults_to_target:
         from_flags["drafter.model"] = None  # the config file's draft model was for its own type: the target's
@@ -175,9 +181,10 @@ def build_config(args: argparse.Namespace, serve: bool = False) -> dict[str, Any
     k_flag = next((f for f in _K_FLAGS if getattr(args, _dest(f), None) is not None), None)
     if k_flag is not None:
         k = getattr(args, _dest(k_flag))
-        if kind in FIXED_K_TYPES:
-            raise ConfigError(f"{k_flag}: drafter.type {kind}: {FIXED_K_TYPES[kind]}, so k cannot be set")
-        block_key = BLOCK_LENGTH_KEYS.get(kind)
+        spec = drafter_spec(kind)
+        if spec.fixed_k is not None:
+            raise ConfigError(f"{k_flag}: drafter.type {kind}: {spec.fixed_k}, so k cannot be set")
+        block_key = f"drafter.{spec.block_length_key}" if spec.block_length_key else None
         if block_key and block_key not in overrides:
             overrides[block_key] = k
             config = load_config(source, overrides)
@@ -201,7 +208,7 @@ def flags_markdown() -> str:
     for flag, spec in MODEL_FLAGS.items():
         keys = ", ".join(f"`{key}={'VALUE' if v is VALUE else v}`" for key, v in spec.keys.items())
         if flag == "--num-draft-tokens":
-            keys += "; " + "; ".join(f"{kind}: also `{k}=VALUE`" for kind, k in BLOCK_LENGTH_KEYS.items())
+            keys += "; " + "; ".join(f"{kind}: also `{k}=VALUE`" for kind, k in _block_length_types().items())
         arg = f" {spec.metavar}" if spec.metavar else ""
         rows.append(f"| `{flag}{arg}` | {keys} | {f'`{spec.transformers}`' if spec.transformers else ''} |")
     for flag, why in NOT_ALIASED.items():

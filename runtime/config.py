@@ -14,6 +14,7 @@ declaration (:class:`drafter_node.spec.DrafterSpec`, listed in ``drafter_node/ty
 from __future__ import annotations
 
 import copy
+import importlib.util
 import ipaddress
 import os
 import re
@@ -215,6 +216,7 @@ def validate(config: dict[str, Any]) -> None:
     if not isinstance(d["type"], str) or d["type"] not in DRAFTER_TYPES:
         raise ConfigError(f"drafter.type: unknown drafter type {d['type']!r} (known: {', '.join(DRAFTER_TYPES)})")
     spec = drafter_spec(d["type"])
+    _check_requires(spec)
     _fill_type_keys(d, spec)
     if spec.model_defaults_to_target and d["model"] is None:
         d["model"] = v["model"]
@@ -430,6 +432,19 @@ def check_model_dependent(config: dict[str, Any]) -> None:
         return folder if (folder / "config.json").exists() else None
 
     _run_hook(drafter_spec(config["drafter"]["type"]).check_model, config, local)
+
+
+def _check_requires(spec: DrafterSpec) -> None:
+    """The optional packages the type needs are installed: looked up, not imported (the loader stays light and a
+    package that is slow to import is imported by the drafter alone)."""
+    for module, install in spec.requires:
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):  # a dotted name whose parent package is missing
+            found = False
+        if not found:
+            raise ConfigError(f"drafter.type: {spec.name} ({spec.title}) needs the Python package {module!r}, "
+                              f"which is not installed: {install}")
 
 
 def _fill_type_keys(d: dict[str, Any], spec: DrafterSpec) -> None:

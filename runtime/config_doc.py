@@ -1,21 +1,27 @@
-"""The config reference, generated from the declarations in runtime/config_schema.py and the drafter types' specs.
+"""The config reference, generated from the declarations in runtime/config_schema.py and the drafter types' specs,
+and the tables other docs hold that are generated from declarations (:data:`BLOCKS`: the drafter types, the CLI's
+model flags).
 
-``python -m runtime.config_doc > docs/configuration.md`` (or ``--write``) regenerates the file;
-tests/test_config_doc.py fails when the file and the declarations disagree.
+``python -m runtime.config_doc > docs/configuration.md`` prints the reference; ``--write`` writes it and refreshes
+every generated table in place. tests/test_config_doc.py fails when a file and the declarations disagree.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from drafter_node.types import drafter_specs
+from drafter_node.spec import DrafterSpec
+from drafter_node.types import DEFAULT_DRAFTER_TYPE, drafter_specs
 from runtime.config_schema import SECTIONS
 from shared.settings import Setting, declared
 
-DOC_PATH = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
+ROOT = Path(__file__).resolve().parent.parent
+DOC_PATH = ROOT / "docs" / "configuration.md"
 
 HEADER = """# Configuration reference
 
@@ -71,14 +77,108 @@ def generate() -> str:
     return "\n".join(out).rstrip("\n") + "\n"
 
 
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def _keys(spec: DrafterSpec) -> str:
+    return ", ".join(f"`{key}`" for key in spec.keys) or "none"
+
+
+def _model(spec: DrafterSpec) -> str:
+    if not spec.needs_model:
+        parts = ["none"]
+    elif spec.model_defaults_to_target:
+        parts = ["`drafter.model` (default `verifier.model`)"]
+    else:
+        parts = ["`drafter.model`"]
+    if spec.reads_target:
+        parts.append("`drafter.target_model` (default `verifier.model`)")
+    return "; ".join(parts)
+
+
+def _block_length(spec: DrafterSpec) -> str:
+    if spec.fixed_k is not None:
+        return f"fixed: {spec.fixed_k}"
+    if spec.block_length_key is None:
+        return "`num_draft_tokens`"
+    meta = next(m for name, _, m in declared(spec.settings) if name == spec.block_length_key)
+    return f"`{spec.block_length_key}` {meta.bounds_text()}"
+
+
+def drafter_types_table() -> str:
+    """docs/drafter-types.md's table: every registered type, as its spec declares it."""
+    rows = ["| type | transformers `generate` | the drafter holds | model | sends q | block length | own keys "
+            "| example |", "|---|---|---|---|---|---|---|---|"]
+    for spec in drafter_specs():
+        example = f"configs/{spec.name}.yaml"
+        if not (ROOT / example).is_file() and spec.name == DEFAULT_DRAFTER_TYPE:
+            example = "configs/cpu.yaml"  # the default config drafts with the default type
+        cells = [f"`{spec.name}` ({spec.title})", spec.transformers or "none", spec.holds, _model(spec),
+                 "yes" if spec.sends_q else "no (one-hot drafts)", _block_length(spec), _keys(spec),
+                 f"`{example}`" if (ROOT / example).is_file() else ""]
+        rows.append("| " + " | ".join(_cell(c) for c in cells) + " |")
+    return "\n".join(rows)
+
+
+def readme_types_table() -> str:
+    """The README's short table of the drafter types."""
+    rows = ["| `--draft-type` | drafts with | transformers `generate` equivalent |", "|---|---|---|"]
+    for spec in drafter_specs():
+        default = " (default)" if spec.name == DEFAULT_DRAFTER_TYPE else ""
+        rows.append(f"| `{spec.name}`{default} | {_cell(spec.drafts_with)} | {_cell(spec.transformers or 'none')} |")
+    return "\n".join(rows)
+
+
+def _flags_table() -> str:
+    from runtime.cli import flags_markdown  # the CLI's own table (runtime.cli imports the launcher)
+
+    return flags_markdown()
+
+
+#: The tables generated into hand-written docs: name → (the file, from the repository root; its generator). Each
+#: stands between ``<!-- generated: NAME (python -m runtime.config_doc --write) -->`` and
+#: ``<!-- end generated: NAME -->`` in its file.
+BLOCKS: dict[str, tuple[str, Callable[[], str]]] = {
+    "drafter-types": ("docs/drafter-types.md", drafter_types_table),
+    "readme-drafter-types": ("README.md", readme_types_table),
+    "model-flags": ("docs/getting-started.md", _flags_table),
+}
+
+
+def _block_re(name: str) -> re.Pattern[str]:
+    return re.compile(rf"(<!-- generated: {re.escape(name)} [^\n]*-->\n)(.*?)(\n<!-- end generated: "
+                      rf"{re.escape(name)} -->)", re.S)
+
+
+def block_text(name: str, text: str) -> str | None:
+    """What stands in ``text`` between the markers of block ``name`` (None when the markers are missing)."""
+    m = _block_re(name).search(text)
+    return m.group(2) if m else None
+
+
+def refresh(name: str) -> None:
+    """Write block ``name``'s table between its markers (a ValueError when the file lost them)."""
+    file, make = BLOCKS[name]
+    path = ROOT / file
+    text = path.read_text(encoding="utf-8")
+    if block_text(name, text) is None:
+        raise ValueError(f"{file}: no `<!-- generated: {name} ... -->` ... `<!-- end generated: {name} -->` markers")
+    table = make()
+    path.write_text(_block_re(name).sub(lambda m: m.group(1) + table + m.group(3), text, count=1), encoding="utf-8")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--write", action="store_true", help=f"write {DOC_PATH.relative_to(DOC_PATH.parents[1])}")
+    parser.add_argument("--write", action="store_true", help=f"write {DOC_PATH.relative_to(ROOT)} and refresh the "
+                        f"generated tables in {', '.join(sorted({f for f, _ in BLOCKS.values()}))}")
     args = parser.parse_args(argv)
     text = generate()
     if args.write:
         DOC_PATH.parent.mkdir(exist_ok=True)
         DOC_PATH.write_text(text, encoding="utf-8")
+        for name in BLOCKS:
+            refresh(name)
     else:
         sys.stdout.write(text)
     return 0

@@ -35,13 +35,6 @@ from weights import resolve_model
 
 DEFAULT_OUT = results_dir() / "profile"
 DEFAULT_BUDGET_S = 20.0
-#: Drafter types whose model is a plain causal LM that can be profiled on its own.
-PLAIN_MODEL_TYPES = {"assistant", "universal"}
-#: Types with a model that is not profiled on its own (model-free types are skipped by their spec's ``needs_model``).
-SKIP_REASONS = {
-    "mtp": "mtp drafts with modules fed by the target's hidden states (not profiled)",
-    "mtp_drafter": "mtp_drafter drafts from the target's state (not profiled)",
-}
 
 
 class ProfileOutputError(RuntimeError):
@@ -70,7 +63,7 @@ class Node:
     threads: list[int]
     sizes: list[int]
     max_memory: dict | None = None
-    model_config: Any = None  # an architecture replacing the checkpoint's (early_exit)
+    model_config: Any = None  # an architecture replacing the checkpoint's (the spec's profile_model)
     variant: str = ""
 
 
@@ -81,30 +74,33 @@ def _threads(config: dict[str, Any], role: str) -> list[int]:
 
 
 def plan_nodes(config: dict[str, Any]) -> tuple[list[Node], str | None]:
-    """The models to profile (verifier first) and, when the drafter has none to profile, the reason."""
+    """The models to profile (verifier first) and, when the drafter has none to profile, the reason.
+
+    What to profile of the drafter comes from its type's spec: none (``needs_model`` false, or ``profile_skip``
+    says why), the checkpoint as a causal LM, or a reshaped one (``profile_model``), under the cache variant the
+    node uses (``profile_variant``)."""
     v, d = config["verifier"], config["drafter"]
     sizes = profile_sizes(d["max_draft_tokens"])
     target = resolve_model(v["model"], progress=_progress)
     nodes = [Node("verifier", _label(v["model"]), target, v["device"], v["dtype"], _threads(config, "verifier"), sizes,
                   v["max_memory"])]
     kind = d["type"]
-    if not drafter_spec(kind).needs_model:
+    spec = drafter_spec(kind)
+    if not spec.needs_model:
         return nodes, f"{kind} holds no model (no drafter curve)"
-    if kind in SKIP_REASONS:
-        return nodes, SKIP_REASONS[kind]
+    if spec.profile_skip is not None:
+        return nodes, spec.profile_skip
     path = resolve_model(d["model"], progress=_progress)
     node = Node("drafter", _label(d["model"]), path, d["device"], d["dtype"], _threads(config, "drafter"), sizes,
                 d["max_memory"])
-    if kind == "early_exit":
-        from drafter_node.early_exit import exit_config
-
-        exit_layer = d["assistant_early_exit"]
-        node.model_config = exit_config(path, exit_layer)
-        sections = typed(config)  # the node's own cache key (drafter_node/type_specs)
-        node.variant = drafter_spec(kind).profile_variant(sections.drafter, sections.drafter_type)
-        node.label = f"{_label(d['model'])} (first {exit_layer} layers)"
-    elif kind not in PLAIN_MODEL_TYPES:
-        return nodes, f"{kind} is not a type this tool knows how to profile"
+    if spec.profile_model is not None:
+        try:
+            node.model_config, note = spec.profile_model(d, path)
+        except ValueError as exc:  # a spec hook's error names the key (drafter_node/spec.py)
+            raise ConfigError(str(exc)) from None
+        node.label = f"{node.label} ({note})" if note else node.label
+    sections = typed(config)  # the node's own cache key (drafter_node/type_specs)
+    node.variant = spec.profile_variant(sections.drafter, sections.drafter_type)
     nodes.append(node)
     return nodes, None
 
@@ -246,14 +242,12 @@ def _parser(prog: str = "python -m runtime.profile") -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None, prog: str = "python -m runtime.profile") -> int:
     args = _parser(prog).parse_args(argv)
-    from drafter_node.early_exit import EarlyExitError
-
     try:
         if not args.budget > 0 or args.budget > 3600:
             raise ConfigError(f"--budget: must be a number of seconds in (0, 3600], got {args.budget}")
         config = load_config(args.config, args.set)
         table, written = run(config, str(args.config), args.out, args.budget, args.fresh)
-    except (ConfigError, ModelLoadError, RegistryError, EarlyExitError, ProfileOutputError) as exc:
+    except (ConfigError, ModelLoadError, RegistryError, ProfileOutputError) as exc:
         print(f"profile: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -8,12 +8,17 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+from drafter_node.spec import DrafterSpec
+from drafter_node.types import drafter_specs
 from runtime import cli
 from runtime.config import DEFAULTS, ConfigError, type_keys
+from shared.settings import setting
+from testkit.fake_types import register_type
 
 pytestmark = pytest.mark.unit
 tomllib = pytest.importorskip("tomllib", reason="Python 3.11's tomllib reads pyproject.toml")
@@ -42,7 +47,7 @@ def test_every_flag_names_declared_keys():
     known = {f"{s}.{k}" for s, keys in DEFAULTS.items() for k in keys} | {f"drafter.{k}" for k in type_keys()}
     for flag, spec in cli.MODEL_FLAGS.items():
         assert set(spec.keys) <= known, (flag, set(spec.keys) - known)
-    assert {f"{k}" for k in cli.BLOCK_LENGTH_KEYS.values()} <= known
+    assert {f"drafter.{s.block_length_key}" for s in drafter_specs() if s.block_length_key} <= known
     named = {spec.transformers for spec in cli.MODEL_FLAGS.values() if spec.transformers}
     refused = {flag.lstrip("-").replace("-", "_") for flag in cli.NOT_ALIASED}
     assert named | refused == set(TRANSFORMERS_NAMES) and not named & refused
@@ -138,6 +143,35 @@ def test_mtp_refuses_a_fixed_k(tokenizer_dir, tmp_path):
     assert config_of("--model", str(target), "--use-mtp")["drafter"]["model"] == str(target)
     with pytest.raises(ConfigError, match=r"--num-draft-tokens: drafter\.type mtp: mtp drafts one token per MTP layer"):
         config_of("--model", str(target), "--use-mtp", "--num-draft-tokens", "3")
+
+
+def test_draft_type_help_lists_every_registered_type_with_its_title(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["generate", "--help"])
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps the help
+    for spec in drafter_specs():
+        assert f"{spec.name}: {spec.title}" in out, spec.name
+
+
+@dataclass(frozen=True)
+class ToySettings:
+    toy_block: int = setting(4, "Tokens per toy block.", kind="int", bounds=(1, 64))
+
+
+def test_num_draft_tokens_follows_the_types_spec(pair, monkeypatch, capsys):
+    """A type's block length key and a fixed k are read off its spec: a new type needs no line in the CLI."""
+    register_type(monkeypatch, DrafterSpec(name="toy", cls="x:Y", title="toy drafting", settings=ToySettings,
+                                           needs_model=False, block_length_key="toy_block"))
+    config = config_of("--model", "t", "--set", "drafter.type=toy", "--num-draft-tokens", "5")
+    assert (config["drafter"]["toy_block"], config["drafter"]["num_draft_tokens"]) == (5, 5)
+    assert config_of("--model", "t", "--set", "drafter.type=toy")["drafter"]["toy_block"] == 4
+    assert "toy: also `drafter.toy_block=VALUE`" in cli.flags_markdown()
+    with pytest.raises(ConfigError, match=r"--model: name the drafter too .*needs no draft model: [a-z_, ]*\btoy\b"):
+        config_of("--model", "t")  # the types that need no draft model, toy among them
+    register_type(monkeypatch, DrafterSpec(name="toy", cls="x:Y", title="toy drafting", needs_model=False,
+                                           fixed_k="toy drafts a fixed block"))
+    with pytest.raises(ConfigError, match=r"--num-draft-tokens: drafter\.type toy: toy drafts a fixed block, so k"):
+        config_of("--model", "t", "--set", "drafter.type=toy", "--num-draft-tokens", "5")
 
 
 @pytest.mark.parametrize("command", ["serve", "generate", "node", "models", "keys", "profile", "bench"])

@@ -9,7 +9,6 @@ import pickle
 import subprocess
 import sys
 import time
-import types
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +29,9 @@ from runtime.config import (
     typed,
 )
 from shared import named_models
+from shared.protocol import MAX_DRAFT_TOKENS
+from shared.settings import declared, setting
+from testkit.fake_types import register_type
 from weights import install
 
 pytestmark = pytest.mark.unit
@@ -414,14 +416,7 @@ def test_cli_subprocess_config_error_is_one_line_and_exit_2():
 # ------------------------------------------------------------------------------------------------ drafter types
 
 
-def _register(monkeypatch, spec: DrafterSpec, **attrs: Any) -> None:
-    """Register ``spec`` the way a new type is: a module declaring SPEC, and one registry line naming it."""
-    module = types.ModuleType(f"toy_type_{spec.name}")
-    module.SPEC = spec
-    for name, value in attrs.items():
-        setattr(module, name, value)
-    monkeypatch.setitem(sys.modules, module.__name__, module)
-    monkeypatch.setitem(DRAFTER_TYPES, spec.name, module.__name__)
+_register = register_type
 
 
 def test_a_new_drafter_type_is_one_spec_and_one_registry_line(monkeypatch, tmp_path):
@@ -543,3 +538,60 @@ def test_a_secret_is_refused_on_the_command_line():
         parse_overrides(["http.api_key=0123456789abcdef0123"])
     assert parse_overrides({"http.api_key": "0123456789abcdef0123"}) == {"http.api_key": "0123456789abcdef0123"}
     assert parse_overrides(["http.api_key="]) == {"http.api_key": None}  # unsetting it reveals nothing
+
+
+def test_a_type_that_needs_a_missing_package_says_what_to_install(monkeypatch):
+    """``requires``: looked up when a config of the type loads; a missing package is a config error naming it."""
+    install = "make setup-nothing (pip install 'pipespec[nothing]')"
+    _register(monkeypatch, DrafterSpec(name="toy", cls="x:Y", title="toy drafting", needs_model=False,
+                                       requires=(("yaml", "pip install pyyaml"),
+                                                 ("pipespec_no_such_module_x", install))))
+    message = _config_error("cpu.yaml", {"drafter.type": "toy"})
+    assert message.startswith("drafter.type: toy") and "'pipespec_no_such_module_x'" in message
+    assert message.endswith(install) and "yaml" not in message.replace(install, "")
+    _register(monkeypatch, DrafterSpec(name="toy", cls="x:Y", title="toy drafting", needs_model=False,
+                                       requires=(("pipespec_no_such_module_x.sub", install),)))
+    assert _config_error("cpu.yaml", {"drafter.type": "toy"}).startswith("drafter.type: toy")  # dotted: no crash
+    _register(monkeypatch, DrafterSpec(name="toy", cls="x:Y", title="toy drafting", needs_model=False,
+                                       requires=(("yaml", "pip install pyyaml"),)))
+    assert load_config("cpu.yaml", {"drafter.type": "toy"})["drafter"]["type"] == "toy"  # installed: loads
+    assert load_config("cpu.yaml")["drafter"]["type"] == "assistant"  # another type's requirement is not checked
+    with pytest.raises(ValueError, match="requires"):
+        DrafterSpec(name="toy", cls="x:Y", title="toy", requires=(("llama_cpp",),))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("bounds, kind, error", [
+    ((1, None), "int", "upper bound"),  # unbounded: a block over the verifier's largest is refused mid-request
+    ((1, MAX_DRAFT_TOKENS + 1), "int", "upper bound"),
+    ((1, 8), "number", "kind='int'"),
+    ((1, MAX_DRAFT_TOKENS), "int", None),
+])
+def test_a_block_length_key_is_capped_at_the_verifiers_largest_block(bounds, kind, error):
+    from dataclasses import dataclass
+
+    @dataclass(frozen=True)
+    class ToySettings:
+        toy_block: int = setting(4, "Tokens per block.", kind=kind, bounds=bounds)
+
+    make = lambda key="toy_block": DrafterSpec(name="toy", cls="x:Y", title="toy", settings=ToySettings,  # noqa: E731
+                                               block_length_key=key)
+    if error is None:
+        assert make().block_length_key == "toy_block"
+    else:
+        with pytest.raises(ValueError, match=error):
+            make()
+    with pytest.raises(ValueError, match="not one of its declared settings"):
+        make("toy_width")
+
+
+def test_every_registered_block_length_key_is_capped():
+    keyed = {}
+    for name in DRAFTER_TYPES:
+        spec = drafter_spec(name)
+        if spec.block_length_key is not None:
+            meta = {key: m for key, _, m in declared(spec.settings)}[spec.block_length_key]
+            keyed[name] = meta.bounds[1]
+            assert meta.kind == "int" and meta.bounds[1] <= MAX_DRAFT_TOKENS
+        assert spec.fixed_k is None or spec.block_length_key is None
+    assert keyed == {"prompt_lookup": MAX_DRAFT_TOKENS, "suffix": MAX_DRAFT_TOKENS}
+    assert [name for name in DRAFTER_TYPES if drafter_spec(name).fixed_k] == ["mtp"]

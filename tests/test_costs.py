@@ -446,9 +446,49 @@ def test_plan_profiles_early_exit_cut_and_skips_prompt_lookup(tiny, tmp_path):
     nodes, skipped = profile_cli.plan_nodes(config)
     assert skipped is None and [n.role for n in nodes] == ["verifier", "drafter"]
     assert nodes[1].model_config.num_hidden_layers == 1 and nodes[1].variant == "early_exit:1"
+    assert nodes[1].label == f"{target.name} (first 1 layers)"
     config = load_config({"verifier": {"model": str(target)}, "drafter": {"type": "prompt_lookup"}})
     nodes, skipped = profile_cli.plan_nodes(config)
     assert [n.role for n in nodes] == ["verifier"] and "prompt_lookup" in skipped
+
+
+def test_plan_reads_what_to_profile_off_the_types_spec(tiny, monkeypatch):
+    """A type's spec says whether and how its model is profiled; runtime/profile.py names no type."""
+    from drafter_node.spec import DrafterSpec
+    from drafter_node.types import DRAFTER_TYPES, drafter_spec
+    from testkit.fake_types import register_type
+
+    target, drafter = tiny("llama"), tiny("llama", "random")
+    config = {"verifier": {"model": str(target)}, "drafter": {"type": "toy", "model": str(drafter)}}
+    register_type(monkeypatch, DrafterSpec(name="toy", cls="x:Y", title="toy", profile_skip="toy is not profiled"))
+    nodes, skipped = profile_cli.plan_nodes(load_config(config))
+    assert [n.role for n in nodes] == ["verifier"] and skipped == "toy is not profiled"
+    seen = []
+
+    def reshape(d, path):
+        seen.append((d["type"], path))
+        return AutoConfig.from_pretrained(path), "reshaped"
+
+    register_type(monkeypatch, DrafterSpec(name="toy", cls="x:Y", title="toy", profile_model=reshape,
+                                           profile_variant=lambda settings, own: f"toy:{settings.max_draft_tokens}"))
+    nodes, skipped = profile_cli.plan_nodes(load_config(config))
+    assert skipped is None and seen == [("toy", str(drafter))]
+    assert nodes[1].label == f"{drafter.name} (reshaped)" and nodes[1].variant.startswith("toy:")
+    assert nodes[1].model_config.num_hidden_layers == AutoConfig.from_pretrained(drafter).num_hidden_layers
+
+    def refuse(d, path):
+        raise ValueError("drafter.model: not a toy checkpoint")
+
+    register_type(monkeypatch, DrafterSpec(name="toy", cls="x:Y", title="toy", profile_model=refuse))
+    with pytest.raises(profile_cli.ConfigError, match=r"drafter\.model: not a toy checkpoint"):
+        profile_cli.plan_nodes(load_config(config))
+    config["drafter"]["type"] = "assistant"  # a plain causal LM: its own label, no variant
+    nodes, skipped = profile_cli.plan_nodes(load_config(config))
+    assert skipped is None and (nodes[1].label, nodes[1].model_config, nodes[1].variant) == (drafter.name, None, "")
+    for name in ("mtp", "mtp_drafter"):
+        assert "not profiled" in drafter_spec(name).profile_skip
+    text = Path(profile_cli.__file__).read_text(encoding="utf-8")
+    assert [name for name in DRAFTER_TYPES if name != "toy" and f'"{name}"' in text] == []
 
 
 def test_verify_score_prefers_the_dtype_fast_at_its_best_shape():

@@ -170,15 +170,6 @@ def test_docs_use_no_lab_notebook_language() -> None:
     assert not found, found
 
 
-def test_getting_started_flag_table_is_the_clis() -> None:
-    from runtime.cli import flags_markdown
-
-    text = (ROOT / "docs" / "getting-started.md").read_text(encoding="utf-8")
-    m = re.search(r"<!-- flags-table: runtime.cli.flags_markdown\(\) -->\n(.*?)\n<!-- end flags-table -->", text, re.S)
-    assert m, "docs/getting-started.md lost its flag table"
-    assert m.group(1) == flags_markdown(), "the flag table is stale: paste runtime.cli.flags_markdown()"
-
-
 def test_flags_the_readme_maps_to_exist() -> None:
     """Every pipespec flag in the README's "coming from" table is one the CLI accepts (or refuses by name)."""
     from runtime.cli import NOT_ALIASED, parser

@@ -235,14 +235,14 @@ def test_node_batches_every_session_that_wants_a_step_up_to_the_cap(node_for):
     assert [s.sid for s, _ in node._gather_steps(s1)] == [1, 0]
     for s in (s0, s1, s2, s3):
         s.step()
-    assert [(s.stats["batch_steps"], s.stats["batch_rows"]) for s in (s0, s1, s2, s3)] == [(1, 1)] * 4
+    assert [(s.stats.batch_steps, s.stats.batch_rows) for s in (s0, s1, s2, s3)] == [(1, 1)] * 4
     batch = node._gather_steps(s1)
     assert [s.sid for s, _ in batch] == [1, 0, 2]  # the work first, then round-robin order, up to the cap
     node._run_steps(batch)
     batch = node._gather_steps(s3)
     assert [s.sid for s, _ in batch] == [3, 0, 1]
     node._run_steps(batch)
-    stats = [(s.stats["batch_steps"], s.stats["batch_rows"]) for s in (s0, s1, s2, s3)]
+    stats = [(s.stats.batch_steps, s.stats.batch_rows) for s in (s0, s1, s2, s3)]
     assert stats == [(3, 7), (3, 7), (2, 4), (2, 4)]
     reference = reference_chains(node, 3)
     for s in (s0, s1, s2, s3):
@@ -273,7 +273,7 @@ def test_a_failing_batched_forward_steps_each_session_alone(node_for, monkeypatc
     node._run_steps(batch)
     reference = reference_chains(node, 2)
     assert [s.draft.chain_tokens for s in node.picker.sessions.values()] == reference
-    assert all(s.stats["batch_steps"] == s.stats["batch_rows"] == 2 for s in node.picker.sessions.values())
+    assert all(s.stats.batch_steps == s.stats.batch_rows == 2 for s in node.picker.sessions.values())
 
 
 def test_the_nodes_batched_steps_run_on_its_backends_static_slots(node_for, monkeypatch):
@@ -302,7 +302,7 @@ def test_a_session_whose_finish_fails_is_dropped_alone(node_for, monkeypatch):
     assert sorted(node.picker.sessions) == [0, 1, 3] and list(node.picker.order) == [0, 1, 3]
     reference = reference_chains(node, 2)
     assert [node.picker.sessions[sid].draft.chain_tokens for sid in (0, 1, 3)] == [reference[i] for i in (0, 1, 3)]
-    assert all(s.stats["batch_rows"] == 1 + len(PROMPTS) for s in node.picker.sessions.values())
+    assert all(s.stats.batch_rows == 1 + len(PROMPTS) for s in node.picker.sessions.values())
 
 
 def test_a_session_whose_batch_step_fails_is_dropped_and_the_others_still_batch(node_for, monkeypatch):

@@ -82,7 +82,7 @@ def test_a_commit_that_took_a_side_leaf_rolls_the_chain_back_and_counts_the_chai
     # the verifier took 10, then the side leaf 21, then its own 30: 3 tokens, path of 2 of the tree's 4 nodes
     s.on_commit([10, 21, 30], drafted=4, accepted=2, extras={})
     assert observed == [(3, 1)]  # the chain's first token accepted, its second rejected
-    assert s.stats["side_accepted"] == 1 and s.stats["tree_blocks"] == 1
+    assert s.stats.side_accepted == 1 and s.stats.tree_blocks == 1
     assert draft.committed == [1, 2, 3, 10, 21, 30] and draft.chain == []
     assert draft.truncated == [3 + 1]  # rolled back behind the accepted chain token
 
@@ -150,3 +150,18 @@ def test_drafter_tree_is_a_bool_key():
     assert load_config("cpu.yaml", {"drafter.tree": True})["drafter"]["tree"] is True
     with pytest.raises(ConfigError, match=r"drafter\.tree"):
         load_config("cpu.yaml", {"drafter.tree": 1})
+
+
+def test_session_stats_keep_the_wire_keys_the_verifier_checks():
+    """The drafter's typed stats go on the wire as plain maps (``asdict``), with the keys the verifier checks."""
+    from dataclasses import asdict, fields
+
+    from drafter_node.node_session import SessionStats, SessionTiming
+    from verifier_node.draft_check import _NUMERIC_STATS, checked_stats
+
+    assert tuple(f.name for f in fields(SessionStats)) == _NUMERIC_STATS
+    stats, timing = SessionStats(blocks=3, busy_s=0.5), SessionTiming(roundtrips=2)
+    wire = {**asdict(stats), "timing": asdict(timing), "plans": {}, "dtype": "float32"}
+    assert checked_stats(wire) is wire and wire["blocks"] == 3 and wire["timing"]["roundtrips"] == 2
+    assert set(wire["timing"]) == {"step_s", "send_s", "commit_s", "roundtrip_s", "roundtrips", "forward_s",
+                                   "profile_s"}

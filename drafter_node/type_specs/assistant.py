@@ -2,4 +2,11 @@
 
 from drafter_node.spec import DrafterSpec
 
-SPEC = DrafterSpec(name="assistant", cls="drafter_node.assistant:AssistantDrafter", title="an assistant model")
+SPEC = DrafterSpec(
+    name="assistant",
+    cls="drafter_node.assistant:AssistantDrafter",
+    title="an assistant model",
+    transformers="`assistant_model=D`",
+    drafts_with="a small model with the target's tokenizer",
+    holds="a small model with the target's tokenizer, its own KV cache",
+)

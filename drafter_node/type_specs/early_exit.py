@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +29,13 @@ def _check_model(config: dict[str, Any], local: LocalFolder) -> None:
     check_exit_layer(AutoConfig.from_pretrained(str(folder)), config["drafter"]["assistant_early_exit"])
 
 
+def _profile_model(drafter: Mapping[str, Any], path: str) -> tuple[Any, str]:
+    from drafter_node.early_exit import exit_config
+
+    layers = drafter["assistant_early_exit"]
+    return exit_config(path, layers), f"first {layers} layers"
+
+
 SPEC = DrafterSpec(
     name="early_exit",
     cls="drafter_node.early_exit:EarlyExitDrafter",
@@ -36,6 +44,11 @@ SPEC = DrafterSpec(
     model_defaults_to_target=True,
     check=lambda config: positive_int(config, "assistant_early_exit"),
     check_model=_check_model,
+    profile_model=_profile_model,
+    transformers="`assistant_early_exit=E`",
+    drafts_with="the target's own first E layers (self-speculative)",
+    holds="the target checkpoint's first E layers, final norm and LM head (only those weights are read); "
+          "1 ≤ E ≤ layers − 1",
     # E layers of a model cost differently from the whole model: their profile is their own
     profile_variant=lambda settings, own: f"early_exit:{own.assistant_early_exit}",
 )

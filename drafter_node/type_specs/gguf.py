@@ -42,4 +42,10 @@ SPEC = DrafterSpec(
     title="a GGUF model in llama.cpp",
     model_file=True,
     check=_check,
+    requires=(("llama_cpp", "make setup-gguf (builds llama-cpp-python for this CPU; pip install 'pipespec[gguf]' "
+                            "with the flags of scripts/build_llama_cpp.py --print-flags)"),),
+    profile_skip="gguf measures llama.cpp's forwards at node start-up (pipespec profile measures torch models)",
+    transformers="none (llama.cpp's own draft model: `llama-server -md`)",
+    drafts_with="a GGUF model in llama.cpp",
+    holds="a GGUF model run by llama.cpp (no conversion), one llama.cpp sequence of its KV memory per session",
 )

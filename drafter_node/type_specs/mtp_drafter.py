@@ -25,4 +25,10 @@ SPEC = DrafterSpec(
     title="an MTP drafter checkpoint",
     reads_target=True,  # the target's config and input embeddings
     check_model=_check_model,
+    profile_skip="mtp_drafter drafts from the target's state (not profiled)",
+    transformers="`assistant_model=` a Gemma 4 `-assistant`",
+    drafts_with="a drafter checkpoint that reads the target's state (Gemma 4 `-assistant`)",
+    holds="a separate drafter checkpoint that reads the target's state (Gemma 4 `-assistant`, "
+          "`Gemma4AssistantForCausalLM`) + the target's input embedding table (read alone; no target layer is "
+          "loaded)",
 )

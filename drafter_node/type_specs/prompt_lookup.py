@@ -29,4 +29,9 @@ SPEC = DrafterSpec(
     settings=PromptLookupSettings,
     needs_model=False,
     sends_q=False,  # one-hot drafts: no distribution to ensemble with
+    block_length_key="prompt_lookup_num_tokens",
+    transformers="`prompt_lookup_num_tokens=K`",
+    drafts_with="no model: n-gram matches in the prompt and the text so far",
+    holds="nothing but the token history: it copies the continuation of the most recent earlier match of the "
+          "trailing n-gram (prompt and generated text)",
 )

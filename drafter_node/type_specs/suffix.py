@@ -49,4 +49,11 @@ SPEC = DrafterSpec(
     settings=SuffixSettings,
     needs_model=False,
     sends_q=False,  # one-hot drafts: no distribution to ensemble with
+    block_length_key="suffix_num_draft_tokens",
+    transformers='none (vLLM `"method": "suffix"`)',
+    drafts_with="no model: suffix tries over the request and over the responses of the same tenant's earlier "
+                "requests (suffix decoding)",
+    holds="no model: a suffix trie over the request's prompt and generated tokens, and one over the responses of "
+          "the earlier (and concurrent) requests this drafter process served; proposes the most frequent "
+          "continuation of the longest matching suffix",
 )
