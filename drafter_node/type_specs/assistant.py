@@ -2,4 +2,5 @@
 
 from drafter_node.spec import DrafterSpec
 
-SPEC = DrafterSpec(name="assistant", cls="drafter_node.assistant:AssistantDrafter", title="an assistant model")
+SPEC = DrafterSpec(name="assistant", cls="drafter_node.assistant:AssistantDrafter", title="an assistant model",
+                   conformance="testkit.conformance:assistant")

@@ -38,4 +38,5 @@ SPEC = DrafterSpec(
     check_model=_check_model,
     # E layers of a model cost differently from the whole model: their profile is their own
     profile_variant=lambda settings, own: f"early_exit:{own.assistant_early_exit}",
+    conformance="testkit.conformance:early_exit",
 )

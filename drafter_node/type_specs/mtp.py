@@ -22,4 +22,5 @@ SPEC = DrafterSpec(
     title="multi-token prediction",
     model_defaults_to_target=True,  # the MTP layers ship inside the target checkpoint
     check_model=_check_model,
+    conformance="testkit.conformance:mtp",
 )

@@ -25,4 +25,5 @@ SPEC = DrafterSpec(
     title="an MTP drafter checkpoint",
     reads_target=True,  # the target's config and input embeddings
     check_model=_check_model,
+    conformance="testkit.conformance:mtp_drafter",
 )

@@ -29,4 +29,5 @@ SPEC = DrafterSpec(
     settings=PromptLookupSettings,
     needs_model=False,
     sends_q=False,  # one-hot drafts: no distribution to ensemble with
+    conformance="testkit.conformance:prompt_lookup",
 )

@@ -49,4 +49,5 @@ SPEC = DrafterSpec(
     settings=SuffixSettings,
     needs_model=False,
     sends_q=False,  # one-hot drafts: no distribution to ensemble with
+    conformance="testkit.conformance:suffix",
 )

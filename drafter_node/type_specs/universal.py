@@ -7,4 +7,5 @@ SPEC = DrafterSpec(
     cls="drafter_node.universal:UniversalDrafter",
     title="universal assisted decoding",
     reads_target=True,  # the target's tokenizer (files only)
+    conformance="testkit.conformance:universal",
 )
