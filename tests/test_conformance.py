@@ -49,7 +49,8 @@ def setups(tmp_path_factory):
                 pytest.fail(str(e), pytrace=False)
             setup = factory(tmp_path_factory.mktemp(f"conformance-{name}"))
             assert isinstance(setup, ConformanceSetup), f"{name}: its factory must return a ConformanceSetup"
-            assert setup.drafter.get("type") == name, f"{name}: the setup's drafter section must say type: {name}"
+            for section in (setup.drafter, setup.sampling.drafter):
+                assert section.get("type") == name, f"{name}: the setup's drafter sections must say type: {name}"
             cache[name] = setup
         return cache[name]
 
