@@ -120,9 +120,12 @@ class LlamaEngine:
             raise ModelLoadError(f"llama.cpp could not create a context for {path} (n_ctx {n_ctx}, {n_seq} sequences)")
         self.n_ctx = int(lib.llama_n_ctx(self.ctx))
         self.memory = lib.llama_get_memory(self.ctx)
-        self.batch_tokens = batch_tokens
+        # llama.cpp caps the batch at n_ctx, and aborts the process (GGML_ASSERT) on a decode over its batch size:
+        # every decode is split at the size the context really has
+        self.batch_tokens = int(lib.llama_n_batch(self.ctx))
         self.threads = threads
-        self._batch = lib.llama_batch_init(batch_tokens, 0, 1)
+        self._batch = lib.llama_batch_init(self.batch_tokens, 0, 1)
+        self.n_seq = n_seq
         self._free = list(range(n_seq - 1, -1, -1))  # sequence ids not in use (popped from the end: 0 first)
         self.held = 0  # positions held over every sequence (an estimate of the memory in use)
 
@@ -351,8 +354,10 @@ class GGUFDrafter(Drafter):
 
     def __init__(self, settings: DrafterConfig, own: Any = None, profile: ProfileSpec | None = None):
         self.path = gguf_path(settings.model)
-        slots = kv_slots(settings.kv_slots, settings.max_batch_sessions)
-        n_ctx = max(settings.kv_slot_tokens, 256) * slots
+        # The KV memory is one pool (kv_slots × kv_slot_tokens positions) shared by as many sequences as llama.cpp
+        # allows (256): a session costs only the positions it holds, so sessions beyond kv_slots still draft.
+        n_ctx = max(settings.kv_slot_tokens, 256) * kv_slots(settings.kv_slots, settings.max_batch_sessions)
+        slots = int(import_llama_cpp().llama_max_parallel_sequences())
         threads = profile.threads[0] if profile and profile.threads else max(1, torch.get_num_threads())
         started = time.perf_counter()
         self.engine = LlamaEngine(self.path, n_ctx, slots, threads)
@@ -375,8 +380,8 @@ class GGUFDrafter(Drafter):
                                     backend=self.backend, max_draft_tokens=self.max_draft_tokens)
         except LlamaDecodeError:
             if not self._warned_full:
-                log.warning("every llama.cpp sequence is in use (drafter.kv_slots): further sessions are not "
-                            "drafted for until one ends")
+                log.warning("every llama.cpp sequence is in use (%d sessions): further sessions are not drafted "
+                            "for until one ends", self.engine.n_seq)
                 self._warned_full = True
             return IdleDraftSession(token_ids, prompt_len, params)
 

@@ -119,6 +119,8 @@ class DrafterSpec:
     #: ``profile_variant(settings, own)``, given what the type is built from (the typed ``drafter`` section and the
     #: type's own settings, see :class:`drafter_node.base.Drafter`).
     profile_variant: Callable[[Any, Any], str] = _no_variant
+    #: ``"module:function"`` building the type's tiny test setup (``testkit.conformance``, tests/test_conformance.py).
+    conformance: str | None = None
 
     def __post_init__(self) -> None:
         module, sep, cls = self.cls.partition(":")

@@ -71,7 +71,8 @@ def write_qwen2_gguf(folder: Path, out: Path, vocab_tokens: list[str] | None = N
 
     vocab = tokenizer.get_vocab()
     tokens = vocab_tokens or [tok for tok, _ in sorted(vocab.items(), key=lambda item: item[1])]
-    tokens = tokens + [f"[PAD{i}]" for i in range(config.vocab_size - len(tokens))]  # a head wider than the vocab
+    # llama.cpp wants one token per embedding row: pad a head wider than the vocabulary, drop tokens past it
+    tokens = (tokens + [f"[PAD{i}]" for i in range(len(tokens), config.vocab_size)])[: config.vocab_size]
     special = set(tokenizer.all_special_tokens)
     types = [gguf.TokenType.CONTROL if tok in special else gguf.TokenType.NORMAL for tok in tokens]
     model = json.loads(tokenizer.backend_tokenizer.to_str())["model"]
@@ -94,3 +95,23 @@ def write_qwen2_gguf(folder: Path, out: Path, vocab_tokens: list[str] | None = N
     writer.write_tensors_to_file()
     writer.close()
     return out
+
+
+def conformance(root: Path):
+    """The ``gguf`` type's tiny setup for tests/test_conformance.py: a tiny Qwen2 target and its first layer written
+    as GGUF (some drafts accepted, some rejected); for sampling a sharpened Qwen2 target over the 12-token
+    vocabulary and a clearly different one-layer drafter, as GGUF."""
+    from testkit.conformance import PROMPTS, ConformanceSetup, SamplingSetup, first_layer
+    from testkit.tiny_models import build_model, build_small_vocab_tokenizer, build_tokenizer
+
+    build_tokenizer(root / "tok")
+    target = build_model(root / "target", "qwen2", root / "tok", seed=1)
+    drafter = write_qwen2_gguf(first_layer(target, root / "first-layer"), root / "drafter.gguf")
+    build_small_vocab_tokenizer(root / "sharp-tok")
+    sharp_target = build_model(root / "sharp-target", "qwen2", root / "sharp-tok", seed=11, sharpen=1.2)
+    sharp_drafter = build_model(root / "sharp-drafter", "qwen2", root / "sharp-tok", seed=12, layers=1, sharpen=1.2)
+    return ConformanceSetup(
+        target=target, drafter={"type": "gguf", "model": str(drafter), "num_draft_tokens": 3, "overlap": True},
+        prompts=PROMPTS, max_new_tokens=40,
+        sampling=SamplingSetup(sharp_target, {"type": "gguf", "model": str(write_qwen2_gguf(
+            sharp_drafter, root / "sharp-drafter.gguf")), "num_draft_tokens": 3, "q_top_k": 0}))

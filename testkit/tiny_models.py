@@ -119,6 +119,39 @@ def build_small_vocab_tokenizer(folder: Path, words: int = 10) -> PreTrainedToke
     return fast
 
 
+OTHER_CORPUS = [
+    "def mul(x, y):\n    return x * y\n",
+    "numbers = [n * n for n in range(20) if n % 2]\n",
+    "a lazy dog sleeps while the quick fox runs around the house",
+    "class Tree:\n    def __init__(self, left, right):\n        self.left = left\n",
+    "Small models draft, large models verify: speculative decoding in a nutshell.",
+] * 20
+
+def build_bpe(folder: Path, vocab_size: int, corpus: list[str], specials: list[str]) -> PreTrainedTokenizerFast:
+    """A byte-level BPE trained on ``corpus``; ``specials`` first (their order shifts every other id)."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(corpus, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>",
+                                   pad_token="<pad>" if "<pad>" in specials else None)
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(folder)
+    return fast
+
+
+def word_tokenizer(folder: Path, words: list[str]) -> PreTrainedTokenizerFast:
+    """A word-level tokenizer over ``words`` in that order (ids = positions), saved to ``folder``."""
+    vocab = {w: i for i, w in enumerate(words)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>")
+    fast.save_pretrained(folder)
+    return fast
+
+
 def gemma4_text_config(vocab_size: int, hidden: int, layers: list[str], sliding_window: int = 8, **extra):
     """A tiny Gemma 4 text config (one head size for both attention types, so an assistant can read either)."""
     from transformers import Gemma4TextConfig

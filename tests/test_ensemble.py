@@ -237,15 +237,11 @@ def test_sampling_distribution_end_to_end_is_v_not_p(sharp_pair):
 
 
 # ------------------------------------------------------------------------------------------ refusals
-def test_config_refuses_bad_weights_and_prompt_lookup():
+def test_config_refuses_bad_weights():
+    """(Which drafter types take ensemble verification: tests/test_conformance.py, for every type.)"""
     for bad in (0, 1, 1.0, 2, -0.5, "0.7", True, float("nan"), float("inf")):
         with pytest.raises(ConfigError, match=r"verification\.ensemble_weight: must be a number in the open"):
             load_config("cpu.yaml", {"verification.ensemble_weight": bad})
-    with pytest.raises(ConfigError, match="not supported with prompt lookup decoding") as info:
-        load_config("prompt_lookup.yaml", {"verification.ensemble_weight": 0.7})
-    assert "requires the draft distribution q" in str(info.value)
-    for name in ("cpu.yaml", "early_exit.yaml"):
-        assert load_config(name, {"verification.ensemble_weight": 0.7})["verification"]["ensemble_weight"] == 0.7
 
 
 async def _fake_drafter(endpoint: str, tok_id: str, capabilities: Capabilities):

@@ -108,6 +108,44 @@ def test_a_target_token_the_gguf_lacks_is_fed_as_a_known_one(gguf_pair):
 
 
 @pytest.mark.unit
+def test_a_full_kv_pool_fails_the_forward_and_keeps_the_sequence(gguf_pair):
+    """A forward that does not fit the KV memory raises LlamaDecodeError, and the sequence is as before it."""
+    from drafter_node.gguf import LlamaDecodeError, LlamaEngine
+
+    _, drafter, path = gguf_pair
+    engine = LlamaEngine(path, n_ctx=256, n_seq=1, threads=1)
+    try:
+        engine.decode([(0, 0, [5, 17, 33])])
+        with pytest.raises(LlamaDecodeError, match="KV memory is full"):
+            engine.decode([(0, 3, [7] * 300)])
+        got = engine.decode([(0, 3, [2, 60])])[0]  # the first three positions are still there, nothing after
+        np.testing.assert_allclose(got, hf_logits(drafter, [5, 17, 33, 2, 60])[-1], atol=2e-3, rtol=1e-3)
+    finally:
+        engine.close()
+
+
+@pytest.mark.unit
+def test_a_session_finding_every_sequence_in_use_drafts_nothing(gguf_pair):
+    """Past llama.cpp's sequence limit a session is opened that proposes nothing (its request goes on at the
+    target's pace), and a sequence given back is used again."""
+    from drafter_node.gguf import GGUFDrafter, GGUFDraftSession, IdleDraftSession
+    from drafter_node.settings import DrafterConfig
+    from shared.sampling import GenerationParams
+
+    _, _, path = gguf_pair
+    drafter = GGUFDrafter(DrafterConfig(type="gguf", model=str(path), kv_slot_tokens=256, kv_slots=1))
+    params = GenerationParams(max_new_tokens=8)
+    taken = [drafter.engine.acquire() for _ in range(drafter.engine.n_seq)]
+    idle = drafter.open_session([5, 17], 2, params, {})
+    assert isinstance(idle, IdleDraftSession) and idle.propose(3) == 0
+    drafter.engine.release(taken.pop())
+    session = drafter.open_session([5, 17], 2, params, {})
+    assert isinstance(session, GGUFDraftSession) and session.propose(3) == 3
+    session.close()
+    drafter.engine.close()
+
+
+@pytest.mark.unit
 def test_a_crashing_llama_cpp_build_is_caught(gguf_pair):
     """The installed llama.cpp runs a forward in a child process: a build whose CPU code this machine cannot run
     (a native AMX build on a KVM guest died with a general protection fault) fails here, not in a drafter node."""

@@ -1,7 +1,8 @@
 """``mtp`` drafter (DeepSeek-V3 / GLM-4.5 multi-token-prediction layers inside the target checkpoint): loads only the
 MTP layers + embeddings + LM head; incremental drafts equal a from-scratch recompute after partial acceptance;
 greedy identity with transformers on tiny DeepSeek-V3 and GLM-4-MoE targets (K = 1 and 2, overlap on and off);
-sampling distribution test with its negative control; clear errors for checkpoints without MTP layers."""
+clear errors for checkpoints without MTP layers. tests/test_conformance.py runs the random DeepSeek-V3 K = 2 case
+with overlap and the sampling check with its negative control."""
 
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ import pytest
 import safetensors
 import torch
 from conftest import tiny_config
-from sampling_check import check_lossless_sampling, exact_joint
 from transformers import AutoModelForCausalLM
 
 from drafter_node.base import DraftToken
@@ -219,7 +219,7 @@ def greedy_cases(target, prompts):
 @pytest.mark.parametrize(("arch", "k", "overlap", "drafter"), [
     ("deepseek_v3", 1, True, "distilled"), ("glm4_moe", 1, False, "distilled"),
     ("deepseek_v3", 2, False, "distilled"), ("glm4_moe", 2, True, "distilled"),
-    ("deepseek_v3", 2, True, "random"), ("glm4_moe", 1, False, "random"),
+    ("glm4_moe", 1, False, "random"),
 ])
 def test_mtp_greedy_matches_transformers(mtp_target, distilled_target, arch, k, overlap, drafter):
     if drafter == "distilled":
@@ -241,20 +241,6 @@ def test_mtp_greedy_matches_transformers(mtp_target, distilled_target, arch, k, 
     assert all(len(r.metrics["per_position_acceptance"]) <= k for r in results), "K drafts per round at most"
     if drafter == "distilled":
         assert accepted / drafted > 0.4, "the distilled MTP layers should mostly be accepted"
-
-
-@pytest.fixture(scope="module")
-def sharp_mtp_target(tmp_path_factory):
-    root = tmp_path_factory.mktemp("sharp-mtp")
-    build_small_vocab_tokenizer(root / "tok")
-    return build_mtp_model(root / "target", "deepseek_v3", root / "tok", seed=31, mtp_layers=2, sharpen=1.5)
-
-
-def test_mtp_sampling_is_lossless(sharp_mtp_target):
-    target = sharp_mtp_target
-    config = mtp_config(target, q_top_k=0)
-    exact = exact_joint(target)
-    check_lossless_sampling(config, exact)
 
 
 @pytest.mark.parametrize("case", ["zero_layers", "weights_missing"])

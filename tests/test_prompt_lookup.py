@@ -1,5 +1,5 @@
-"""``prompt_lookup`` drafter: the n-gram lookup itself, greedy identity with transformers, and the sampling
-distribution test with its negative control."""
+"""``prompt_lookup`` drafter: the n-gram lookup itself and greedy identity with transformers on more architectures
+(tests/test_conformance.py runs the type's Llama case, its sampling check and its config refusals)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import asyncio
 
 import pytest
 from conftest import tiny_config
-from sampling_check import check_lossless_sampling, exact_joint
 
 from drafter_node.prompt_lookup import lookup
 from runtime.config import ConfigError, load_config
@@ -36,7 +35,7 @@ def prompt_lookup_config(target, **keys):
 REPEATING = [5, 17, 33, 2, 60, 5, 17, 33, 2, 61, 5, 17]
 
 
-@pytest.mark.parametrize(("arch", "overlap"), [("llama", True), ("qwen2", False), ("gpt2", True)])
+@pytest.mark.parametrize(("arch", "overlap"), [("qwen2", False), ("gpt2", True)])
 def test_prompt_lookup_greedy_matches_transformers(tiny, arch, overlap):
     target = tiny(arch)
     prompts = [REPEATING, [9, 8, 7]]
@@ -53,14 +52,6 @@ def test_prompt_lookup_greedy_matches_transformers(tiny, arch, overlap):
     assert all(r.metrics["drafts"] > 0 for r in results)
     if arch != "gpt2":  # these tiny targets fall into loops that lookups predict; the tiny GPT-2 does not
         assert sum(r.metrics["accepted_tokens"] for r in results) > 0
-
-
-def test_prompt_lookup_sampling_is_lossless(sharp_pair):
-    target, _ = sharp_pair
-    prompt = [2, 5, 7, 2, 5, 7, 2, 5]
-    exact = exact_joint(target, prompt)
-    config = prompt_lookup_config(target, prompt_lookup_num_tokens=3)
-    check_lossless_sampling(config, exact, prompt)
 
 
 def test_prompt_lookup_config_needs_no_model_and_checks_its_keys():

@@ -1,8 +1,9 @@
 """``universal`` drafter (different tokenizers): greedy identity with transformers through a running cluster (overlap
 on and off, and both directions of one vocabulary being a subset of the other), the text re-tokenisation with an
 oracle drafter (drafted text comes out as the target's own tokens, rollback re-synchronises), the vocabulary map
-(unmapped target tokens get q = 0), the sampling distribution test with its negative control (overlap on; a second
-run with overlap off and a top-4 q), the refusal of a drafter set up for another target, and config errors.
+(unmapped target tokens get q = 0), the sampling distribution with overlap off and a top-4 q, the refusal of a
+drafter set up for another target, and the bundled config. tests/test_conformance.py runs the greedy case with
+overlap and a drafter of other merges, the sampling check with its negative control, and the config refusals.
 
 Tokenizers are byte-level BPEs trained on the spot with different corpora, sizes and special-token orders, so ids
 differ between them even for the same text.
@@ -16,52 +17,20 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import tiny_config
-from sampling_check import TV_BOUND, check_lossless_sampling, exact_joint, sample_pairs, tv
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from sampling_check import TV_BOUND, exact_joint, sample_pairs, tv
 from transformers import PreTrainedTokenizerFast
 
 from drafter_node.universal import UniversalDrafter, VocabMap
-from runtime.config import ConfigError, load_config, load_typed
+from runtime.config import load_config, load_typed
 from runtime.launch import LaunchError, cluster
 from shared.models import tokenizer_id
 from shared.sampling import GenerationParams
-from testkit.tiny_models import CHAT_TEMPLATE, CORPUS, build_model, reference_greedy
+from testkit.conformance import build_word_drafter
+from testkit.tiny_models import CORPUS, OTHER_CORPUS, build_bpe, build_model, reference_greedy
 
 pytestmark = pytest.mark.cluster
 
-OTHER_CORPUS = [
-    "def mul(x, y):\n    return x * y\n",
-    "numbers = [n * n for n in range(20) if n % 2]\n",
-    "a lazy dog sleeps while the quick fox runs around the house",
-    "class Tree:\n    def __init__(self, left, right):\n        self.left = left\n",
-    "Small models draft, large models verify: speculative decoding in a nutshell.",
-] * 20
-
 PROMPTS = ["def add(a, b):\n    return", "for i in range(10):\n", "the quick brown fox"]
-
-
-def build_bpe(folder: Path, vocab_size: int, corpus: list[str], specials: list[str]) -> PreTrainedTokenizerFast:
-    """A byte-level BPE trained on ``corpus``; ``specials`` first (their order shifts every other id)."""
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(corpus, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>",
-                                   pad_token="<pad>" if "<pad>" in specials else None)
-    fast.chat_template = CHAT_TEMPLATE
-    fast.save_pretrained(folder)
-    return fast
-
-
-def word_tokenizer(folder: Path, words: list[str]) -> PreTrainedTokenizerFast:
-    vocab = {w: i for i, w in enumerate(words)}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>")
-    fast.save_pretrained(folder)
-    return fast
 
 
 @pytest.fixture(scope="module")
@@ -100,8 +69,7 @@ def encode(folder: Path, text: str) -> list[int]:
 # ----------------------------------------------------------------------------------------------- greedy e2e
 
 
-@pytest.mark.parametrize(("drafter", "overlap", "k"), [("other", True, 4), ("other", False, 3),
-                                                       ("super", True, 5), ("sub", False, 4)])
+@pytest.mark.parametrize(("drafter", "overlap", "k"), [("other", False, 3), ("super", True, 5), ("sub", False, 4)])
 def test_universal_greedy_matches_transformers(pairs, drafter, overlap, k):
     target = pairs["target"]
     prompts = [encode(target, p) for p in PROMPTS]
@@ -236,18 +204,7 @@ def test_a_drafter_set_up_for_another_target_is_refused(pairs):
 
 @pytest.fixture(scope="module")
 def word_drafter(tmp_path_factory):
-    """A drafter over words ordered differently from the target's 12-word vocabulary, lacking two of them."""
-    root = tmp_path_factory.mktemp("word_drafter")
-    words = ["<pad>", "<eos>", *[f"w{i}" for i in range(9, 1, -1)], "zz", "yy"]  # no w0, w1; ids all different
-    word_tokenizer(root / "tok", words)
-    return build_model(root / "drafter", "llama", root / "tok", seed=12, layers=1, sharpen=1.2)
-
-
-def test_universal_sampling_is_lossless(sharp_pair, word_drafter):
-    target, _ = sharp_pair
-    config = universal_config(target, word_drafter, num_draft_tokens=2, q_top_k=0)
-    exact = exact_joint(target)
-    check_lossless_sampling(config, exact)
+    return build_word_drafter(tmp_path_factory.mktemp("word_drafter"))
 
 
 def test_universal_sampling_is_lossless_without_overlap(sharp_pair, word_drafter):
@@ -257,22 +214,6 @@ def test_universal_sampling_is_lossless_without_overlap(sharp_pair, word_drafter
 
 
 # -------------------------------------------------------------------------------------------------- config
-
-
-def test_universal_needs_a_drafter_model(pairs):
-    config = universal_config(pairs["target"], pairs["other"])
-    config["drafter"]["model"] = None
-    with pytest.raises(ConfigError, match=r"drafter\.model"):
-        load_config(config)
-
-
-def test_target_model_defaults_to_the_verifier_model(pairs):
-    config = load_config(universal_config(pairs["target"], pairs["other"]))
-    assert config["drafter"]["target_model"] == str(pairs["target"])
-    bad = universal_config(pairs["target"], pairs["other"])
-    bad["drafter"]["target_model"] = str(pairs["root"] / "missing")
-    with pytest.raises(ConfigError, match=r"drafter\.target_model"):
-        load_config(bad)
 
 
 def test_bundled_universal_config_loads():

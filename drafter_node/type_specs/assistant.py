@@ -9,4 +9,5 @@ SPEC = DrafterSpec(
     transformers="`assistant_model=D`",
     drafts_with="a small model with the target's tokenizer",
     holds="a small model with the target's tokenizer, its own KV cache",
+    conformance="testkit.conformance:assistant",
 )

@@ -51,4 +51,5 @@ SPEC = DrafterSpec(
           "1 ≤ E ≤ layers − 1",
     # E layers of a model cost differently from the whole model: their profile is their own
     profile_variant=lambda settings, own: f"early_exit:{own.assistant_early_exit}",
+    conformance="testkit.conformance:early_exit",
 )

@@ -48,4 +48,5 @@ SPEC = DrafterSpec(
     transformers="none (llama.cpp's own draft model: `llama-server -md`)",
     drafts_with="a GGUF model in llama.cpp",
     holds="a GGUF model run by llama.cpp (no conversion), one llama.cpp sequence of its KV memory per session",
+    conformance="testkit.tiny_gguf:conformance",
 )

@@ -30,4 +30,5 @@ SPEC = DrafterSpec(
           "the block, shared_head norm) + embeddings + LM head, read tensor by tensor; fed with the target's "
           "final-norm hidden states that the verifier sends with each commit; K = `num_nextn_predict_layers` "
           "drafts per round",
+    conformance="testkit.conformance:mtp",
 )

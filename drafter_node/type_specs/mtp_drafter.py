@@ -31,4 +31,5 @@ SPEC = DrafterSpec(
     holds="a separate drafter checkpoint that reads the target's state (Gemma 4 `-assistant`, "
           "`Gemma4AssistantForCausalLM`) + the target's input embedding table (read alone; no target layer is "
           "loaded)",
+    conformance="testkit.conformance:mtp_drafter",
 )

@@ -34,4 +34,5 @@ SPEC = DrafterSpec(
     drafts_with="no model: n-gram matches in the prompt and the text so far",
     holds="nothing but the token history: it copies the continuation of the most recent earlier match of the "
           "trailing n-gram (prompt and generated text)",
+    conformance="testkit.conformance:prompt_lookup",
 )

@@ -56,4 +56,5 @@ SPEC = DrafterSpec(
     holds="no model: a suffix trie over the request's prompt and generated tokens, and one over the responses of "
           "the earlier (and concurrent) requests this drafter process served; proposes the most frequent "
           "continuation of the longest matching suffix",
+    conformance="testkit.conformance:suffix",
 )

@@ -10,4 +10,5 @@ SPEC = DrafterSpec(
     transformers="`assistant_model=D, assistant_tokenizer=…, tokenizer=…`",
     drafts_with="any small model with its own tokenizer",
     holds="any small causal LM with its own tokenizer and KV cache, plus the target's tokenizer (files only)",
+    conformance="testkit.conformance:universal",
 )
