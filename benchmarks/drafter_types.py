@@ -18,6 +18,13 @@ warm-up generation per row):
 ``pipespec-assistant``  ``configs/cpu.yaml``
 ``pipespec-ensemble``   ``configs/cpu.yaml`` with ``verification.ensemble_weight`` = ``--ensemble-weight`` (lossy by
                      design: its mismatches are expected; the point is the acceptance next to ``pipespec-assistant``)
+``pipespec-gguf``    ``configs/gguf.yaml``: the 0.5B's GGUF drafts in llama.cpp for the torch target; compared with
+                     ``hf-assistant`` (same strategy) and with ``llama-speculative`` (the same pair in llama.cpp)
+``llama-target``     llama.cpp's ``llama-server``, the target alone as a bf16 GGUF (made once from its safetensors
+                     with llama.cpp's ``convert_hf_to_gguf.py`` when missing)
+``llama-speculative``   ``llama-server`` with the bf16 target and the 0.5B's GGUF as draft model (``draft-simple``,
+                     ``--llama-draft-max`` / ``--llama-draft-min``, default 3 / 0: the server's own)
+``llama-speculative-q4``  the same with the target's Q4_K_M GGUF (what CPU users usually run)
 ``hf-early-exit``    transformers ``assistant_early_exit=E`` (E from ``configs/early_exit.yaml``)
 ``pipespec-early-exit`` ``configs/early_exit.yaml``
 ``hf-universal``     transformers universal assisted decoding (``assistant_model``, ``tokenizer``,
@@ -32,10 +39,16 @@ warm-up generation per row):
 The transformers rows share one persistent worker subprocess (``--hf-threads`` threads, ``--dtype``) that holds the
 target and loads each assistant once; each pipespec row is one cluster kept open across prompts (the configs' thread
 counts, one per node; ``--dtype`` overrides their dtype when it differs). For each prompt every row runs once before
-the next prompt starts, in an order rotated per prompt. When not all clusters fit in memory (``--memory-gib``) the
-rows are grouped into passes, each type with transformers' same strategy and its reference, interleaved within the
-pass. ``mtp`` and ``mtp_drafter`` need checkpoints this machine does not have (DeepSeek-V3 / GLM-4.5 with MTP layers,
-a Gemma 4 target with its -assistant); the table says so instead of inventing a row.
+the next prompt starts, in an order rotated per prompt. Each ``llama-*`` row is one ``llama-server`` process
+(``--llama-bin DIR``, default ``$PIPESPEC_LLAMA_BIN`` or the folder ``scripts/build_llama_cpp.py --tools`` builds
+into; a missing binary fails its row with the reason, not the run) on a loopback port, kept open across prompts,
+fed the same prompt ids (greedy, no prompt cache), ``--llama-threads`` threads (default: the transformers rows');
+its speed is the wall time around each request, its own ``timings`` and draft counters are kept in the json. When
+not all setups fit in memory (``--memory-gib``) the rows are grouped into passes, each type with transformers' same
+strategy and its reference, interleaved within the pass; the assistant pair, ``pipespec-gguf`` and the llama.cpp
+rows are placed first, so they share pass 1 when memory allows. ``mtp`` and ``mtp_drafter`` need checkpoints this
+machine does not have (DeepSeek-V3 / GLM-4.5 with MTP layers, a Gemma 4 target with its -assistant); the table says
+so instead of inventing a row.
 
 Outputs in ``--out`` (default ``results/``): ``types.md`` and ``types.json`` (rewritten after every prompt).
 
@@ -43,6 +56,7 @@ Usage::
 
     .venv/bin/python scripts/bench_types.py                                   # all rows, 5 prompts × 96 tokens
     .venv/bin/python scripts/bench_types.py --rows target-edit,hf-prompt-lookup,pipespec-prompt-lookup
+    .venv/bin/python scripts/bench_types.py --rows target-code,hf-assistant,pipespec-assistant,pipespec-gguf,llama
     .venv/bin/python scripts/bench_types.py --prompts 1 --max-new-tokens 8 --out /tmp/t   # a quick smoke
     .venv/bin/python scripts/bench_types.py --dry-run                         # the passes, without running
 """

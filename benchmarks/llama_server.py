@@ -15,6 +15,7 @@ once with llama.cpp's ``convert_hf_to_gguf.py`` (:func:`convert_to_gguf`) when a
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 import re
@@ -157,8 +158,14 @@ def convert_to_gguf(model_dir: str | Path, out: Path, src: Path, outtype: str = 
                                 f"(the source tree beside the tools: {BUILD_HINT})")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".part")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(src / "gguf-py"),
-                                                                      os.environ.get("PYTHONPATH")]))}
+    shim = tempfile.mkdtemp(prefix="pipespec-convert-")
+    paths = [str(src / "gguf-py")]
+    if importlib.util.find_spec("sentencepiece") is None and not (Path(model_dir) / "tokenizer.model").is_file():
+        # the converter imports sentencepiece before it looks for tokenizer.model, and only without that file falls
+        # back to the tokenizer.json BPE vocabulary (Qwen's); an import that succeeds lets it get there
+        Path(shim, "sentencepiece.py").write_text(_SENTENCEPIECE_SHIM)
+        paths.append(shim)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [*paths, os.environ.get("PYTHONPATH")]))}
     cmd = [sys.executable, str(script), str(model_dir), "--outtype", outtype, "--outfile", str(tmp)]
     log(f"making {out.name} ({outtype}) from {model_dir} with {script} (once; a few minutes)")
     t0 = time.perf_counter()
@@ -176,12 +183,23 @@ def convert_to_gguf(model_dir: str | Path, out: Path, src: Path, outtype: str = 
         proc.wait(10)
         tmp.unlink(missing_ok=True)
         raise
+    finally:
+        shutil.rmtree(shim, ignore_errors=True)
     if code != 0 or not tmp.is_file():
         tmp.unlink(missing_ok=True)
         raise RuntimeError(f"convert_hf_to_gguf.py exited with code {code}:\n" + "\n".join(tail))
     os.replace(tmp, out)
     log(f"{out} written in {time.perf_counter() - t0:.0f} s ({out.stat().st_size / 2**30:.2f} GiB)")
     return out
+
+
+_SENTENCEPIECE_SHIM = '''"""Stand-in for sentencepiece: convert_hf_to_gguf.py on a model without tokenizer.model."""
+
+
+class SentencePieceProcessor:
+    def __init__(self, *args, **kwargs):
+        raise ImportError("this model needs the sentencepiece package to convert: pip install sentencepiece")
+'''
 
 
 def free_port() -> int:
