@@ -185,3 +185,35 @@ def test_gguf_and_llama_rows_come_right_after_the_assistant_pair_in_the_plan():
                                    ["llama-target", "llama-speculative"], ["pipespec-ensemble"], ["hf-early-exit"]]
     assert dt.hf_same_strategy("pipespec-gguf") == dt.hf_same_strategy("llama-speculative") == "hf-assistant"
     assert dt.hf_same_strategy("llama-target") is None
+
+
+@pytest.mark.slow
+def test_a_real_llama_server_decodes_the_ids_greedily_and_counts_its_drafts(tiny, tmp_path):
+    """The built llama-server (``--llama-bin``'s default: ``$PIPESPEC_LLAMA_BIN`` or the tools folder; built by
+    ``scripts/build_llama_cpp.py --tools``, not by ``make setup``, hence the slow tier) on a tiny float32 Qwen2 GGUF:
+    the ids of transformers' greedy decoding of the same weights, and with itself as draft model the same ids with
+    every draft accepted (the counters read around each request)."""
+    from benchmarks.llama_server import default_bin_dir
+    from testkit.tiny_gguf import write_qwen2_gguf
+
+    folder = tiny("qwen2", "target")
+    gguf = write_qwen2_gguf(folder, tmp_path / "t.gguf")
+    bin_dir = default_bin_dir()
+    ids, n = [5, 17, 33, 2, 60, 7], 12
+    expected = reference_greedy(folder, ids, n, eos=[0])
+    got = {}
+    for key, draft in (("alone", None), ("spec", gguf)):
+        server = LlamaServer(LlamaSetup(key, bin_dir, gguf, {}, 1, ctx_size=256, draft=draft, draft_max=3))
+        try:
+            server.start()
+            got[key] = [server.generate(ids, n) for _ in range(2)]  # the second request: no state left over
+        finally:
+            server.close()
+        assert server.proc.returncode is not None
+    for key in got:
+        assert [r["token_ids"] for r in got[key]] == [expected, expected], key
+        assert all(r["time_s"] > 0 and r["timings"]["predicted_n"] == len(expected) for r in got[key])
+    assert got["alone"][0]["stats"]["drafts"] == 0
+    spec = got["spec"][1]["stats"]
+    assert spec["drafts"] > 0 and spec["accepted_tokens"] == spec["draft_tokens"] > 0
+    assert spec["rounds"] == len(expected) - spec["accepted_tokens"]
