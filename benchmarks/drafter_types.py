@@ -302,7 +302,7 @@ def llama_setup(key: str, bin_dir: Path, threads: int, ctx_size: int, draft_max:
     from weights import resolve_model
 
     quant, _, drafted = ROWS[key][2].removeprefix("llama:").partition("+")
-    hint = f"run `python -m weights --gguf {target_model}` / `--gguf {draft_model}`"
+    hint = f"run 'python -m weights --gguf {target_model}' / '--gguf {draft_model}'"
     models: dict[str, float] = {}
     convert_from = None
     if quant == "bf16":

@@ -38,7 +38,8 @@ from benchmarks.progress import log
 #: (``python scripts/build_llama_cpp.py --tools /work/llbuild/tools`` puts them there).
 DEFAULT_BIN = Path("/work/llbuild/tools/build/bin")
 SERVER = "llama-server"
-BUILD_HINT = ("build it with `python scripts/build_llama_cpp.py --tools DIR` and pass --llama-bin DIR/build/bin "
+# no backticks: the message goes into the report's markdown inside a code span
+BUILD_HINT = ("build it with 'python scripts/build_llama_cpp.py --tools DIR' and pass --llama-bin DIR/build/bin "
               "(or set PIPESPEC_LLAMA_BIN)")
 START_TIMEOUT_S = 300.0  # loading a 3 GiB bf16 GGUF from a cold disk on a busy two-core machine
 REQUEST_TIMEOUT_S = 1800.0  # one generation; bounded so that a wedged server fails its row instead of the run
