@@ -18,6 +18,13 @@ warm-up generation per row):
 ``pipespec-assistant``  ``configs/cpu.yaml``
 ``pipespec-ensemble``   ``configs/cpu.yaml`` with ``verification.ensemble_weight`` = ``--ensemble-weight`` (lossy by
                      design: its mismatches are expected; the point is the acceptance next to ``pipespec-assistant``)
+``pipespec-gguf``    ``configs/gguf.yaml``: the 0.5B's GGUF drafts in llama.cpp for the torch target; compared with
+                     ``hf-assistant`` (same strategy) and with ``llama-speculative`` (the same pair in llama.cpp)
+``llama-target``     llama.cpp's ``llama-server``, the target alone as a bf16 GGUF (made once from its safetensors
+                     with llama.cpp's ``convert_hf_to_gguf.py`` when missing)
+``llama-speculative``   ``llama-server`` with the bf16 target and the 0.5B's GGUF as draft model (``draft-simple``,
+                     ``--llama-draft-max`` / ``--llama-draft-min``, default 3 / 0: the server's own)
+``llama-speculative-q4``  the same with the target's Q4_K_M GGUF (what CPU users usually run)
 ``hf-early-exit``    transformers ``assistant_early_exit=E`` (E from ``configs/early_exit.yaml``)
 ``pipespec-early-exit`` ``configs/early_exit.yaml``
 ``hf-universal``     transformers universal assisted decoding (``assistant_model``, ``tokenizer``,
@@ -32,10 +39,16 @@ warm-up generation per row):
 The transformers rows share one persistent worker subprocess (``--hf-threads`` threads, ``--dtype``) that holds the
 target and loads each assistant once; each pipespec row is one cluster kept open across prompts (the configs' thread
 counts, one per node; ``--dtype`` overrides their dtype when it differs). For each prompt every row runs once before
-the next prompt starts, in an order rotated per prompt. When not all clusters fit in memory (``--memory-gib``) the
-rows are grouped into passes, each type with transformers' same strategy and its reference, interleaved within the
-pass. ``mtp`` and ``mtp_drafter`` need checkpoints this machine does not have (DeepSeek-V3 / GLM-4.5 with MTP layers,
-a Gemma 4 target with its -assistant); the table says so instead of inventing a row.
+the next prompt starts, in an order rotated per prompt. Each ``llama-*`` row is one ``llama-server`` process
+(``--llama-bin DIR``, default ``$PIPESPEC_LLAMA_BIN`` or the folder ``scripts/build_llama_cpp.py --tools`` builds
+into; a missing binary fails its row with the reason, not the run) on a loopback port, kept open across prompts,
+fed the same prompt ids (greedy, no prompt cache), ``--llama-threads`` threads (default: the transformers rows');
+its speed is the wall time around each request, its own ``timings`` and draft counters are kept in the json. When
+not all setups fit in memory (``--memory-gib``) the rows are grouped into passes, each type with transformers' same
+strategy and its reference, interleaved within the pass; the assistant pair, ``pipespec-gguf`` and the llama.cpp
+rows are placed first, so they share pass 1 when memory allows. ``mtp`` and ``mtp_drafter`` need checkpoints this
+machine does not have (DeepSeek-V3 / GLM-4.5 with MTP layers, a Gemma 4 target with its -assistant); the table says
+so instead of inventing a row.
 
 Outputs in ``--out`` (default ``results/``): ``types.md`` and ``types.json`` (rewritten after every prompt).
 
@@ -43,6 +56,7 @@ Usage::
 
     .venv/bin/python scripts/bench_types.py                                   # all rows, 5 prompts × 96 tokens
     .venv/bin/python scripts/bench_types.py --rows target-edit,hf-prompt-lookup,pipespec-prompt-lookup
+    .venv/bin/python scripts/bench_types.py --rows target-code,hf-assistant,pipespec-assistant,pipespec-gguf,llama
     .venv/bin/python scripts/bench_types.py --prompts 1 --max-new-tokens 8 --out /tmp/t   # a quick smoke
     .venv/bin/python scripts/bench_types.py --dry-run                         # the passes, without running
 """
@@ -55,9 +69,20 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from benchmarks.llama_server import DEFAULT_BIN, default_bin_dir, server_version
 from benchmarks.machine import available_threads, machine_info, memory_budget_gib
 from benchmarks.models import DTYPE_TAGS, cluster_models, model_gib
-from benchmarks.passes import ClusterSetup, HFSetup, Row, pass_parser, plan_passes, plan_text, select_rows
+from benchmarks.passes import (
+    ClusterSetup,
+    HFSetup,
+    LlamaSetup,
+    Row,
+    Setup,
+    pass_parser,
+    plan_passes,
+    plan_text,
+    select_rows,
+)
 from benchmarks.progress import log, utc_now
 from benchmarks.prompts import chat_prompts, prompt_dir
 from benchmarks.results import write_result
@@ -75,6 +100,13 @@ ROWS: dict[str, tuple[str, str, str, str, str]] = {
     "hf-assistant": ("hf assisted", "assistant", "hf:assistant", "code", "cpu.yaml"),
     "pipespec-assistant": ("pipespec assistant", "assistant", "pipespec", "code", "cpu.yaml"),
     "pipespec-ensemble": ("pipespec assistant + ensemble", "assistant+ensemble", "pipespec", "code", "cpu.yaml"),
+    "pipespec-gguf": ("pipespec gguf", "gguf", "pipespec", "code", "gguf.yaml"),
+    # llama.cpp's own server, the CPU user's alternative: "llama:<target GGUF>[+draft]" (benchmarks/llama_server.py)
+    "llama-target": ("llama.cpp target alone (bf16)", "—", "llama:bf16", "code", "llama-server"),
+    "llama-speculative": ("llama.cpp speculative (bf16 target)", "llama.cpp draft model", "llama:bf16+draft", "code",
+                          "llama-server"),
+    "llama-speculative-q4": ("llama.cpp speculative (Q4_K_M target)", "llama.cpp draft model", "llama:q4+draft",
+                             "code", "llama-server"),
     "hf-early-exit": ("hf early exit", "early_exit", "hf:early_exit", "code", "early_exit.yaml"),
     "pipespec-early-exit": ("pipespec early_exit", "early_exit", "pipespec", "code", "early_exit.yaml"),
     "hf-universal": ("hf universal", "universal", "hf:universal", "code", "universal.yaml"),
@@ -91,14 +123,65 @@ NOT_RUNNABLE = {
 }
 
 
+#: Strategies whose transformers counterpart has another name: a draft model is transformers' assisted generation
+#: whichever engine runs it.
+SAME_STRATEGY = {"gguf": "assistant", "llama.cpp draft model": "assistant"}
+#: Pass units placed first, so that they share pass 1 with the references when memory allows: transformers' and
+#: pipespec's assistant, the gguf drafter (compared with both) and llama.cpp; the ensemble row (whose point is its
+#: acceptance, not a same-pass speed) and the other types after them.
+UNITS_FIRST = ("assistant", "gguf", "llama.cpp")
+
+
 def strategy_of(key: str) -> str:
     """The strategy group of a row: its drafter type without the ensemble suffix; references have none."""
     return ROWS[key][1].split("+")[0]
 
 
+def is_llama(key: str) -> bool:
+    return ROWS[key][2].startswith("llama:")
+
+
+def unit_of(key: str) -> str:
+    """The rows that must share a pass: transformers' and pipespec's rows of one drafter type, the ensemble row on
+    its own, every llama.cpp row together (one comparison among themselves)."""
+    return "llama.cpp" if is_llama(key) else ROWS[key][1]
+
+
+def plan_units(keys: list[str]) -> list[list[str]]:
+    """The rows that must share a pass, in the order the planner fills passes: the references first (measured in
+    pass 1), then each :func:`unit_of` group (the :data:`UNITS_FIRST` ones first, the others in table order)."""
+    grouped: dict[str, list[str]] = {}
+    for key in keys:
+        if key not in REFERENCES.values():
+            grouped.setdefault(unit_of(key), []).append(key)
+    order = sorted(grouped, key=lambda g: UNITS_FIRST.index(g) if g in UNITS_FIRST else len(UNITS_FIRST))
+    units = [[k for k in REFERENCES.values() if k in keys], *(grouped[g] for g in order)]
+    return [u for u in units if u]
+
+
 def hf_same_strategy(key: str) -> str | None:
-    """The transformers row a pipespec row is compared with."""
-    return next((k for k, row in ROWS.items() if row[2] == f"hf:{strategy_of(key)}"), None)
+    """The transformers row a pipespec or llama.cpp row is compared with."""
+    strategy = SAME_STRATEGY.get(strategy_of(key), strategy_of(key))
+    return next((k for k, row in ROWS.items() if row[2] == f"hf:{strategy}"), None)
+
+
+def drafts_counted(key: str) -> bool:
+    """Whether a row drafts (and so has α, τ): not the targets alone."""
+    runner = ROWS[key][2]
+    return runner != "hf:target" and (not runner.startswith("llama:") or runner.endswith("+draft"))
+
+
+def ratio_between(report: dict[str, Any], key: str, other: str) -> tuple[float | None, str]:
+    """tokens/s of row ``key`` ÷ row ``other``'s: directly when both ran in one pass, else through their references
+    (each row's ratio to the reference of its own pass); with how it was taken."""
+    a, b = report["raw"].get(key), report["raw"].get(other)
+    if not (a and b and a["per_prompt"] and b["per_prompt"]):
+        return None, ""
+    if a["pass"] == b["pass"]:
+        return speed_ratio(a["per_prompt"], b["per_prompt"]), "same pass"
+    ref = REFERENCES[ROWS[key][3]]
+    ra, rb = vs_anchor(report, key, ref), vs_anchor(report, other, ref)
+    return (ra / rb if ra and rb else None), "through the references"
 
 
 # ---------------------------------------------------------------------------------------------- report
@@ -112,7 +195,7 @@ def summarize(key: str, report: dict[str, Any]) -> dict[str, Any]:
     if not pp:
         return row
     names = ("drafts", "draft_tokens", "accepted_tokens", "rounds")
-    s = None if runner == "hf:target" else {
+    s = None if not drafts_counted(key) else {
         n: sum((p.get("stats") or p.get("metrics"))[n] for p in pp) for n in names}
     if s and s["draft_tokens"]:
         row |= {"alpha": s["accepted_tokens"] / s["draft_tokens"], "tau": 1 + s["accepted_tokens"] / s["drafts"],
@@ -125,7 +208,7 @@ def summarize(key: str, report: dict[str, Any]) -> dict[str, Any]:
     if ref and ref["per_prompt"] and key != ref_key:
         row["mismatches"] = len(token_mismatches(pp, ref["per_prompt"]))
         row["compared"] = min(len(pp), len(ref["per_prompt"]))
-    same = hf_same_strategy(key) if runner == "pipespec" else None
+    same = hf_same_strategy(key) if runner == "pipespec" or is_llama(key) else None
     other = report["raw"].get(same or "")
     if other and other["per_prompt"]:
         if other["pass"] == raw["pass"]:
@@ -133,6 +216,8 @@ def summarize(key: str, report: dict[str, Any]) -> dict[str, Any]:
         elif row["vs_target"] and vs_anchor(report, same, ref_key):  # across passes: through the references
             row["vs_hf_same"] = row["vs_target"] / vs_anchor(report, same, ref_key)
         row["hf_same_vs_target"] = vs_anchor(report, same, ref_key)
+    if key == "pipespec-gguf":  # the issue's comparison: the same pair in llama.cpp, its target in bf16
+        row["vs_llama_speculative"], row["vs_llama_how"] = ratio_between(report, key, "llama-speculative")
     return row
 
 
@@ -147,8 +232,17 @@ def write_markdown(path: Path, report: dict[str, Any]) -> None:
         "- vs target = tokens/s ÷ the target alone on the same prompts in the same pass (transformers, same dtype, "
         f"{meta['hf_threads']} threads); vs hf = ÷ transformers' same strategy (in brackets: that row's own ratio to "
         "the target); mismatches = prompts whose tokens differ from the target alone",
-        "",
     ]
+    llama = meta.get("llama_cpp")
+    if llama:
+        lines += [f"- llama.cpp: `{llama['version'] or 'llama-server not found'}` ({llama['bin']}); one "
+                  f"`llama-server` per row on a loopback port, `-t {llama['threads']} -tb {llama['threads']}` (the "
+                  f"draft model the same), speculative rows `--spec-type draft-simple --spec-draft-n-max "
+                  f"{llama['draft_max']} --spec-draft-n-min {llama['draft_min']}`; tokens/s from the wall time around "
+                  "each `/completion` request (prompt ids in, greedy, no prompt cache; the server's own `timings` are "
+                  "in types.json); its bf16 arithmetic is not torch's, so its mismatches with the transformers target "
+                  "are counted like any row's"]
+    lines.append("")
     table, notes = [], []
     for r in report["rows"]:
         if "tokens_per_s" not in r:
@@ -173,6 +267,13 @@ def write_markdown(path: Path, report: dict[str, Any]) -> None:
         if "hf" in r:
             notes.append(f"- {ROWS[key][0]}: transformers used `{r['hf']['generator']}` with "
                          f"{r['hf']['settings'] or '—'}")
+    gguf = next((r for r in report["rows"] if r["key"] == "pipespec-gguf"), None)
+    if gguf and gguf.get("vs_llama_speculative"):
+        notes.append(f"- pipespec gguf ÷ llama.cpp speculative (bf16 target), the same pair: "
+                     f"{gguf['vs_llama_speculative']:.2f}× ({gguf['vs_llama_how']})")
+    for key, info in report.get("setups", {}).items():
+        if "command" in info:
+            notes.append(f"- {ROWS[key][0]}: `{' '.join(Path(a).name if '/' in a else a for a in info['command'])}`")
     for ref in REFERENCES.values():
         repeats = report.get("anchor_runs", {}).get(ref, {})
         if repeats and ref in report["raw"]:
@@ -186,6 +287,43 @@ def write_markdown(path: Path, report: dict[str, Any]) -> None:
 # ---------------------------------------------------------------------------------------------- main
 
 
+def bf16_gguf_path(model: str) -> Path:
+    """Where the bench keeps its bf16 GGUF of named model ``model`` (made once, when a row needs it)."""
+    from shared.named_models import cache_root
+
+    return cache_root() / "gguf" / f"{model}-bf16.gguf"
+
+
+def llama_setup(key: str, bin_dir: Path, threads: int, ctx_size: int, draft_max: int, draft_min: int,
+                target_model: str, draft_model: str) -> LlamaSetup:
+    """The llama-server of a ``llama-*`` row: the target as a bf16 GGUF (made from its transformers folder when
+    missing) or as its installed Q4_K_M GGUF, and the drafter's installed GGUF as draft model where the row drafts."""
+    from shared.named_models import gguf_file_path
+    from weights import resolve_model
+
+    quant, _, drafted = ROWS[key][2].removeprefix("llama:").partition("+")
+    hint = f"run 'python -m weights --gguf {target_model}' / '--gguf {draft_model}'"
+    models: dict[str, float] = {}
+    convert_from = None
+    if quant == "bf16":
+        target = bf16_gguf_path(target_model)
+        convert_from = resolve_model(target_model)
+        models["target"] = model_gib(convert_from, "bfloat16")
+    else:
+        target = gguf_file_path(target_model)
+        models["target"] = file_gib(target)
+    draft = gguf_file_path(draft_model) if drafted else None
+    if draft is not None:
+        models["draft"] = file_gib(draft)
+    return LlamaSetup(key, bin_dir, target, models, threads, ctx_size=ctx_size, draft=draft, draft_max=draft_max,
+                      draft_min=draft_min, convert_from=convert_from, missing_hint=hint)
+
+
+def file_gib(path: Path) -> float:
+    """A GGUF's size (llama.cpp maps it whole); 1 GiB while it is missing (its row fails with the reason)."""
+    return path.stat().st_size / 2**30 if path.is_file() else 1.0
+
+
 def _parser() -> argparse.ArgumentParser:
     p = pass_parser(__doc__, list(ROWS), "dtype of every row: the transformers worker and, by override, the pipespec "
                                          "configs (default: the configs' own, bfloat16)")
@@ -193,6 +331,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=96, help="new tokens per prompt (default: 96)")
     p.add_argument("--ensemble-weight", type=float, default=0.7,
                    help="verification.ensemble_weight of the pipespec-ensemble row (default: 0.7)")
+    p.add_argument("--llama-bin", type=Path, default=default_bin_dir(), metavar="DIR",
+                   help="folder with llama.cpp's llama-server for the llama-* rows (default: $PIPESPEC_LLAMA_BIN, "
+                        f"else {DEFAULT_BIN}; `python scripts/build_llama_cpp.py --tools DIR` builds DIR/build/bin)")
+    p.add_argument("--llama-threads", type=int, default=None,
+                   help="llama-server -t / -tb of the llama-* rows (default: the transformers rows' threads)")
+    p.add_argument("--llama-draft-max", type=int, default=3,
+                   help="--spec-draft-n-max of the llama-speculative rows (default: 3, llama-server's own)")
+    p.add_argument("--llama-draft-min", type=int, default=0,
+                   help="--spec-draft-n-min of the llama-speculative rows (default: 0, llama-server's own)")
     return p
 
 
@@ -216,12 +363,21 @@ def main(argv: list[str] | None = None) -> int:
 
     hf = HFSetup(f"hf-{DTYPE_TAGS[dtype]}-{threads}t", dtype, threads, device, target_path,
                  model_gib(target_path, dtype))
-    setups: dict[str, HFSetup | ClusterSetup] = {hf.key: hf}
+    setups: dict[str, Setup] = {hf.key: hf}
     rows: dict[str, Row] = {}
+    llama_threads = args.llama_threads or threads
+    # one context for every llama-server: the longest prompt (the warm-up's is the first) and its new tokens
+    ctx_size = -(-(max(len(p["ids"]) for p in prompts["code"]) + args.max_new_tokens + 64) // 256) * 256
     for key in keys:
         label, kind, runner, prompt_set, config = ROWS[key]
-        d = load_config(config)["drafter"]
         anchor = REFERENCES[prompt_set] if REFERENCES[prompt_set] in keys and key != REFERENCES[prompt_set] else None
+        if is_llama(key):
+            setups[key] = llama_setup(key, args.llama_bin, llama_threads, ctx_size, args.llama_draft_max,
+                                      args.llama_draft_min, base["verifier"]["model"],
+                                      load_config("gguf.yaml")["drafter"]["model"])
+            rows[key] = Row(key, label, key, prompt_set, anchor=anchor)
+            continue
+        d = load_config(config)["drafter"]
         if runner == "pipespec":
             overrides: dict[str, Any] = {}
             if kind.endswith("ensemble"):
@@ -247,18 +403,9 @@ def main(argv: list[str] | None = None) -> int:
                          "max_matching_ngram_size": d["max_matching_ngram_size"]}
         rows[key] = Row(key, label, hf.key, prompt_set, strategy=strategy, anchor=anchor, models=models)
 
-    # units: the references first (measured in pass 1), then each type with transformers' same strategy
-    units = [[k for k in REFERENCES.values() if k in rows]]
-    for key in rows:
-        group = strategy_of(key)
-        if group != "—":
-            same = next((u for u in units[1:] if strategy_of(u[0]) == group), None)
-            if same is None:
-                units.append([key])
-            else:
-                same.append(key)
+    units = plan_units(list(rows))
     budget = memory_budget_gib(args.memory_gib)
-    passes = plan_passes([u for u in units if u], rows, setups, budget)
+    passes = plan_passes(units, rows, setups, budget)
     if args.dry_run:
         print(plan_text(passes, rows, setups, budget))
         return 0
@@ -276,6 +423,15 @@ def main(argv: list[str] | None = None) -> int:
         "prompts": args.prompts, "max_new_tokens": args.max_new_tokens, "hf_threads": threads, "dtype": dtype,
         "ensemble_weight": args.ensemble_weight, "rows": keys,
     }
+    if any(is_llama(k) for k in keys):
+        meta["llama_cpp"] = {"bin": str(args.llama_bin), "version": server_version(args.llama_bin),
+                             "threads": llama_threads, "draft_max": args.llama_draft_max,
+                             "draft_min": args.llama_draft_min, "ctx_size": ctx_size}
+        meta["models"] += ("; llama.cpp rows the same target as GGUF (bf16, made from its safetensors by llama.cpp's "
+                           "convert_hf_to_gguf.py, or its Q4_K_M file) and the assistant's GGUF as draft model")
+        meta["dtypes"] += ("; llama.cpp rows the GGUF's own tensor types (target bf16 or Q4_K_M, draft the 0.5B's "
+                           "GGUF, mostly Q5_0)")
+        meta["threads"] += f"; llama.cpp rows {llama_threads} (`-t`/`-tb`, one server process per row)"
     args.out.mkdir(parents=True, exist_ok=True)
     log(f"rows: {', '.join(keys)}; {len(passes)} pass(es) within {budget:.1f} GiB")
 

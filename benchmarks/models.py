@@ -85,6 +85,13 @@ def cluster_models(cfg: dict[str, Any]) -> dict[str, float]:
 
     if not cfg["launch"]["start_drafter"] or not drafter_spec(d["type"]).needs_model:
         return models
+    if d["type"] == "gguf":  # llama.cpp maps the GGUF as it is, in its own tensor types
+        from drafter_node.gguf import gguf_path
+        from shared.models import ModelLoadError
+
+        with contextlib.suppress(ModelLoadError, OSError):
+            models["drafter"] = gguf_path(d["model"]).stat().st_size / 2**30
+            return models
     path = resolve_model(d.get("model") or v["model"])
     fraction = 1.0
     if d["type"] == "early_exit" and d.get("assistant_early_exit"):

@@ -1,5 +1,6 @@
-"""Pass planning: setups (a persistent transformers worker, or a pipespec cluster) and the table rows run in them,
-packed into passes that fit the memory budget; the rows chosen on the command line and their order per prompt."""
+"""Pass planning: setups (a persistent transformers worker, a pipespec cluster, or a llama.cpp server) and the table
+rows run in them, packed into passes that fit the memory budget; the rows chosen on the command line and their order
+per prompt."""
 
 from __future__ import annotations
 
@@ -56,7 +57,37 @@ class ClusterSetup:
         return self.models
 
 
-Setup = HFSetup | ClusterSetup
+@dataclass
+class LlamaSetup:
+    """One ``llama-server`` process (:mod:`benchmarks.llama_server`): ``target`` GGUF, and ``draft`` GGUF for
+    llama.cpp's speculative decoding (``draft_max`` / ``draft_min`` drafted tokens per step), ``threads`` for
+    generation and prompt processing, a ``ctx_size``-token context. ``convert_from`` (a transformers folder): make
+    ``target`` from it when it is missing (``convert_src``: the llama.cpp source tree with the converter; default
+    the one beside ``bin_dir``); ``missing_hint``: what to run when a GGUF is missing and cannot be made."""
+
+    key: str
+    bin_dir: Path
+    target: Path
+    models: dict[str, float]
+    threads: int
+    ctx_size: int = 4096
+    draft: Path | None = None
+    draft_max: int = 3
+    draft_min: int = 0
+    convert_from: str | None = None
+    convert_src: Path | None = None
+    missing_hint: str = ""
+    curves: list[tuple[str, str, list[int]]] = field(default_factory=list)  # none: no cost curves in llama.cpp
+    curve_models: dict[str, float] = field(default_factory=dict)
+
+    processes = 1  # not a Python process, but a server's buffers and its draft context: budget the same
+
+    @property
+    def base_models(self) -> dict[str, float]:
+        return self.models
+
+
+Setup = HFSetup | ClusterSetup | LlamaSetup
 
 
 @dataclass

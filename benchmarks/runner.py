@@ -11,8 +11,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from benchmarks.llama_server import LlamaServer
 from benchmarks.machine import peak_rss_gib
-from benchmarks.passes import HFSetup, Pass, Row, Setup, rotated
+from benchmarks.passes import HFSetup, LlamaSetup, Pass, Row, Setup, rotated
 from benchmarks.progress import log, utc_now
 from benchmarks.workers import Worker, WorkerError
 
@@ -123,7 +124,8 @@ class Runner:
                         f"in {result['time_s']:.2f} s ({result['new_tokens'] / result['time_s']:.2f} tok/s){extra}")
                 self._update()
             for skey, handle in handles.items():  # memory high-water marks, to check the planner's estimates
-                pids = [handle.proc.pid] if isinstance(handle, Worker) else [q.pid for q in handle.processes.values()]
+                pids = [handle.proc.pid] if isinstance(handle, (Worker, LlamaServer)) else [
+                    q.pid for q in handle.processes.values()]
                 peaks = [peak_rss_gib(pid) or 0.0 for pid in pids]
                 info = self.setup_info.setdefault(skey, {})
                 info["peak_rss_gib"] = max(info.get("peak_rss_gib", 0.0), sum(peaks))
@@ -134,6 +136,12 @@ class Runner:
             stack.callback(worker.close)
             await asyncio.to_thread(worker.call, "ready")
             return worker
+        if isinstance(setup, LlamaSetup):
+            server = LlamaServer(setup)
+            stack.callback(server.close)
+            await asyncio.to_thread(server.start)
+            self.setup_info.setdefault(setup.key, {})["command"] = server.command  # what the table's notes show
+            return server
         from runtime.launch import cluster
 
         log(f"{setup.key}: starting the nodes of {setup.config}" + (f" with {setup.overrides}" if setup.overrides
@@ -166,6 +174,10 @@ class Runner:
                                         strategy=row.strategy)
             return {"token_ids": a["token_ids"], "new_tokens": len(a["token_ids"]), "time_s": a["time_s"],
                     "stats": a["stats"], "at": at, "hf": {"generator": a["generator"], "settings": a["settings"]}}
+        if isinstance(handle, LlamaServer):
+            a = await asyncio.to_thread(handle.generate, prompt["ids"], max_new_tokens)
+            return {"token_ids": a["token_ids"], "new_tokens": len(a["token_ids"]), "time_s": a["time_s"],
+                    "stats": a["stats"], "at": at, "llama": {"timings": a["timings"], "stop_type": a["stop_type"]}}
         t0 = time.perf_counter()
         try:
             source = {"messages": prompt["messages"]} if prompt.get("messages") else {"token_ids": prompt["ids"]}
