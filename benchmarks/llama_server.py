@@ -33,10 +33,11 @@ from typing import Any
 
 from benchmarks.passes import LlamaSetup
 from benchmarks.progress import log
+from shared.named_models import cache_root
 
 #: Where the tools are when neither ``--llama-bin`` nor ``$PIPESPEC_LLAMA_BIN`` says
-#: (``python scripts/build_llama_cpp.py --tools /work/llbuild/tools`` puts them there).
-DEFAULT_BIN = Path("/work/llbuild/tools/build/bin")
+#: (``python scripts/build_llama_cpp.py --tools`` puts them there).
+DEFAULT_BIN = cache_root() / "llama.cpp" / "build" / "bin"
 SERVER = "llama-server"
 # no backticks: the message goes into the report's markdown inside a code span
 BUILD_HINT = ("build it with 'python scripts/build_llama_cpp.py --tools DIR' and pass --llama-bin DIR/build/bin "

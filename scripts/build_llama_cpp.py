@@ -12,7 +12,8 @@ extension is turned on only when this CPU reports it (an AVX-512 build would die
 
     python scripts/build_llama_cpp.py            # build (or reuse) and install into this interpreter's env
     python scripts/build_llama_cpp.py --print-flags
-    python scripts/build_llama_cpp.py --tools DIR  # also build llama-speculative / llama-server (benchmarks)
+    python scripts/build_llama_cpp.py --tools    # also llama-server / llama-speculative (benchmarks), into
+                                                 # ~/.cache/pipespec/llama.cpp (--tools DIR: elsewhere)
 """
 
 from __future__ import annotations
@@ -135,7 +136,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--print-flags", action="store_true", help="print the cmake flags for this CPU and stop")
     parser.add_argument("--no-install", action="store_true", help="build / find the wheel but do not install it")
-    parser.add_argument("--tools", type=Path, metavar="DIR", help="also build llama.cpp's tools into DIR")
+    parser.add_argument("--tools", type=Path, metavar="DIR", nargs="?", const=cache_dir().parent / "llama.cpp",
+                        help="also build llama.cpp's tools (llama-server, llama-speculative, llama-bench) into DIR "
+                             "(default ~/.cache/pipespec/llama.cpp; the benchmarks look there)")
     parser.add_argument("--probe", action="store_true",
                         help="after installing, run one forward of a tiny GGUF in a child process (a build this CPU "
                              "cannot run fails here, with the signal)")
