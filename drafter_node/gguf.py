@@ -40,7 +40,7 @@ from shared.backend import TargetBackend
 from shared.batch import Row, RowOutput
 from shared.costs.cache import profile_key, read_cached, write_cached
 from shared.costs.curve import CostCurve, NodeProfile
-from shared.costs.measure import nondecreasing
+from shared.costs.measure import measure_quietly, nondecreasing
 from shared.models import ModelLoadError, ProfileSpec, vocab_fingerprint
 from shared.named_models import is_named_model
 from shared.node_keys import kv_slots
@@ -387,32 +387,48 @@ class GGUFDrafter(Drafter):
 
     def measure_profile(self, spec: ProfileSpec, progress) -> NodeProfile | None:
         """The start-up cost curve of llama.cpp forwards over 1 .. max rows (tokens of one sequence, as the
-        node's batched steps are rows of different sequences at about the same cost), at each planned thread count;
-        cached on disk like the torch types' profiles."""
+        node's batched steps are rows of different sequences at about the same cost), at each planned thread count,
+        checked for a quiet machine (a busy one is measured again at the next start); cached on disk like the torch
+        types' profiles."""
         if spec.budget_s <= 0:
             return None
         st = self.path.stat()  # a file is not fingerprinted by the cache: its size and mtime, and the engine's build
         variant = f"llama.cpp {getattr(self.engine.lib, '__version__', '?')} {st.st_size} {st.st_mtime_ns}"
-        key = profile_key(str(self.path), "cpu", "gguf", spec.threads, spec.sizes, variant=variant)
+        threads = sorted(set(spec.threads))
+        key = profile_key(str(self.path), "cpu", "gguf", threads, spec.sizes, variant=variant)
         cached = read_cached(key)
-        if cached is not None and sorted(cached.curves) == sorted(spec.threads):
+        if cached is not None and sorted(cached.curves) == threads:
             progress(f"profile of {self.path.name} in llama.cpp: cached")
             return cached
         started = time.perf_counter()
+        curves, quiet = measure_quietly(None, spec.sizes, threads, spec.budget_s, "cpu", progress,
+                                        measure=lambda: self._measure_curves(spec.sizes, threads, spec.budget_s))
+        profile = NodeProfile(model=self.path.name, device="cpu", dtype="gguf", curves=curves,
+                              measured_s=time.perf_counter() - started, quiet=quiet, key=key)
+        for count, curve in curves.items():
+            progress(f"profiled {self.path.name} in llama.cpp at {count} thread(s): "
+                     + ", ".join(f"{k}: {s * 1000:.0f} ms" for k, s in zip(curve.sizes, curve.seconds)))
+        write_cached(key, profile)
+        return profile
+
+    def _measure_curves(self, sizes: list[int], threads: list[int], budget_s: float) -> dict[int, CostCurve]:
+        """Per thread count: the fastest of three forwards of n tokens on a 64-token cached prefix, for each n in
+        ``sizes`` while the thread count's share of ``budget_s`` lasts (at least the smallest n)."""
         seq = self.engine.acquire()
-        assert seq is not None  # at start-up every sequence is free
+        if seq is None:
+            raise LlamaDecodeError("no free llama.cpp sequence to measure with")
         prefix = 64
         rng = np.random.default_rng(1234)
-        budget = spec.budget_s / max(1, len(spec.threads))
+        budget = budget_s / max(1, len(threads))
         previous = torch.get_num_threads()
         curves: dict[int, CostCurve] = {}
         try:
-            for threads in sorted(spec.threads):
-                torch.set_num_threads(threads)
+            for count in threads:
+                torch.set_num_threads(count)  # the engine follows torch's count (see LlamaEngine.decode)
                 self.engine.crop(seq, 0)
                 self.engine.decode([(seq, 0, rng.integers(0, self.engine.n_vocab, prefix).tolist())])
                 t_start, points = time.perf_counter(), {}
-                for n in sorted(spec.sizes):
+                for n in sorted(sizes):
                     best = float("inf")
                     for _ in range(3):
                         ids = rng.integers(0, self.engine.n_vocab, n).tolist()
@@ -424,17 +440,11 @@ class GGUFDrafter(Drafter):
                     if time.perf_counter() - t_start > budget:
                         break
                 ks = sorted(points)
-                curves[threads] = CostCurve(ks, nondecreasing([points[k] for k in ks]), prefix)
+                curves[count] = CostCurve(ks, nondecreasing([points[k] for k in ks]), prefix)
         finally:
             torch.set_num_threads(previous)
             self.engine.release(seq)
-        profile = NodeProfile(model=self.path.name, device="cpu", dtype="gguf", curves=curves,
-                              measured_s=time.perf_counter() - started, key=key)
-        for threads, curve in curves.items():
-            progress(f"profiled {self.path.name} in llama.cpp at {threads} thread(s): "
-                     + ", ".join(f"{k}: {s * 1000:.0f} ms" for k, s in zip(curve.sizes, curve.seconds)))
-        write_cached(key, profile)
-        return profile
+        return curves
 
 
 def build_info() -> str:

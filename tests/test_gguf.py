@@ -146,6 +146,32 @@ def test_a_session_finding_every_sequence_in_use_drafts_nothing(gguf_pair):
 
 
 @pytest.mark.unit
+def test_the_start_up_profile_measures_llama_cpp_and_is_cached(gguf_pair):
+    """The node's start-up profile of a gguf drafter: llama.cpp forwards at each planned thread count, in a profile
+    the verifier accepts (dtype "gguf"), read from the disk cache at the next start."""
+    from drafter_node.gguf import GGUFDrafter
+    from drafter_node.settings import DrafterConfig
+    from shared.costs.curve import NodeProfile
+    from shared.models import ProfileSpec
+
+    _, _, path = gguf_pair
+    drafter = GGUFDrafter(DrafterConfig(type="gguf", model=str(path), kv_slot_tokens=256, kv_slots=1))
+    lines: list[str] = []
+    spec = ProfileSpec([1, 2], [1, 2, 4], 4.0, "")
+    try:
+        profile = drafter.measure_profile(spec, lines.append)
+        assert profile is not None and profile.dtype == "gguf" and sorted(profile.curves) == [1, 2]
+        assert profile.curves[1].sizes[0] == 1 and all(s > 0 for s in profile.curves[1].seconds)
+        assert NodeProfile.from_dict(profile.to_dict()).dtype == "gguf"  # what the verifier validates
+        again = drafter.measure_profile(spec, lines.append)
+        assert again is not None and again.curves[1].seconds == profile.curves[1].seconds
+        assert any("cached" in line for line in lines)
+        assert drafter.engine.acquire() == 0  # the measuring sequence was given back
+    finally:
+        drafter.engine.close()
+
+
+@pytest.mark.unit
 def test_a_crashing_llama_cpp_build_is_caught(gguf_pair):
     """The installed llama.cpp runs a forward in a child process: a build whose CPU code this machine cannot run
     (a native AMX build on a KVM guest died with a general protection fault) fails here, not in a drafter node."""

@@ -303,12 +303,17 @@ def others_cores(before: tuple[float, float] | None, after: tuple[float, float] 
 
 
 def measure_quietly(model, sizes: list[int], keys: list[int], budget_s: float, device: str,
-                    progress: ProgressFn | None = None) -> tuple[dict[int, CostCurve], bool]:
+                    progress: ProgressFn | None = None,
+                    measure: Callable[[], dict[int, CostCurve]] | None = None) -> tuple[dict[int, CostCurve], bool]:
     """:func:`measure_curves`, checked for a quiet machine: when other processes kept more than QUIET_MAX_CORES
     busy meanwhile (CPU only), measure once more after a pause and keep each point's minimum of both. Returns the
-    curves and whether either measurement was quiet (a busy profile is used, but re-measured at the next start)."""
+    curves and whether either measurement was quiet (a busy profile is used, but re-measured at the next start).
+    ``measure``: what measures the curves instead of :func:`measure_curves` (a model that is not torch's)."""
+    if measure is None:
+        def measure() -> dict[int, CostCurve]:
+            return measure_curves(model, sizes, keys, budget_s=budget_s)
     t0, before = time.perf_counter(), _cpu_times()
-    curves = measure_curves(model, sizes, keys, budget_s=budget_s)
+    curves = measure()
     busy = others_cores(before, _cpu_times(), time.perf_counter() - t0) if is_cpu(device) else 0.0
     if busy <= QUIET_MAX_CORES:
         return curves, True
@@ -316,7 +321,7 @@ def measure_quietly(model, sizes: list[int], keys: list[int], budget_s: float, d
         progress(f"the machine was busy while profiling (other processes used {busy:.1f} cores): measuring again")
     time.sleep(BUSY_RETRY_PAUSE_S)
     t0, before = time.perf_counter(), _cpu_times()
-    again = measure_curves(model, sizes, keys, budget_s=budget_s)
+    again = measure()
     busy_again = others_cores(before, _cpu_times(), time.perf_counter() - t0)
     for t, curve in curves.items():
         other = again.get(t)
