@@ -102,9 +102,9 @@ ROWS: dict[str, tuple[str, str, str, str, str]] = {
     "pipespec-ensemble": ("pipespec assistant + ensemble", "assistant+ensemble", "pipespec", "code", "cpu.yaml"),
     "pipespec-gguf": ("pipespec gguf", "gguf", "pipespec", "code", "gguf.yaml"),
     # llama.cpp's own server, the CPU user's alternative: "llama:<target GGUF>[+draft]" (benchmarks/llama_server.py)
-    "llama-target": ("llama.cpp target alone (bf16)", "—", "llama:bf16", "code", "llama-server"),
     "llama-speculative": ("llama.cpp speculative (bf16 target)", "llama.cpp draft model", "llama:bf16+draft", "code",
                           "llama-server"),
+    "llama-target": ("llama.cpp target alone (bf16)", "—", "llama:bf16", "code", "llama-server"),
     "llama-speculative-q4": ("llama.cpp speculative (Q4_K_M target)", "llama.cpp draft model", "llama:q4+draft",
                              "code", "llama-server"),
     "hf-early-exit": ("hf early exit", "early_exit", "hf:early_exit", "code", "early_exit.yaml"),
@@ -143,8 +143,9 @@ def is_llama(key: str) -> bool:
 
 def unit_of(key: str) -> str:
     """The rows that must share a pass: transformers' and pipespec's rows of one drafter type, the ensemble row on
-    its own, every llama.cpp row together (one comparison among themselves)."""
-    return "llama.cpp" if is_llama(key) else ROWS[key][1]
+    its own; each llama.cpp row on its own (``llama.cpp:<key>``, placed in table order: ``llama-speculative``, the
+    same pair as ``pipespec-gguf``, first, so it shares pass 1 with it when the three servers do not fit)."""
+    return f"llama.cpp:{key}" if is_llama(key) else ROWS[key][1]
 
 
 def plan_units(keys: list[str]) -> list[list[str]]:
@@ -154,7 +155,11 @@ def plan_units(keys: list[str]) -> list[list[str]]:
     for key in keys:
         if key not in REFERENCES.values():
             grouped.setdefault(unit_of(key), []).append(key)
-    order = sorted(grouped, key=lambda g: UNITS_FIRST.index(g) if g in UNITS_FIRST else len(UNITS_FIRST))
+    def rank(group: str) -> int:
+        base = group.split(":")[0]
+        return UNITS_FIRST.index(base) if base in UNITS_FIRST else len(UNITS_FIRST)
+
+    order = sorted(grouped, key=rank)  # stable: table order within a rank
     units = [[k for k in REFERENCES.values() if k in keys], *(grouped[g] for g in order)]
     return [u for u in units if u]
 
