@@ -7,8 +7,9 @@ drafts the chain with the shared logits processing (greedy argmax with the secon
 rank by, or a sample with its top-k q for lossless sampling), keeps the KV cache in step with the commits and
 batches sessions. What this module adds is a llama.cpp stand-in for the torch model and its caches:
 
-* :class:`LlamaEngine` — one model and one llama.cpp context whose KV memory holds up to ``n_seq`` sequences (the
-  node's KV slots); a batched forward of many sessions is one ``llama_decode`` over their sequences;
+* :class:`LlamaEngine` — one model and one llama.cpp context whose KV memory (one pool of ``kv_slots ×
+  kv_slot_tokens`` positions) holds up to 256 sequences; a batched forward of many sessions is one ``llama_decode``
+  over their sequences;
 * :class:`LlamaSequence` — one session's sequence, with the part of :class:`shared.kv.CachedLM`'s interface the
   session uses (``feed``, ``uncached``, ``crop``, ``length``, ...); cropping is ``llama_memory_seq_rm``;
 * :class:`LlamaBackend` — the node's KV backend over the engine (``open`` a sequence, ``feed_rows`` batched).
@@ -324,8 +325,9 @@ class LlamaBackend(TargetBackend):
 
 
 class GGUFDraftSession(LMDraftSession):
-    """An assistant-style session on a llama.cpp sequence: the single chain (no flattened pre-draft rows, which
-    need a custom attention mask), batched across sessions by the backend."""
+    """An assistant-style session on a llama.cpp sequence: the single chain, extended past a block in flight on the
+    assumption it is accepted whole (no multi-outcome pre-draft rows: the torch types flatten them into one cache
+    with a custom attention mask; here they would be copies of the sequence), batched across sessions."""
 
     @property
     def predrafts_rows(self) -> bool:  # type: ignore[override]

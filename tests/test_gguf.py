@@ -194,11 +194,12 @@ def test_the_check_reports_a_crash_with_its_signal(tmp_path):
 
 @pytest.mark.cluster
 def test_greedy_output_is_the_targets(gguf_pair):
-    """Real nodes: the GGUF drafter's blocks are verified by the torch target; output = transformers' generate."""
+    """Real nodes: the GGUF drafter's blocks are verified by the torch target; output = transformers' generate, with
+    concurrent sessions drafted in batched llama.cpp forwards."""
     from runtime.launch import cluster
 
     target, _, path = gguf_pair
-    prompts = [[5, 17, 33, 2, 60], [100, 101, 7]]
+    prompts = [[5, 17, 33, 2, 60], [100, 101, 7], [42] * 12 + [9, 8], [9, 8, 7, 6]]
     expected = [reference_greedy(target, p, 24) for p in prompts]
     config = tiny_config(target, None, type="gguf", num_draft_tokens=4)
     config["drafter"]["model"] = str(path)
@@ -211,6 +212,8 @@ def test_greedy_output_is_the_targets(gguf_pair):
     results = asyncio.run(main())
     assert [r.token_ids for r in results] == expected
     assert results[0].metrics["drafts"] > 0, "the gguf drafter never contributed a block"
+    # four sessions at once: some drafter steps ran as one llama_decode over several sequences
+    assert max(r.metrics["draft_batch_mean"] for r in results) > 1.0
 
 
 @pytest.mark.cluster
