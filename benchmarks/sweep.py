@@ -312,7 +312,7 @@ def _base_type(base: str) -> str:
 def expand(sweep: Sweep, extra: dict[str, Any] | None = None) -> list[Point]:
     """Every point of the grid, in order (the first axis varying slowest), with its overrides; a point whose config
     does not validate carries the error. ``extra``: overrides over every point's (the command line's)."""
-    from runtime.cli import BLOCK_LENGTH_KEYS, FIXED_K_TYPES
+    from drafter_node.types import DRAFTER_TYPES, drafter_spec
     from runtime.config import ConfigError, load_config
 
     base_type = _base_type(sweep.base)
@@ -328,12 +328,13 @@ def expand(sweep: Sweep, extra: dict[str, Any] | None = None) -> list[Point]:
         points.append(point)
         if k is not None:
             kind = overrides.get("drafter.type", base_type)
-            if kind in FIXED_K_TYPES:
-                point.error = f"k: drafter.type {kind}: {FIXED_K_TYPES[kind]}, so k cannot be set"
+            spec = drafter_spec(kind) if kind in DRAFTER_TYPES else None  # an unknown type: load_config says so
+            if spec is not None and spec.fixed_k:
+                point.error = f"k: drafter.type {kind}: {spec.fixed_k}, so k cannot be set"
                 continue
             if "drafter.draft_schedule" not in overrides:
                 overrides["drafter.draft_schedule"] = "constant"
-            block_key = BLOCK_LENGTH_KEYS.get(kind)
+            block_key = f"drafter.{spec.block_length_key}" if spec is not None and spec.block_length_key else None
             if block_key and block_key not in explicit:
                 overrides[block_key] = k
         try:
