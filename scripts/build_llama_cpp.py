@@ -104,7 +104,9 @@ def build_wheel(options: dict[str, bool]) -> Path:
         flush=True,
     )
     start = time.monotonic()
-    run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-binary", "llama-cpp-python",
+    # --no-cache-dir: pip's own wheel cache is keyed by the source, not by CMAKE_ARGS, and would hand back a wheel
+    # built earlier with other flags (a native build, say) instead of building this one
+    run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-cache-dir", "--no-binary", "llama-cpp-python",
          "-w", str(target), PACKAGE], env=env)
     print(f"built in {time.monotonic() - start:.0f} s", flush=True)
     return sorted(target.glob("llama_cpp_python-*.whl"))[-1]
