@@ -146,9 +146,12 @@ def test_a_session_finding_every_sequence_in_use_drafts_nothing(gguf_pair):
 
 
 @pytest.mark.unit
-def test_the_start_up_profile_measures_llama_cpp_and_is_cached(gguf_pair):
+def test_the_start_up_profile_measures_llama_cpp_and_is_cached(gguf_pair, monkeypatch):
     """The node's start-up profile of a gguf drafter: llama.cpp forwards at each planned thread count, in a profile
-    the verifier accepts (dtype "gguf"), read from the disk cache at the next start."""
+    the verifier accepts (dtype "gguf"), read from the disk cache at the next start when it was measured on a quiet
+    machine, and measured again when it was not. (Whether the machine is quiet is set here: the test session's
+    own processes, a node zygote warming up, would otherwise decide it.)"""
+    import shared.costs.measure as measure
     from drafter_node.gguf import GGUFDrafter
     from drafter_node.settings import DrafterConfig
     from shared.costs.curve import NodeProfile
@@ -157,14 +160,23 @@ def test_the_start_up_profile_measures_llama_cpp_and_is_cached(gguf_pair):
     _, _, path = gguf_pair
     drafter = GGUFDrafter(DrafterConfig(type="gguf", model=str(path), kv_slot_tokens=256, kv_slots=1))
     lines: list[str] = []
-    spec = ProfileSpec([1, 2], [1, 2, 4], 4.0, "")
     try:
+        monkeypatch.setattr(measure, "others_cores", lambda *args: 2.0)  # busy: measured twice, not trusted
+        busy = drafter.measure_profile(ProfileSpec([1], [1, 2], 2.0, ""), lines.append)
+        assert busy is not None and not busy.quiet
+        assert any("measuring again" in line for line in lines)
+        again = drafter.measure_profile(ProfileSpec([1], [1, 2], 2.0, ""), lines.append)
+        assert again is not None and not again.cached  # a busy profile is measured again at the next start
+
+        monkeypatch.setattr(measure, "others_cores", lambda *args: 0.0)  # quiet
+        spec = ProfileSpec([1, 2], [1, 2, 4], 4.0, "")
         profile = drafter.measure_profile(spec, lines.append)
         assert profile is not None and profile.dtype == "gguf" and sorted(profile.curves) == [1, 2]
+        assert profile.quiet and not profile.cached
         assert profile.curves[1].sizes[0] == 1 and all(s > 0 for s in profile.curves[1].seconds)
         assert NodeProfile.from_dict(profile.to_dict()).dtype == "gguf"  # what the verifier validates
         again = drafter.measure_profile(spec, lines.append)
-        assert again is not None and again.curves[1].seconds == profile.curves[1].seconds
+        assert again is not None and again.cached and again.curves[1].seconds == profile.curves[1].seconds
         assert any("cached" in line for line in lines)
         assert drafter.engine.acquire() == 0  # the measuring sequence was given back
     finally:
