@@ -37,11 +37,13 @@ import torch
 from drafter_node.base import Capabilities, Drafter, DraftSession
 from drafter_node.lm_drafter import LMDraftSession
 from drafter_node.settings import DrafterConfig
+from drafter_node.type_specs.gguf import gguf_file_problem
 from shared.backend import TargetBackend
 from shared.batch import Row, RowOutput
 from shared.costs.cache import profile_key, read_cached, write_cached
 from shared.costs.curve import CostCurve, NodeProfile
 from shared.costs.measure import measure_quietly, nondecreasing
+from shared.kv import SequenceCache
 from shared.models import ModelLoadError, ProfileSpec, vocab_fingerprint
 from shared.named_models import is_named_model
 from shared.node_keys import kv_slots
@@ -78,14 +80,11 @@ def gguf_path(model: str) -> Path:
             raise ModelLoadError(f"the GGUF of named model {model!r} is not installed at {gguf_file_path(model)}: "
                                  f"run `python -m weights --gguf {model}` (the launcher does it)")
         return found
-    path = Path(model).expanduser()
-    if not path.is_file():
-        raise ModelLoadError(f"drafter.model: {model!r} is not a GGUF file (the gguf type loads a .gguf file or a "
-                             "named model's GGUF)")
-    with open(path, "rb") as fh:
-        if fh.read(4) != b"GGUF":
-            raise ModelLoadError(f"drafter.model: {path} is not a GGUF file (it does not start with 'GGUF')")
-    return path
+    problem = gguf_file_problem(model)
+    if problem is not None:
+        raise ModelLoadError(f"drafter.model: {model!r}: {problem} (the gguf type loads a .gguf file or a named "
+                             "model's GGUF)")
+    return Path(model).expanduser()
 
 
 class LlamaEngine:
@@ -128,7 +127,6 @@ class LlamaEngine:
         self._batch = lib.llama_batch_init(self.batch_tokens, 0, 1)
         self.n_seq = n_seq
         self._free = list(range(n_seq - 1, -1, -1))  # sequence ids not in use (popped from the end: 0 first)
-        self.held = 0  # positions held over every sequence (an estimate of the memory in use)
 
     # ------------------------------------------------------------------ sequences
     def acquire(self) -> int | None:
@@ -157,7 +155,7 @@ class LlamaEngine:
         self._follow_torch_threads()
         wanted: list[list[np.ndarray]] = [[] for _ in rows]
         pending: list[tuple[int, int]] = []  # (row, batch index) whose logits this decode outputs
-        _lib, batch = self.lib, self._batch
+        batch = self._batch
         n = 0
         for r, (seq, start, tokens) in enumerate(rows):
             for j, token in enumerate(tokens):
@@ -228,24 +226,20 @@ def _quiet_logs(lib) -> None:
     lib.llama_log_set(_LOG_CALLBACK, ctypes.c_void_p(0))
 
 
-class LlamaSequence:
+class LlamaSequence(SequenceCache):
     """One session's sequence in the engine's KV memory: the part of :class:`shared.kv.CachedLM` that
-    :class:`~drafter_node.lm_drafter.LMDraftSession` uses."""
+    :class:`~drafter_node.lm_drafter.LMDraftSession` uses (the shared bookkeeping of :class:`SequenceCache`, a
+    ``feed`` through llama.cpp and a ``crop`` by ``llama_memory_seq_rm``). No ``capacity``: the shared memory has
+    no per-sequence bound; a full one fails the forward instead."""
 
     recurrent = False
     _sliding = False
-    capacity = None  # the shared memory has no per-sequence bound; a full one fails the forward instead
-    room = None
 
     def __init__(self, engine: LlamaEngine, seq: int, vocab_size: int):
-        self.model = engine  # what batches group by (BatchStep.model)
+        super().__init__(engine)  # the model a batch groups by (BatchStep.model) is the engine
         self.engine = engine
         self.seq = seq
         self.vocab_size = vocab_size
-        self.length = 0
-        self.last_fed = 0
-        self.fed_total = 0
-        self.refed_total = 0
 
     def feed(self, token_ids: list[int], want_hidden: bool = False,
              last_logits_only: bool = False) -> tuple[torch.Tensor, None]:
@@ -261,20 +255,6 @@ class LlamaSequence:
             pad = torch.full((t.shape[0], self.vocab_size - t.shape[-1]), float("-inf"))
             t = torch.cat([t, pad], dim=-1)
         return t
-
-    def grew(self, count: int) -> None:
-        self.length += count
-        self.last_fed = count
-        self.fed_total += count
-
-    def next_logits(self, ids: list[int]) -> torch.Tensor:
-        logits, _ = self.feed(self.uncached(ids), last_logits_only=True)
-        return logits[-1]
-
-    def uncached(self, ids: list[int]) -> list[int]:
-        if self.length >= len(ids):
-            self.crop(len(ids) - 1)
-        return ids[self.length :]
 
     def crop(self, keep: int) -> None:
         if keep < self.length:

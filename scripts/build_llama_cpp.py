@@ -72,16 +72,21 @@ def flag_tag(options: dict[str, bool]) -> str:
     return "-".join(on) or "generic"
 
 
+def ggml_defines(options: dict[str, bool]) -> list[str]:
+    """The ``-D`` flags of ``options``: the same CPU flags for the wheel and for the tools."""
+    return [f"-D{name}={'ON' if value else 'OFF'}" for name, value in options.items()]
+
+
 def cmake_args(options: dict[str, bool]) -> str:
-    parts = [f"-D{name}={'ON' if value else 'OFF'}" for name, value in options.items()]
     # The Python package needs neither the multimodal library nor curl; skipping mtmd saves minutes.
-    parts += ["-DLLAVA_BUILD=OFF", "-DLLAMA_CURL=OFF", "-DCMAKE_BUILD_TYPE=Release"]
-    return " ".join(parts)
+    return " ".join([*ggml_defines(options), "-DLLAVA_BUILD=OFF", "-DLLAMA_CURL=OFF", "-DCMAKE_BUILD_TYPE=Release"])
 
 
 def cache_dir() -> Path:
-    root = Path(os.environ.get("PIPESPEC_CACHE", Path.home() / ".cache" / "pipespec"))
-    return root / "wheels"
+    """Where the wheels are cached: ``wheels/`` of pipespec's cache (``$PIPESPEC_CACHE``, else ~/.cache/pipespec)."""
+    from shared.named_models import cache_root
+
+    return cache_root() / "wheels"
 
 
 def run(cmd: list[str], env: dict[str, str] | None = None) -> None:
@@ -126,9 +131,8 @@ def build_tools(options: dict[str, bool], out: Path) -> None:
             tar.extractall(out, filter="data")
         (out / sdist.name.removesuffix(".tar.gz") / "vendor" / "llama.cpp").rename(src_dir)
     build = out / "build"
-    args = [f"-D{name}={'ON' if value else 'OFF'}" for name, value in options.items()]
     run(["cmake", "-S", str(src_dir), "-B", str(build), "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release",
-         "-DLLAMA_CURL=OFF", "-DBUILD_SHARED_LIBS=OFF", *args])
+         "-DLLAMA_CURL=OFF", "-DBUILD_SHARED_LIBS=OFF", *ggml_defines(options)])
     run(["cmake", "--build", str(build), "--target", "llama-speculative", "llama-server", "llama-bench",
          "-j", str(os.cpu_count() or 2)])
     print(f"tools in {build / 'bin'}", flush=True)

@@ -107,8 +107,10 @@ class StateSnapshot:
             layer.cumulative_length_linear = saved["count"]
 
 
-class CachedLM:
-    """One sequence's KV cache over a shared model. ``length`` is the number of tokens the cache holds."""
+class SequenceCache:
+    """What every one-sequence cache keeps besides its memory: how many tokens it holds and was fed, and the rule
+    for what to feed next. :class:`CachedLM` (torch) and ``drafter_node.gguf.LlamaSequence`` (llama.cpp) build on
+    it; a subclass gives ``feed`` and ``crop``."""
 
     def __init__(self, model):
         self.model = model
@@ -117,6 +119,45 @@ class CachedLM:
         self.fed_total = 0  # tokens of every forward so far (a step that ran more than one forward is no sample)
         self.refed_total = 0  # tokens fed again to roll back recurrent state (hybrid models)
         self.capacity: int | None = None  # the most positions the cache can hold (None: no bound of its own)
+
+    def feed(self, token_ids: list[int], want_hidden: bool = False,
+             last_logits_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        raise NotImplementedError
+
+    def crop(self, keep: int) -> None:
+        raise NotImplementedError
+
+    def grew(self, count: int) -> None:
+        """A forward appended ``count`` positions to the cache (here, in a batched forward, or a tree round)."""
+        self.length += count
+        self.last_fed = count
+        self.fed_total += count
+
+    def next_logits(self, ids: list[int]) -> torch.Tensor:
+        """Logits for the token after the sequence ``ids`` (whose first ``length`` tokens are cached), feeding
+        whatever the cache does not hold yet."""
+        logits, _ = self.feed(self.uncached(ids), last_logits_only=True)
+        return logits[-1]
+
+    def uncached(self, ids: list[int]) -> list[int]:
+        """The tokens of ``ids`` (whose first ``length`` tokens are cached) to feed for the logits after its last
+        one: what the cache does not hold yet, at least the last token (the cache is cropped before it if need
+        be). What :meth:`next_logits` feeds, and a batched drafter step's row (:mod:`shared.batch`)."""
+        if self.length >= len(ids):
+            self.crop(len(ids) - 1)  # need at least the last token's forward to get its logits
+        return ids[self.length :]
+
+    @property
+    def room(self) -> int | None:
+        """How many more positions the cache can take (None: no bound of its own; see shared.backend)."""
+        return None if self.capacity is None else self.capacity - self.length
+
+
+class CachedLM(SequenceCache):
+    """One sequence's KV cache over a shared model. ``length`` is the number of tokens the cache holds."""
+
+    def __init__(self, model):
+        super().__init__(model)
         self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
         self._device = input_device(model)
         self._anchors: list[StateSnapshot] = []  # rollback points the owner marked (recurrent caches only)
@@ -138,26 +179,6 @@ class CachedLM:
         self.grew(len(token_ids))
         hidden = out.hidden_states[-1][0] if want_hidden else None
         return out.logits[0].float(), hidden
-
-    def grew(self, count: int) -> None:
-        """A forward appended ``count`` positions to the cache (here, in a batched forward, or a tree round)."""
-        self.length += count
-        self.last_fed = count
-        self.fed_total += count
-
-    def next_logits(self, ids: list[int]) -> torch.Tensor:
-        """Logits for the token after the sequence ``ids`` (whose first ``length`` tokens are cached), feeding
-        whatever the cache does not hold yet."""
-        logits, _ = self.feed(self.uncached(ids), last_logits_only=True)
-        return logits[-1]
-
-    def uncached(self, ids: list[int]) -> list[int]:
-        """The tokens of ``ids`` (whose first ``length`` tokens are cached) to feed for the logits after its last
-        one: what the cache does not hold yet, at least the last token (the cache is cropped before it if need
-        be). What :meth:`next_logits` feeds, and a batched drafter step's row (:mod:`shared.batch`)."""
-        if self.length >= len(ids):
-            self.crop(len(ids) - 1)  # need at least the last token's forward to get its logits
-        return ids[self.length :]
 
     def crop(self, keep: int) -> None:
         """Drop cached positions beyond ``keep`` (rollback after a rejection); trim sliding layers to their window."""
@@ -243,11 +264,6 @@ class CachedLM:
                 if getattr(layer, "is_sliding", False) and not _is_recurrent(layer):
                     layer.activate_past_recording()
         self.length = 0
-
-    @property
-    def room(self) -> int | None:
-        """How many more positions the cache can take (None: no bound of its own; see shared.backend)."""
-        return None if self.capacity is None else self.capacity - self.length
 
     def close(self) -> None:
         """The sequence ended: give its KV memory back (a ``DynamicCache`` is simply dropped)."""

@@ -12,6 +12,17 @@ from typing import Any
 from drafter_node.spec import DrafterSpec, SpecError
 
 
+def gguf_file_problem(path: str) -> str | None:
+    """Why ``path`` is not a GGUF file (unreadable, or not starting with the GGUF magic), or None: the one check
+    of the config loader and of the drafter node, which may run on another host than the one that loaded it."""
+    try:
+        with open(os.path.expanduser(path), "rb") as fh:
+            magic = fh.read(4)
+    except OSError as exc:
+        return f"it is not a readable file: {exc.strerror}"
+    return None if magic == b"GGUF" else "it is not a GGUF file (it does not start with 'GGUF')"
+
+
 def _check(config: dict[str, Any]) -> None:
     """``drafter.model``: a named model or a readable file that starts with the GGUF magic (made absolute: the
     node runs in another directory); ``drafter.device``: cpu (llama.cpp's CPU build)."""
@@ -22,16 +33,11 @@ def _check(config: dict[str, Any]) -> None:
     if not value or not isinstance(value, str):
         raise SpecError("drafter.model: missing model (a .gguf file or a named model)")
     if value not in NAMED_MODELS:
-        path = os.path.expanduser(value)
-        try:
-            with open(path, "rb") as fh:
-                magic = fh.read(4)
-        except OSError as exc:
-            raise SpecError(f"drafter.model: {value!r} is not a readable GGUF file or a named model "
-                            f"({', '.join(NAMED_MODELS)}): {exc.strerror}") from None
-        if magic != b"GGUF":
-            raise SpecError(f"drafter.model: {value!r} is not a GGUF file (it does not start with 'GGUF')")
-        drafter["model"] = os.path.abspath(path)
+        problem = gguf_file_problem(value)
+        if problem is not None:
+            raise SpecError(f"drafter.model: {value!r} is not a GGUF file or a named model "
+                            f"({', '.join(NAMED_MODELS)}): {problem}")
+        drafter["model"] = os.path.abspath(os.path.expanduser(value))
     if drafter["device"] != "cpu":
         raise SpecError(f"drafter.device: the gguf type runs llama.cpp's CPU build, got {drafter['device']!r}")
 
