@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from drafter_node.base import Capabilities, Drafter, DraftSession
+from drafter_node.gguf_check import run_probe
 from drafter_node.lm_drafter import LMDraftSession
 from drafter_node.settings import DrafterConfig
 from drafter_node.type_specs.gguf import gguf_file_problem
@@ -433,29 +434,6 @@ def build_info() -> str:
     """llama.cpp's description of its CPU build (the instruction sets it was compiled with)."""
     lib = import_llama_cpp()
     return lib.llama_print_system_info().decode(errors="replace").strip()
-
-
-def run_probe(command: list[str], timeout_s: float = 300.0) -> tuple[bool, str]:
-    """Run ``command`` (a probe of llama.cpp) in a child process: (True, its output) when it exits 0, else
-    (False, what happened and what to do). A build whose CPU code this machine cannot run dies with a signal
-    (SIGILL: instructions the CPU lacks; SIGSEGV: a general protection fault, as AMX code on a guest without AMX
-    state), which would otherwise take the drafter node down at its first forward."""
-    import signal
-    import subprocess
-
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        return False, f"the llama.cpp probe did not finish in {timeout_s:.0f} s"
-    if done.returncode == 0:
-        return True, done.stdout
-    if done.returncode < 0:
-        name = signal.Signals(-done.returncode).name
-        what = f"llama.cpp died with {name} at its first forward"
-    else:
-        what = f"the llama.cpp probe failed (exit {done.returncode}): {done.stderr.strip()[-500:]}"
-    return False, (f"{what}; this llama-cpp-python build cannot run on this CPU: rebuild it for this machine with "
-                   f"make setup-gguf (scripts/build_llama_cpp.py chooses the CPU flags)")
 
 
 def _probe_forward(path: Path) -> None:

@@ -41,8 +41,12 @@ class DrafterConfig:
 
     type: str = setting(
         DEFAULT_DRAFTER_TYPE,
-        "assistant, prompt_lookup, early_exit, mtp, mtp_drafter, universal or suffix (see the per-type tables).",
+        "auto (gguf where llama.cpp runs, else assistant), assistant, prompt_lookup, early_exit, mtp, mtp_drafter, "
+        "universal, suffix or gguf (see the per-type tables).",
         kind="str",
+    )
+    type_reason: str = setting(
+        "", "Set by the loader when type is auto: which type it chose and why (shown at start-up).", kind="str"
     )
     model: Any = setting(
         None, "Draft model; required by types that need one (some default it to verifier.model).", kind="str"

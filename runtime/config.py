@@ -23,6 +23,7 @@ from typing import Any
 
 import yaml
 
+from drafter_node import type_choice
 from drafter_node.spec import DrafterSpec
 from drafter_node.types import DRAFTER_TYPES, drafter_spec, drafter_specs
 from runtime.config_schema import (
@@ -112,6 +113,7 @@ def load_config(
     config = merge_defaults(raw)
     for key, value in parse_overrides(overrides).items():
         set_key(config, key, value)
+    type_choice.resolve(config)  # drafter.type auto: before anything reads the type
     validate(config)
     return config
 
@@ -214,7 +216,8 @@ def validate(config: dict[str, Any]) -> None:
     _check_model(config, "verifier.model")
     _check_device("verifier.device", v["device"], hint)
     if not isinstance(d["type"], str) or d["type"] not in DRAFTER_TYPES:
-        raise ConfigError(f"drafter.type: unknown drafter type {d['type']!r} (known: {', '.join(DRAFTER_TYPES)})")
+        known = ", ".join((type_choice.AUTO, *DRAFTER_TYPES))
+        raise ConfigError(f"drafter.type: unknown drafter type {d['type']!r} (known: {known})")
     spec = drafter_spec(d["type"])
     _check_requires(spec)
     _fill_type_keys(d, spec)

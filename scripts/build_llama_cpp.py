@@ -167,18 +167,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def probe() -> None:
-    """One forward of a tiny Qwen2 written as GGUF, through ``python -m drafter_node.gguf --check`` (in a child
-    process, so a crash is reported with its signal instead of taking this script down)."""
-    import tempfile
+    """One forward of a tiny Qwen2 written as GGUF, in a child process (a crash is reported with its signal instead
+    of taking this script down); the outcome is recorded for ``drafter.type: auto`` (drafter_node/type_choice.py)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from drafter_node.type_choice import probe_llama_cpp
 
-    with tempfile.TemporaryDirectory(prefix="pipespec-gguf-probe-") as tmp:
-        folder = Path(tmp)
-        subprocess.run([sys.executable, "-c", (
-            "import sys; from pathlib import Path; from testkit.tiny_models import build_tokenizer, build_model; "
-            "from testkit.tiny_gguf import write_qwen2_gguf; d = Path(sys.argv[1]); build_tokenizer(d / 'tok'); "
-            "build_model(d / 'm', 'qwen2', d / 'tok', seed=1); write_qwen2_gguf(d / 'm', d / 'probe.gguf')"),
-            str(folder)], check=True, cwd=Path(__file__).resolve().parent.parent, stdout=subprocess.DEVNULL)
-        run([sys.executable, "-m", "drafter_node.gguf", "--check", str(folder / "probe.gguf")])
+    ok, message = probe_llama_cpp()
+    print(message.strip(), flush=True)
+    if not ok:
+        raise SystemExit(f"error: llama.cpp cannot run on this CPU: {message.strip().splitlines()[0]}")
 
 
 if __name__ == "__main__":
