@@ -117,12 +117,29 @@ class Acceptance:
         self.positions = [Beta(PRIOR_ALPHA) for _ in range(max(1, max_k))]
         self.bonus_guess = Beta(0.8)  # the drafter's top-1 after a fully accepted block is the verifier's bonus
         self.correction_guess = Beta(0.3)  # the drafter's next-best token at a rejection is the verifier's token
+        # Positions below this one have evidence of their own; those from it on were never tested and take the
+        # deepest tested position's estimate as theirs (see _inherit).
+        self.tested = 0
 
     def observe(self, drafted: int, accepted: int) -> None:
         for i in range(min(drafted, len(self.positions))):
             if i > accepted:
                 break  # positions after the first rejection were not tested
             self.positions[i].observe(i < accepted)
+            self.tested = max(self.tested, i + 1)
+        self._inherit()
+
+    def _inherit(self) -> None:
+        """An untested position's prior is the deepest tested position's estimate, not the fixed PRIOR_ALPHA: after
+        short blocks that were all accepted, longer ones are expected to be accepted too, so k can grow within the
+        first request instead of waiting for each deeper position to be tried against a pessimistic prior (a new
+        user's first request accepted 43 of 44 drafts and still ran k = 2.1 on average). The positions' weight
+        stays the prior's, so the first test of a deeper position moves it at once."""
+        if not 0 < self.tested < len(self.positions):
+            return
+        value = self.positions[self.tested - 1].value
+        for beta in self.positions[self.tested:]:
+            beta.successes = value * beta.trials
 
     def shrink(self, weight: float = PRIOR_N + 1) -> None:
         """Before a run of k = 0 rounds: the rare probe blocks that follow must be able to bring drafting back."""
@@ -158,8 +175,30 @@ class Acceptance:
             if isinstance(value, (int, float)) and not isinstance(value, bool) and 0.0 <= value <= 1.0:
                 beta.successes, beta.trials = float(value) * weight, weight
         if alpha:  # positions past those remembered start from the last one remembered (α decays along a block)
+            acc.tested = len(alpha)
             for beta in acc.positions[len(alpha):]:
                 beta.successes, beta.trials = alpha[-1] * weight, weight
+        return acc
+
+    @classmethod
+    def realised(cls, max_k: int, accepted: list[int], drafted: list[int], guesses: Acceptance | None = None) -> \
+            Acceptance:
+        """The acceptance a request realised: α_i = accepted_i / drafted_i from its own counts (no prior; an
+        untested position takes the deepest tested one's rate), the guesses' rates from ``guesses`` (the session's
+        estimate). What :func:`ceiling` plans with."""
+        acc = cls(max_k)
+        weight = 1e6  # the counts are the estimate: no prior left
+        for i, beta in enumerate(acc.positions):
+            if i < len(drafted) and drafted[i] > 0:
+                beta.successes, beta.trials = weight * accepted[i] / drafted[i], weight
+                acc.tested = i + 1
+            else:
+                break
+        if guesses is not None:
+            for mine, theirs in ((acc.bonus_guess, guesses.bonus_guess),
+                                 (acc.correction_guess, guesses.correction_guess)):
+                mine.successes, mine.trials = theirs.value * weight, weight
+        acc._inherit()
         return acc
 
     def alpha(self, i: int) -> float:
@@ -305,6 +344,17 @@ def _memo(curve: Curve) -> Curve:
 
 def best_plan(acc: Acceptance, costs: Costs, max_k: int, rows_ok: bool, **allowed: bool) -> Plan:
     return max(plans(acc, costs, max_k, rows_ok, **allowed), key=lambda p: p.rate)
+
+
+def ceiling(acc: Acceptance, costs: Costs, max_k: int, rows_ok: bool, allow_overlap: bool = True) -> Plan:
+    """The best plan the cost model knows at acceptance ``acc`` (a request's realised one, :meth:`Acceptance.realised`)
+    with the nodes' measured forward costs and no overhead: no round trip, no messaging, no Python between the
+    forwards (a rollback's re-feed is a forward, so it stays). Its rate is the ceiling a request's realised decoding
+    rate is held against (``ceiling_tokens_per_second`` in the metrics); k = 0 is a candidate, so where drafting
+    cannot pay the ceiling is the target alone's rate."""
+    bare = Costs(costs.verify_share, costs.verify_full, costs.draft_share, costs.draft_full, 0.0,
+                 costs.rollback_refeeds)
+    return best_plan(acc, bare, max_k, rows_ok, allow_overlap=allow_overlap)
 
 
 class CostBook:

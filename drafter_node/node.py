@@ -450,6 +450,9 @@ class DrafterNode:
                  "timing": asdict(s.timing), "plan_rates": {k: list(v) for k, v in s.plan_rates.items()}}
         if s.plan_check is not None:
             stats["plan_check"] = dict(s.plan_check)
+        ceiling = s.ceiling()
+        if ceiling is not None:
+            stats["ceiling_tokens_per_second"] = ceiling
         self._send(encode(Draft(session=s.sid, base_len=s.sent_base, epoch=s.stats.blocks, tokens=tokens,
                                 idle_rounds=idle_rounds, overlap=s.overlap, sent_at=time.time(), stats=stats,
                                 parents=parents, tensors=tensors)))

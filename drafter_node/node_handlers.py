@@ -150,7 +150,10 @@ class MessageHandler:
         """Start the cost schedule from what earlier runs of this pair accepted (``drafter.remember_acceptance``)."""
         if not self.settings.remember_acceptance or self.costs_fixed:
             return
-        path = pair_memory.memory_path(self.drafter.type_name, self.settings.model, target)
+        model = getattr(self.drafter, "profile_model", None)
+        drafter_dtype = str(model.dtype).removeprefix("torch.") if model is not None else "native"
+        path = pair_memory.memory_path(self.drafter.type_name, self.settings.model, target,
+                                       f"{self.verifier_dtype or '?'}/{drafter_dtype}")
         remembered = pair_memory.load(path, self.max_k)
         self.memory = pair_memory.PairMemory(path, remembered[1] if remembered else 0)
         if remembered is not None:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from drafter_node.base import DraftSession
-from drafter_node.cost_model import CostBook
+from drafter_node.cost_model import Acceptance, CostBook, ceiling
 from drafter_node.plan_search import MIN_ROUNDS
 from drafter_node.schedule import CostSchedule, DraftLengthSchedule
 
@@ -53,6 +53,10 @@ class SessionTiming:
     profile_s: float = 0.0
 
 
+#: Blocks between two computations of a session's ceiling (:meth:`NodeSession.ceiling`).
+CEILING_EVERY = 4
+
+
 class NodeSession:
     """A draft session plus what the node tracks for it: the block length schedule and what was already sent."""
 
@@ -83,6 +87,11 @@ class NodeSession:
         self.plan_rates: dict[str, list[float]] = {}
         self.last_commit_at: float | None = None
         self.plan_check: dict[str, str] | None = None  # the start-up plan against the best realised (plan_check)
+        # Per block position, this session's verified drafts: how many were tested and accepted (the realised
+        # acceptance the ceiling is computed at), and the ceiling last computed (every CEILING_EVERY blocks).
+        self.realised_drafted: list[int] = []
+        self.realised_accepted: list[int] = []
+        self._ceiling: tuple[int, float] | None = None
 
     @property
     def solo_wait(self) -> bool:
@@ -242,6 +251,7 @@ class NodeSession:
                 self.stats.side_accepted += 1
         if verified_ours:
             self.schedule.observe_confidence(self.sent_probs[:drafted], accepted)
+            self._count_realised(drafted, accepted)
         if verified_ours and accepted < len(tokens) and accepted < len(self.sent_guesses):
             guess = self.sent_guesses[accepted]
             if guess is not None:
@@ -268,6 +278,37 @@ class NodeSession:
         spent = time.monotonic() - t0
         self.stats.busy_s += spent
         self.timing.commit_s += spent
+
+    def _count_realised(self, drafted: int, accepted: int) -> None:
+        """Positions 0..accepted of a verified block were tested (those after the first rejection were not)."""
+        tested = min(drafted, accepted + 1)
+        while len(self.realised_drafted) < tested:
+            self.realised_drafted.append(0)
+            self.realised_accepted.append(0)
+        for i in range(tested):
+            self.realised_drafted[i] += 1
+            self.realised_accepted[i] += i < accepted
+
+    def ceiling(self) -> float | None:
+        """Tokens per second this session could reach: the cost model's best plan at the acceptance it realised,
+        with the nodes' measured forward costs and no overhead (:func:`drafter_node.cost_model.ceiling`); the
+        target alone's rate before any draft was verified. None until the costs are known. Recomputed every
+        CEILING_EVERY blocks (a plan search weighs every k and row count; a fast target's round is milliseconds)."""
+        if self.book is None or not self.book.ready:
+            return None
+        blocks = self.stats.blocks
+        if self._ceiling is not None and blocks - self._ceiling[0] < CEILING_EVERY:
+            return self._ceiling[1]
+        s = self.schedule
+        costs = self.book.costs(self.base_len)
+        if not self.realised_drafted:
+            rate = 1.0 / max(costs.verify_full(1), 1e-9)
+        else:
+            acc = Acceptance.realised(s.max_k, self.realised_accepted, self.realised_drafted,
+                                      s.acc if isinstance(s, CostSchedule) else None)
+            rate = ceiling(acc, costs, s.max_k, getattr(s, "rows_ok", True), allow_overlap=s.overlap).rate
+        self._ceiling = (blocks, rate)
+        return rate
 
     def _count_plan_round(self, committed: int, now: float) -> None:
         """One round of the plan in force (the one its block was sent under) gave ``committed`` tokens since the

@@ -31,9 +31,11 @@ SAVE_EVERY_S = 5.0
 REMEMBERED_WEIGHT = 4.0
 
 
-def memory_path(drafter_type: str, drafter_model: str | None, target: str) -> Path:
-    """The file for one pair: a hash of the drafter type, its model and the target's name."""
-    digest = hashlib.sha256(json.dumps([drafter_type, drafter_model or "", target]).encode()).hexdigest()[:32]
+def memory_path(drafter_type: str, drafter_model: str | None, target: str, dtypes: str = "") -> Path:
+    """The file for one pair: a hash of the drafter type, its model, the target's name and the nodes' dtypes
+    (``dtypes``: e.g. "bfloat16/float32"; a pair's acceptance in bf16 is not its acceptance in float32)."""
+    key = [drafter_type, drafter_model or "", target] + ([dtypes] if dtypes else [])
+    digest = hashlib.sha256(json.dumps(key).encode()).hexdigest()[:32]
     return profile_cache_dir() / "acceptance" / f"{digest}.json"
 
 

@@ -88,6 +88,11 @@ def plan_words(report: dict[str, Any]) -> str:
     return "costs not measured yet (no profile): the plan is learned from the first rounds"
 
 
+def type_line(config: dict[str, Any]) -> str:
+    """Which drafter type ``drafter.type: auto`` chose and why: "drafter type gguf (auto: llama.cpp runs ...)"."""
+    return f"drafter type {config['drafter']['type']} ({config['drafter']['type_reason']})"
+
+
 def startup_lines(pong: dict[str, Any]) -> list[str]:
     """A few lines on what the nodes chose and the plan, from a pong (one block per drafter's report)."""
     reports = pong.get("reports") or []
@@ -131,7 +136,7 @@ def run_summary(metrics: dict[str, Any], reports: list[dict[str, Any]] | None = 
             why = "no drafter served the request"
         else:
             why = "the drafter sent no block in time (the verifier stepped alone)"
-        return f"target alone for all {new} tokens: {why}; {speed}"
+        return f"target alone for all {new} tokens: {why}; {speed}{ceiling_words(metrics)}"
     k_mean = drafted / drafts if drafts else 0.0
     schedule = report.get("schedule") or "?"
     out = (f"speculated: {accepted} of {new} tokens from drafts, acceptance {metrics.get('acceptance_rate', 0.0):.2f} "
@@ -141,7 +146,17 @@ def run_summary(metrics: dict[str, Any], reports: list[dict[str, Any]] | None = 
         out += f"; {report['speedup']:.1f}× the target alone expected at start-up"
     if solo:
         out += f"; {solo} of {rounds} rounds the target alone (k = 0: drafting stopped paying at the acceptance seen)"
-    return f"{out}; {speed}"
+    return f"{out}; {speed}{ceiling_words(metrics)}"
+
+
+def ceiling_words(metrics: dict[str, Any]) -> str:
+    """"; decoding 5.1 tok/s = 83 % of the ceiling 6.2 tok/s (...)", or "" without a ceiling."""
+    ceiling, fraction = metrics.get("ceiling_tokens_per_second"), metrics.get("ceiling_fraction")
+    if not ceiling or fraction is None:
+        return ""
+    return (f"; decoding {metrics['decode_tokens_per_second']:.2f} tok/s = {100 * fraction:.0f} % of the ceiling "
+            f"{ceiling:.2f} tok/s (the cost model's best plan at the acceptance realised, measured forward costs, "
+            "no overhead)")
 
 
 #: Node log messages the launcher relays while it waits for the nodes (profiling is their long start-up step).

@@ -35,7 +35,7 @@ from runtime.config import (
     parse_overrides,
     typed,
 )
-from runtime.first_run import ProfileRelay, run_summary, startup_lines, with_reports
+from runtime.first_run import ProfileRelay, run_summary, startup_lines, type_line, with_reports
 from runtime.keys import KeysError
 from runtime.node_setup import (  # NODE_ENV, LaunchError: also named here by callers and tests
     NODE_ENV,
@@ -433,6 +433,8 @@ async def _one_shot(args: argparse.Namespace, config: dict[str, Any]) -> int:
     prompt = args.prompt
     if args.chat and prompt is not None:
         prompt, messages = None, [{"role": "user", "content": args.prompt}]
+    if config["drafter"]["type_reason"]:
+        _progress(type_line(config))
     async with cluster(config) as client:
         for line in startup_lines(client.startup):
             _progress(line)
@@ -486,6 +488,8 @@ async def _serve(config: dict[str, Any], run_dir: str | None) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    if config["drafter"]["type_reason"]:
+        _progress(type_line(config))
     nodes = await start_launcher(config, run_dir=run_dir)
     try:
         async with AsyncClient(nodes.client_address, timeout_s=config["client"]["timeout_s"],

@@ -13,6 +13,7 @@ from drafter_node.cost_model import (
     Costs,
     Plan,
     best_plan,
+    ceiling,
     plans,
     rollback_s,
 )
@@ -58,7 +59,22 @@ def test_acceptance_follows_observations_per_position():
     for _ in range(100):
         acc.observe(4, 2)  # positions 0 and 1 accepted, 2 rejected, 3 never tested
     assert acc.alpha(0) > 0.95 and acc.alpha(1) > 0.95 and acc.alpha(2) < 0.05
-    assert abs(acc.alpha(3) - 0.6) < 1e-9  # the prior: position 3 was never reached
+    # position 3 was never reached: its prior is the deepest tested position's estimate, not PRIOR_ALPHA
+    assert abs(acc.alpha(3) - acc.alpha(2)) < 1e-9
+
+
+@pytest.mark.unit
+def test_untested_positions_follow_the_deepest_tested_one():
+    """Short blocks that are all accepted raise the estimate of the positions beyond them too, so the plan can ask
+    for a longer block at once; the first test of a deeper position then moves it on its own evidence."""
+    acc = Acceptance(8)
+    assert acc.alpha(7) == acc.alpha(0) == 0.6  # nothing tested: the prior everywhere
+    for _ in range(3):
+        acc.observe(1, 1)
+    assert acc.alpha(0) > 0.8 and all(abs(acc.alpha(i) - acc.alpha(0)) < 1e-12 for i in range(1, 8))
+    acc.observe(4, 1)  # position 1 rejected: positions 2.. now follow position 1
+    assert acc.alpha(1) < acc.alpha(0)
+    assert all(abs(acc.alpha(i) - acc.alpha(1)) < 1e-12 for i in range(2, 8))
     assert abs(acc.expected_tokens(2) - (1 + acc.alpha(0) + acc.alpha(0) * acc.alpha(1))) < 1e-12
 
 
@@ -653,3 +669,38 @@ def test_the_debug_log_says_why_each_round_runs_its_plan(caplog, monkeypatch):
     for value, level in (("debug", "DEBUG"), (" Warning ", "WARNING"), ("loud", "INFO"), ("", "INFO")):
         monkeypatch.setenv(LOG_LEVEL_ENV, value)
         assert node_log_level() == level
+
+
+def test_the_ceiling_is_the_best_plan_at_the_realised_acceptance_without_overhead():
+    """By hand: a flat 100 ms verifier, a 10 ms drafter step, synchronous blocks of at most 4. Every draft accepted:
+    k = 4 gives 5 tokens in 4 × 10 + 100 ms = 35.7 tok/s (the 50 ms round-trip overhead is not counted). Nothing
+    accepted: the target alone, 10 tok/s."""
+    flat = curve({1: 0.1, 5: 0.1})
+    step = curve({1: 0.01, 5: 0.01})
+    costs = Costs(flat.cost, flat.cost, step.cost, step.cost, overhead_s=0.05)
+    perfect = Acceptance.realised(4, [10, 10, 10, 10], [10, 10, 10, 10])
+    assert ceiling(perfect, costs, 4, rows_ok=False, allow_overlap=False).rate == pytest.approx(5 / 0.14)
+    hopeless = Acceptance.realised(4, [0], [10])
+    top = ceiling(hopeless, costs, 4, rows_ok=False, allow_overlap=False)
+    assert top.solo and top.rate == pytest.approx(10.0)
+    # the realised rates are the counts' (no prior); untested positions take the deepest tested one's
+    half = Acceptance.realised(4, [5, 1], [10, 4])
+    assert [round(half.alpha(i), 6) for i in range(4)] == [0.5, 0.25, 0.25, 0.25]
+    e = 1 + 0.5 + 0.5 * 0.25  # k = 2 at α = 0.5, 0.25
+    assert max(p.rate for p in plans(half, Costs(flat.cost, flat.cost, step.cost, step.cost), 4, False,
+                                     allow_overlap=False) if p.k == 2) == pytest.approx(e / 0.12)
+
+
+def test_k_grows_within_the_first_request_when_every_draft_is_accepted():
+    """A new pair (no memory: the plain prior) whose drafts are all accepted: the schedule reaches long blocks within a
+    few rounds of the first request (the make-run case: 43 of 44 drafts accepted, yet k = 2.1 on average)."""
+    book = _real_book()
+    s = CostSchedule(1, 8, book, context=lambda: 60, overlap=False)
+    ks = []
+    for _ in range(12):
+        k = max(s.k, 1)
+        ks.append(k)
+        s.update(k, k)
+    # with a fixed prior for untested positions it stayed at k = 1-2 for good: positions beyond k were never tried
+    assert ks == sorted(ks) and ks[-1] >= 6, ks
+    assert s.acc.alpha(7) > 0.9  # untested deep positions follow the accepted ones

@@ -54,6 +54,10 @@ def test_a_run_where_speculation_pays_says_so_and_speculates(tiny):
     assert summary.startswith(f"speculated: {m['accepted_tokens']} of 40 tokens from drafts, acceptance 1.00")
     assert f"{report['speedup']:.1f}× the target alone expected" in summary
     assert "the target alone: 100.00 tok/s" in summary  # 1 / verify 1 token
+    # the ceiling: every draft accepted, a flat verifier and a 1 ms drafter allow far more than the target alone
+    assert m["ceiling_tokens_per_second"] > 300
+    assert m["ceiling_fraction"] == pytest.approx(m["decode_tokens_per_second"] / m["ceiling_tokens_per_second"])
+    assert f"% of the ceiling {m['ceiling_tokens_per_second']:.2f} tok/s" in summary
 
 
 def test_a_run_where_speculation_cannot_pay_says_so_and_drafts_nothing(tiny):
@@ -69,6 +73,8 @@ def test_a_run_where_speculation_cannot_pay_says_so_and_drafts_nothing(tiny):
     assert "draft step 3.0 ms, verify 1 token 10 ms" in lines[-1]
     m = result.metrics
     assert m["draft_tokens"] == 0 and m["solo_rounds"] > 0  # what it said: no drafting at all
+    # where drafting cannot pay, the ceiling is the target alone's measured rate
+    assert m["ceiling_tokens_per_second"] is None or m["ceiling_tokens_per_second"] == pytest.approx(100.0, rel=0.2)
     summary = run_summary(m, pong["reports"])
     assert summary.startswith("target alone for all 30 tokens: the cost model found speculation cannot pay "
                               "(draft step 3.0 ms, verify 1 token 10 ms")

@@ -37,6 +37,8 @@ def test_a_pair_remembers_its_acceptance_and_a_new_node_starts_from_it(memory_di
     # another pair (another target, another drafter model) has its own file
     assert pair_memory.memory_path("assistant", "small", "other") != path
     assert pair_memory.memory_path("assistant", "tiny", "big") != path
+    assert pair_memory.memory_path("assistant", "small", "big", "bfloat16/bfloat16") != \
+        pair_memory.memory_path("assistant", "small", "big", "float32/float32")
 
 
 def test_saves_are_rate_limited_but_forced_at_the_end(memory_dir):

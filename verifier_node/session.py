@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -456,6 +457,8 @@ class Session:
             "side_accepted": m.side_accepted,  # … that accepted a side leaf (the drafter's second choice)
             "drafter_tree_blocks": m.drafter_stats.get("tree_blocks", 0),  # trees the drafter sent
             "tokens_per_second": new / elapsed,
+            **_ceiling(new, elapsed, self.first_token_at and self.first_token_at - self.started,
+                       m.drafter_stats.get("ceiling_tokens_per_second")),
             "elapsed_s": elapsed,
             "time_to_first_token_s": (self.first_token_at - self.started) if self.first_token_at else None,
             "verifier_busy_fraction": m.verify_s / elapsed,
@@ -479,3 +482,13 @@ class Session:
             "grammar_forced_tokens": self.grammar.forced_tokens if self.grammar is not None else 0,
             "ensemble_weight": self.ensemble_weight,  # not None: lossy by design (output distribution w·p + (1−w)·q)
         }
+
+
+def _ceiling(new: int, elapsed: float, first_token_s: float | None, ceiling: float | None) -> dict[str, Any]:
+    """The request's decoding rate (tokens after the first, over the time after it: the prefill is not decoding)
+    against the ceiling the drafter computed (the cost model's best plan at the acceptance this request realised,
+    the nodes' measured forward costs, no overhead; docs/metrics.md). None where there is nothing to compare."""
+    decode = (new - 1) / (elapsed - first_token_s) if first_token_s is not None and new > 1 and \
+        elapsed > first_token_s else None
+    return {"decode_tokens_per_second": decode, "ceiling_tokens_per_second": ceiling or None,
+            "ceiling_fraction": decode / ceiling if decode and ceiling else None}
