@@ -15,7 +15,9 @@ warm-up generation per row):
 ===================  ==========================================================================================
 ``target-code``      transformers target alone, code prompts (reference)
 ``hf-assistant``     transformers assisted generation with the 0.5B drafter
-``pipespec-assistant``  ``configs/cpu.yaml``
+``pipespec-default``  ``configs/cpu.yaml`` as shipped: ``drafter.type: auto`` (``gguf`` where llama.cpp runs here,
+                     else ``assistant``; the row's json says which)
+``pipespec-assistant``  ``configs/cpu.yaml`` with ``drafter.type: assistant`` (the torch drafter)
 ``pipespec-ensemble``   ``configs/cpu.yaml`` with ``verification.ensemble_weight`` = ``--ensemble-weight`` (lossy by
                      design: its mismatches are expected; the point is the acceptance next to ``pipespec-assistant``)
 ``pipespec-gguf``    ``configs/gguf.yaml``: the 0.5B's GGUF drafts in llama.cpp for the torch target; compared with
@@ -98,6 +100,7 @@ REFERENCES = {"code": "target-code", "edit": "target-edit"}
 ROWS: dict[str, tuple[str, str, str, str, str]] = {
     "target-code": ("hf target alone", "—", "hf:target", "code", "cpu.yaml"),
     "hf-assistant": ("hf assisted", "assistant", "hf:assistant", "code", "cpu.yaml"),
+    "pipespec-default": ("pipespec default (cpu.yaml as shipped)", "auto", "pipespec", "code", "cpu.yaml"),
     "pipespec-assistant": ("pipespec assistant", "assistant", "pipespec", "code", "cpu.yaml"),
     "pipespec-ensemble": ("pipespec assistant + ensemble", "assistant+ensemble", "pipespec", "code", "cpu.yaml"),
     "pipespec-gguf": ("pipespec gguf", "gguf", "pipespec", "code", "gguf.yaml"),
@@ -125,11 +128,11 @@ NOT_RUNNABLE = {
 
 #: Strategies whose transformers counterpart has another name: a draft model is transformers' assisted generation
 #: whichever engine runs it.
-SAME_STRATEGY = {"gguf": "assistant", "llama.cpp draft model": "assistant"}
+SAME_STRATEGY = {"gguf": "assistant", "llama.cpp draft model": "assistant", "auto": "assistant"}
 #: Pass units placed first, so that they share pass 1 with the references when memory allows: transformers' and
 #: pipespec's assistant, the gguf drafter (compared with both) and llama.cpp; the ensemble row (whose point is its
 #: acceptance, not a same-pass speed) and the other types after them.
-UNITS_FIRST = ("assistant", "gguf", "llama.cpp")
+UNITS_FIRST = ("auto", "assistant", "gguf", "llama.cpp")
 
 
 def strategy_of(key: str) -> str:
@@ -207,6 +210,7 @@ def summarize(key: str, report: dict[str, Any]) -> dict[str, Any]:
                 "k": s["draft_tokens"] / s["drafts"], "drafts": s["drafts"], "rounds": s["rounds"]}
     elif s:
         row |= {"alpha": 0.0, "tau": 1.0, "drafts": 0, "rounds": s["rounds"]}
+    row |= ceiling_summary(pp)
     ref_key = REFERENCES[prompt_set]
     row["vs_target"] = vs_anchor(report, key, ref_key)
     ref = report["raw"].get(ref_key)
@@ -221,9 +225,39 @@ def summarize(key: str, report: dict[str, Any]) -> dict[str, Any]:
         elif row["vs_target"] and vs_anchor(report, same, ref_key):  # across passes: through the references
             row["vs_hf_same"] = row["vs_target"] / vs_anchor(report, same, ref_key)
         row["hf_same_vs_target"] = vs_anchor(report, same, ref_key)
+    if runner == "pipespec" or is_llama(key):  # the aims' yardstick: the faster of transformers' rows on this set
+        row["vs_hf_fastest"], row["hf_fastest"] = vs_hf_fastest(report, key)
     if key == "pipespec-gguf":  # the issue's comparison: the same pair in llama.cpp, its target in bf16
         row["vs_llama_speculative"], row["vs_llama_how"] = ratio_between(report, key, "llama-speculative")
     return row
+
+
+def vs_hf_fastest(report: dict[str, Any], key: str) -> tuple[float | None, str | None]:
+    """Row ``key``'s tokens/s ÷ the fastest transformers row of its prompt set (the target alone or the same
+    strategy), each through the reference of its own pass (:func:`vs_anchor`); with that row's key."""
+    prompt_set = ROWS[key][3]
+    ref = REFERENCES[prompt_set]
+    mine = vs_anchor(report, key, ref)
+    hf = {k: vs_anchor(report, k, ref) for k, row in ROWS.items()
+          if row[2].startswith("hf:") and row[3] == prompt_set and k in report["raw"]}
+    hf = {k: v for k, v in hf.items() if v}
+    if not mine or not hf:
+        return None, None
+    fastest = max(hf, key=hf.__getitem__)
+    return mine / hf[fastest], fastest
+
+
+def ceiling_summary(per_prompt: list[dict[str, Any]]) -> dict[str, Any]:
+    """A pipespec row's ceilings (docs/metrics.md): the mean ceiling over its prompts, and its realised decoding rate
+    as a fraction of the ceiling, mean and worst prompt (the aim is per request). Empty for rows without them."""
+    metrics = [p.get("metrics") or {} for p in per_prompt]
+    pairs = [(m["ceiling_tokens_per_second"], m["ceiling_fraction"]) for m in metrics
+             if m.get("ceiling_tokens_per_second") and m.get("ceiling_fraction") is not None]
+    if not pairs:
+        return {}
+    fractions = [f for _, f in pairs]
+    return {"ceiling": sum(c for c, _ in pairs) / len(pairs), "ceiling_fraction": sum(fractions) / len(fractions),
+            "ceiling_fraction_min": min(fractions)}
 
 
 def write_markdown(path: Path, report: dict[str, Any]) -> None:
@@ -252,7 +286,7 @@ def write_markdown(path: Path, report: dict[str, Any]) -> None:
     for r in report["rows"]:
         if "tokens_per_s" not in r:
             table.append([r["label"], r["type"], r["prompt_set"], f"`{r['config']}`", str(r["pass"] or "—"),
-                          "error", *[""] * 6])
+                          "error", *[""] * 9])
             notes.append(f"- {r['label']} failed: `{r['error'].splitlines()[0][:300]}`")
             continue
         if "error" in r:
@@ -263,11 +297,17 @@ def write_markdown(path: Path, report: dict[str, Any]) -> None:
             hf_same += f" ({r['hf_same_vs_target']:.2f}×)"
         table.append([r["label"] + (" (partial)" if "error" in r else ""), r["type"], r["prompt_set"],
                       f"`{r['config']}`", str(r["pass"]), f"{r['tokens_per_s']:.2f}", fmt(r.get("alpha")),
-                      fmt(r.get("tau")), fmt(r.get("k")), fmt(r.get("vs_target"), ".2f", "×"), hf_same, mism])
+                      fmt(r.get("tau")), fmt(r.get("k")), fmt(r.get("vs_target"), ".2f", "×"), hf_same,
+                      fmt(r.get("vs_hf_fastest"), ".2f", "×"), mism,
+                      fmt(r.get("ceiling")), _fraction(r)])
     for kind, why in NOT_RUNNABLE.items():
-        table.append([f"pipespec {kind}", kind, "—", "—", "—", f"not run: {why}", *[""] * 6])
+        table.append([f"pipespec {kind}", kind, "—", "—", "—", f"not run: {why}", *[""] * 9])
     lines += md_table(["row", "type", "prompts", "config", "pass", "tok/s", "α", "τ", "k", "vs target",
-                       "vs hf same strategy", "mismatches"], table, "lllll" + "r" * 7)
+                       "vs hf same strategy", "vs hf fastest", "mismatches", "ceiling tok/s",
+                       "÷ ceiling (worst prompt)"], table, "lllll" + "r" * 10)
+    lines += ["", "ceiling: the cost model's best plan at the acceptance each request realised, from the nodes' "
+              "measured forward costs with no overhead; ÷ ceiling: the request's decoding rate (after its first "
+              "token) over it, mean over prompts (worst prompt in brackets)."]
     for key, r in report["raw"].items():
         if "hf" in r:
             notes.append(f"- {ROWS[key][0]}: transformers used `{r['hf']['generator']}` with "
@@ -287,6 +327,12 @@ def write_markdown(path: Path, report: dict[str, Any]) -> None:
             notes.append(f"- `{ref}` per pass (a host that changed speed between passes shows here): " + ", ".join(
                 f"pass {p} {fmt(tps(pp))} tok/s" for p, pp in sorted(speeds.items()) if pp))
     path.write_text("\n".join(lines + (["", "Notes:", *notes] if notes else [])) + "\n")
+
+
+def _fraction(r: dict[str, Any]) -> str:
+    if r.get("ceiling_fraction") is None:
+        return "—"
+    return f"{100 * r['ceiling_fraction']:.0f} % ({100 * r['ceiling_fraction_min']:.0f} %)"
 
 
 # ---------------------------------------------------------------------------------------------- main
@@ -385,6 +431,8 @@ def main(argv: list[str] | None = None) -> int:
         d = load_config(config)["drafter"]
         if runner == "pipespec":
             overrides: dict[str, Any] = {}
+            if kind.startswith("assistant"):  # cpu.yaml's own type is auto: these rows are the torch drafter's
+                overrides["drafter.type"] = "assistant"
             if kind.endswith("ensemble"):
                 overrides["verification.ensemble_weight"] = args.ensemble_weight
             v = load_config(config)
