@@ -153,19 +153,19 @@ def choose(drafter: dict[str, Any], probe: bool = True) -> Choice:
         return Choice(fallback, problem)
     package = llama_cpp_install()
     if package is None:
-        return Choice(fallback, "llama-cpp-python is not installed (make setup-gguf builds it for this CPU)")
+        return Choice(fallback, "llama-cpp-python is not installed (make setup-gguf builds it for the host CPU)")
     outcome = cached_probe(package)
     if outcome is None and probe:
-        print("[pipespec] drafter.type auto: probing llama.cpp on this CPU once (one forward of a tiny model) ...",
+        print("[pipespec] drafter.type auto: probing llama.cpp once (one forward of a tiny model) ...",
               file=sys.stderr, flush=True)
         outcome = probe_llama_cpp()
     if outcome is None:
-        return Choice(fallback, "llama.cpp was not probed on this CPU (scripts/build_llama_cpp.py --probe)")
+        return Choice(fallback, "llama.cpp was not probed here (scripts/build_llama_cpp.py --probe)")
     ok, message = outcome
     if not ok:
         first = message.strip().splitlines()[0] if message.strip() else "no output"
         return Choice(fallback, f"llama.cpp cannot run here: {first}")
-    return Choice("gguf", "llama.cpp runs on this CPU (its probe passed) and drafts 2.4-2.8x faster than torch")
+    return Choice("gguf", "llama.cpp runs here (its probe passed) and drafts 2.4-2.8x faster than torch")
 
 
 def resolve(config: dict[str, Any]) -> Choice | None:
