@@ -704,3 +704,17 @@ def test_k_grows_within_the_first_request_when_every_draft_is_accepted():
     # with a fixed prior for untested positions it stayed at k = 1-2 for good: positions beyond k were never tried
     assert ks == sorted(ks) and ks[-1] >= 6, ks
     assert s.acc.alpha(7) > 0.9  # untested deep positions follow the accepted ones
+
+
+def test_a_remembered_pair_plans_long_blocks_from_its_first_round():
+    """The seeded plan: a node that remembers this pair's acceptance (drafter_node/pair_memory.py) plans the first
+    round of the first request with it, where the plain prior plans a short block."""
+    from drafter_node.pair_memory import REMEMBERED_WEIGHT
+
+    fresh = CostSchedule(5, 8, _real_book(), context=lambda: 60, overlap=False)
+    book = _real_book()
+    book.acceptance = Acceptance.from_memory(8, {"alpha": [0.97] * 8, "bonus_guess": 0.9, "correction_guess": 0.3},
+                                             REMEMBERED_WEIGHT)
+    seeded = CostSchedule(5, 8, book, context=lambda: 60, overlap=False)
+    assert seeded.acc.alpha(0) > 0.9
+    assert seeded.k >= 4 and fresh.k <= 2, (seeded.k, fresh.k)
