@@ -317,7 +317,6 @@ def write_markdown(path: Path, report: dict[str, Any]) -> None:
         table.append([f"pipespec {kind}", kind, "—", "—", "—", f"not run: {why}", *[""] * 6])
     lines += md_table(["row", "type", "prompts", "config", "pass", "tok/s", "α", "τ", "k", "vs target",
                        "vs hf same strategy", "mismatches"], table, "lllll" + "r" * 7)
-    lines += category_lines(report["rows"])
     for key, r in report["raw"].items():
         if "hf" in r:
             notes.append(f"- {ROWS[key][0]}: transformers used `{r['hf']['generator']}` with "
@@ -336,7 +335,9 @@ def write_markdown(path: Path, report: dict[str, Any]) -> None:
             speeds = {own["pass"]: own["per_prompt"], **{int(p): r["per_prompt"] for p, r in repeats.items()}}
             notes.append(f"- `{ref}` per pass (a host that changed speed between passes shows here): " + ", ".join(
                 f"pass {p} {fmt(tps(pp))} tok/s" for p, pp in sorted(speeds.items()) if pp))
-    path.write_text("\n".join(lines + (["", "Notes:", *notes] if notes else [])) + "\n")
+    # the breakdown after the main table's notes, which are about that table
+    path.write_text("\n".join(lines + (["", "Notes:", *notes] if notes else []) + category_lines(report["rows"]))
+                    + "\n")
 
 
 def category_lines(rows: list[dict[str, Any]]) -> list[str]:
