@@ -1,8 +1,9 @@
 """pipespec under concurrent requests: batched against unbatched verification, and transformers' batched generate.
 
 At each concurrency N (``--concurrency``, default 1, 4, 16, 64) every row decodes the same N chat prompts (the
-prompts of ``scripts/prompts/*.json`` in turn, repeated to reach N; templated with the target's chat template),
-greedily, ``--max-new-tokens`` each. Rows (keys for ``--rows``; a key or a ``-``-separated prefix, e.g. ``pipespec``):
+prompts of ``scripts/prompts/{agent,code,edit}_prompts.json`` in turn, repeated to reach N; templated with the
+target's chat template), greedily, ``--max-new-tokens`` each. Rows (keys for ``--rows``; a key or a ``-``-separated
+prefix, e.g. ``pipespec``):
 
 - ``pipespec-batched``: one cluster of the config (``--config``, default ``configs/cpu.yaml``) with
   ``verifier.batching: true`` and ``drafter.batching: true``; the N requests sent at once with the async client
@@ -40,7 +41,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import math
 import os
 import sys
@@ -54,7 +54,7 @@ from benchmarks.machine import machine_info, memory_budget_gib, peak_rss_gib
 from benchmarks.models import build_random_pair, cluster_models, model_gib
 from benchmarks.passes import ClusterSetup, HFSetup, Row, plan_passes, plan_text, rotated, select_rows
 from benchmarks.progress import log, utc_now
-from benchmarks.prompts import chat_prompts, prompt_dir
+from benchmarks.prompts import chat_prompts, load_prompts, prompt_dir
 from benchmarks.results import read_result, write_result
 from benchmarks.runner import WARMUP_TOKENS
 from benchmarks.summary import token_mismatches
@@ -62,7 +62,9 @@ from benchmarks.tables import fmt, header_lines, md_table
 from benchmarks.workers import Worker
 from runtime.paths import results_dir
 
-PROMPT_FILES = sorted(prompt_dir().glob("*.json"))
+#: This project's own prompt files, in the order the benchmark always took them (the vendored public sets beside
+#: them, for scripts/bench_types.py, are not part of this workload; --prompt-files takes them too).
+PROMPT_FILES = [prompt_dir() / name for name in ("agent_prompts.json", "code_prompts.json", "edit_prompts.json")]
 HF_SETUP = "hf"
 TOKEN_REF = "hf-batched"
 
@@ -610,7 +612,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="comma list of row keys or prefixes (default: all): " + ", ".join(ROW_DEFS))
     p.add_argument("--max-new-tokens", type=int, default=32, help="new tokens per request (default: 32)")
     p.add_argument("--prompt-files", type=Path, nargs="+", default=PROMPT_FILES,
-                   help="JSON lists of {id, messages} (default: scripts/prompts/*.json)")
+                   help="JSON lists of {id, messages} (default: scripts/prompts/ agent_prompts.json, "
+                        "code_prompts.json, edit_prompts.json)")
     p.add_argument("--hf-dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="the transformers rows' dtype (default: the one pipespec's verifier resolved)")
     p.add_argument("--hf-threads", type=int, default=None,
@@ -681,7 +684,7 @@ def run(args: argparse.Namespace, keys: list[str], source: str | dict[str, Any])
         log(f"WARNING: drafter.type is {cfg['drafter']['type']!r}, not assistant: the hf-assisted row will fail")
     messages = []
     for f in args.prompt_files:
-        messages += [p["messages"] for p in json.loads(Path(f).read_text())]
+        messages += [p["messages"] for p in load_prompts(Path(f))]
     prompts = chat_prompts(load_tokenizer(target), messages)
 
     v, d = cfg["verifier"], cfg["drafter"]

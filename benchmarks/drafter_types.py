@@ -5,7 +5,14 @@ Each type runs on the prompts where it makes sense:
 
 - ``edit`` prompts (``scripts/prompts/edit_prompts.json``: code-edit requests that repeat their input) for prompt
   lookup;
-- ``code`` prompts (``scripts/prompts/code_prompts.json``) for the model-based types.
+- ``code`` prompts (``scripts/prompts/code_prompts.json``) for the model-based types, or with ``--prompt-set`` a
+  public set in their place: ``humaneval`` (``humaneval_prompts.json``, the first 20 HumanEval problems, each asked
+  as a chat message) or ``chat`` (``mt_bench_prompts.json``, the first question of each of MT-Bench's 8 categories:
+  open-ended answers where drafts are rarely accepted). The public sets are vendored subsets that name their
+  package, version, license and selection in the file (``scripts/vendor_prompts.py`` remakes them).
+
+When the prompts carry a ``category`` (``chat``), the report also breaks every row down per category: tokens/s,
+α, τ and the ratio to the reference row on the same prompts in the same pass.
 
 Every prompt set has its own reference row, transformers ``generate(do_sample=False)`` on the target alone in the
 same dtype at all threads (``--hf-threads``); each other row's tokens/s is divided by it and its output compared
@@ -60,6 +67,7 @@ Usage::
     .venv/bin/python scripts/bench_types.py --rows target-edit,hf-prompt-lookup,pipespec-prompt-lookup
     .venv/bin/python scripts/bench_types.py --rows target-code,hf-assistant,pipespec-assistant,pipespec-gguf,llama
     .venv/bin/python scripts/bench_types.py --prompts 1 --max-new-tokens 8 --out /tmp/t   # a quick smoke
+    .venv/bin/python scripts/bench_types.py --rows target-code,pipespec-gguf --prompt-set chat --prompts 8
     .venv/bin/python scripts/bench_types.py --dry-run                         # the passes, without running
 """
 
@@ -86,17 +94,22 @@ from benchmarks.passes import (
     select_rows,
 )
 from benchmarks.progress import log, utc_now
-from benchmarks.prompts import chat_prompts, prompt_dir
+from benchmarks.prompts import chat_prompts, load_prompts, prompt_dir
 from benchmarks.results import write_result
 from benchmarks.runner import run_report
-from benchmarks.summary import speed_ratio, start_row, token_mismatches, tps, vs_anchor
+from benchmarks.summary import anchor_run, speed_ratio, start_row, token_mismatches, tps, vs_anchor
 from benchmarks.tables import fmt, header_lines, md_table
 
 PROMPT_SETS = {"code": prompt_dir() / "code_prompts.json",
+               "humaneval": prompt_dir() / "humaneval_prompts.json",
+               "chat": prompt_dir() / "mt_bench_prompts.json",
                "edit": prompt_dir() / "edit_prompts.json"}
+#: The sets ``--prompt-set`` may put in place of ``code`` for the rows of ``code`` (the model-based types).
+MODEL_SETS = ("code", "humaneval", "chat")
 REFERENCES = {"code": "target-code", "edit": "target-edit"}
 
-# key -> (label, drafter type, runner, prompt set, config); runner "hf:<strategy>" or "pipespec". Table order.
+# key -> (label, drafter type, runner, prompt set, config); runner "hf:<strategy>" or "pipespec"; prompt set "code"
+# stands for the one --prompt-set picks (see prompt_set_of). Table order.
 ROWS: dict[str, tuple[str, str, str, str, str]] = {
     "target-code": ("hf target alone", "—", "hf:target", "code", "cpu.yaml"),
     "hf-assistant": ("hf assisted", "assistant", "hf:assistant", "code", "cpu.yaml"),
@@ -133,6 +146,11 @@ SAME_STRATEGY = {"gguf": "assistant", "llama.cpp draft model": "assistant", "aut
 #: pipespec's assistant, the gguf drafter (compared with both) and llama.cpp; the ensemble row (whose point is its
 #: acceptance, not a same-pass speed) and the other types after them.
 UNITS_FIRST = ("auto", "assistant", "gguf", "llama.cpp")
+
+
+def prompt_set_of(key: str, model_set: str = "code") -> str:
+    """The prompt set row ``key`` runs: its own, or ``model_set`` (``--prompt-set``) for the rows of ``code``."""
+    return model_set if ROWS[key][3] == "code" else ROWS[key][3]
 
 
 def strategy_of(key: str) -> str:
@@ -195,21 +213,46 @@ def ratio_between(report: dict[str, Any], key: str, other: str) -> tuple[float |
 # ---------------------------------------------------------------------------------------------- report
 
 
+def draft_totals(pp: list[dict[str, Any]]) -> dict[str, Any]:
+    """α, τ, k, drafts and rounds of a drafting row over the prompts ``pp`` (α 0 and τ 1 when it never drafted)."""
+    names = ("drafts", "draft_tokens", "accepted_tokens", "rounds")
+    s = {n: sum((p.get("stats") or p.get("metrics"))[n] for p in pp) for n in names}
+    if s["draft_tokens"]:
+        return {"alpha": s["accepted_tokens"] / s["draft_tokens"], "tau": 1 + s["accepted_tokens"] / s["drafts"],
+                "k": s["draft_tokens"] / s["drafts"], "drafts": s["drafts"], "rounds": s["rounds"]}
+    return {"alpha": 0.0, "tau": 1.0, "drafts": 0, "rounds": s["rounds"]}
+
+
+def by_category(pp: list[dict[str, Any]], categories: list[str], ref: list[dict[str, Any]] | None,
+                counted: bool) -> dict[str, dict[str, Any]]:
+    """A row's results per prompt category (``categories[i]`` is prompt i's), in the order categories first appear:
+    prompts, new tokens, time, tokens/s, α / τ / k where the row drafts (``counted``), and ``vs_target``, tokens/s ÷
+    the reference's on the same prompts (``ref``: its results in the row's pass; None: not measured there)."""
+    groups: dict[str, list[int]] = {}
+    for i, category in enumerate(categories[: len(pp)]):
+        groups.setdefault(category, []).append(i)
+    out: dict[str, dict[str, Any]] = {}
+    for category, idx in groups.items():
+        sel = [pp[i] for i in idx]
+        entry: dict[str, Any] = {"prompts": len(sel), "new_tokens": sum(p["new_tokens"] for p in sel),
+                                 "time_s": sum(p["time_s"] for p in sel), "tokens_per_s": tps(sel)}
+        if counted:
+            entry |= draft_totals(sel)
+        entry["vs_target"] = None if ref is None else speed_ratio(sel, [ref[i] for i in idx if i < len(ref)])
+        out[category] = entry
+    return out
+
+
 def summarize(key: str, report: dict[str, Any]) -> dict[str, Any]:
     label, kind, runner, prompt_set, config = ROWS[key]
     raw = report["raw"].get(key) or {"per_prompt": [], "pass": None}
-    row: dict[str, Any] = {"key": key, "label": label, "type": kind, "prompt_set": prompt_set, "config": config}
+    shown_set = prompt_set_of(key, report["meta"].get("prompt_set", "code"))
+    row: dict[str, Any] = {"key": key, "label": label, "type": kind, "prompt_set": shown_set, "config": config}
     pp = start_row(row, raw)
     if not pp:
         return row
-    names = ("drafts", "draft_tokens", "accepted_tokens", "rounds")
-    s = None if not drafts_counted(key) else {
-        n: sum((p.get("stats") or p.get("metrics"))[n] for p in pp) for n in names}
-    if s and s["draft_tokens"]:
-        row |= {"alpha": s["accepted_tokens"] / s["draft_tokens"], "tau": 1 + s["accepted_tokens"] / s["drafts"],
-                "k": s["draft_tokens"] / s["drafts"], "drafts": s["drafts"], "rounds": s["rounds"]}
-    elif s:
-        row |= {"alpha": 0.0, "tau": 1.0, "drafts": 0, "rounds": s["rounds"]}
+    if drafts_counted(key):
+        row |= draft_totals(pp)
     row |= ceiling_summary(pp)
     ref_key = REFERENCES[prompt_set]
     row["vs_target"] = vs_anchor(report, key, ref_key)
@@ -229,6 +272,10 @@ def summarize(key: str, report: dict[str, Any]) -> dict[str, Any]:
         row["vs_hf_fastest"], row["hf_fastest"] = vs_hf_fastest(report, key)
     if key == "pipespec-gguf":  # the issue's comparison: the same pair in llama.cpp, its target in bf16
         row["vs_llama_speculative"], row["vs_llama_how"] = ratio_between(report, key, "llama-speculative")
+    categories = report["meta"].get("categories", {}).get(shown_set)
+    if categories:
+        row["categories"] = by_category(pp, categories, anchor_run(report, ref_key, raw["pass"]),
+                                        drafts_counted(key))
     return row
 
 
@@ -272,6 +319,8 @@ def write_markdown(path: Path, report: dict[str, Any]) -> None:
         f"{meta['hf_threads']} threads); vs hf = ÷ transformers' same strategy (in brackets: that row's own ratio to "
         "the target); mismatches = prompts whose tokens differ from the target alone",
     ]
+    for name, source in meta.get("prompt_sources", {}).items():
+        lines.append(f"- `{name}` prompts: {source}")
     llama = meta.get("llama_cpp")
     if llama:
         lines += [f"- llama.cpp: `{llama['version'] or 'llama-server not found'}` ({llama['bin']}); one "
@@ -326,7 +375,26 @@ def write_markdown(path: Path, report: dict[str, Any]) -> None:
             speeds = {own["pass"]: own["per_prompt"], **{int(p): r["per_prompt"] for p, r in repeats.items()}}
             notes.append(f"- `{ref}` per pass (a host that changed speed between passes shows here): " + ", ".join(
                 f"pass {p} {fmt(tps(pp))} tok/s" for p, pp in sorted(speeds.items()) if pp))
-    path.write_text("\n".join(lines + (["", "Notes:", *notes] if notes else [])) + "\n")
+    # the breakdown after the main table's notes, which are about that table
+    path.write_text("\n".join(lines + (["", "Notes:", *notes] if notes else []) + category_lines(report["rows"]))
+                    + "\n")
+
+
+def category_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """The per-category table (empty when no row has categories): one line per category and row, categories in
+    the order of the prompts, rows in table order."""
+    with_categories = [r for r in rows if r.get("categories")]
+    if not with_categories:
+        return []
+    order: list[str] = []
+    for r in with_categories:
+        order += [c for c in r["categories"] if c not in order]
+    table = [[c, r["label"], r["prompt_set"], str(e["prompts"]), fmt(e["tokens_per_s"]), fmt(e.get("alpha")),
+              fmt(e.get("tau")), fmt(e.get("vs_target"), ".2f", "×")]
+             for c in order for r in with_categories if (e := r["categories"].get(c))]
+    return ["", "## Per category", "",
+            "vs target = the row's tokens/s ÷ the target alone's on the same prompts in the same pass.", "",
+            *md_table(["category", "row", "prompts", "n", "tok/s", "α", "τ", "vs target"], table, "lll" + "r" * 5)]
 
 
 def _fraction(r: dict[str, Any]) -> str:
@@ -370,6 +438,17 @@ def llama_setup(key: str, bin_dir: Path, threads: int, ctx_size: int, draft_max:
                       draft_min=draft_min, convert_from=convert_from, missing_hint=hint)
 
 
+def prompt_source(path: Path) -> str | None:
+    """One line on where a vendored public prompt file comes from (dataset, package, version, license, selection);
+    None for this project's own files (a plain JSON list)."""
+    data = json.loads(path.read_text(encoding="utf-8"))
+    if not isinstance(data, dict):
+        return None
+    src = data["source"]
+    return (f"{src['dataset']}, from the `{src['package']}` {src['version']} package ({data['license']}): "
+            f"{src['selection']}")
+
+
 def file_gib(path: Path) -> float:
     """A GGUF's size (llama.cpp maps it whole); 1 GiB while it is missing (its row fails with the reason)."""
     return path.stat().st_size / 2**30 if path.is_file() else 1.0
@@ -380,6 +459,10 @@ def _parser() -> argparse.ArgumentParser:
                                          "configs (default: the configs' own, bfloat16)")
     p.add_argument("--prompts", type=int, default=5, help="prompts per set, from the start of each file (default: 5)")
     p.add_argument("--max-new-tokens", type=int, default=96, help="new tokens per prompt (default: 96)")
+    p.add_argument("--prompt-set", choices=MODEL_SETS, default="code",
+                   help="prompts of the model-based rows (target-code and the others on code prompts): code (ours), "
+                        "humaneval (the first 20 HumanEval problems) or chat (one MT-Bench question per category, "
+                        "with a per-category breakdown); default: code")
     p.add_argument("--ensemble-weight", type=float, default=0.7,
                    help="verification.ensemble_weight of the pipespec-ensemble row (default: 0.7)")
     p.add_argument("--llama-bin", type=Path, default=default_bin_dir(), metavar="DIR",
@@ -409,8 +492,9 @@ def main(argv: list[str] | None = None) -> int:
     device = "cpu"
     target_path = resolve_model(base["verifier"]["model"])
     tokenizer = load_tokenizer(target_path)
-    prompts = {name: chat_prompts(tokenizer, [p["messages"] for p in json.loads(path.read_text())[: args.prompts]])
-               for name, path in PROMPT_SETS.items()}
+    model_set = args.prompt_set
+    files = {name: load_prompts(PROMPT_SETS[name])[: args.prompts] for name in (model_set, "edit")}
+    prompts = {name: chat_prompts(tokenizer, [p["messages"] for p in items]) for name, items in files.items()}
 
     hf = HFSetup(f"hf-{DTYPE_TAGS[dtype]}-{threads}t", dtype, threads, device, target_path,
                  model_gib(target_path, dtype))
@@ -418,10 +502,11 @@ def main(argv: list[str] | None = None) -> int:
     rows: dict[str, Row] = {}
     llama_threads = args.llama_threads or threads
     # one context for every llama-server: the longest prompt (the warm-up's is the first) and its new tokens
-    ctx_size = -(-(max(len(p["ids"]) for p in prompts["code"]) + args.max_new_tokens + 64) // 256) * 256
+    ctx_size = -(-(max(len(p["ids"]) for p in prompts[model_set]) + args.max_new_tokens + 64) // 256) * 256
     for key in keys:
-        label, kind, runner, prompt_set, config = ROWS[key]
-        anchor = REFERENCES[prompt_set] if REFERENCES[prompt_set] in keys and key != REFERENCES[prompt_set] else None
+        label, kind, runner, ref_set, config = ROWS[key]
+        anchor = REFERENCES[ref_set] if REFERENCES[ref_set] in keys and key != REFERENCES[ref_set] else None
+        prompt_set = prompt_set_of(key, model_set)
         if is_llama(key):
             setups[key] = llama_setup(key, args.llama_bin, llama_threads, ctx_size, args.llama_draft_max,
                                       args.llama_draft_min, base["verifier"]["model"],
@@ -474,8 +559,14 @@ def main(argv: list[str] | None = None) -> int:
         "threads": f"transformers rows {threads} (one worker process); pipespec rows their configs' (auto: every "
                    "core while the other node idles, half while both work; one process per node)",
         "prompts": args.prompts, "max_new_tokens": args.max_new_tokens, "hf_threads": threads, "dtype": dtype,
-        "ensemble_weight": args.ensemble_weight, "rows": keys,
+        "ensemble_weight": args.ensemble_weight, "rows": keys, "prompt_set": model_set,
     }
+    sources = {name: prompt_source(PROMPT_SETS[name]) for name in files}
+    meta["prompt_sources"] = {name: text for name, text in sources.items() if text}
+    categories = {name: [p["category"] for p in items] for name, items in files.items()
+                  if items and all("category" in p for p in items)}
+    if categories:
+        meta["categories"] = categories
     if any(is_llama(k) for k in keys):
         meta["llama_cpp"] = {"bin": str(args.llama_bin), "version": server_version(args.llama_bin),
                              "threads": llama_threads, "draft_max": args.llama_draft_max,

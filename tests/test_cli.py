@@ -5,6 +5,7 @@ package and the data they read. No node starts here (tests/test_cli_install.py r
 
 from __future__ import annotations
 
+import fnmatch
 import re
 import subprocess
 import sys
@@ -217,7 +218,9 @@ def test_pyproject_ships_every_package_and_its_data():
     }
     assert set(tool["packages"]) == found | set(mapped), set(tool["packages"]) ^ (found | set(mapped))
     data = tool["package-data"]
-    assert data == {"runtime.configs": ["*.yaml"], "benchmarks.prompt_files": ["*.json"]}
-    # the data the code reads from those folders is all there is in them
+    assert data == {"runtime.configs": ["*.yaml"], "benchmarks.prompt_files": ["*.json", "LICENSE-*.txt"]}
+    # the data the code reads from those folders (and the licenses of the vendored prompts) is all there is in them
     assert {p.suffix for p in (REPO_ROOT / "configs").iterdir()} == {".yaml"}
-    assert {p.suffix for p in (REPO_ROOT / "scripts" / "prompts").iterdir()} == {".json"}
+    prompts = [p.name for p in (REPO_ROOT / "scripts" / "prompts").iterdir()]
+    shipped = data["benchmarks.prompt_files"]
+    assert all(any(fnmatch.fnmatch(n, pattern) for pattern in shipped) for n in prompts), prompts

@@ -86,7 +86,8 @@ def test_installed_copy_is_what_runs_and_finds_bundled_configs(installed, elsewh
     code = ("import runtime.cli, runtime.config as c, benchmarks.prompts as b, drafter_node.type_specs.mtp, "
             "shared.costs, testkit, http_server, weights; "
             "print(runtime.cli.__file__); print(c.find_config('cpu.yaml')); "
-            "print(b.prompt_dir() / 'code_prompts.json')")
+            "print(b.prompt_dir() / 'code_prompts.json'); print(b.prompt_dir() / 'LICENSE-FastChat.txt'); "
+            "print(b.prompt_dir() / 'mt_bench_prompts.json')")
     proc = subprocess.run([sys.executable, "-c", code], cwd=elsewhere, env=env_for(installed), capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
@@ -94,6 +95,9 @@ def test_installed_copy_is_what_runs_and_finds_bundled_configs(installed, elsewh
     assert paths[0] == installed / "runtime" / "cli.py"
     assert paths[1] == installed / "runtime" / "configs" / "cpu.yaml" and paths[1].is_file()
     assert paths[2].is_relative_to(installed) and json.loads(paths[2].read_text())
+    # the vendored public prompts ship with the license they carry
+    assert paths[3].is_relative_to(installed) and "Apache License" in paths[3].read_text()
+    assert json.loads(paths[4].read_text())["license_file"] == paths[3].name
     help_ = run_installed(installed, elsewhere, "--help")
     assert help_.returncode == 0 and help_.stdout.startswith("usage: pipespec"), help_.stderr
     missing = run_installed(installed, elsewhere, "generate", "--config", "nope.yaml", "--prompt", "x")
