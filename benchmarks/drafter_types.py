@@ -71,6 +71,7 @@ Usage::
     .venv/bin/python scripts/bench_types.py                                   # all rows, 5 prompts × 96 tokens
     .venv/bin/python scripts/bench_types.py --rows target-edit,hf-prompt-lookup,pipespec-prompt-lookup
     .venv/bin/python scripts/bench_types.py --rows target-code,hf-assistant,pipespec-assistant,pipespec-gguf,llama
+    .venv/bin/python scripts/bench_types.py --rows target-code,hf-assistant,ov          # OpenVINO GenAI's rows
     .venv/bin/python scripts/bench_types.py --prompts 1 --max-new-tokens 8 --out /tmp/t   # a quick smoke
     .venv/bin/python scripts/bench_types.py --dry-run                         # the passes, without running
 """
