@@ -333,7 +333,7 @@ def write_markdown(path: Path, report: dict[str, Any]) -> None:
             notes.append(f"- `{ref}` per pass (a host that changed speed between passes shows here): " + ", ".join(
                 f"pass {p} {fmt(tps(pp))} tok/s" for p, pp in sorted(speeds.items()) if pp))
     curves = curve_table_lines(report.get("curves", {}), "each engine's worker (transformers: its target; OpenVINO: "
-                               "its exported target compiled as the pipeline's)", FORWARD_SIZES)
+                               "its exported stateful target, compiled with the pipeline's properties)", FORWARD_SIZES)
     if curves:
         lines += ["", *curves]
     path.write_text("\n".join(lines + (["", "Notes:", *notes] if notes else [])) + "\n")
