@@ -59,10 +59,9 @@ speculative acceptance is not the standard lossless rule, see :mod:`benchmarks.o
 plugin asked for ``INFERENCE_PRECISION_HINT`` bf16 and ``INFERENCE_NUM_THREADS`` = ``--ov-threads`` (default: the
 transformers rows'); what the plugin resolved them to is in the report (f32 on a CPU without native bf16). When an
 ``ov-*`` row runs, the transformers worker and the first OpenVINO worker also measure their target's forward over 1
-and 9 new tokens on a cached 16-token prefix, shown as one table: the forward cost of each engine's target. ``mtp`` and
-``mtp_drafter`` need checkpoints this
-machine does not have (DeepSeek-V3 / GLM-4.5 with MTP layers, a Gemma 4 target with its -assistant); the table says
-so instead of inventing a row.
+and 9 new tokens on a cached 16-token prefix, shown as one table: the forward cost of each engine's target.
+``mtp`` and ``mtp_drafter`` need checkpoints this machine does not have (DeepSeek-V3 / GLM-4.5 with MTP layers, a
+Gemma 4 target with its -assistant); the table says so instead of inventing a row.
 
 Outputs in ``--out`` (default ``results/``): ``types.md`` and ``types.json`` (rewritten after every prompt).
 
