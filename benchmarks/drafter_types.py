@@ -34,6 +34,10 @@ warm-up generation per row):
 ``llama-speculative``   ``llama-server`` with the bf16 target and the 0.5B's GGUF as draft model (``draft-simple``,
                      ``--llama-draft-max`` / ``--llama-draft-min``, default 3 / 0: the server's own)
 ``llama-speculative-q4``  the same with the target's Q4_K_M GGUF (what CPU users usually run)
+``ov-target``        OpenVINO GenAI's ``LLMPipeline``, the target alone (exported once from its safetensors with
+                     ``optimum-cli export openvino --weight-format fp16``)
+``ov-speculative``   OpenVINO GenAI speculative decoding: the same pipeline with the 0.5B's export as
+                     ``draft_model``, ``num_assistant_tokens`` = ``--ov-draft-tokens`` (default 5)
 ``hf-early-exit``    transformers ``assistant_early_exit=E`` (E from ``configs/early_exit.yaml``)
 ``pipespec-early-exit`` ``configs/early_exit.yaml``
 ``hf-universal``     transformers universal assisted decoding (``assistant_model``, ``tokenizer``,
@@ -55,9 +59,18 @@ fed the same prompt ids (greedy, no prompt cache), ``--llama-threads`` threads (
 its speed is the wall time around each request, its own ``timings`` and draft counters are kept in the json. When
 not all setups fit in memory (``--memory-gib``) the rows are grouped into passes, each type with transformers' same
 strategy and its reference, interleaved within the pass; the assistant pair, ``pipespec-gguf`` and the llama.cpp
-rows are placed first, so they share pass 1 when memory allows. ``mtp`` and ``mtp_drafter`` need checkpoints this
-machine does not have (DeepSeek-V3 / GLM-4.5 with MTP layers, a Gemma 4 target with its -assistant); the table says
-so instead of inventing a row.
+rows are placed first, so they share pass 1 when memory allows. Each ``ov-*`` row is one OpenVINO GenAI worker
+(:mod:`benchmarks.ov_genai`), kept open across prompts, in a virtual environment of its own (``--ov-venv``, default
+``~/.cache/pipespec/openvino/venv``, made with pinned versions when missing: optimum-intel needs transformers < 5.6,
+pipespec 5.x) running :mod:`benchmarks.ov_worker`, JSON lines over stdin/stdout; a missing or failed environment or
+export fails its row with the reason, not the run. It is fed the same prompt ids, greedy (GenAI's sampled
+speculative acceptance is not the standard lossless rule, see :mod:`benchmarks.ov_genai`), no prefix cache, the CPU
+plugin asked for ``INFERENCE_PRECISION_HINT`` bf16 and ``INFERENCE_NUM_THREADS`` = ``--ov-threads`` (default: the
+transformers rows'); what the plugin resolved them to is in the report (f32 on a CPU without native bf16). When an
+``ov-*`` row runs, the transformers worker and the first OpenVINO worker also measure their target's forward over 1
+and 9 new tokens on a cached 16-token prefix, shown as one table: the forward cost of each engine's target.
+``mtp`` and ``mtp_drafter`` need checkpoints this machine does not have (DeepSeek-V3 / GLM-4.5 with MTP layers, a
+Gemma 4 target with its -assistant); the table says so instead of inventing a row.
 
 Outputs in ``--out`` (default ``results/``): ``types.md`` and ``types.json`` (rewritten after every prompt).
 
@@ -66,6 +79,7 @@ Usage::
     .venv/bin/python scripts/bench_types.py                                   # all rows, 5 prompts × 96 tokens
     .venv/bin/python scripts/bench_types.py --rows target-edit,hf-prompt-lookup,pipespec-prompt-lookup
     .venv/bin/python scripts/bench_types.py --rows target-code,hf-assistant,pipespec-assistant,pipespec-gguf,llama
+    .venv/bin/python scripts/bench_types.py --rows target-code,hf-assistant,ov          # OpenVINO GenAI's rows
     .venv/bin/python scripts/bench_types.py --prompts 1 --max-new-tokens 8 --out /tmp/t   # a quick smoke
     .venv/bin/python scripts/bench_types.py --rows target-code,pipespec-gguf --prompt-set chat --prompts 8
     .venv/bin/python scripts/bench_types.py --dry-run                         # the passes, without running
@@ -82,10 +96,12 @@ from typing import Any
 from benchmarks.llama_server import DEFAULT_BIN, default_bin_dir, server_version
 from benchmarks.machine import available_threads, machine_info, memory_budget_gib
 from benchmarks.models import DTYPE_TAGS, cluster_models, model_gib
+from benchmarks.ov_genai import WEIGHT_FORMAT, default_venv, precision_label
 from benchmarks.passes import (
     ClusterSetup,
     HFSetup,
     LlamaSetup,
+    OVSetup,
     Row,
     Setup,
     pass_parser,
@@ -98,7 +114,7 @@ from benchmarks.prompts import chat_prompts, load_prompts, prompt_dir
 from benchmarks.results import write_result
 from benchmarks.runner import run_report
 from benchmarks.summary import anchor_run, speed_ratio, start_row, token_mismatches, tps, vs_anchor
-from benchmarks.tables import fmt, header_lines, md_table
+from benchmarks.tables import curve_table_lines, fmt, header_lines, md_table
 
 PROMPT_SETS = {"code": prompt_dir() / "code_prompts.json",
                "humaneval": prompt_dir() / "humaneval_prompts.json",
@@ -123,6 +139,10 @@ ROWS: dict[str, tuple[str, str, str, str, str]] = {
     "llama-target": ("llama.cpp target alone (bf16)", "—", "llama:bf16", "code", "llama-server"),
     "llama-speculative-q4": ("llama.cpp speculative (Q4_K_M target)", "llama.cpp draft model", "llama:q4+draft",
                              "code", "llama-server"),
+    # OpenVINO GenAI, another engine CPU users install: "ov:target[+draft]" (benchmarks/ov_genai.py)
+    "ov-target": ("OpenVINO GenAI target alone", "—", "ov:target", "code", "openvino-genai"),
+    "ov-speculative": ("OpenVINO GenAI speculative", "openvino draft model", "ov:target+draft", "code",
+                       "openvino-genai"),
     "hf-early-exit": ("hf early exit", "early_exit", "hf:early_exit", "code", "early_exit.yaml"),
     "pipespec-early-exit": ("pipespec early_exit", "early_exit", "pipespec", "code", "early_exit.yaml"),
     "hf-universal": ("hf universal", "universal", "hf:universal", "code", "universal.yaml"),
@@ -141,11 +161,17 @@ NOT_RUNNABLE = {
 
 #: Strategies whose transformers counterpart has another name: a draft model is transformers' assisted generation
 #: whichever engine runs it.
-SAME_STRATEGY = {"gguf": "assistant", "llama.cpp draft model": "assistant", "auto": "assistant"}
+SAME_STRATEGY = {"gguf": "assistant", "llama.cpp draft model": "assistant", "openvino draft model": "assistant",
+                 "auto": "assistant"}
 #: Pass units placed first, so that they share pass 1 with the references when memory allows: transformers' and
 #: pipespec's assistant, the gguf drafter (compared with both) and llama.cpp; the ensemble row (whose point is its
 #: acceptance, not a same-pass speed) and the other types after them.
-UNITS_FIRST = ("auto", "assistant", "gguf", "llama.cpp")
+UNITS_FIRST = ("auto", "assistant", "gguf", "llama.cpp", "openvino")
+#: New-token counts of the forward-cost table (each engine's target on a cached prefix) when an ``ov-*`` row runs.
+FORWARD_SIZES = [1, 9]
+#: Their prefix and time budget per engine: the nodes' own short prefix (a 64-token prefill in emulated bf16 took
+#: most of a minute on the busy AVX2 host, leaving no time for the 9-token forward).
+CURVE_PREFIX, CURVE_BUDGET_S = 16, 60.0
 
 
 def prompt_set_of(key: str, model_set: str = "code") -> str:
@@ -162,11 +188,17 @@ def is_llama(key: str) -> bool:
     return ROWS[key][2].startswith("llama:")
 
 
+def is_ov(key: str) -> bool:
+    return ROWS[key][2].startswith("ov:")
+
+
 def unit_of(key: str) -> str:
     """The rows that must share a pass: transformers' and pipespec's rows of one drafter type, the ensemble row on
     its own; each llama.cpp row on its own (``llama.cpp:<key>``, placed in table order: ``llama-speculative``, the
     same pair as ``pipespec-gguf``, first, so it shares pass 1 with it when the three servers do not fit)."""
-    return f"llama.cpp:{key}" if is_llama(key) else ROWS[key][1]
+    if is_llama(key):
+        return f"llama.cpp:{key}"
+    return f"openvino:{key}" if is_ov(key) else ROWS[key][1]
 
 
 def plan_units(keys: list[str]) -> list[list[str]]:
@@ -194,7 +226,7 @@ def hf_same_strategy(key: str) -> str | None:
 def drafts_counted(key: str) -> bool:
     """Whether a row drafts (and so has α, τ): not the targets alone."""
     runner = ROWS[key][2]
-    return runner != "hf:target" and (not runner.startswith("llama:") or runner.endswith("+draft"))
+    return runner != "hf:target" and (not runner.startswith(("llama:", "ov:")) or runner.endswith("+draft"))
 
 
 def ratio_between(report: dict[str, Any], key: str, other: str) -> tuple[float | None, str]:
@@ -260,7 +292,7 @@ def summarize(key: str, report: dict[str, Any]) -> dict[str, Any]:
     if ref and ref["per_prompt"] and key != ref_key:
         row["mismatches"] = len(token_mismatches(pp, ref["per_prompt"]))
         row["compared"] = min(len(pp), len(ref["per_prompt"]))
-    same = hf_same_strategy(key) if runner == "pipespec" or is_llama(key) else None
+    same = hf_same_strategy(key) if runner == "pipespec" or is_llama(key) or is_ov(key) else None
     other = report["raw"].get(same or "")
     if other and other["per_prompt"]:
         if other["pass"] == raw["pass"]:
@@ -268,10 +300,13 @@ def summarize(key: str, report: dict[str, Any]) -> dict[str, Any]:
         elif row["vs_target"] and vs_anchor(report, same, ref_key):  # across passes: through the references
             row["vs_hf_same"] = row["vs_target"] / vs_anchor(report, same, ref_key)
         row["hf_same_vs_target"] = vs_anchor(report, same, ref_key)
-    if runner == "pipespec" or is_llama(key):  # the aims' yardstick: the faster of transformers' rows on this set
+    if runner == "pipespec" or is_llama(key) or is_ov(key):  # the aims' yardstick: transformers' fastest
         row["vs_hf_fastest"], row["hf_fastest"] = vs_hf_fastest(report, key)
-    if key == "pipespec-gguf":  # the issue's comparison: the same pair in llama.cpp, its target in bf16
+    if key in ("pipespec-gguf", "pipespec-default"):  # the same pair in llama.cpp (its target in bf16), OpenVINO
         row["vs_llama_speculative"], row["vs_llama_how"] = ratio_between(report, key, "llama-speculative")
+        row["vs_ov_speculative"], row["vs_ov_how"] = ratio_between(report, key, "ov-speculative")
+    if key == "ov-speculative":  # what GenAI's own speculative decoding gains over its target alone
+        row["vs_ov_target"], row["vs_ov_target_how"] = ratio_between(report, key, "ov-target")
     categories = report["meta"].get("categories", {}).get(shown_set)
     if categories:
         row["categories"] = by_category(pp, categories, anchor_run(report, ref_key, raw["pass"]),
@@ -330,6 +365,15 @@ def write_markdown(path: Path, report: dict[str, Any]) -> None:
                   "each `/completion` request (prompt ids in, greedy, no prompt cache; the server's own `timings` are "
                   "in types.json); its bf16 arithmetic is not torch's, so its mismatches with the transformers target "
                   "are counted like any row's"]
+    ov = meta.get("openvino")
+    if ov:
+        lines += [f"- OpenVINO GenAI: {ov['versions'] or 'not started'}; one worker per row in its own environment "
+                  f"(`{ov['venv']}`), the CPU plugin asked for `INFERENCE_PRECISION_HINT` {ov['precision_hint']} and "
+                  f"`INFERENCE_NUM_THREADS` {ov['threads']}, resolved to {ov['resolved'] or '—'}; models exported "
+                  f"with `optimum-cli export openvino --weight-format {ov['weight_format']}` from the same "
+                  f"safetensors; speculative row `num_assistant_tokens` {ov['draft_tokens']}; greedy, prompt ids in, "
+                  "no prefix cache; tokens/s from the wall time around each `generate` (GenAI's own metrics are in "
+                  "types.json); its arithmetic is not torch's, so its mismatches are counted like any row's"]
     lines.append("")
     table, notes = [], []
     for r in report["rows"]:
@@ -361,10 +405,20 @@ def write_markdown(path: Path, report: dict[str, Any]) -> None:
         if "hf" in r:
             notes.append(f"- {ROWS[key][0]}: transformers used `{r['hf']['generator']}` with "
                          f"{r['hf']['settings'] or '—'}")
-    gguf = next((r for r in report["rows"] if r["key"] == "pipespec-gguf"), None)
-    if gguf and gguf.get("vs_llama_speculative"):
-        notes.append(f"- pipespec gguf ÷ llama.cpp speculative (bf16 target), the same pair: "
-                     f"{gguf['vs_llama_speculative']:.2f}× ({gguf['vs_llama_how']})")
+    for r in report["rows"]:
+        if r["key"] not in ("pipespec-gguf", "pipespec-default"):
+            continue
+        if r.get("vs_llama_speculative"):
+            notes.append(f"- {r['label']} ÷ llama.cpp speculative (bf16 target), the same pair: "
+                         f"{r['vs_llama_speculative']:.2f}× ({r['vs_llama_how']})")
+        if r.get("vs_ov_speculative"):
+            notes.append(f"- {r['label']} ÷ OpenVINO GenAI speculative, the same pair: "
+                         f"{r['vs_ov_speculative']:.2f}× ({r['vs_ov_how']})")
+    ovs = next((r for r in report["rows"] if r["key"] == "ov-speculative"), None)
+    if ovs and ovs.get("vs_ov_target"):
+        notes.append(f"- OpenVINO GenAI speculative ÷ its target alone: {ovs['vs_ov_target']:.2f}× "
+                     f"({ovs['vs_ov_target_how']}); its α, τ, k count every verification step but the last of each "
+                     "generation (GenAI's counters leave it out)")
     for key, info in report.get("setups", {}).items():
         if "command" in info:
             notes.append(f"- {ROWS[key][0]}: `{' '.join(Path(a).name if '/' in a else a for a in info['command'])}`")
@@ -375,6 +429,10 @@ def write_markdown(path: Path, report: dict[str, Any]) -> None:
             speeds = {own["pass"]: own["per_prompt"], **{int(p): r["per_prompt"] for p, r in repeats.items()}}
             notes.append(f"- `{ref}` per pass (a host that changed speed between passes shows here): " + ", ".join(
                 f"pass {p} {fmt(tps(pp))} tok/s" for p, pp in sorted(speeds.items()) if pp))
+    curves = curve_table_lines(report.get("curves", {}), "each engine's worker (transformers: its target; OpenVINO: "
+                               "its exported stateful target, compiled with the pipeline's properties)", FORWARD_SIZES)
+    if curves:
+        lines += ["", *curves]
     # the breakdown after the main table's notes, which are about that table
     path.write_text("\n".join(lines + (["", "Notes:", *notes] if notes else []) + category_lines(report["rows"]))
                     + "\n")
@@ -449,6 +507,31 @@ def prompt_source(path: Path) -> str | None:
             f"{src['selection']}")
 
 
+def ov_setup(key: str, target_path: str, draft_path: str, threads: int, draft_tokens: int, venv: Path,
+             curves: bool) -> OVSetup:
+    """The OpenVINO GenAI worker of an ``ov-*`` row: the target's export, and the drafter's as its draft model
+    where the row drafts; ``curves``: this worker measures its target's forward cost (:data:`FORWARD_SIZES`).
+    Memory is budgeted as float32 weights: the CPU plugin runs f32 without native bf16 (checked by the worker and
+    reported), and its fp16 weights may be unpacked to it."""
+    drafted = ROWS[key][2].endswith("+draft")
+    models = {"target": model_gib(target_path, "float32")}
+    if drafted:
+        models["draft"] = model_gib(draft_path, "float32")
+    return OVSetup(key, target_path, models, threads, draft_path=draft_path if drafted else None,
+                   draft_tokens=draft_tokens, venv=venv,
+                   curves=[("OpenVINO target", "target", FORWARD_SIZES)] if curves else [])
+
+
+def ov_meta(report: dict[str, Any]) -> dict[str, Any]:
+    """The versions and resolved precision the first started OpenVINO worker reported (the setups' json)."""
+    info = next((i["openvino"] for i in report.get("setups", {}).values() if "openvino" in i), None)
+    if not info:
+        return {}
+    resolved = info.get("resolved", {})
+    return {"versions": ", ".join(f"{k} {v.split('-')[0]}" for k, v in info.get("versions", {}).items()),
+            "resolved": f"{precision_label(info)}, {resolved.get('INFERENCE_NUM_THREADS', '?')} threads"}
+
+
 def file_gib(path: Path) -> float:
     """A GGUF's size (llama.cpp maps it whole); 1 GiB while it is missing (its row fails with the reason)."""
     return path.stat().st_size / 2**30 if path.is_file() else 1.0
@@ -474,6 +557,12 @@ def _parser() -> argparse.ArgumentParser:
                    help="--spec-draft-n-max of the llama-speculative rows (default: 3, llama-server's own)")
     p.add_argument("--llama-draft-min", type=int, default=0,
                    help="--spec-draft-n-min of the llama-speculative rows (default: 0, llama-server's own)")
+    p.add_argument("--ov-venv", type=Path, default=default_venv(), metavar="DIR",
+                   help=f"the OpenVINO environment of the ov-* rows, made when missing (default: {default_venv()})")
+    p.add_argument("--ov-threads", type=int, default=None,
+                   help="INFERENCE_NUM_THREADS of the ov-* rows (default: the transformers rows' threads)")
+    p.add_argument("--ov-draft-tokens", type=int, default=5,
+                   help="num_assistant_tokens of the ov-speculative row (default: 5)")
     return p
 
 
@@ -496,11 +585,17 @@ def main(argv: list[str] | None = None) -> int:
     files = {name: load_prompts(PROMPT_SETS[name])[: args.prompts] for name in (model_set, "edit")}
     prompts = {name: chat_prompts(tokenizer, [p["messages"] for p in items]) for name, items in files.items()}
 
+    ov_keys = [k for k in keys if is_ov(k)]
+    # with an OpenVINO row, the forward cost of each engine's target: transformers' here, OpenVINO's in its worker
     hf = HFSetup(f"hf-{DTYPE_TAGS[dtype]}-{threads}t", dtype, threads, device, target_path,
-                 model_gib(target_path, dtype))
+                 model_gib(target_path, dtype), curves=[("transformers target", "target", FORWARD_SIZES)]
+                 if ov_keys else [])
     setups: dict[str, Setup] = {hf.key: hf}
     rows: dict[str, Row] = {}
     llama_threads = args.llama_threads or threads
+    ov_threads = args.ov_threads or threads
+    if args.ov_draft_tokens < 1:
+        raise SystemExit(f"bench_types: --ov-draft-tokens must be ≥ 1, got {args.ov_draft_tokens}")
     # one context for every llama-server: the longest prompt (the warm-up's is the first) and its new tokens
     ctx_size = -(-(max(len(p["ids"]) for p in prompts[model_set]) + args.max_new_tokens + 64) // 256) * 256
     for key in keys:
@@ -511,6 +606,11 @@ def main(argv: list[str] | None = None) -> int:
             setups[key] = llama_setup(key, args.llama_bin, llama_threads, ctx_size, args.llama_draft_max,
                                       args.llama_draft_min, base["verifier"]["model"],
                                       load_config("gguf.yaml")["drafter"]["model"])
+            rows[key] = Row(key, label, key, prompt_set, anchor=anchor)
+            continue
+        if is_ov(key):
+            setups[key] = ov_setup(key, target_path, resolve_model(base["drafter"]["model"]), ov_threads,
+                                   args.ov_draft_tokens, args.ov_venv, curves=key == ov_keys[0])
             rows[key] = Row(key, label, key, prompt_set, anchor=anchor)
             continue
         d = load_config(config)["drafter"]
@@ -576,15 +676,26 @@ def main(argv: list[str] | None = None) -> int:
         meta["dtypes"] += ("; llama.cpp rows the GGUF's own tensor types (target bf16 or Q4_K_M, draft the 0.5B's "
                            "GGUF, mostly Q5_0)")
         meta["threads"] += f"; llama.cpp rows {llama_threads} (`-t`/`-tb`, one server process per row)"
+    if ov_keys:
+        meta["openvino"] = {"venv": str(args.ov_venv), "threads": ov_threads, "precision_hint": "bf16",
+                            "draft_tokens": args.ov_draft_tokens, "weight_format": WEIGHT_FORMAT, "versions": None,
+                            "resolved": None}
+        meta["models"] += ("; OpenVINO rows the same target and assistant exported from their safetensors "
+                           f"(`optimum-cli export openvino --weight-format {WEIGHT_FORMAT}`)")
+        meta["dtypes"] += "; OpenVINO rows fp16 weights, the CPU plugin's resolved precision (see below)"
+        meta["threads"] += f"; OpenVINO rows {ov_threads} (`INFERENCE_NUM_THREADS`, one worker process per row)"
     args.out.mkdir(parents=True, exist_ok=True)
     log(f"rows: {', '.join(keys)}; {len(passes)} pass(es) within {budget:.1f} GiB")
 
     def write(report: dict[str, Any], final: bool) -> None:
+        if "openvino" in meta:
+            meta["openvino"] |= ov_meta(report)
         report["rows"] = [summarize(k, report) for k in keys if k in report["raw"]]
         write_result(args.out / "types.json", report)
         write_markdown(args.out / "types.md", report)
 
-    return run_report(rows, setups, prompts, args.max_new_tokens, passes, meta, write, args.out / "types.md")
+    return run_report(rows, setups, prompts, args.max_new_tokens, passes, meta, write, args.out / "types.md",
+                      curve_prefix=CURVE_PREFIX, curve_budget_s=CURVE_BUDGET_S)
 
 
 if __name__ == "__main__":

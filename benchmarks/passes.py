@@ -1,4 +1,5 @@
-"""Pass planning: setups (a persistent transformers worker, a pipespec cluster, or a llama.cpp server) and the table
+"""Pass planning: setups (a persistent transformers worker, a pipespec cluster, a llama.cpp server or an OpenVINO
+GenAI worker) and the table
 rows run in them, packed into passes that fit the memory budget; the rows chosen on the command line and their order
 per prompt."""
 
@@ -87,7 +88,38 @@ class LlamaSetup:
         return self.models
 
 
-Setup = HFSetup | ClusterSetup | LlamaSetup
+@dataclass
+class OVSetup:
+    """One OpenVINO GenAI worker (:mod:`benchmarks.ov_genai`): an ``LLMPipeline`` of the target (the transformers
+    folder ``target_path``, exported once), with ``draft_path``'s export as its draft model (``draft_tokens``
+    drafted tokens per step) when set; ``threads`` and the ``precision`` hint for the CPU plugin; ``venv``: the
+    OpenVINO environment (None: the default one, made when missing). ``curves``: (name, ``"target"`` or
+    ``"draft"``, sizes) measured by the worker on its own compiled model, released before the pipeline loads (so
+    no ``curve_models`` beside the pipeline's)."""
+
+    key: str
+    target_path: str
+    models: dict[str, float]
+    threads: int
+    draft_path: str | None = None
+    draft_tokens: int = 5
+    precision: str = "bf16"
+    venv: Path | None = None
+    curves: list[tuple[str, str, list[int]]] = field(default_factory=list)
+    curve_models: dict[str, float] = field(default_factory=dict)
+
+    processes = 1
+
+    @property
+    def base_models(self) -> dict[str, float]:
+        return self.models
+
+    @property
+    def threads_label(self) -> str:
+        return f"{self.threads} thread" + ("s" if self.threads > 1 else "")
+
+
+Setup = HFSetup | ClusterSetup | LlamaSetup | OVSetup
 
 
 @dataclass

@@ -13,9 +13,10 @@ from typing import Any
 
 from benchmarks.llama_server import LlamaServer
 from benchmarks.machine import peak_rss_gib
-from benchmarks.passes import HFSetup, LlamaSetup, Pass, Row, Setup, rotated
+from benchmarks.ov_genai import OVWorker
+from benchmarks.passes import HFSetup, LlamaSetup, OVSetup, Pass, Row, Setup, rotated
 from benchmarks.progress import log, utc_now
-from benchmarks.workers import Worker, WorkerError
+from benchmarks.workers import Worker
 
 WARMUP_TOKENS = 8
 
@@ -97,6 +98,16 @@ class Runner:
                 log(f"{skey}: ready in {time.perf_counter() - t0:.1f} s")
             for skey in sorted(p.curves & set(handles)):
                 await self._measure_curves(self.setups[skey], handles[skey])
+            for skey, handle in list(handles.items()):  # after its curves: the pipeline's copy of the weights
+                if isinstance(handle, OVWorker):
+                    try:
+                        load_s = await asyncio.to_thread(handle.load)
+                    except Exception as exc:
+                        for r in rows:
+                            if r.setup == skey:
+                                fail(r, f"{type(exc).__name__}: {exc}")
+                        continue
+                    self.setup_info.setdefault(skey, {})["load_s"] = load_s
             live = [r for r in rows if not r.curves_only and r.key not in failed]
             for r in live:  # warm-up, untimed
                 try:
@@ -124,7 +135,7 @@ class Runner:
                         f"in {result['time_s']:.2f} s ({result['new_tokens'] / result['time_s']:.2f} tok/s){extra}")
                 self._update()
             for skey, handle in handles.items():  # memory high-water marks, to check the planner's estimates
-                pids = [handle.proc.pid] if isinstance(handle, (Worker, LlamaServer)) else [
+                pids = [handle.proc.pid] if isinstance(handle, (Worker, LlamaServer, OVWorker)) else [
                     q.pid for q in handle.processes.values()]
                 peaks = [peak_rss_gib(pid) or 0.0 for pid in pids]
                 info = self.setup_info.setdefault(skey, {})
@@ -142,23 +153,32 @@ class Runner:
             await asyncio.to_thread(server.start)
             self.setup_info.setdefault(setup.key, {})["command"] = server.command  # what the table's notes show
             return server
+        if isinstance(setup, OVSetup):
+            ov = OVWorker(setup)
+            stack.callback(ov.close)
+            info = await asyncio.to_thread(ov.start)
+            self.setup_info.setdefault(setup.key, {})["openvino"] = {**info, "exports": ov.exports}
+            return ov
         from runtime.launch import cluster
 
         log(f"{setup.key}: starting the nodes of {setup.config}" + (f" with {setup.overrides}" if setup.overrides
                                                                    else ""))
         return await stack.enter_async_context(cluster(setup.config, overrides=setup.overrides or None))
 
-    async def _measure_curves(self, setup: Setup, worker: Worker) -> None:
-        entry = self.curves.setdefault(setup.key, {"dtype": setup.dtype, "threads_label": setup.threads_label,
+    async def _measure_curves(self, setup: Setup, worker: Worker | OVWorker) -> None:
+        # an OpenVINO worker's dtype is what its CPU plugin resolved the precision hint to
+        dtype = worker.curve_dtype if isinstance(worker, OVWorker) else setup.dtype
+        entry = self.curves.setdefault(setup.key, {"dtype": dtype, "threads_label": setup.threads_label,
                                                    "threads": setup.threads, "models": {}, "curves": {}})
         for name, model, sizes in setup.curves:
             t0 = time.perf_counter()
             try:
                 c = await asyncio.to_thread(worker.call, "curve", model=model, sizes=sizes, **self.curve_args)
-            except WorkerError as exc:
+            except RuntimeError as exc:  # WorkerError, or the OpenVINO worker's error answer
                 log(f"{setup.key}: {name} cost curve failed: {exc}")
                 continue
-            entry["models"][name] = Path(setup.target_path if model == "target" else model).name
+            path = setup.target_path if model == "target" else setup.draft_path if isinstance(setup, OVSetup) else model
+            entry["models"][name] = Path(path or model).name
             entry["curves"][name] = c
             log(f"{setup.key}: {name} cost curve in {time.perf_counter() - t0:.1f} s: "
                 + ", ".join(f"{n}: {1000 * s:.0f} ms" for n, s in zip(c["sizes"], c["seconds"])))
@@ -174,6 +194,8 @@ class Runner:
                                         strategy=row.strategy)
             return {"token_ids": a["token_ids"], "new_tokens": len(a["token_ids"]), "time_s": a["time_s"],
                     "stats": a["stats"], "at": at, "hf": {"generator": a["generator"], "settings": a["settings"]}}
+        if isinstance(handle, OVWorker):
+            return {**await asyncio.to_thread(handle.generate, prompt["ids"], max_new_tokens), "at": at}
         if isinstance(handle, LlamaServer):
             a = await asyncio.to_thread(handle.generate, prompt["ids"], max_new_tokens)
             return {"token_ids": a["token_ids"], "new_tokens": len(a["token_ids"]), "time_s": a["time_s"],

@@ -57,20 +57,23 @@ def md_table(header: list[str], rows: list[list[str]], align: str) -> list[str]:
     return ["| " + " | ".join(r) + " |" for r in [header, rule, *rows]]
 
 
-def curve_table_lines(curves: dict[str, dict[str, Any]]) -> list[str]:
-    """One table row per (model, dtype, threads): forward ms over n new tokens on a cached prefix."""
+def curve_table_lines(curves: dict[str, dict[str, Any]], source: str = "the transformers workers",
+                      sizes: list[int] | None = None) -> list[str]:
+    """One table row per (model, dtype, threads): forward ms over n new tokens on a cached prefix, measured inside
+    ``source``, one column per n in ``sizes`` (default 1 to the largest measured). A dtype that is not a torch one
+    (an OpenVINO worker's resolved precision) is shown as it is."""
     entries = [(setup, name, c) for setup, info in curves.items() for name, c in info["curves"].items()]
     if not entries:
         return []
-    width = max(max(c["sizes"]) for _, _, c in entries)
+    columns = sizes or list(range(1, max(max(c["sizes"]) for _, _, c in entries) + 1))
     rows = []
     for setup, name, c in entries:
         info = curves[setup]
         ms = dict(zip(c["sizes"], c["seconds"]))
-        rows.append([f"{name} `{info['models'][name]}`", DTYPE_TAGS[info["dtype"]], info["threads_label"],
-                     *(fmt(1000 * ms[n], ".0f") if n in ms else "" for n in range(1, width + 1))])
+        rows.append([f"{name} `{info['models'][name]}`", DTYPE_TAGS.get(info["dtype"], info["dtype"]),
+                     info["threads_label"],
+                     *(fmt(1000 * ms[n], ".0f") if n in ms else "" for n in columns)])
     prefix = entries[0][2]["prefix_len"]
     return [f"Forward cost, ms, of n new tokens on a cached {prefix}-token prefix (fastest of the repeats; measured "
-            "inside the transformers workers; blank: not measured, the time budget ran out):", "",
-            *md_table(["model", "dtype", "threads", *(str(n) for n in range(1, width + 1))], rows,
-                      "lll" + "r" * width)]
+            f"inside {source}; blank: not measured, the time budget ran out):", "",
+            *md_table(["model", "dtype", "threads", *(str(n) for n in columns)], rows, "lll" + "r" * len(columns))]
