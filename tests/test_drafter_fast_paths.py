@@ -84,3 +84,17 @@ def test_the_rows_visibility_and_mask_are_the_plain_ones_at_every_depth(rows):
         assert torch.equal(b._visible(), reference_visible(b))
         mask = b._mask()
         assert mask.dtype == b._dtype and torch.equal(mask, reference_mask(b))
+
+
+def test_the_block_stats_are_the_counters_fields():
+    from dataclasses import asdict
+
+    from drafter_node.node import flat_fields
+    from drafter_node.node_session import SessionStats, SessionTiming
+
+    stats, timing = SessionStats(busy_s=1.5, blocks=3, tree_blocks=1), SessionTiming(step_s=0.25, roundtrips=2)
+    for counters in (stats, timing, SessionStats(), SessionTiming()):
+        got = flat_fields(counters)
+        assert got == asdict(counters) and list(got) == list(asdict(counters))
+        got["blocks" if "blocks" in got else "step_s"] = 99  # a copy: the session's counters stay as they were
+        assert flat_fields(counters) == asdict(counters)
