@@ -90,6 +90,13 @@ class Branches:
         self.pending = [guess for _, guess in self.rows]  # next input token per row
         self._cuts = torch.tensor([committed_len + r for r, _ in self.rows])  # row r sees the first base + r slots
         self._dtype = lm.cache.layers[0].keys.dtype
+        # What every step's visibility shares, built at the first step and kept for the block's others (a step is a
+        # few ms on a fast drafter): which slots of committed + block each row sees, one step's tail pattern (each
+        # row sees its own slot), and their additive forms.
+        self._prefix_visible: torch.Tensor | None = None
+        self._own = torch.eye(len(self.rows), dtype=torch.bool)
+        self._prefix_mask: torch.Tensor | None = None
+        self._own_mask: torch.Tensor | None = None
 
     @property
     def depth(self) -> int:
@@ -103,18 +110,23 @@ class Branches:
 
     def _visible(self) -> torch.Tensor:
         """Which of the cached slots and the next step's R tokens each of those tokens sees: bool [R, cached + R]."""
-        rows, depth = len(self.rows), self.depth
-        prefix = torch.arange(self.base + self.k)[None, :] < self._cuts[:, None]
         # Tail slots are step-major: slot j * R + i is row i's token at depth j; a row sees only its own.
-        tail = torch.arange(rows * (depth + 1))[None, :] % rows == torch.arange(rows)[:, None]
-        return torch.cat([prefix, tail], dim=1)
+        return torch.cat([self._prefix(), self._own.repeat(1, self.depth + 1)], dim=1)
+
+    def _prefix(self) -> torch.Tensor:
+        """Which slots of committed + block each row sees: bool [R, base + k] (row r: the first base + r)."""
+        if self._prefix_visible is None:
+            self._prefix_visible = torch.arange(self.base + self.k)[None, :] < self._cuts[:, None]
+        return self._prefix_visible
 
     def _mask(self) -> torch.Tensor:
-        """The additive mask [1, 1, R, cached + R] for the next step's R tokens."""
-        visible = self._visible()
-        mask = torch.zeros(visible.shape, dtype=self._dtype)
-        mask.masked_fill_(~visible, torch.finfo(self._dtype).min)
-        return mask[None, None]
+        """The additive mask [1, 1, R, cached + R] for the next step's R tokens: 0 where :meth:`_visible`, the
+        dtype's minimum elsewhere."""
+        if self._prefix_mask is None:
+            self._prefix_mask, self._own_mask = (
+                torch.zeros(v.shape, dtype=self._dtype).masked_fill_(~v, torch.finfo(self._dtype).min)
+                for v in (self._prefix(), self._own))
+        return torch.cat([self._prefix_mask, self._own_mask.repeat(1, self.depth + 1)], dim=1)[None, None]
 
     def _positions(self) -> torch.Tensor:
         return self._cuts + self.depth  # row r at depth j: base + r + j

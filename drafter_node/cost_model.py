@@ -37,7 +37,7 @@ import functools
 import math
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from drafter_node.plan_search import PlanSearch
 
@@ -69,17 +69,27 @@ class Plan:
     def solo(self) -> bool:
         return self.k == 0
 
-    @functools.cached_property
+    @property
     def label(self) -> str:
-        """The plan's name in the realised records and the metrics (``plan_rates``); computed once (the plan search
-        compares labels of every candidate plan at each round)."""
-        if self.solo:
-            return "solo"
-        if self.overlap:
-            return f"overlap k={self.k} rows={self.rows}"
-        if self.sides:
-            return f"tree k={self.k} sides={len(self.sides)}"
-        return "sync sized" if self.sized else f"sync k={self.k}"
+        """The plan's name in the realised records and the metrics (``plan_rates``); computed once per plan, and
+        each name formatted once per process (the plan search reads the labels of every candidate plan, twice per
+        round; ``functools.cached_property`` takes a lock per first read, which cost ~1 ms of a round)."""
+        label = self.__dict__.get("_label")
+        if label is None:
+            label = self.__dict__["_label"] = _label(self.k, self.overlap, self.rows, len(self.sides), self.sized)
+        return label
+
+
+@functools.lru_cache(maxsize=4096)
+def _label(k: int, overlap: bool, rows: int, sides: int, sized: bool) -> str:
+    """:attr:`Plan.label` of a plan with these fields (``sides``: how many side leaves)."""
+    if k == 0:
+        return "solo"
+    if overlap:
+        return f"overlap k={k} rows={rows}"
+    if sides:
+        return f"tree k={k} sides={sides}"
+    return "sync sized" if sized else f"sync k={k}"
 
 
 class Beta:
@@ -102,6 +112,13 @@ class Beta:
         observations leave little."""
         v, n = self.value, max(self.trials if trials is None else trials, 1e-9)
         return min(1.0, v + z * math.sqrt(max(v * (1 - v), 0.05) / n))
+
+    def __deepcopy__(self, memo: dict) -> Beta:
+        # Numbers only: a copy of the instance's fields is a deep copy, at a tenth of copy.deepcopy's generic walk
+        # (an Acceptance, with a Beta per position, is copied at every replan: Acceptance.optimistic).
+        new = type(self).__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        return new
 
     def shrink(self, weight: float) -> None:
         """Keep the estimate but at most ``weight`` observations of evidence, so the next ones move it quickly."""
@@ -214,12 +231,15 @@ class Acceptance:
     def expected_tokens(self, k: int) -> float:
         return sum(self.survival(k))
 
-    def outcome_hits(self, k: int, survival: list[float] | None = None) -> list[float]:
+    def outcome_hits(self, k: int, survival: list[float] | None = None,
+                     alphas: list[float] | None = None) -> list[float]:
         """P(outcome r) · P(the drafter guessed its verifier token), r = 0..k, most likely first. ``survival``:
-        :meth:`survival` over k or more positions, where the caller has it already."""
+        :meth:`survival` over k or more positions, and ``alphas``: α_0 … α_(k-1) or more, where the caller has them
+        already (:func:`plans` asks for every k)."""
         s = self.survival(k) if survival is None else survival
+        a = [self.alpha(r) for r in range(k)] if alphas is None else alphas
         miss = self.correction_guess.value
-        hits = [s[r] * (1 - self.alpha(r)) * miss for r in range(k)]
+        hits = [s[r] * (1 - a[r]) * miss for r in range(k)]
         hits.append(s[k] * self.bonus_guess.value)
         return sorted(hits, reverse=True)
 
@@ -286,6 +306,12 @@ class Costs:
     overhead_s: float = 0.0
     rollback_refeeds: bool = False  # a rejection costs the verifier a forward over the pending + accepted tokens
 
+    def memoized(self) -> Costs:
+        """These costs with each curve point computed once: a replan reads the same points for several
+        acceptances (the session's, the optimistic one, the tree's)."""
+        return replace(self, verify_share=_memo(self.verify_share), verify_full=_memo(self.verify_full),
+                       draft_share=_memo(self.draft_share), draft_full=_memo(self.draft_full))
+
 
 def rollback_s(acc: Acceptance, k: int, verify: Curve) -> float:
     """Expected re-feed time of a round of k drafts on a target that rolls back by re-feeding (shared.kv): with a
@@ -299,15 +325,19 @@ def plans(acc: Acceptance, costs: Costs, max_k: int, rows_ok: bool, allow_solo: 
     """Every candidate plan with its expected rate. ``rows_ok``: the drafter can pre-draft several outcome rows
     (otherwise overlap extends the single all-accepted chain: one row)."""
     out: list[Plan] = []
+    add = out.append
     o = max(0.0, costs.overhead_s)
     # Each curve point and acceptance product once per call (a replan weighs hundreds of plans every round, and on
     # a fast target its time is part of the round's).
     verify_full, verify_share = _memo(costs.verify_full), _memo(costs.verify_share)
-    draft_share = _memo(costs.draft_share)
     if allow_solo:  # the verifier steps at once: no round trip to the drafter
-        out.append(Plan(0, False, 0, 1.0 / max(verify_full(1), 1e-9)))
-    d1_full, d1_share = costs.draft_full(1), draft_share(1)
+        add(Plan(0, False, 0, 1.0 / max(verify_full(1), 1e-9)))
+    d1_full = costs.draft_full(1)
+    # D_share(rows) for every row count a block may pre-draft (rows ≤ max_k + 1), read once
+    draft_share = [0.0, *(costs.draft_share(rows) for rows in range(1, max_k + 2))] if allow_overlap else []
+    d1_share = draft_share[1] if allow_overlap else 0.0
     survival = acc.survival(max_k)
+    alphas = [acc.alpha(i) for i in range(max_k)] if allow_overlap and rows_ok else None
     e = 1.0
     for k in range(1, max_k + 1):
         e += survival[k]  # acc.expected_tokens(k)
@@ -315,18 +345,18 @@ def plans(acc: Acceptance, costs: Costs, max_k: int, rows_ok: bool, allow_solo: 
             t = k * d1_full + verify_full(k + 1) + o
             if costs.rollback_refeeds:
                 t += rollback_s(acc, k, verify_full)
-            out.append(Plan(k, False, 0, e / max(t, 1e-9)))
+            add(Plan(k, False, 0, e / max(t, 1e-9)))
         if allow_overlap:
             tv = verify_share(k + 1) + o
             if costs.rollback_refeeds:
                 tv += rollback_s(acc, k, verify_share)
-            hits = acc.outcome_hits(k, survival) if rows_ok else [survival[k] * acc.bonus_guess.value]
+            hits = acc.outcome_hits(k, survival, alphas) if rows_ok else [survival[k] * acc.bonus_guess.value]
             h = 0.0
-            for rows in range(1, len(hits) + 1):
-                h += hits[rows - 1]
-                td = d1_share + k * draft_share(rows)
-                t = max(tv, td) + (1 - h) * k * d1_share
-                out.append(Plan(k, True, rows, e / max(t, 1e-9), hit=h))
+            for rows, hit in enumerate(hits, 1):
+                h += hit
+                td = d1_share + k * draft_share[rows]
+                t = (td if td > tv else tv) + (1 - h) * k * d1_share  # max(tv, td), without the call
+                add(Plan(k, True, rows, e / (1e-9 if t < 1e-9 else t), h))  # max(t, 1e-9), NaN included
     return out
 
 

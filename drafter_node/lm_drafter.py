@@ -35,6 +35,7 @@ from shared.node_keys import kv_slots
 from shared.sampling import GenerationParams, make_generator, process_logits
 
 _NO_CONTEXT = torch.empty(0, dtype=torch.long)
+_GREEDY = GenerationParams(do_sample=False)
 
 log = logging.getLogger("pipespec.drafter")
 
@@ -91,6 +92,19 @@ def choose(
     q_prob = q_prob / q_prob.sum()
     pick = int(torch.multinomial(q_prob, 1, generator=make_generator(params.seed or 0, position, stream=1)))
     return DraftToken(int(q_idx[pick]), q_idx=q_idx.to(torch.int32), q_prob=q_prob.float())
+
+
+def choose_greedy_rows(logits: torch.Tensor) -> list[DraftToken]:
+    """:func:`choose` for every row of ``logits`` [rows, vocab] at once, for greedy rows that no logits processor
+    changes (no repetition penalty, no end token held back, no q kept): the same tokens, next-best tokens and
+    probabilities as row by row (the same kernels, per row), from one top-2 and one softmax instead of one each per
+    row (pre-draft rows: several per drafter step)."""
+    scores = logits.float()
+    if scores.shape[-1] < 2:  # no next-best token: choose's own path
+        return [choose(row.clone(), _GREEDY, 0, 0) for row in scores]
+    top2 = torch.topk(scores, 2, dim=-1).indices
+    probs = scores.softmax(-1).gather(-1, top2).tolist()
+    return [DraftToken(a, alt=b, prob=pa, alt_prob=pb) for (a, b), (pa, pb) in zip(top2.tolist(), probs)]
 
 
 def pick_token(logits: torch.Tensor, ids: list[int], params: GenerationParams, prompt_len: int, vocab_size: int,
@@ -239,6 +253,11 @@ class LMDraftSession(DraftSession):
 
     def _choose_rows(self, logits: torch.Tensor, contexts: list[list[int]]) -> list[DraftToken]:
         """Each pre-draft row's next token from its logits (``contexts``: the rows' tokens after the committed)."""
+        p = self.params
+        generated = len(self.committed) - self.prompt_len
+        if (not p.do_sample and not self.want_q and p.repetition_penalty == 1.0
+                and not (p.eos_token_ids and any(generated + len(c) < p.min_new_tokens for c in contexts))):
+            return choose_greedy_rows(logits[:, : self.vocab_size])  # no processor reads a row: all rows at once
         return [self.pick(row, self.committed + ctx) for row, ctx in zip(logits, contexts)]
 
     def observe_commit(self, tokens: list[int], extras: dict[str, torch.Tensor] | None = None) -> int:

@@ -47,7 +47,6 @@ import socket
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import asdict
 from typing import Any
 
 import zmq
@@ -80,6 +79,12 @@ from shared.signals import stop_on_signals
 from shared.transport import AuthWatch, ClientKeys, DrafterLinks, connect_dealer
 
 log = logging.getLogger("pipespec.drafter")
+
+
+def flat_fields(counters: Any) -> dict[str, Any]:
+    """A dataclass of plain numbers (``SessionStats``, ``SessionTiming``) as a dict: ``dataclasses.asdict``'s
+    deep walk cost ~40 µs a block on the send path, between a commit and the next block."""
+    return dict(vars(counters))
 
 
 def load_drafter(settings: DrafterConfig, own: Any = None, profile: ProfileSpec | None = None) -> Drafter:
@@ -446,8 +451,8 @@ class DrafterNode:
         t0 = time.monotonic()
         tokens, tensors, idle_rounds, parents = s.block()
         # the wire keeps plain maps (msgpack): the typed counters go out as dicts
-        stats = {**asdict(s.stats), "plans": dict(s.schedule.plans), "dtype": self.dtype_name,
-                 "timing": asdict(s.timing), "plan_rates": {k: list(v) for k, v in s.plan_rates.items()}}
+        stats = {**flat_fields(s.stats), "plans": dict(s.schedule.plans), "dtype": self.dtype_name,
+                 "timing": flat_fields(s.timing), "plan_rates": {k: list(v) for k, v in s.plan_rates.items()}}
         if s.plan_check is not None:
             stats["plan_check"] = dict(s.plan_check)
         ceiling = s.ceiling()

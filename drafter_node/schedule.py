@@ -283,7 +283,7 @@ class CostSchedule(DraftLengthSchedule):
             self._plans_memo = None
 
     def _replan(self, allow_solo: bool, was_probe: bool) -> None:
-        costs = self.book.costs(self.context())
+        costs = self.book.costs(self.context()).memoized()
         allowed = {"allow_overlap": self.overlap and allow_solo}
         plan = model = max(self._plans(self.acc, costs, allow_solo=allow_solo, **allowed), key=lambda p: p.rate)
         if self.tree:
@@ -363,27 +363,37 @@ class CostSchedule(DraftLengthSchedule):
 
     def _by_label(self, acc: Acceptance, costs: Costs) -> dict[str, Plan]:
         """Every drafting plan at acceptance ``acc``, the best of each label (all sized sync lengths share one)."""
-        every = [self._sized(p) for p in self._plans(acc, costs, allow_solo=False, allow_overlap=self.overlap)]
+        # Every sync chain is labelled as its sized block would be (``_sized``): the best of them is made sized once,
+        # not each of them (a replan labels a few hundred plans).
+        sized = self.book.sizes_blocks is not False
+        by_label: dict[str, Plan] = {}
+        for p in self._plans(acc, costs, allow_solo=True, allow_overlap=self.overlap):
+            if p.solo:
+                continue
+            label = "sync sized" if sized and not p.overlap and not p.sides else p.label
+            best = by_label.get(label)
+            if best is None or p.rate > best.rate:
+                by_label[label] = p
+        if sized and "sync sized" in by_label:
+            by_label["sync sized"] = self._sized(by_label["sync sized"])
         if self.tree:
             tree = self._best_tree(costs, acc)
-            every += [tree] if tree is not None else []
-        by_label: dict[str, Plan] = {}
-        for p in every:
-            if p.label not in by_label or p.rate > by_label[p.label].rate:
-                by_label[p.label] = p
+            if tree is not None and (tree.label not in by_label or tree.rate > by_label[tree.label].rate):
+                by_label[tree.label] = tree
         return by_label
 
     def _candidates(self, costs: Costs) -> list[Plan]:
         """The plans the search weighs besides the model's own, one per label: the TOP_CANDIDATES best
         predicted, the best of each kind, every plan that ran, and sync k = max_k where verification is flat."""
         by_label = self._by_label(self.acc, costs)
-        ranked = sorted(by_label.values(), key=lambda p: p.rate, reverse=True)
-        keep = {p.label: p for p in ranked[:TOP_CANDIDATES]}
+        ranked = sorted(by_label.items(), key=lambda item: item[1].rate, reverse=True)
+        keep = dict(ranked[:TOP_CANDIDATES])
         kinds = {plan_kind(label) for label in keep}
-        for p in ranked:
-            kind = plan_kind(p.label)
-            if kind not in kinds or self.book.search.tried(p.label):
-                keep.setdefault(p.label, p)
+        tried = self.book.search.tried
+        for label, p in ranked:
+            kind = plan_kind(label)
+            if kind not in kinds or tried(label):
+                keep.setdefault(label, p)
                 kinds.add(kind)
         if costs.verify_full(self.max_k + 1) <= FLAT_VERIFY * costs.verify_full(1):
             longest = self._sized(Plan(self.max_k, False, 0, 0.0)).label

@@ -105,9 +105,9 @@ def plan_tree(alphas: Sequence[float], g: float, verify: Curve, draft_step_s: fl
             if m:
                 extra += gains[m - 1][0]
             seconds = k * draft_step_s + verify(1 + k + m) + max(0.0, overhead_s)
-            plan = TreePlan(k, sorted(i for _, i in gains[:m]), chain + extra, (chain + extra) / max(seconds, 1e-12))
-            if best is None or plan.rate > best.rate:
-                best = plan
+            rate = (chain + extra) / max(seconds, 1e-12)
+            if best is None or rate > best.rate:  # only a better shape is built (136 are weighed at max_k 16)
+                best = TreePlan(k, sorted(i for _, i in gains[:m]), chain + extra, rate)
     if best is None:
         raise ValueError("no plan: give at least one acceptance position or allow_solo")
     return best

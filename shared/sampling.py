@@ -288,8 +288,9 @@ def process_block(
     """Process ``logits[i]`` (rows predicting the token after ``prefix + block[:i]``) for every row i; ``allowed``:
     a grammar's mask row per logits row."""
     rows = []
+    needs_context = params.repetition_penalty != 1.0  # the only processor that reads the context
     for i in range(logits.shape[0]):
-        context = torch.cat([prefix, block[:i]]) if i else prefix
+        context = torch.cat([prefix, block[:i]]) if i and needs_context else prefix
         rows.append(process_logits(logits[i], context, params, num_generated + i,
                                    allowed[i] if allowed is not None else None))
     return torch.stack(rows)

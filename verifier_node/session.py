@@ -20,6 +20,8 @@ from verifier_node.draft_wait import DraftWait
 from verifier_node.grammar import GrammarPlan, SessionGrammar
 from verifier_node.tree import DraftTree, accept_tree_greedy, keep_path, process_tree, tree_forward
 
+_NO_TOKENS = torch.empty(0, dtype=torch.long)
+
 
 class NumericalError(RuntimeError):
     """A round's processed scores are not usable (NaN, +inf, or no finite score in a row): the session ends with an
@@ -196,6 +198,7 @@ class Session:
         self.sid = sid
         self.grammar = grammar  # structured output: the request's matcher (verifier_node.grammar)
         self.params = params
+        self._end_ids = params.end_token_ids  # a set built per read: once per session, not per round
         self.ensemble_weight = ensemble_weight  # static ensemble verification against w·p + (1 − w)·q (lossy)
         self.accept_rule = accept  # replaces the method's rule: tests' negative controls only (tests/node_entry.py)
         self.tokens = list(prompt)
@@ -349,7 +352,8 @@ class Session:
         if plan.tree is not None:
             return self._finish_tree(plan, logits, forward_s, batch_sessions, batch_tokens)
         base_len, remaining, draft, q = plan.base_len, plan.remaining, plan.draft, plan.q
-        prefix = torch.tensor(self.tokens, dtype=torch.long)
+        # The whole sequence as a tensor only where a repetition penalty reads it (an O(length) copy per round)
+        prefix = torch.tensor(self.tokens, dtype=torch.long) if self.params.repetition_penalty != 1.0 else _NO_TOKENS
         masks = plan.grammar.masks if plan.grammar is not None else None
         scores = process_block(
             logits, prefix, torch.tensor(draft, dtype=torch.long), self.params, base_len - self.prompt_len, masks
@@ -419,7 +423,7 @@ class Session:
 
     def _cut_at_end(self, out: list[int], remaining: int) -> list[int]:
         out = out[:remaining]
-        ends = self.params.end_token_ids
+        ends = self._end_ids
         for i, token in enumerate(out):
             if token in ends:
                 self.finished = "stop"
