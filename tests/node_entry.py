@@ -77,27 +77,37 @@ def trace_verifier(path: str) -> dict[str, Any]:
 
 
 def trace_drafter(arg: str) -> dict[str, Any]:
-    """Drafter (``path,tokens``): each forward of its (tiny Llama) model, ``{"what": "forward", "start", "end",
-    "tokens"}`` appended to ``path``; the prompt caught up ``tokens`` at a time (``CATCH_UP_TOKENS``)."""
+    """Drafter (``path,tokens``): each forward of its model (a tiny Llama or Qwen2 in torch, or llama.cpp's decode),
+    ``{"what": "forward", "start", "end", "tokens"}`` appended to ``path``; the prompt caught up ``tokens`` at a time
+    (``CATCH_UP_TOKENS``)."""
     import time
 
     from transformers.models.llama.modeling_llama import LlamaForCausalLM
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2ForCausalLM
 
     from drafter_node import node_session
+    from drafter_node.gguf import LlamaEngine
 
     path, _, tokens = arg.partition(",")
     node_session.CATCH_UP_TOKENS = int(tokens)
-    forward = LlamaForCausalLM.forward
 
-    def traced(self, input_ids=None, *args, **kwargs):
-        start = time.monotonic()
-        try:
-            return forward(self, input_ids, *args, **kwargs)
-        finally:
-            _record(path, {"what": "forward", "start": start, "end": time.monotonic(),
-                           "tokens": int(input_ids.shape[-1]) if input_ids is not None else 0})
+    def traced(method: Callable, count: Callable[..., int]) -> Callable:
+        def run(self, *args, **kwargs):
+            start = time.monotonic()
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                _record(path, {"what": "forward", "start": start, "end": time.monotonic(),
+                               "tokens": count(*args, **kwargs)})
+        return run
 
-    LlamaForCausalLM.forward = traced
+    def torch_tokens(input_ids=None, *args, **kwargs) -> int:
+        return int(input_ids.shape[-1]) if input_ids is not None else 0
+
+    for cls in (LlamaForCausalLM, Qwen2ForCausalLM):
+        cls.forward = traced(cls.forward, torch_tokens)
+    # llama.cpp: one decode over rows of (sequence, start, tokens); a row's tokens are what its forward feeds
+    LlamaEngine.decode = traced(LlamaEngine.decode, lambda rows, *a, **k: max(len(r[2]) for r in rows))
     return {}
 
 

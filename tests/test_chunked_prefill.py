@@ -244,14 +244,20 @@ def _intervals(path, what: str) -> list[dict]:
 
 
 @pytest.mark.cluster
-def test_the_drafter_prefills_only_after_the_targets_prefill_and_first_token(tiny, tmp_path):
-    """A 150-token prompt cached in 16-token chunks by a slowed target, served by an assistant drafter: no forward of
-    the drafter's model runs while the target prefills or computes the first token (the drafter is announced after
-    the first round, so the first token comes at the target's own speed); the drafter then catches the prompt up in
-    chunks of its own (32 here), drafts, and the output equals ``generate`` on the target alone. Before, the
-    drafter was announced at the first chunk and prefilled its copy during the target's prefill."""
-    target, drafter = tiny("llama"), tiny("llama", "random")
-    config = tiny_config(target, drafter, num_draft_tokens=3)
+@pytest.mark.parametrize("kind", ["assistant", "gguf"])
+def test_the_drafter_prefills_only_after_the_targets_prefill_and_first_token(tiny, tmp_path, kind):
+    """A 150-token prompt cached in 16-token chunks by a slowed target, served by an assistant drafter (torch) or a
+    gguf one (llama.cpp): no forward of the drafter's model runs while the target prefills or computes the first
+    token (the drafter is announced after the first round, so the first token comes at the target's own speed);
+    the drafter then catches the prompt up in chunks of its own (32 here), drafts, and the output equals
+    ``generate`` on the target alone. Before, the drafter was announced at the first chunk and prefilled its copy
+    during the target's prefill."""
+    target, drafter = tiny("qwen2"), tiny("qwen2", "random")
+    config = tiny_config(target, drafter, type=kind, num_draft_tokens=3)
+    if kind == "gguf":
+        from testkit.tiny_gguf import write_qwen2_gguf
+
+        config["drafter"]["model"] = str(write_qwen2_gguf(drafter, tmp_path / "drafter.gguf"))
     config["verifier"]["max_prefill_tokens"] = CHUNK
     trace_v, trace_d = tmp_path / "verifier.jsonl", tmp_path / "drafter.jsonl"
     new_tokens = 24
