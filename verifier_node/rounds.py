@@ -101,6 +101,14 @@ class ForwardCounts:
         self.prefill_sessions_sum += sessions
 
 
+#: A prompt of at most this many tokens to cache is announced to a drafter that needs no state at its first chunk:
+#: the drafter prefills its copy beside ours in about a drafting step's time, and the first round can use its draft
+#: (a request of two or three tokens would otherwise never be drafted for). A longer prompt's drafter is announced
+#: after the first round, so its prefill never runs beside ours: on a shared CPU two prompt forwards at once made a
+#: long prompt's first token (and request) slower than the target alone.
+SHORT_PROMPT_TOKENS = 64
+
+
 class ThreadSwitch:
     """The node's torch thread count now: its share while a drafter computes at the same time, every core while
     none does (``threads: auto``). ``apply`` sets it (``set_threads``; tests record it)."""
@@ -155,9 +163,10 @@ class RoundRunner:
         rounds come between them). A session whose whole prompt is cached is announced to its drafter (with the
         prompt's state, collected over its chunks, where its drafter needs it). A failure ends only the session it
         belongs to."""
-        # A prompt is one long forward: every core. No drafter computes for it meanwhile: one that needs the
-        # prompt's state is announced after the last chunk, one that needs none after the first round (the first
-        # token comes at the target's own speed; the drafter then prefills its copy while we wait for its block).
+        # A prompt is one long forward: every core. A drafter that needs the prompt's state is announced after the
+        # last chunk; one that needs none after the first round (the first token comes at the target's own speed,
+        # then the drafter prefills its copy while we wait for its block), or at the first chunk for a short prompt
+        # (see SHORT_PROMPT_TOKENS).
         self.threads.use(self.threads.plan.full)
         for s in list(sessions):
             try:
@@ -165,6 +174,8 @@ class RoundRunner:
                     d = s.drafter
                     s.prefill_for = d
                     s.prefill_needs = (bool(d and d.needs_hidden), list(d.kv_layers) if d else [])
+                    if not any(s.prefill_needs) and len(s.prompt_to_cache) <= SHORT_PROMPT_TOKENS:
+                        self.out.announce(s)
             except Exception as exc:
                 self.out.round_failed(s, exc)
                 sessions.remove(s)
