@@ -104,6 +104,13 @@ class DraftSession(ABC):
     def propose(self, n: int) -> int:
         """Extend the chain by up to ``n`` tokens; return how many were added (0: nothing to propose now)."""
 
+    def catch_up(self, limit: int) -> int:
+        """Feed the next at most ``limit`` committed tokens the drafter's own cache lacks, as one forward, where it
+        lacks more than ``limit`` (a new session's prompt: the node then prefills it in chunks of its own, reading
+        the verifier's messages and freeing its cores between them); return how many were fed (0: the next step
+        feeds the rest with its chain token). Types without a cache of their own keep the default."""
+        return 0
+
     def batch_step(self) -> BatchStep | None:
         """The next step the node would take (``speculate_step`` while speculating, else ``propose(1)``) as rows of a
         batched forward, or None: this session cannot join a batch now and steps alone."""

@@ -151,6 +151,17 @@ class LMDraftSession(DraftSession):
             added += 1
         return added
 
+    def catch_up(self, limit: int) -> int:
+        lacking = len(self.committed) - self.lm.length
+        if lacking <= limit:
+            return 0
+        self._drop_branches()  # nothing pre-drafted survives so long a gap; the cache ends at committed + chain
+        self.lm = with_room(self.lm, lacking + len(self.chain) + 1)
+        start = self.lm.length
+        chunk = self.committed[start : start + limit]
+        self.lm.feed(chunk, last_logits_only=True)  # its logits are not needed: the LM head over one token only
+        return len(chunk)
+
     def _chain_step(self) -> BatchStep:
         """The next chain token's step: feed what the cache lacks of committed + chain, pick from the last logits
         (on a dynamic cache from now on where the slot has no room for it)."""

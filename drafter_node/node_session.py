@@ -21,6 +21,12 @@ from drafter_node.schedule import CostSchedule, DraftLengthSchedule
 
 log = logging.getLogger("pipespec.drafter")
 
+#: Most committed tokens one step feeds to catch the drafter's cache up (a new session's prompt, announced after the
+#: verifier's prefill and first round): each chunk is a forward of its own, so the node reads the verifier's
+#: messages between them (heartbeats included), and a verifier forward that wants a core the chunk holds waits for
+#: one chunk at most (shared.cores), not for the whole prompt.
+CATCH_UP_TOKENS = 256
+
 
 @dataclass
 class SessionStats:
@@ -156,7 +162,16 @@ class NodeSession:
         return not self.draft.ended and len(self.draft.chain) < self.speculation_targets()
 
     def step(self) -> None:
-        """One step of this session alone (one drafter forward, or a cheap type's whole block)."""
+        """One step of this session alone (one drafter forward, or a cheap type's whole block); where the drafter's
+        cache lacks more than CATCH_UP_TOKENS committed tokens (a new session's prompt), one chunk of them."""
+        t0 = time.monotonic()
+        if self.draft.catch_up(CATCH_UP_TOKENS):
+            # not a sample of a drafting step's cost (the schedule's step time, the cost curves)
+            spent = time.monotonic() - t0
+            self.stats.busy_s += spent
+            self.timing.step_s += spent
+            self.last_step = None
+            return
         lm = getattr(self.draft, "lm", None)
         fed_before = getattr(lm, "fed_total", 0)
         t0 = time.monotonic()

@@ -49,6 +49,68 @@ def fixed_costs(spec_json: str) -> tuple[CostCurve, CostCurve]:
     return curve(spec["verify"]), curve(spec["draft"])
 
 
+def _record(path: str, event: dict[str, Any]) -> None:
+    """Append ``event`` (one JSON line) to ``path``; times are ``time.monotonic()``, one clock for every process."""
+    with open(path, "a") as out:
+        out.write(json.dumps(event) + "\n")
+
+
+def trace_verifier(path: str) -> dict[str, Any]:
+    """Verifier: each prefill turn and each round's target forward, ``{"what", "start", "end"}`` appended to ``path``;
+    every target forward slowed by 0.05 s (a prefill long enough to overlap whatever a drafter computes meanwhile)."""
+    import time
+
+    from verifier_node.rounds import RoundRunner
+
+    def traced(what: str, method: Callable) -> Callable:
+        def run(self, sessions, *args, **kwargs):
+            start = time.monotonic()
+            try:
+                return method(self, sessions, *args, **kwargs)
+            finally:
+                _record(path, {"what": what, "start": start, "end": time.monotonic()})
+        return run
+
+    RoundRunner.prefill_batch = traced("prefill", RoundRunner.prefill_batch)
+    RoundRunner._forward = traced("round", RoundRunner._forward)
+    return {"forward_delay_s": 0.05}
+
+
+def trace_drafter(arg: str) -> dict[str, Any]:
+    """Drafter (``path,tokens``): each forward of its model (a tiny Llama or Qwen2 in torch, or llama.cpp's decode),
+    ``{"what": "forward", "start", "end", "tokens"}`` appended to ``path``; the prompt caught up ``tokens`` at a time
+    (``CATCH_UP_TOKENS``)."""
+    import time
+
+    from transformers.models.llama.modeling_llama import LlamaForCausalLM
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2ForCausalLM
+
+    from drafter_node import node_session
+    from drafter_node.gguf import LlamaEngine
+
+    path, _, tokens = arg.partition(",")
+    node_session.CATCH_UP_TOKENS = int(tokens)
+
+    def traced(method: Callable, count: Callable[..., int]) -> Callable:
+        def run(self, *args, **kwargs):
+            start = time.monotonic()
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                _record(path, {"what": "forward", "start": start, "end": time.monotonic(),
+                               "tokens": count(*args, **kwargs)})
+        return run
+
+    def torch_tokens(input_ids=None, *args, **kwargs) -> int:
+        return int(input_ids.shape[-1]) if input_ids is not None else 0
+
+    for cls in (LlamaForCausalLM, Qwen2ForCausalLM):
+        cls.forward = traced(cls.forward, torch_tokens)
+    # llama.cpp: one decode over rows of (sequence, start, tokens); a row's tokens are what its forward feeds
+    LlamaEngine.decode = traced(LlamaEngine.decode, lambda rows, *a, **k: max(len(r[2]) for r in rows))
+    return {}
+
+
 #: Hook name -> a function building the node's ``run`` keyword arguments from the hook's argument (a string or None).
 HOOKS: dict[str, Callable[[str | None], dict[str, Any]]] = {
     "none": lambda arg: {},
@@ -63,6 +125,10 @@ HOOKS: dict[str, Callable[[str | None], dict[str, Any]]] = {
     "no_xgrammar": lambda arg: without_xgrammar(),
     # drafter: fixed cost curves instead of measured ones (tiny models' forwards all cost about the same)
     "costs": lambda arg: {"fixed_costs": fixed_costs(arg or "")},
+    # verifier: its prefill turns and rounds timed into a file, its forwards slowed (tests/test_chunked_prefill.py)
+    "trace_verifier": lambda arg: trace_verifier(arg or ""),
+    # drafter: its model's forwards timed into a file, its prompt caught up in chunks of the given size
+    "trace_drafter": lambda arg: trace_drafter(arg or ""),
 }
 
 

@@ -19,6 +19,10 @@ from conftest import tiny_config
 from node_entry import node_entry
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from drafter_node import node_session
+from drafter_node.lm_drafter import LMDraftSession
+from drafter_node.node_session import NodeSession
+from drafter_node.schedule import DraftLengthSchedule
 from runtime.launch import cluster
 from shared.backend import DynamicBackend
 from shared.batch import can_batch
@@ -172,7 +176,7 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_another_sessions_rounds(ta
     """A 150-token prompt with ``max_prefill_tokens`` 16 (a slowed target): ten prefill forwards, and the session
     already running gets a round between every two of them (without chunks: one or two rounds while the long prompt
     is cached). Both outputs equal ``generate``; the long prompt's session is served by a prompt-lookup drafter
-    announced at its first chunk."""
+    announced after its first round."""
     target = targets[name]
     config = tiny_config(target, None, type="prompt_lookup", num_draft_tokens=3, prompt_lookup_num_tokens=3,
                          max_matching_ngram_size=3)
@@ -192,3 +196,90 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_another_sessions_rounds(ta
     results = {rid: msg for rid, msg in seen if isinstance(msg, Done)}
     assert results[1].token_ids == reference_greedy(target, SHORT, new_tokens[0])
     assert results[2].token_ids == reference_greedy(target, LONG, new_tokens[1])
+
+
+class CountingLM:
+    """Records the token count of each forward of the wrapped model."""
+
+    def __init__(self, model):
+        self.model = model
+        self.sizes: list[int] = []
+
+    def __call__(self, input_ids=None, **kwargs):
+        self.sizes.append(int(input_ids.shape[-1]))
+        return self.model(input_ids=input_ids, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+
+@pytest.mark.unit
+def test_the_drafter_catches_a_long_prompt_up_in_chunks_of_its_own(tiny, monkeypatch):
+    """A drafter session opened on a 150-token prompt: each node step feeds at most CATCH_UP_TOKENS of it (one
+    forward each, no token drafted), then the chain steps draft exactly what one prefill forward would have."""
+    model = _load(tiny("llama", "random"))
+    params = GenerationParams.from_dict({"max_new_tokens": 8, "eos_token_ids": []}, model.config.vocab_size)
+    whole = LMDraftSession(model, LONG, len(LONG), params, 0, model.config.vocab_size)
+    whole.propose(4)
+    counted = CountingLM(model)
+    chunked = LMDraftSession(counted, LONG, len(LONG), params, 0, model.config.vocab_size)
+    monkeypatch.setattr(node_session, "CATCH_UP_TOKENS", 32)
+    node = NodeSession(1, chunked, DraftLengthSchedule(4, "constant", max_k=4, overlap=False))
+    for _ in range(4):
+        node.step()
+        assert chunked.chain == [] and node.last_step is None
+    assert counted.sizes == [32, 32, 32, 32] and chunked.lm.length == 128
+    while len(chunked.chain) < 4:
+        node.step()
+    assert counted.sizes == [32, 32, 32, 32, len(LONG) - 128, 1, 1, 1]
+    assert chunked.chain_tokens == whole.chain_tokens
+    assert chunked.catch_up(32) == 0  # nothing left to catch up: the chain steps go on as before
+
+
+def _intervals(path, what: str) -> list[dict]:
+    import json
+
+    with open(path) as lines:
+        return [e for e in map(json.loads, lines) if e["what"] == what]
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize("kind", ["assistant", "gguf"])
+def test_the_drafter_prefills_only_after_the_targets_prefill_and_first_token(tiny, tmp_path, kind):
+    """A 150-token prompt cached in 16-token chunks by a slowed target, served by an assistant drafter (torch) or a
+    gguf one (llama.cpp): no forward of the drafter's model runs while the target prefills or computes the first
+    token (the drafter is announced after the first round, so the first token comes at the target's own speed);
+    the drafter then catches the prompt up in chunks of its own (32 here), drafts, and the output equals
+    ``generate`` on the target alone. Before, the drafter was announced at the first chunk and prefilled its copy
+    during the target's prefill."""
+    target, drafter = tiny("qwen2"), tiny("qwen2", "random")
+    config = tiny_config(target, drafter, type=kind, num_draft_tokens=3)
+    if kind == "gguf":
+        from testkit.tiny_gguf import write_qwen2_gguf
+
+        config["drafter"]["model"] = str(write_qwen2_gguf(drafter, tmp_path / "drafter.gguf"))
+    config["verifier"]["max_prefill_tokens"] = CHUNK
+    trace_v, trace_d = tmp_path / "verifier.jsonl", tmp_path / "drafter.jsonl"
+    new_tokens = 24
+
+    async def main():
+        async with cluster(config, entry={"verifier": node_entry("trace_verifier", str(trace_v)),
+                                          "drafter": node_entry("trace_drafter", f"{trace_d},32")}) as client:
+            started = len(_intervals(trace_d, "forward")) if trace_d.exists() else 0  # load-time forwards, if any
+            done = await client.generate(token_ids=LONG, max_new_tokens=new_tokens, eos_token_ids=[])
+            return started, done
+
+    started, done = asyncio.run(main())
+    assert done.token_ids == reference_greedy(target, LONG, new_tokens)
+    assert done.metrics["drafts"] > 0, "the drafter never drafted: nothing was checked"
+    prefills = _intervals(trace_v, "prefill")
+    assert len(prefills) == math.ceil((len(LONG) - 1) / CHUNK)
+    first_round = _intervals(trace_v, "round")[0]
+    assert first_round["start"] >= prefills[-1]["end"]
+    forwards = _intervals(trace_d, "forward")[started:]
+    busy = [*prefills, first_round]
+    overlapping = [(f, b) for f in forwards for b in busy if f["start"] < b["end"] and b["start"] < f["end"]]
+    assert not overlapping, f"drafter forwards ran during the target's prefill or first round: {overlapping[:3]}"
+    assert min(f["start"] for f in forwards) >= first_round["end"]
+    catch_up = [f["tokens"] for f in forwards if f["tokens"] > 1]
+    assert max(catch_up) <= 32 and catch_up.count(32) >= (len(LONG) + 1) // 32 - 1, catch_up

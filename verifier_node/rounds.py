@@ -101,6 +101,14 @@ class ForwardCounts:
         self.prefill_sessions_sum += sessions
 
 
+#: A prompt of at most this many tokens to cache is announced to a drafter that needs no state at its first chunk:
+#: the drafter prefills its copy beside ours in about a drafting step's time, and the first round can use its draft
+#: (a request of two or three tokens would otherwise never be drafted for). A longer prompt's drafter is announced
+#: after the first round, so its prefill never runs beside ours: on a shared CPU two prompt forwards at once made a
+#: long prompt's first token (and request) slower than the target alone.
+SHORT_PROMPT_TOKENS = 64
+
+
 class ThreadSwitch:
     """The node's torch thread count now: its share while a drafter computes at the same time, every core while
     none does (``threads: auto``). ``apply`` sets it (``set_threads``; tests record it)."""
@@ -155,8 +163,10 @@ class RoundRunner:
         rounds come between them). A session whose whole prompt is cached is announced to its drafter (with the
         prompt's state, collected over its chunks, where its drafter needs it). A failure ends only the session it
         belongs to."""
-        # A prompt is one long forward: every core (a drafter that drafts prefills its own copy meanwhile, one whose
-        # plan is k = 0 waits; the threads follow the plan again from the first round)
+        # A prompt is one long forward: every core. A drafter that needs the prompt's state is announced after the
+        # last chunk; one that needs none after the first round (the first token comes at the target's own speed,
+        # then the drafter prefills its copy while we wait for its block), or at the first chunk for a short prompt
+        # (see SHORT_PROMPT_TOKENS).
         self.threads.use(self.threads.plan.full)
         for s in list(sessions):
             try:
@@ -164,8 +174,8 @@ class RoundRunner:
                     d = s.drafter
                     s.prefill_for = d
                     s.prefill_needs = (bool(d and d.needs_hidden), list(d.kv_layers) if d else [])
-                    if not any(s.prefill_needs):
-                        self.out.announce(s)  # early: its drafter prefills its own copy while we do
+                    if not any(s.prefill_needs) and len(s.prompt_to_cache) <= SHORT_PROMPT_TOKENS:
+                        self.out.announce(s)
             except Exception as exc:
                 self.out.round_failed(s, exc)
                 sessions.remove(s)
@@ -180,10 +190,12 @@ class RoundRunner:
                 state = s.chunk_fed(len(chunk), done[0] if want_hidden else None, kv_layers, done[1])
                 if state is None:
                     continue  # chunks left: the next on a later turn
-                if s.drafter is not s.prefill_for:  # moved while its chunks ran: announced as a move announces
-                    d = s.drafter
+                d = s.drafter
+                if d is not None and not s.announced and not (d.needs_hidden or d.kv_layers):
+                    s.announce_after_round = True  # after the first token (run_batch)
+                elif d is not s.prefill_for:  # moved while its chunks ran: announced as a move announces
                     self.out.announce(s, kv=s.lm.held_rows(d.kv_layers) if d is not None and d.kv_layers else None)
-                elif want_hidden or kv_layers or not s.announced:
+                elif want_hidden or kv_layers:
                     self.out.announce(s, *state)
                 s.wait.ready(len(s.tokens), s.ready_since)
             except Exception as exc:
@@ -303,6 +315,10 @@ class RoundRunner:
                     self.out.finish(s, s.finished)
                 elif r.demoted:
                     self.out.demoted(s)
+                elif s.announce_after_round:
+                    s.announce_after_round = False
+                    if not s.announced and s.drafter is not None:  # not announced meanwhile (a move, a hello)
+                        self.out.announce(s)
             except Exception as exc:
                 self.out.round_failed(s, exc)
 

@@ -572,7 +572,7 @@ class VerifierServer:
         if s is not None and s.drafter is not link:
             s.metrics.stale_drafts += 1
             return  # from a drafter that no longer serves this session
-        # Announced while its prompt's chunks still run (chunked prefill): its first draft waits for the last chunk.
+        # A session is announced once its prompt is cached (verifier_node.rounds): a draft before that is stale.
         if s is None or not (s.prefilled or s.announced) or msg.base_len != len(s.tokens):
             if s is not None:
                 s.metrics.stale_drafts += 1

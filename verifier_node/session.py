@@ -231,6 +231,9 @@ class Session:
         self.served_by: list[str] = []  # ids of the drafters that served it, in order
         self.tried: set[str] = set()  # drafters demoted for it (not chosen again when it moves)
         self.solo_left = 0  # rounds still to take alone, without waiting for a draft (the drafter chose k = 0)
+        # Its drafter needs no state and is announced after the first round (RoundRunner.run_batch): the drafter's
+        # own prefill then never runs beside the target's prefill or the forward of the first token.
+        self.announce_after_round = False
 
     def close(self) -> None:
         """The session ended: its KV memory goes back to the backend."""
