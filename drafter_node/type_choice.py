@@ -55,9 +55,10 @@ def llama_cpp_install() -> Path | None:
         spec = importlib.util.find_spec("llama_cpp")
     except (ImportError, ValueError):
         return None
-    if spec is None or not spec.origin:
+    origin = getattr(spec, "origin", None)  # a namespace package (or a stand-in) has none
+    if not isinstance(origin, str) or not origin:
         return None
-    return Path(spec.origin).parent
+    return Path(origin).parent
 
 
 def install_key(package: Path) -> str:
