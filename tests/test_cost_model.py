@@ -620,6 +620,16 @@ def test_the_plan_check_travels_in_the_draft_stats():
             checked_stats({"plan_check": bad})
 
 
+def test_the_ceiling_travels_in_the_draft_stats():
+    from shared.protocol import ProtocolError
+    from verifier_node.draft_check import checked_stats
+
+    assert checked_stats({"ceiling_tokens_per_second": 7.5})["ceiling_tokens_per_second"] == 7.5
+    for bad in (-1.0, float("nan"), float("inf"), "fast", True):
+        with pytest.raises(ProtocolError):
+            checked_stats({"ceiling_tokens_per_second": bad})
+
+
 def test_the_start_report_names_the_plan_a_new_session_starts_with():
     from drafter_node.settings import DrafterConfig
     from drafter_node.start_report import start_plan_label

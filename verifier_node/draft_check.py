@@ -62,7 +62,7 @@ def dense_q(msg: Draft, k: int, vocab_size: int) -> torch.Tensor | None:
 
 
 _NUMERIC_STATS = ("busy_s", "blocks", "predraft_hits", "rolled_back", "idle_blocks", "batch_steps", "batch_rows",
-                  "tree_blocks", "side_accepted", "ceiling_tokens_per_second")
+                  "tree_blocks", "side_accepted")
 
 
 def checked_stats(stats: dict[str, Any]) -> dict[str, Any]:
@@ -75,8 +75,9 @@ def checked_stats(stats: dict[str, Any]) -> dict[str, Any]:
     plans = stats.get("plans", {})
     if not isinstance(plans, dict) or not all(isinstance(k, str) and type(v) is int for k, v in plans.items()):
         raise ProtocolError("draft: stats.plans must map plan names to counts")
-    if stats.get("ceiling_tokens_per_second", 0) < 0:
-        raise ProtocolError("draft: stats.ceiling_tokens_per_second must not be negative")
+    ceiling = stats.get("ceiling_tokens_per_second", 0)  # sent beside SessionStats' fields (NodeSession.ceiling)
+    if isinstance(ceiling, bool) or not isinstance(ceiling, (int, float)) or not math.isfinite(ceiling) or ceiling < 0:
+        raise ProtocolError("draft: stats.ceiling_tokens_per_second must be a finite, non-negative number")
     if not isinstance(stats.get("dtype", ""), (str, type(None))):
         raise ProtocolError("draft: stats.dtype must be a string")
     timing = stats.get("timing", {})
