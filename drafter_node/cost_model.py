@@ -382,9 +382,7 @@ def ceiling(acc: Acceptance, costs: Costs, max_k: int, rows_ok: bool, allow_over
     forwards (a rollback's re-feed is a forward, so it stays). Its rate is the ceiling a request's realised decoding
     rate is held against (``ceiling_tokens_per_second`` in the metrics); k = 0 is a candidate, so where drafting
     cannot pay the ceiling is the target alone's rate."""
-    bare = Costs(costs.verify_share, costs.verify_full, costs.draft_share, costs.draft_full, 0.0,
-                 costs.rollback_refeeds)
-    return best_plan(acc, bare, max_k, rows_ok, allow_overlap=allow_overlap)
+    return best_plan(acc, replace(costs, overhead_s=0.0), max_k, rows_ok, allow_overlap=allow_overlap)
 
 
 class CostBook:
