@@ -1,6 +1,7 @@
-"""Which drafter of the pool serves which session: assignment (the least-loaded live drafter that fits), a hello
-again, failover of a silent drafter's sessions and demotion of one that keeps missing. No sockets: what goes to a
-drafter (a session's end, its announcement) goes through callbacks the server gives; the clock is injectable.
+"""Which drafter of the pool serves which session: who may join (:class:`HelloCheck`: the checks of a hello),
+assignment (the least-loaded live drafter that fits), a hello again, failover of a silent drafter's sessions and
+demotion of one that keeps missing. No sockets: what goes to a drafter (its welcome, a session's end, its
+announcement) goes through callbacks the server gives; the clock is injectable.
 
 The pool itself (who is connected, alive, how loaded) is :class:`verifier_node.drafters.DrafterPool`; the sessions
 are the scheduler's table (:class:`verifier_node.scheduler.Scheduler`).
@@ -11,16 +12,24 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from shared.protocol import SessionEnd, encode
+from shared.costs.curve import NodeProfile
+from shared.kv import CachedLM, KVRowsError
+from shared.models import vocab_prefix_matches
+from shared.protocol import ANY_TOKENIZER, Hello, Message, ProtocolError, SessionEnd, encode
 from shared.sampling import GenerationParams
+from shared.transport import SECRET_ENV, secret_matches
 from verifier_node.drafters import DrafterLink, DrafterPool
 from verifier_node.session import Session
 
 #: How often the pool is checked for drafters that went silent.
 REAP_EVERY_S = 0.1
+#: A session waits at least this multiple of its drafter's longest block (profile: steps × one step's cost).
+BLOCK_WAIT_FACTOR = 1.5
 
 log = logging.getLogger("pipespec.verifier")
 
@@ -28,6 +37,75 @@ log = logging.getLogger("pipespec.verifier")
 Send = Callable[[DrafterLink, list], None]
 #: Announces a session to its (new) drafter, with the K/V rows it holds for it (or None).
 Announce = Callable[[Session, "dict[str, torch.Tensor] | None"], None]
+
+
+@dataclass(frozen=True)
+class HelloCheck:
+    """Who may join the pool: a drafter of this run (``run_secret``, where the drafter link has no CURVE; None:
+    anyone the link lets in), with the target's tokenizer (``tokenizer_id``, or a GGUF token list that is a prefix
+    of ``vocab_tokens``), q where ensemble verification needs it, and K/V rows the target ``model`` can provide.
+    ``draft_timeout``: the cap on a session's wait for a draft (bounds the drafter's measured block time)."""
+
+    model: Any
+    model_name: str
+    tokenizer_id: str
+    vocab_tokens: list[str]
+    ensemble_weight: float | None
+    draft_timeout: float
+    run_secret: str | None = None
+
+    def check(self, peer: bytes, msg: Hello) -> DrafterLink:
+        """The link of the drafter ``peer`` that sent ``msg``, or a :class:`ProtocolError` saying why it may not
+        join (``unauthorized``, ``tokenizer_mismatch``, ``ensemble_needs_q``, ``unsupported``, ``bad_message``)."""
+        if self.run_secret is not None and not secret_matches(self.run_secret, msg.run_secret):
+            log.warning("refused a hello from %s: no valid run secret (not a drafter of this run)", peer.hex())
+            raise ProtocolError("unauthorized: this verifier takes drafters of its own run only (a hello must carry "
+                                f"the run secret from ${SECRET_ENV})", code="unauthorized")
+        if msg.tokenizer_id not in (self.tokenizer_id, ANY_TOKENIZER) and not vocab_prefix_matches(
+                msg.tokenizer_id, self.vocab_tokens):
+            log.error("refused drafter %r: tokenizer %s != target's %s", msg.drafter_type, msg.tokenizer_id,
+                      self.tokenizer_id)
+            raise ProtocolError(
+                f"tokenizer mismatch: the drafter's tokenizer ({msg.tokenizer_id}) is not the target's "
+                f"({self.tokenizer_id}); drafter type {msg.drafter_type!r} needs the target's tokenizer",
+                code="tokenizer_mismatch",
+            )
+        drafter = DrafterLink(peer, msg.drafter_type, msg.capabilities, msg.host)
+        if self.ensemble_weight is not None and not drafter.sends_q:
+            log.error("refused drafter %r: ensemble verification needs q, it sends none", drafter.type)
+            raise ProtocolError(
+                f"static ensemble verification (verification.ensemble_weight = {self.ensemble_weight}) needs the "
+                f"draft distribution q; drafter type {drafter.type!r} sends none (it is not supported with drafters "
+                "that have no q, such as prompt lookup): unset verification.ensemble_weight or use a model drafter",
+                code="ensemble_needs_q",
+            )
+        self._check_kv_layers(msg, drafter)
+        if msg.profile is not None:
+            self._read_profile(msg, drafter)
+        return drafter
+
+    def _check_kv_layers(self, msg: Hello, drafter: DrafterLink) -> None:
+        if drafter.kv_layers:
+            try:
+                CachedLM(self.model).check_kv_layers(drafter.kv_layers)
+            except KVRowsError as exc:
+                log.error("refused drafter %r: %s", msg.drafter_type, exc)
+                raise ProtocolError(
+                    f"drafter type {msg.drafter_type!r} needs K/V rows of target layers {drafter.kv_layers}, "
+                    f"which this target ({self.model_name}, {type(self.model).__name__}) cannot provide: {exc}",
+                    code="unsupported",
+                ) from None
+
+    def _read_profile(self, msg: Hello, drafter: DrafterLink) -> None:
+        """The drafter's dtype and longest block time, from the cost profile its hello carries."""
+        try:
+            profile = NodeProfile.from_dict(msg.profile)
+        except (ValueError, TypeError) as exc:
+            raise ProtocolError(f"hello: bad cost profile: {exc}") from None
+        drafter.dtype = profile.dtype
+        # its profile covers 1 .. max_draft_tokens + 1 rows: the longest block is that many steps, less one
+        curve = profile.curve(max(profile.curves))
+        drafter.block_s = min(self.draft_timeout, BLOCK_WAIT_FACTOR * max(1, curve.sizes[-1] - 1) * curve.cost(1))
 
 
 class PoolPolicy:
@@ -52,6 +130,15 @@ class PoolPolicy:
     def fits(self, s: Session, link: DrafterLink) -> bool:
         """``link`` may serve ``s``: the type the request asked for (if any), q where ensemble verification needs it."""
         return (s.drafter_type is None or link.type == s.drafter_type) and not self.lacks_q(s.params, link)
+
+    def on_hello(self, peer: bytes, msg: Hello, check: HelloCheck, welcome: Message) -> None:
+        """A drafter said hello: if ``check`` lets it in, it joins the pool (or rejoins), gets ``welcome`` and its
+        sessions (:meth:`on_joined`); else the :class:`ProtocolError` of the check, to be sent to it."""
+        link, again = self.pool.join(check.check(peer, msg))
+        log.info("drafter %s %s: caps=%s dtype=%s", link.label(), "said hello again" if again else "joined",
+                 msg.capabilities, link.dtype)
+        self.send(link, encode(welcome))
+        self.on_joined(link, again)
 
     def on_joined(self, link: DrafterLink, again: bool) -> None:
         """A drafter (re)joined: it learns its own sessions afresh (a hello again: it may have lost them), and takes

@@ -100,6 +100,13 @@ class ForwardCounts:
         self.prefill_forwards += 1
         self.prefill_sessions_sum += sessions
 
+    def pong_stats(self) -> dict[str, int | float]:
+        """These counts as the ``pong``'s fields (:class:`shared.protocol.Pong`; a mean over no forwards is 0.0)."""
+        n, p = self.forwards, self.prefill_forwards
+        return {"forwards": n, "mean_batch_sessions": self.batch_sessions_sum / n if n else 0.0,
+                "mean_batch_tokens": self.batch_tokens_sum / n if n else 0.0, "prefill_forwards": p,
+                "mean_prefill_sessions": self.prefill_sessions_sum / p if p else 0.0}
+
 
 #: A prompt of at most this many tokens to cache is announced to a drafter that needs no state at its first chunk:
 #: the drafter prefills its copy beside ours in about a drafting step's time, and the first round can use its draft

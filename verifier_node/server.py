@@ -15,35 +15,34 @@ the welcome; with ``threads: auto`` it verifies with every core when the drafter
 blocks, no drafter) and with its share while the drafter pre-drafts.
 
 Parts: :mod:`verifier_node.scheduler` (which sessions run next: prefill turns, rounds, batch limits, waits; pure),
-:mod:`verifier_node.pool_policy` (which drafter serves which session: assignment, failover, demotion; no sockets),
-:mod:`verifier_node.rounds` (prefills, batched forwards with the fallback per session, publishing through the
-server). :class:`VerifierServer` is the I/O loop and the message handlers that tie them to the two sockets;
-:meth:`VerifierServer.from_config` loads the target, measures its profile and binds.
+:mod:`verifier_node.intake` (a ``generate`` until it is a session: checks, tenant caps, admission, preparation,
+grammar start-up), :mod:`verifier_node.pool_policy` (who may join the pool; which drafter serves which session:
+assignment, failover, demotion; no sockets), :mod:`verifier_node.rounds` (prefills, batched forwards with the
+fallback per session, publishing through the server; the pong's forward counts), :mod:`verifier_node.drafter_out`
+(announcements and state tensors to drafters), :mod:`verifier_node.gather` (the short waits before a forward).
+:class:`VerifierServer` is the I/O loop and the message handlers that tie them to the two sockets
+(:mod:`verifier_node.settings`); :meth:`VerifierServer.from_config` loads the target, measures its profile and binds.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import logging
-import secrets
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import zmq
 
 from drafter_node.settings import Config
-from drafter_node.types import DRAFTER_TYPES
 from shared.backend import DynamicBackend, TargetBackend, make_backend
-from shared.config_sections import VerifierConfig
 from shared.cores import CoreLeases, leases_for
 from shared.costs.cache import CurveCheck
 from shared.costs.curve import NodeProfile
 from shared.costs.measure import measuring_alone
-from shared.kv import CachedLM, KVRowsError
+from shared.kv import CachedLM
 from shared.models import (
     ProfileSpec,
     ThreadPlan,
@@ -57,12 +56,10 @@ from shared.models import (
     resolve_model,
     set_threads,
     tokenizer_id,
-    vocab_prefix_matches,
     vocab_tokens,
 )
 from shared.node_keys import kv_slots
 from shared.protocol import (
-    ANY_TOKENIZER,
     MAX_REPORTS,
     Cancel,
     Chunk,
@@ -76,56 +73,33 @@ from shared.protocol import (
     Ping,
     Pong,
     ProtocolError,
-    SessionStart,
-    State,
     ThreadCounts,
     Welcome,
     decode,
     encode,
     error_frames,
-    split_state,
 )
-from shared.sampling import GenerationParams, ParamError
 from shared.signals import stop_on_signals
 from shared.transport import (
-    CLIENT_DOMAIN,
-    DRAFTER_DOMAIN,
-    SECRET_ENV,
-    Authenticator,
     VerifierLinks,
-    bind_router,
     peer_user_id,
-    secret_matches,
 )
-from verifier_node.acceptance import AcceptRule, check_ensemble_weight
+from verifier_node.acceptance import AcceptRule
 from verifier_node.admission import MemoryAdmission
 from verifier_node.draft_check import checked_stats, dense_q, tree_parents
 from verifier_node.draft_wait import DraftWait
+from verifier_node.drafter_out import DrafterOut
 from verifier_node.drafters import DrafterLink, DrafterPool
-from verifier_node.grammar import GrammarCompiler
-from verifier_node.pool_policy import PoolPolicy
-from verifier_node.request_prep import (
-    GrammarChild,
-    PrepJob,
-    RequestPrep,
-    check_schema_bounds,
-)
+from verifier_node.gather import Gather
+from verifier_node.intake import RequestIntake
+from verifier_node.pool_policy import HelloCheck, PoolPolicy
+from verifier_node.request_prep import PrepJob
 from verifier_node.rounds import RoundRunner, ThreadSwitch
 from verifier_node.scheduler import BatchLimits, Prefills, Scheduler
 from verifier_node.session import NumericalError, RoundResult, Session
-from verifier_node.tenancy import TenantRule
+from verifier_node.settings import VerifierSettings, VerifierSockets
 
 log = logging.getLogger("pipespec.verifier")
-
-#: Longest wait for drafts on their way before a batched round runs without them (a tenth of a forward, at most).
-GATHER_MAX_S = 0.005
-#: Requests sent together (one client's burst) arrive a few ms apart: before prefilling a prompt that arrived less
-#: than PROMPT_GATHER_S ago, the client socket is read for more, each arrival extending the wait by as much, up to
-#: PROMPT_GATHER_MAX_S in all, so a burst shares one forward instead of its first prompt taking one alone.
-PROMPT_GATHER_S = 0.01
-PROMPT_GATHER_MAX_S = 0.05
-#: A session waits at least this multiple of its drafter's longest block (profile: steps × one step's cost).
-BLOCK_WAIT_FACTOR = 1.5
 
 
 @dataclass
@@ -135,86 +109,6 @@ class Receipt:
     nbytes: int
     decode_s: float
     user_id: str | None = None  # the sender's ZAP User-Id (under CURVE its public key, z85), None without CURVE
-
-
-def _state_tensors(
-    hidden: torch.Tensor | None, kv: dict[str, torch.Tensor] | None
-) -> tuple[dict[str, torch.Tensor], int]:
-    """The target state a drafter asked for (hidden states, ``kv.{layer}`` rows) as message tensors, and their bytes."""
-    tensors = {"hidden": hidden} if hidden is not None else {}
-    tensors.update(kv or {})
-    return tensors, sum(t.numel() * t.element_size() for t in tensors.values())
-
-
-@dataclass(frozen=True)
-class VerifierSettings:
-    """What the running server reads of the config (taken once by :meth:`from_config`)."""
-
-    model_name: str
-    draft_timeout_s: float  # the cap on a session's wait for a draft
-    max_sessions: int
-    max_message_bytes: int
-    client_timeout_s: float  # a client silent this long (no heartbeat ping, no message) has gone
-    ensemble_weight: float | None  # static ensemble verification (lossy by design), None: off
-    drafter_endpoint: str
-    client_endpoint: str
-    # request preparation and admission (verifier_node.request_prep, verifier_node.admission): the config's
-    # defaults (declared in shared/config_sections.py); None: resolved by MemoryAdmission
-    max_pending_requests: int = VerifierConfig.max_pending_requests
-    grammar_compile_timeout_s: float = VerifierConfig.grammar_compile_timeout_s
-    grammar_cache_bytes: int = VerifierConfig.grammar_cache_bytes
-    max_model_len: int | None = None
-    max_kv_tokens: int | None = None
-    max_sessions_per_tenant: int | None = None  # None: no cap beyond max_sessions
-
-    @classmethod
-    def from_config(cls, config: Config) -> VerifierSettings:
-        v = config.verifier
-        weight = config.verification.ensemble_weight
-        check_ensemble_weight(weight)
-        return cls(model_name=v.model, draft_timeout_s=v.draft_timeout_ms / 1000, max_sessions=v.max_sessions,
-                   max_message_bytes=v.max_message_bytes, client_timeout_s=float(config.client.heartbeat_timeout_s),
-                   ensemble_weight=weight, drafter_endpoint=v.endpoint, client_endpoint=config.client.endpoint,
-                   max_pending_requests=v.max_pending_requests, grammar_compile_timeout_s=v.grammar_compile_timeout_s,
-                   grammar_cache_bytes=v.grammar_cache_bytes, max_model_len=v.max_model_len,
-                   max_kv_tokens=v.max_kv_tokens, max_sessions_per_tenant=v.max_sessions_per_tenant)
-
-
-@dataclass
-class VerifierSockets:
-    """The verifier's two bound ROUTER sockets (drafters, clients) and the CURVE authenticator guarding them (None:
-    no CURVE on either link)."""
-
-    drafter: zmq.Socket
-    client: zmq.Socket
-    auth: Authenticator | None = None
-    tenancy: TenantRule = field(default_factory=TenantRule)  # who may name a request's tenant
-
-    @classmethod
-    def bind(cls, config: Config, links: VerifierLinks) -> VerifierSockets:
-        """Bind both endpoints of ``config``, each with CURVE where ``links`` says its link runs it."""
-        ctx = zmq.Context.instance()
-        allow_remote = config.verifier.allow_remote
-        keys = links.keys
-        auth = Authenticator(ctx, keys, log) if keys else None  # before binding: no key is let in unchecked
-        try:
-            drafter = bind_router(ctx, config.verifier.endpoint, allow_remote, domain=DRAFTER_DOMAIN,
-                                  auth=auth if links.curve_drafters else None)
-            client = bind_router(ctx, config.client.endpoint, allow_remote,
-                                 auth=auth if links.curve_clients else None, domain=CLIENT_DOMAIN)
-        except BaseException:
-            if auth is not None:
-                auth.close()
-            raise
-        log.info("CURVE: drafter link %s, client link %s", "on" if links.curve_drafters else "off",
-                 "on" if links.curve_clients else "off")
-        return cls(drafter, client, auth, TenantRule(links.curve_clients, links.gateways))
-
-    def close(self) -> None:
-        for sock in (self.drafter, self.client):
-            sock.close(linger=0)
-        if self.auth is not None:
-            self.auth.close()
 
 
 class VerifierServer:
@@ -235,7 +129,6 @@ class VerifierServer:
         run by the preparation worker before each request it prepares (a slow tokenizer or compile)."""
         self.settings = settings
         self.draft_timeout = settings.draft_timeout_s
-        self.max_sessions = settings.max_sessions
         self.max_bytes = settings.max_message_bytes
         self.client_timeout = settings.client_timeout_s
         self.model_name = settings.model_name
@@ -247,37 +140,39 @@ class VerifierServer:
         self.model = model
         self.backend = backend or DynamicBackend(model)
         self.tokenizer = tokenizer
-        self._worker_tokenizer: Any = None  # the preparation worker's copy (made at its first text prompt)
         self.profile = profile
         self.dtype = model_dtype(model)
         self.vocab_size = logits_vocab_size(model)
         self.rollback_refeeds = CachedLM(model).recurrent  # hybrid / state-space target: see shared/kv.py
-        self.tokenizer_id = tokenizer_id(tokenizer)
-        # what a drafter without a transformers tokenizer (a GGUF file's token list) is checked against
-        self.vocab_tokens = vocab_tokens(tokenizer)
-        self.default_eos = default_eos_ids(model, tokenizer)
-        self.grammars: GrammarCompiler | None = None  # built at the first request with a grammar (xgrammar optional)
-        self.grammar_child: GrammarChild | None = None  # where grammars compile (started with self.grammars)
-        self.admission = MemoryAdmission.resolve(settings.max_model_len, settings.max_kv_tokens, model.config,
-                                                 self.backend)
+        self.hello_check = HelloCheck(model, self.model_name, tokenizer_id(tokenizer), vocab_tokens(tokenizer),
+                                      self.ensemble_weight, self.draft_timeout, run_secret)
+        admission = MemoryAdmission.resolve(settings.max_model_len, settings.max_kv_tokens, model.config,
+                                            self.backend)
         self.sockets = sockets
         self.drafter_sock, self.client_sock = sockets.drafter, sockets.client
-        self.run_secret = run_secret
-        self.poller = zmq.Poller()
-        self.poller.register(self.drafter_sock, zmq.POLLIN)
-        self.poller.register(self.client_sock, zmq.POLLIN)
-        # Tokenising and grammar compiles run off this loop; a finished one wakes it through prep.socket.
-        self.prep = RequestPrep(self._prepare, settings.max_pending_requests, hook=prep_hook)
-        self.poller.register(self.prep.socket, zmq.POLLIN)
+        self.drafter_out = DrafterOut(self.drafter_sock, self.max_bytes)
         self.scheduler = Scheduler(limits)
         self.by_request: dict[tuple[bytes, int], int] = {}
         self.next_sid = 1
         self.pool = DrafterPool()
-        self.policy = PoolPolicy(self.pool, self.sessions, self.ensemble_weight, send=self._send_to,
+        self.policy = PoolPolicy(self.pool, self.sessions, self.ensemble_weight, send=self.drafter_out.send,
                                  announce=lambda s, kv: self.announce(s, kv=kv))
+        # generate checks, admission and preparation (tokenising, grammar compiles: off this loop)
+        self.intake = RequestIntake(settings, tokenizer, self.vocab_size, default_eos_ids(model, tokenizer),
+                                    admission=admission, sessions=self.sessions, requests=self.by_request,
+                                    policy=self.policy, tenancy=sockets.tenancy, open_session=self._open_session,
+                                    reply=lambda peer, frames: self.client_sock.send_multipart([peer, *frames]),
+                                    prep_hook=prep_hook)
+        self.prep = self.intake.prep  # a finished preparation wakes the loop through prep.socket
+        self.poller = zmq.Poller()
+        for sock in (self.drafter_sock, self.client_sock, self.prep.socket):
+            self.poller.register(sock, zmq.POLLIN)
         switch = ThreadSwitch(threads) if cores is None else ThreadSwitch(threads, apply=lambda n: None)
         self.rounds = RoundRunner(model, self.scheduler, self, switch, CurveCheck(profile), forward_delay_s,
                                   self.backend, cores)
+        self.gather = Gather(self.scheduler, self.drafter_sock, self.client_sock,  # waits before a forward
+                             drain_drafters=lambda: self._drain(self.drafter_sock, self._on_drafter_message),
+                             drain_clients=lambda: self._drain(self.client_sock, self._on_client_message))
         self.running = True
 
     @classmethod
@@ -349,13 +244,13 @@ class VerifierServer:
                     self._drain(self.drafter_sock, self._on_drafter_message)
                 if self.client_sock in events:
                     self._drain(self.client_sock, self._on_client_message)
-                self._admit_prepared()
+                self.intake.admit_prepared()
                 self.policy.reap()  # after the drains: a long round must not make a drafter that kept talking look dead
                 self._drop_silent_clients()
                 work = self.scheduler.next_work()
-                if isinstance(work, list) and self._gather(work):
+                if isinstance(work, list) and self.gather.drafts(work, self.rounds.counts.forward_s_ema):
                     work = self.scheduler.next_work()
-                elif isinstance(work, Prefills) and self._gather_prompts():
+                elif isinstance(work, Prefills) and self.gather.prompts():
                     first = work.sessions[0]  # the prompt whose turn it is, unless the burst's messages ended it
                     work = (self.scheduler.take_prefills(first, time.monotonic()) if first.sid in self.sessions
                             else self.scheduler.next_work())
@@ -370,11 +265,7 @@ class VerifierServer:
         self.running = False
 
     def close(self) -> None:
-        if self.grammar_child is not None:
-            self.grammar_child.kill()  # a compile in work ends now, so the worker can stop
-        self.prep.close()
-        if self.grammar_child is not None:
-            self.grammar_child.close()
+        self.intake.close()
         self.sockets.close()
 
     def _drain(self, sock: zmq.Socket, handler) -> None:
@@ -424,43 +315,6 @@ class VerifierServer:
         for peer in [p for p in self.client_seen if p not in live and now - self.client_seen[p] > self.client_timeout]:
             del self.client_seen[peer]  # bounded: forget peers that are gone and hold nothing
 
-    def _gather(self, batch: list[Session]) -> bool:
-        """Let drafts on their way join this round: a drafter sends one batched step's blocks back to back, and a
-        round started on the first would leave the rest for a forward of their own. While sessions outside ``batch``
-        still wait for a draft, read the drafter socket for up to a tenth of a recent forward (≤ GATHER_MAX_S).
-        True if anything arrived."""
-        if not self.batching or len(batch) >= self.scheduler.limits.max_batch_sessions:
-            return False
-        deadline = time.monotonic() + min(GATHER_MAX_S, 0.1 * self.rounds.counts.forward_s_ema)
-        got = False
-        while True:
-            now = time.monotonic()
-            if now >= deadline or not self.scheduler.drafting_elsewhere(batch, now):
-                return got
-            if not self.drafter_sock.poll(max(1, int(1000 * (deadline - now)))):
-                return got
-            self._drain(self.drafter_sock, self._on_drafter_message)
-            got = True
-
-    def _gather_prompts(self) -> bool:
-        """Before a prefill, read the requests of a burst still arriving (see PROMPT_GATHER_S). True if anything
-        arrived."""
-        if not self.batching:
-            return False
-        deadline = time.monotonic() + PROMPT_GATHER_MAX_S
-        got = False
-        while True:
-            now = time.monotonic()
-            waiting = self.scheduler.prompts_waiting()
-            if len(waiting) >= self.scheduler.limits.max_batch_sessions:
-                break
-            until = min(deadline, max(waiting, default=0.0) + PROMPT_GATHER_S)
-            if now >= until or not self.client_sock.poll(max(1, int(1000 * (until - now)))):
-                break
-            self._drain(self.client_sock, self._on_client_message)
-            got = True
-        return got
-
     # -------------------------------------------------------------- drafter side
     def _on_drafter_message(self, peer: bytes, msg: Message, receipt: Receipt) -> None:
         if isinstance(msg, Hello):
@@ -474,7 +328,7 @@ class VerifierServer:
             if msg.report is not None:  # what it chose and plans, once after each welcome (listed in pongs)
                 msg.report.drafter = link.id
                 link.report = msg.report
-            self._send_to(link, encode(Heartbeat()))  # answered: the drafter notices a verifier that went away
+            self.drafter_out.send(link, encode(Heartbeat()))  # answered: the drafter notices a verifier that went away
             return
         if isinstance(msg, Draft):
             self._on_draft(link, msg, receipt)
@@ -482,56 +336,13 @@ class VerifierServer:
         raise ProtocolError(f"a drafter may not send {msg.TYPE!r}", code="unexpected")
 
     def _on_hello(self, peer: bytes, msg: Hello) -> None:
-        if self.run_secret is not None and not secret_matches(self.run_secret, msg.run_secret):
-            log.warning("refused a hello from %s: no valid run secret (not a drafter of this run)", peer.hex())
-            raise ProtocolError("unauthorized: this verifier takes drafters of its own run only (a hello must carry "
-                                f"the run secret from ${SECRET_ENV})", code="unauthorized")
-        if msg.tokenizer_id not in (self.tokenizer_id, ANY_TOKENIZER) and not vocab_prefix_matches(
-                msg.tokenizer_id, self.vocab_tokens):
-            log.error("refused drafter %r: tokenizer %s != target's %s", msg.drafter_type, msg.tokenizer_id,
-                      self.tokenizer_id)
-            raise ProtocolError(
-                f"tokenizer mismatch: the drafter's tokenizer ({msg.tokenizer_id}) is not the target's "
-                f"({self.tokenizer_id}); drafter type {msg.drafter_type!r} needs the target's tokenizer",
-                code="tokenizer_mismatch",
-            )
-        drafter = DrafterLink(peer, msg.drafter_type, msg.capabilities, msg.host)
-        if self.ensemble_weight is not None and not drafter.sends_q:
-            log.error("refused drafter %r: ensemble verification needs q, it sends none", drafter.type)
-            raise ProtocolError(
-                f"static ensemble verification (verification.ensemble_weight = {self.ensemble_weight}) needs the "
-                f"draft distribution q; drafter type {drafter.type!r} sends none (it is not supported with drafters "
-                "that have no q, such as prompt lookup): unset verification.ensemble_weight or use a model drafter",
-                code="ensemble_needs_q",
-            )
-        if drafter.kv_layers:
-            try:
-                CachedLM(self.model).check_kv_layers(drafter.kv_layers)
-            except KVRowsError as exc:
-                log.error("refused drafter %r: %s", msg.drafter_type, exc)
-                raise ProtocolError(
-                    f"drafter type {msg.drafter_type!r} needs K/V rows of target layers {drafter.kv_layers}, "
-                    f"which this target ({self.model_name}, {type(self.model).__name__}) cannot provide: {exc}",
-                    code="unsupported",
-                ) from None
-        if msg.profile is not None:
-            try:
-                profile = NodeProfile.from_dict(msg.profile)
-            except (ValueError, TypeError) as exc:
-                raise ProtocolError(f"hello: bad cost profile: {exc}") from None
-            drafter.dtype = profile.dtype
-            # its profile covers 1 .. max_draft_tokens + 1 rows: the longest block is that many steps, less one
-            curve = profile.curve(max(profile.curves))
-            drafter.block_s = min(self.draft_timeout, BLOCK_WAIT_FACTOR * max(1, curve.sizes[-1] - 1) * curve.cost(1))
-        link, again = self.pool.join(drafter)
-        log.info("drafter %s %s: caps=%s dtype=%s", link.label(), "said hello again" if again else "joined",
-                 msg.capabilities, link.dtype)
-        self._send_to(link, encode(Welcome(target=self.model_name, vocab_size=self.vocab_size,
-                                           want_q=self.ensemble_weight is not None,
-                                           profile=self.profile.to_dict() if self.profile else None,
-                                           threads=ThreadCounts(self.threads.share, self.threads.full),
-                                           rollback_refeeds=self.rollback_refeeds, dtype=self.dtype)))
-        self.policy.on_joined(link, again)
+        """Checked by the pool policy (:class:`verifier_node.pool_policy.HelloCheck`), welcomed with the target's
+        facts and cost profile."""
+        self.policy.on_hello(peer, msg, self.hello_check, Welcome(
+            target=self.model_name, vocab_size=self.vocab_size, want_q=self.ensemble_weight is not None,
+            profile=self.profile.to_dict() if self.profile else None,
+            threads=ThreadCounts(self.threads.share, self.threads.full), rollback_refeeds=self.rollback_refeeds,
+            dtype=self.dtype))
 
     def announce(
         self, s: Session, hidden: torch.Tensor | None = None, kv: dict[str, torch.Tensor] | None = None
@@ -539,33 +350,7 @@ class VerifierServer:
         d = s.drafter
         if d is None or self.policy.lacks_q(s.params, d):
             return  # not announced: the session takes plain steps from the target
-        tensors, size = _state_tensors(hidden, kv)
-        pieces = [] if size <= self._state_budget() else split_state(tensors, len(s.tokens) - 1, self._state_budget())
-        self._send_to(d, encode(SessionStart(session=s.sid, token_ids=s.tokens, params=s.params.to_dict(),
-                                             prompt_len=s.prompt_len, decoding=self.scheduler.decoding(waiting=True),
-                                             tenant=s.tenant, tensors={} if pieces else tensors)))
-        for end, part in pieces:  # a long prompt's state, in pieces that each fit the message cap
-            self._send_to(d, encode(State(session=s.sid, base_len=len(s.tokens), end=end, tensors=part)))
-        s.announced = True
-        s.ready_since = time.monotonic()
-        s.wait.ready(len(s.tokens), s.ready_since)
-
-    def _state_budget(self) -> int:
-        """Bytes of state tensors one message may carry (the rest of the cap is left to the header)."""
-        return self.max_bytes * 3 // 4
-
-    def _extras(
-        self, s: Session, hidden: torch.Tensor | None, kv: dict[str, torch.Tensor] | None
-    ) -> dict[str, torch.Tensor]:
-        """A commit's state tensors (hidden states, K/V rows of one round's positions), dropped with an error in the
-        log if they would exceed the message cap (the drafter then drafts nothing more for the session; the output
-        is unaffected)."""
-        tensors, size = _state_tensors(hidden, kv)
-        if size > self._state_budget():
-            log.error("session %d: drafter state of %d bytes exceeds max_message_bytes (%d); not sent", s.sid, size,
-                      self.max_bytes)
-            return {}
-        return tensors
+        self.drafter_out.announce(s, d, self.scheduler.decoding(waiting=True), hidden, kv)
 
     def _on_draft(self, link: DrafterLink, msg: Draft, receipt: Receipt) -> None:
         s = self.sessions.get(msg.session)
@@ -598,109 +383,33 @@ class VerifierServer:
         if stats is not None:
             s.metrics.drafter_stats = stats
 
-    def _send_to(self, link: DrafterLink, frames: list) -> None:
-        self.drafter_sock.send_multipart([link.routing_id, *frames], copy=False)
-
     # --------------------------------------------------------------- client side
     def _on_client_message(self, peer: bytes, msg: Message, receipt: Receipt) -> None:
         self.client_seen[peer] = time.monotonic()
         if isinstance(msg, Generate):
-            try:
-                self._on_generate(peer, msg, receipt.user_id)
-            except ProtocolError:
-                raise  # keeps its code (busy)
-            except (ParamError, ValueError) as exc:
-                raise ProtocolError(str(exc), code="bad_request", request_id=msg.request_id) from None
+            self.intake.receive(peer, msg, receipt.user_id)
         elif isinstance(msg, Cancel):
             sid = self.by_request.get((peer, msg.request_id))
             if sid is not None:
                 self.finish(self.sessions[sid], "cancelled")
-            elif self.prep.cancel((peer, msg.request_id)) is not None:  # cancelled while being prepared
+            elif self.intake.cancel((peer, msg.request_id)):  # cancelled while being prepared
                 self.client_sock.send_multipart([peer, *encode(Done(request_id=msg.request_id, token_ids=[], text="",
                                                                     metrics={}, finish_reason="cancelled"))])
         elif isinstance(msg, Ping):
-            live, n = self.pool.live(), self.rounds.counts
+            live = self.pool.live()
             self.client_sock.send_multipart([peer, *encode(Pong(
                 drafter_connected=bool(live), drafter_type=live[0].type if live else None,
                 drafters=self.pool.describe(), target=self.model_name, sessions=len(self.sessions),
                 max_message_bytes=self.max_bytes, heartbeat_timeout_s=self.client_timeout, batching=self.batching,
-                forwards=n.forwards,
-                mean_batch_sessions=n.batch_sessions_sum / n.forwards if n.forwards else 0.0,
-                mean_batch_tokens=n.batch_tokens_sum / n.forwards if n.forwards else 0.0,
-                prefill_forwards=n.prefill_forwards,
-                mean_prefill_sessions=n.prefill_sessions_sum / n.prefill_forwards if n.prefill_forwards else 0.0,
                 reports=[d.report for d in live if d.report is not None][:MAX_REPORTS],
-            ))])
+                **self.rounds.counts.pong_stats()))])
         else:
             raise ProtocolError(f"a client may not send {msg.TYPE!r}", code="unexpected")
 
-    def _on_generate(self, peer: bytes, msg: Generate, user_id: str | None = None) -> None:
-        """Cheap checks here, on the loop; the prompt's tokenisation and the grammar's compile in the preparation
-        worker (:mod:`verifier_node.request_prep`), after which :meth:`_admit` makes the session. A request of
-        token ids and no grammar has nothing slow to prepare: it is admitted at once."""
-        rid = msg.request_id
-        if (peer, rid) in self.by_request or (peer, rid) in self.prep:
-            raise ParamError(f"request_id {rid} is already running for this client")
-        if len(self.sessions) + len(self.prep) >= self.max_sessions:
-            raise ProtocolError(f"verifier is at its limit of {self.max_sessions} sessions", "busy", rid)
-        tenant = self.sockets.tenancy.tenant_of(msg, user_id)  # (docs/security.md)
-        cap = self.settings.max_sessions_per_tenant
-        held = sum(1 for s in self.sessions.values() if s.tenant == tenant) + sum(
-            1 for job in self.prep.pending.values() if job.scope == tenant)  # being prepared counts too
-        if cap is not None and held >= cap:
-            raise ProtocolError(f"this tenant is at its limit of {cap} sessions (verifier.max_sessions_per_tenant)",
-                                "busy", rid)
-        params_in = dict(msg.params)
-        params_in.setdefault("eos_token_ids", self.default_eos)
-        params = GenerationParams.from_dict(params_in, self.vocab_size)
-        if params.seed is None:
-            params.seed = secrets.randbits(62)
-        wanted = self._wanted_type(msg.drafter_type)
-        live = [d for d in self.pool.live() if wanted is None or d.type == wanted]
-        if live and all(self.policy.lacks_q(params, d) for d in live):
-            raise ParamError(
-                f"ensemble verification needs the draft distribution q; drafter type {live[0].type!r} sends none "
-                "under greedy decoding (use do_sample=true, or a drafter that sends q when greedy)"
-            )
-        if params.grammar_spec is not None and self.ensemble_weight is not None:
-            raise ParamError("structured output cannot be combined with static ensemble verification")
-        job = PrepJob(peer, msg, params, wanted, scope=tenant)
-        self._admission_check(job, len(msg.token_ids) if msg.token_ids is not None else 1)  # before any work
-        if msg.token_ids is None or params.grammar_spec is not None:
-            self.prep.submit(job)
-            return
-        self._prepare(job)
-        self._admit(job)
-
-    def _prepare(self, job: PrepJob) -> None:
-        """Fill ``job``: the prompt's ids and the grammar's matcher (the preparation worker's thread, or the loop
-        for a request with nothing slow to prepare)."""
-        job.prompt = self._prompt_ids(job.msg)
-        job.grammar = self._grammar(job.params, job.scope)
-
-    def _admission_check(self, job: PrepJob, prompt_len: int) -> None:
-        in_use = sum(s.prompt_len + s.params.max_new_tokens for s in self.sessions.values())
-        self.admission.check(prompt_len, job.params.max_new_tokens, in_use, job.msg.request_id)
-
-    def _admit_prepared(self) -> None:
-        """Admit the requests the preparation worker has finished (or send their errors); never blocks."""
-        for job in self.prep.finished():
-            try:
-                if job.error is not None:
-                    raise job.error
-                self._admit(job)
-            except ProtocolError as exc:
-                self.client_sock.send_multipart([job.peer, *error_frames(str(exc), exc.code,
-                                                                         request_id=job.msg.request_id)])
-            except (ParamError, ValueError) as exc:
-                self.client_sock.send_multipart([job.peer, *error_frames(str(exc), "bad_request",
-                                                                         request_id=job.msg.request_id)])
-
-    def _admit(self, job: PrepJob) -> None:
-        """A prepared request becomes a session, if its tokens fit (:mod:`verifier_node.admission`)."""
+    def _open_session(self, job: PrepJob) -> None:
+        """An admitted request (:mod:`verifier_node.intake`) becomes a session, served by a drafter that fits."""
         prompt, params, rid = job.prompt, job.params, job.msg.request_id
         assert prompt is not None
-        self._admission_check(job, len(prompt))
         sid = self.next_sid
         self.next_sid += 1
         # Under ensemble verification a plain step is not equivalent (it samples from p, not from w·p + (1 − w)·q),
@@ -712,56 +421,6 @@ class VerifierServer:
         self.scheduler.add(s)
         self.by_request[(job.peer, rid)] = sid
         self.policy.reassign(s)
-
-    def _grammar(self, params: GenerationParams, scope: str | None = None):
-        """The request's grammar matcher (structured output), or None. Compiled in a child process (cached per
-        ``(scope, kind, value)``), from the preparation worker; a spec the engine refuses, one past the bounds, one
-        that compiles too long, or a verifier without xgrammar, is a ``ParamError`` (the client's 400)."""
-        spec = params.grammar_spec
-        if spec is None:
-            return None
-        check_schema_bounds(spec)
-        try:
-            if self.grammars is None:
-                grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.default_eos,
-                                           cache_bytes=self.settings.grammar_cache_bytes)
-                self.grammar_child = GrammarChild(grammars.xgr, grammars.info, self.vocab_size,
-                                                  self.settings.grammar_cache_bytes,
-                                                  self.settings.grammar_compile_timeout_s)
-                grammars.compile_with = self.grammar_child.compile
-                self.grammars = grammars
-            return self.grammars.session(spec, params.end_token_ids, scope)
-        except ParamError:
-            raise
-        except Exception as exc:  # the engine failed on this tokenizer or matcher: this request only, never the node
-            log.exception("structured output failed to start")
-            raise ParamError(f"structured output could not start on this target: {exc!r:.300}") from None
-
-    def _wanted_type(self, value: str | None) -> str | None:
-        """``generate.drafter_type``: None (any drafter), or a type name known to pipespec or present in the pool.
-        A known type with no live drafter is not an error: the request takes plain steps until one joins."""
-        if value is None:
-            return None
-        known = set(DRAFTER_TYPES) | self.pool.types()
-        if value not in known:
-            raise ParamError(f"drafter_type must be one of {', '.join(sorted(known))}, got {value!r}")
-        return value
-
-    def _prompt_ids(self, msg: Generate) -> list[int]:
-        """The prompt's token ids. Runs in the preparation worker, with a copy of the tokenizer of its own: the loop
-        detokenises with ``self.tokenizer`` meanwhile, and a Rust tokenizer object is not meant to be shared."""
-        # decode checked the types and that exactly one of token_ids, prompt and messages is given
-        if msg.token_ids is not None:
-            ids = msg.token_ids
-        else:
-            if self._worker_tokenizer is None:
-                self._worker_tokenizer = copy.deepcopy(self.tokenizer)
-            ids = _encode(self._worker_tokenizer, msg)
-        if not ids:
-            raise ParamError("the prompt is empty")
-        if any(t < 0 or t >= self.vocab_size for t in ids):
-            raise ParamError(f"token ids must be in [0, {self.vocab_size})")
-        return list(ids)
 
     # ------------------------------------------------------------------ rounds
     def _fail(self, s: Session, code: str, message: str) -> None:
@@ -798,9 +457,9 @@ class VerifierServer:
             frames = encode(Commit(session=s.sid, base_len=r.base_len, tokens=r.tokens, new_len=len(s.tokens),
                                    drafted=r.drafted, accepted=r.accepted, verify_s=r.forward_s, threads=r.threads,
                                    batch_sessions=r.batch_sessions, batch_tokens=r.batch_tokens,
-                                   decoding=decoding, tensors=self._extras(s, r.hidden, r.kv)))
+                                   decoding=decoding, tensors=self.drafter_out.extras(s, r.hidden, r.kv)))
             s.metrics.bytes_out += sum(len(f) if isinstance(f, bytes) else f.nbytes for f in frames)
-            self._send_to(s.drafter, frames)
+            self.drafter_out.send(s.drafter, frames)
         delta = s.text.push(r.tokens)
         self.client_sock.send_multipart([s.client, *encode(Chunk(request_id=s.request_id, token_ids=r.tokens,
                                                                  text=delta))])
@@ -820,22 +479,6 @@ class VerifierServer:
             return
         self.client_sock.send_multipart([s.client, *frames])
         self._release(s)
-
-
-def _encode(tokenizer: Any, msg: Generate) -> list[int]:
-    """``msg``'s prompt text or chat messages as token ids (a ParamError where the tokenizer or template refuses)."""
-    if msg.prompt is not None:
-        try:
-            return tokenizer(msg.prompt, add_special_tokens=True)["input_ids"]
-        except Exception as exc:  # a tokenizer may refuse odd text (lone surrogates, …)
-            raise ParamError(f"the target's tokenizer cannot encode the prompt: {exc!r:.300}") from None
-    if not getattr(tokenizer, "chat_template", None):
-        raise ParamError("the target's tokenizer has no chat template; send prompt or token_ids")
-    try:
-        return tokenizer.apply_chat_template(msg.messages, add_generation_prompt=True, tokenize=True,
-                                             return_dict=True)["input_ids"]
-    except Exception as exc:  # the template's own raise_exception, or one that fails on these messages
-        raise ParamError(f"the target's chat template failed on these messages: {exc!r:.300}") from None
 
 
 def run(config: Config, links: VerifierLinks, forward_delay_s: float = 0.0,

@@ -1,0 +1,250 @@
+"""Request intake: a client's ``generate`` from its arrival to its session.
+
+On the verifier's loop, cheaply: the checks of a ``generate`` (a request id not already running, the session limit,
+the tenant's cap, the generation parameters, the drafter type it asks for, what ensemble verification needs) and a
+first admission check by memory (:mod:`verifier_node.admission`) before any work. Off the loop, in the preparation
+worker (:mod:`verifier_node.request_prep`): the prompt's tokenisation and the grammar's start-up (its compile in a
+child process). Once prepared, a request is admitted again by memory (its real prompt length) and handed to the
+server, which makes it a session. A request of token ids and no grammar has nothing slow to prepare: it is admitted
+at once.
+
+No sockets: the server gives :class:`RequestIntake` a callback that opens a session and one that sends a client the
+error of a prepared request; every other refusal is a :class:`ProtocolError` raised to the server's handler (code
+``busy``, ``bad_request`` or ``unauthorized``, with the request's id).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import secrets
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
+
+from drafter_node.types import DRAFTER_TYPES
+from shared.protocol import Generate, ProtocolError, error_frames
+from shared.sampling import GenerationParams, ParamError
+from verifier_node.admission import MemoryAdmission
+from verifier_node.grammar import GrammarCompiler
+from verifier_node.pool_policy import PoolPolicy
+from verifier_node.request_prep import GrammarChild, PrepJob, RequestPrep, check_schema_bounds
+from verifier_node.session import Session
+from verifier_node.tenancy import TenantRule
+
+log = logging.getLogger("pipespec.verifier")
+
+#: Opens the session of an admitted, prepared request (the server's: the session table, its drafter).
+OpenSession = Callable[[PrepJob], None]
+#: Sends encoded frames to a client (the error of a request that failed while being prepared).
+Reply = Callable[[bytes, list], None]
+
+
+class IntakeSettings(Protocol):
+    """What the intake reads of the server's settings (:class:`verifier_node.server.VerifierSettings`)."""
+
+    @property
+    def max_sessions(self) -> int: ...
+    @property
+    def max_sessions_per_tenant(self) -> int | None: ...
+    @property
+    def max_pending_requests(self) -> int: ...
+    @property
+    def ensemble_weight(self) -> float | None: ...
+    @property
+    def grammar_cache_bytes(self) -> int: ...
+    @property
+    def grammar_compile_timeout_s(self) -> float: ...
+
+
+class RequestIntake:
+    """Checks, prepares and admits the requests of the clients (see the module's docstring). ``sessions``: the
+    session table (the scheduler's); ``requests``: its index by ``(client, request_id)`` (the server's); both read
+    only here. ``tokenizer``, ``vocab_size`` and ``default_eos``: the target's. ``prep_hook``: for tests, run by
+    the preparation worker before each request it prepares (a slow tokenizer or compile)."""
+
+    def __init__(self, settings: IntakeSettings, tokenizer: Any, vocab_size: int, default_eos: list[int], *,
+                 admission: MemoryAdmission, sessions: Mapping[int, Session],
+                 requests: Mapping[tuple[bytes, int], int], policy: PoolPolicy, tenancy: TenantRule,
+                 open_session: OpenSession, reply: Reply, prep_hook: Callable[[PrepJob], None] | None = None):
+        self.settings = settings
+        self.tokenizer = tokenizer
+        self._worker_tokenizer: Any = None  # the preparation worker's copy (made at its first text prompt)
+        self.vocab_size = vocab_size
+        self.default_eos = default_eos
+        self.admission = admission
+        self.sessions = sessions
+        self.requests = requests
+        self.policy = policy
+        self.tenancy = tenancy
+        self.open_session = open_session
+        self.reply = reply
+        self.grammars: GrammarCompiler | None = None  # built at the first request with a grammar (xgrammar optional)
+        self.grammar_child: GrammarChild | None = None  # where grammars compile (started with self.grammars)
+        # Tokenising and grammar compiles run off the loop; a finished one wakes it through prep.socket.
+        self.prep = RequestPrep(self.prepare, settings.max_pending_requests, hook=prep_hook)
+
+    # ------------------------------------------------------------------ on the loop
+    def receive(self, peer: bytes, msg: Generate, user_id: str | None = None) -> None:
+        """Take ``msg`` from client ``peer`` (``user_id``: its ZAP User-Id): admitted at once, or queued for
+        preparation. A refusal is a :class:`ProtocolError` with the request's id: ``busy`` (limits, retry later),
+        ``unauthorized`` (tenancy) or ``bad_request`` (everything else)."""
+        try:
+            self._on_generate(peer, msg, user_id)
+        except ProtocolError:
+            raise  # keeps its code (busy)
+        except (ParamError, ValueError) as exc:
+            raise ProtocolError(str(exc), code="bad_request", request_id=msg.request_id) from None
+
+    def _on_generate(self, peer: bytes, msg: Generate, user_id: str | None = None) -> None:
+        """Cheap checks here, on the loop; the prompt's tokenisation and the grammar's compile in the preparation
+        worker (:mod:`verifier_node.request_prep`), after which :meth:`_admit` makes the session. A request of
+        token ids and no grammar has nothing slow to prepare: it is admitted at once."""
+        rid = msg.request_id
+        if (peer, rid) in self.requests or (peer, rid) in self.prep:
+            raise ParamError(f"request_id {rid} is already running for this client")
+        if len(self.sessions) + len(self.prep) >= self.settings.max_sessions:
+            raise ProtocolError(f"verifier is at its limit of {self.settings.max_sessions} sessions", "busy", rid)
+        tenant = self.tenancy.tenant_of(msg, user_id)  # (docs/security.md)
+        self._check_tenant_cap(tenant, rid)
+        params = self._params(msg)
+        wanted = self._wanted_type(msg.drafter_type)
+        live = [d for d in self.policy.pool.live() if wanted is None or d.type == wanted]
+        if live and all(self.policy.lacks_q(params, d) for d in live):
+            raise ParamError(
+                f"ensemble verification needs the draft distribution q; drafter type {live[0].type!r} sends none "
+                "under greedy decoding (use do_sample=true, or a drafter that sends q when greedy)"
+            )
+        if params.grammar_spec is not None and self.settings.ensemble_weight is not None:
+            raise ParamError("structured output cannot be combined with static ensemble verification")
+        job = PrepJob(peer, msg, params, wanted, scope=tenant)
+        self._admission_check(job, len(msg.token_ids) if msg.token_ids is not None else 1)  # before any work
+        if msg.token_ids is None or params.grammar_spec is not None:
+            self.prep.submit(job)
+            return
+        self.prepare(job)
+        self._admit(job)
+
+    def _check_tenant_cap(self, tenant: str | None, rid: int) -> None:
+        """``busy`` where ``tenant`` holds ``verifier.max_sessions_per_tenant`` sessions (being prepared counts)."""
+        cap = self.settings.max_sessions_per_tenant
+        held = sum(1 for s in self.sessions.values() if s.tenant == tenant) + sum(
+            1 for job in self.prep.pending.values() if job.scope == tenant)  # being prepared counts too
+        if cap is not None and held >= cap:
+            raise ProtocolError(f"this tenant is at its limit of {cap} sessions (verifier.max_sessions_per_tenant)",
+                                "busy", rid)
+
+    def _params(self, msg: Generate) -> GenerationParams:
+        """The request's generation parameters: the target's end tokens unless it names its own, a seed if none."""
+        params_in = dict(msg.params)
+        params_in.setdefault("eos_token_ids", self.default_eos)
+        params = GenerationParams.from_dict(params_in, self.vocab_size)
+        if params.seed is None:
+            params.seed = secrets.randbits(62)
+        return params
+
+    def _wanted_type(self, value: str | None) -> str | None:
+        """``generate.drafter_type``: None (any drafter), or a type name known to pipespec or present in the pool.
+        A known type with no live drafter is not an error: the request takes plain steps until one joins."""
+        if value is None:
+            return None
+        known = set(DRAFTER_TYPES) | self.policy.pool.types()
+        if value not in known:
+            raise ParamError(f"drafter_type must be one of {', '.join(sorted(known))}, got {value!r}")
+        return value
+
+    def _admission_check(self, job: PrepJob, prompt_len: int) -> None:
+        in_use = sum(s.prompt_len + s.params.max_new_tokens for s in self.sessions.values())
+        self.admission.check(prompt_len, job.params.max_new_tokens, in_use, job.msg.request_id)
+
+    def admit_prepared(self) -> None:
+        """Admit the requests the preparation worker has finished (or send their errors); never blocks."""
+        for job in self.prep.finished():
+            try:
+                if job.error is not None:
+                    raise job.error
+                self._admit(job)
+            except ProtocolError as exc:
+                self.reply(job.peer, error_frames(str(exc), exc.code, request_id=job.msg.request_id))
+            except (ParamError, ValueError) as exc:
+                self.reply(job.peer, error_frames(str(exc), "bad_request", request_id=job.msg.request_id))
+
+    def _admit(self, job: PrepJob) -> None:
+        """A prepared request becomes a session, if its tokens fit (:mod:`verifier_node.admission`)."""
+        assert job.prompt is not None
+        self._admission_check(job, len(job.prompt))
+        self.open_session(job)
+
+    def cancel(self, key: tuple[bytes, int]) -> bool:
+        """Drop the request ``key`` if it is being prepared (its result is thrown away); whether it was."""
+        return self.prep.cancel(key) is not None
+
+    def close(self) -> None:
+        """Stop the preparation worker and the grammar child (a compile in work ends now)."""
+        if self.grammar_child is not None:
+            self.grammar_child.kill()  # a compile in work ends now, so the worker can stop
+        self.prep.close()
+        if self.grammar_child is not None:
+            self.grammar_child.close()
+
+    # ------------------------------------------------------------------ in the preparation worker
+    def prepare(self, job: PrepJob) -> None:
+        """Fill ``job``: the prompt's ids and the grammar's matcher (the preparation worker's thread, or the loop
+        for a request with nothing slow to prepare)."""
+        job.prompt = self._prompt_ids(job.msg)
+        job.grammar = self._grammar(job.params, job.scope)
+
+    def _grammar(self, params: GenerationParams, scope: str | None = None):
+        """The request's grammar matcher (structured output), or None. Compiled in a child process (cached per
+        ``(scope, kind, value)``), from the preparation worker; a spec the engine refuses, one past the bounds, one
+        that compiles too long, or a verifier without xgrammar, is a ``ParamError`` (the client's 400)."""
+        spec = params.grammar_spec
+        if spec is None:
+            return None
+        check_schema_bounds(spec)
+        try:
+            if self.grammars is None:
+                grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.default_eos,
+                                           cache_bytes=self.settings.grammar_cache_bytes)
+                self.grammar_child = GrammarChild(grammars.xgr, grammars.info, self.vocab_size,
+                                                  self.settings.grammar_cache_bytes,
+                                                  self.settings.grammar_compile_timeout_s)
+                grammars.compile_with = self.grammar_child.compile
+                self.grammars = grammars
+            return self.grammars.session(spec, params.end_token_ids, scope)
+        except ParamError:
+            raise
+        except Exception as exc:  # the engine failed on this tokenizer or matcher: this request only, never the node
+            log.exception("structured output failed to start")
+            raise ParamError(f"structured output could not start on this target: {exc!r:.300}") from None
+
+    def _prompt_ids(self, msg: Generate) -> list[int]:
+        """The prompt's token ids. Runs in the preparation worker, with a copy of the tokenizer of its own: the loop
+        detokenises with ``self.tokenizer`` meanwhile, and a Rust tokenizer object is not meant to be shared."""
+        # decode checked the types and that exactly one of token_ids, prompt and messages is given
+        if msg.token_ids is not None:
+            ids = msg.token_ids
+        else:
+            if self._worker_tokenizer is None:
+                self._worker_tokenizer = copy.deepcopy(self.tokenizer)
+            ids = _encode(self._worker_tokenizer, msg)
+        if not ids:
+            raise ParamError("the prompt is empty")
+        if any(t < 0 or t >= self.vocab_size for t in ids):
+            raise ParamError(f"token ids must be in [0, {self.vocab_size})")
+        return list(ids)
+
+
+def _encode(tokenizer: Any, msg: Generate) -> list[int]:
+    """``msg``'s prompt text or chat messages as token ids (a ParamError where the tokenizer or template refuses)."""
+    if msg.prompt is not None:
+        try:
+            return tokenizer(msg.prompt, add_special_tokens=True)["input_ids"]
+        except Exception as exc:  # a tokenizer may refuse odd text (lone surrogates, …)
+            raise ParamError(f"the target's tokenizer cannot encode the prompt: {exc!r:.300}") from None
+    if not getattr(tokenizer, "chat_template", None):
+        raise ParamError("the target's tokenizer has no chat template; send prompt or token_ids")
+    try:
+        return tokenizer.apply_chat_template(msg.messages, add_generation_prompt=True, tokenize=True,
+                                             return_dict=True)["input_ids"]
+    except Exception as exc:  # the template's own raise_exception, or one that fails on these messages
+        raise ParamError(f"the target's chat template failed on these messages: {exc!r:.300}") from None
