@@ -52,7 +52,7 @@ async def run_weight(
     config: str, overrides: dict[str, Any], prompts: list[dict[str, Any]], max_new_tokens: int,
     weight: float | None, params: dict[str, Any],
 ) -> dict[str, Any]:
-    from runtime.launch import cluster
+    from runtime.launchers import cluster
 
     label = "lossless" if weight is None else f"w={weight}"
     log(f"{label}: starting the nodes")

@@ -101,7 +101,7 @@ def hf_worker(job_path: Path) -> int:
 
 async def run_pipespec(config: str, overrides: list[str], prompt: list[int], new_tokens: int,
                        reps: int) -> list[dict[str, Any]]:
-    from runtime.launch import cluster
+    from runtime.launchers import cluster
 
     params = {"max_new_tokens": new_tokens, "eos_token_ids": [], "do_sample": False}
     runs = []

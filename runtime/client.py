@@ -157,10 +157,12 @@ class AsyncClient:
     be missing (no verifier to connect to at the first request) or unanswered at the ZeroMQ level before requests
     fail with ``verifier_gone``. A long verification round does not count: ZeroMQ answers heartbeats meanwhile.
     ``curve``: the keys to connect with when the verifier's client socket runs CURVE
-    (``runtime.keys.client_keys(KEYS_DIR, NAME)``); without an allowed key such a verifier never answers."""
+    (``runtime.keys.client_keys(KEYS_DIR, NAME)``); without an allowed key such a verifier never answers.
+    ``context``: a ZeroMQ context to share (an ``inproc://`` verifier is reached only from its own context; the
+    client then leaves it open), None: a context of the client's own."""
 
     def __init__(self, address: str, timeout_s: float = 600.0, curve: ClientKeys | None = None,
-                 heartbeat_s: float = 0.5, gone_after_s: float = 1.5):
+                 heartbeat_s: float = 0.5, gone_after_s: float = 1.5, context: zmq.Context | None = None):
         if not 0 < heartbeat_s < gone_after_s:
             raise ValueError(f"need 0 < heartbeat_s < gone_after_s, got {heartbeat_s} and {gone_after_s}")
         self.address = address
@@ -180,10 +182,12 @@ class AsyncClient:
         #: The verifier's cap on one message, from its pong (None: not asked yet, or the verifier changed).
         self.max_message_bytes: int | None = None
         self._ctx: zmq.asyncio.Context | None = None
+        self._shared_ctx = context
         self._sock = None
 
     async def __aenter__(self) -> AsyncClient:
-        self._ctx = zmq.asyncio.Context()
+        self._ctx = (zmq.asyncio.Context() if self._shared_ctx is None
+                     else zmq.asyncio.Context.shadow(self._shared_ctx.underlying))
         self._sock = make_dealer(self._ctx, self.curve,
                                  heartbeat_ms=(int(1000 * self.heartbeat_s), int(1000 * self.gone_after_s)))
         self._connected = asyncio.Event()
@@ -191,6 +195,7 @@ class AsyncClient:
         monitor = self._sock.get_monitor_socket(
             zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
         self._sock.connect(self.address)
+        self._connected_without_handshake()
         self._monitor_task = asyncio.create_task(self._watch_connection(monitor))
         self._reader = asyncio.create_task(self._read())
         return self
@@ -218,7 +223,8 @@ class AsyncClient:
             self._sock.close(linger=500 if cancelled else 0)
             self._sock = None
         if self._ctx is not None:
-            self._ctx.term()
+            if self._shared_ctx is None:  # a shared context is its owner's to end
+                self._ctx.term()
             self._ctx = None
 
     async def retarget(self, address: str) -> None:
@@ -233,6 +239,12 @@ class AsyncClient:
         self._fail_all(f"the launcher moved it to {address}")
         self.address = address
         self._sock.connect(address)
+        self._connected_without_handshake()
+
+    def _connected_without_handshake(self) -> None:
+        """An ``inproc://`` link has no handshake (and no connection events): it is up once connected."""
+        if self.address.startswith("inproc://"):
+            self._connected.set()
 
     async def _read(self) -> None:
         while True:

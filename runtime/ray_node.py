@@ -159,7 +159,8 @@ class NodeHost:
     def serve(self, role: str, config: dict[str, Any], keys: dict[str, bytes], link_delay_ms: float = 0.0) -> int:
         """Run the node until :meth:`stop` (returns 0) or until it fails (raises :class:`NodeFailed` with the end
         of its log)."""
-        from runtime.node_setup import node_log_level, prepare_models
+        from runtime.launchers.node import build_node, links_for, node_config
+        from runtime.node_setup import node_log_level
         from weights.progress import quiet_library_bars
 
         root = logging.getLogger()
@@ -179,8 +180,8 @@ class NodeHost:
                 proxy = _DelayProxy((host.strip("[]"), int(port)), link_delay_ms)
                 config = {**config, "drafter": {**config["drafter"],
                                                 "verifier_endpoint": f"tcp://127.0.0.1:{proxy.port}"}}
-            prepare_models({**config, "launch": {**config["launch"], "start_drafter": role == "drafter"}})
-            self.node = self._build(role, config)
+            # every link runs CURVE, so no run secret is asked or shown
+            self.node = build_node(role, node_config(config, role), links_for(role, config, None))
             if self.stopping.is_set():  # stop() came while the model loaded
                 return 0
             code = self.node.serve()
@@ -192,19 +193,6 @@ class NodeHost:
             self.node = None
             if proxy is not None:
                 proxy.close()
-
-    @staticmethod
-    def _build(role: str, config: dict[str, Any]) -> Any:
-        """The node, from its typed config; every link runs CURVE, so no run secret is asked or shown."""
-        from runtime.config import typed
-
-        if role == "verifier":
-            from verifier_node.server import VerifierServer
-
-            return VerifierServer.from_config(typed(config), links=security.verifier_links(config))
-        from drafter_node.node import DrafterNode
-
-        return DrafterNode.from_config(typed(config), links=security.drafter_links(config))
 
     def stop(self) -> None:
         """Ask the node to stop (its :meth:`serve` call then returns)."""
