@@ -103,3 +103,24 @@ def test_cluster_picks_the_launcher_from_the_config(tiny):
             return await client.generate(token_ids=PROMPTS[1], max_new_tokens=6, eos_token_ids=[])
 
     assert asyncio.run(main()).token_ids == reference_greedy(target, PROMPTS[1], 6)
+
+
+@pytest.mark.unit
+def test_the_command_runs_one_generation_in_process(tiny, tmp_path, capsys):
+    """``python -m runtime.launch --launcher inproc --prompt ... --json``: the CLI picks the launcher by flag."""
+    import json
+
+    import yaml
+
+    from runtime.launch import main
+
+    target = tiny("llama", "target")
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(tiny_config(target, target)))
+    assert main(["--config", str(path), "--launcher", "inproc", "--prompt", "hello", "--json",
+                 "--max-new-tokens", "5"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert len(out["token_ids"]) == 5 and out["metrics"]["new_tokens"] == 5
+    assert _node_threads() == []
+    assert main(["--config", str(path), "--launcher", "inproc", "--role", "verifier"]) == 2  # one node: no launcher
+    assert main(["--config", str(path), "--launcher", "process", "--ray"]) == 2

@@ -12,7 +12,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from runtime import cli, keys, launch
+from runtime import cli, keys, launch, launch_args
 from runtime.client import AsyncClient
 from runtime.config import ConfigError, load_config
 from runtime.node_setup import node_names
@@ -48,7 +48,7 @@ def test_the_config_checks_placements_and_the_ray_only_keys() -> None:
         load_config("cpu.yaml", {"drafter.placement": {"resources": {"CPU": 1}}})
     with pytest.raises(ConfigError, match=r"launch.link_delay_ms: only the ray backend"):
         load_config("cpu.yaml", {"launch.link_delay_ms": 5})
-    with pytest.raises(ConfigError, match=r"launch.backend: must be one of process, ray"):
+    with pytest.raises(ConfigError, match=r"launch.backend: must be one of process, inproc, ray"):
         load_config("cpu.yaml", {"launch.backend": "ssh"})
     config = load_config("cpu.yaml", {"launch.backend": "ray", "launch.link_delay_ms": 5})
     assert ray_config(config)["security"]["curve"] == "on", "every link of a Ray launch runs CURVE"
@@ -115,7 +115,8 @@ def test_ray_flags_set_the_backend_and_are_refused_where_they_mean_nothing() -> 
     args = cli.parser().parse_args(["serve", "--ray"])
     config = cli.build_config(args, serve=True)
     assert config["launch"]["backend"] == "ray" and config["launch"]["ray_address"] is None
-    assert launch.ray_overrides(None) == {}
+    assert launch_args.ray_overrides(None) == {}
+    assert launch_args.launcher_overrides("ray", "h:1") == {"launch.backend": "ray", "launch.ray_address": "h:1"}
     assert launch.main(["--role", "verifier", "--ray"]) == 2
 
 
