@@ -319,7 +319,7 @@ async def run_generations(config: dict[str, Any], requests: list[dict[str, Any]]
             return [await client.generate(**request) for request in requests]
         except Exception as exc:
             tails = "\n".join(f"--- end of {role} log ---\n{client.cluster.log_tail(role)}"
-                              for role in client.processes)
+                              for role in client.cluster.nodes())
             raise RuntimeError(f"{type(exc).__name__}: {exc}\n{tails}") from exc
 
 

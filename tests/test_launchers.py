@@ -33,7 +33,7 @@ def test_every_backend_is_registered_and_unknown_ones_are_refused(tiny):
     assert launcher_class("process") is ProcessLauncher and launcher_class("inproc") is InprocLauncher
     with pytest.raises(LaunchError, match="unknown launcher 'nope'"):
         launcher_class("nope")
-    with pytest.raises(ConfigError, match="launch.backend"):
+    with pytest.raises(ConfigError, match=r"launch\.backend"):
         load_config(tiny_config(tiny("llama"), None), {"launch.backend": "threads"})
 
 

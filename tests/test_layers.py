@@ -148,7 +148,7 @@ def cycles(graph: Mapping[str, Iterable[str]]) -> list[list[str]]:
 
 def test_no_upward_import() -> None:
     graph = import_graph()
-    assert COMMANDS <= set(graph), f"a command module was renamed: {sorted(COMMANDS - set(graph))}"
+    assert set(graph) >= COMMANDS, f"a command module was renamed: {sorted(COMMANDS - set(graph))}"
     bad = upward_edges(graph)
     assert not bad, "imports from a lower layer to a higher one:\n" + "\n".join(f"  {a} -> {b}" for a, b in bad)
 
