@@ -14,7 +14,7 @@ greedy, ``--max-new-tokens`` new tokens, end tokens off, one short warm-up per r
 - ``hf-target``: transformers ``generate`` on the target alone (``--hf-threads`` threads, one subprocess);
 - ``hf-assisted``: transformers assisted generation (``assistant_model=`` the cut assistant) with the same
   constant k as pipespec and no confidence stop (``--hf-defaults``: transformers' own settings; recorded either way);
-- ``pipespec``: ``runtime.launch.cluster`` with a config dict: both models from the saved folders, ``--dtype``, one
+- ``pipespec``: ``runtime.launchers.cluster`` with a config dict: both models from the saved folders, ``--dtype``, one
   thread per node, overlap on, a fixed k (``num_draft_tokens`` ``--k``, ``draft_schedule: constant``).
 
 tok/s is counted two ways: end to end (new tokens / request time, the prefill included) and decode only (tokens

@@ -52,6 +52,8 @@ def test_inproc_greedy_matches_transformers_and_stops_clean(tiny):
     expected = [reference_greedy(target, p, 16) for p in PROMPTS]
     config = tiny_config(target, drafter, num_draft_tokens=3)
 
+    before = set(threading.enumerate())
+
     async def main():
         async with inproc_cluster(config) as client:
             assert client.address.startswith("inproc://")
@@ -65,6 +67,8 @@ def test_inproc_greedy_matches_transformers_and_stops_clean(tiny):
     assert [r.token_ids for r in results] == expected
     assert results[0].metrics["drafts"] > 0, "the drafter never contributed a block"
     assert _node_threads() == [], "stop() joined every node thread"
+    left = [t.name for t in set(threading.enumerate()) - before if t.is_alive()]
+    assert left == [], f"threads the nodes started are still running: {left}"
 
 
 @pytest.mark.unit
