@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from runtime import keys as keyfiles
-from runtime.config import ConfigError
+from runtime.config import ConfigError, typed
 from runtime.launchers.base import LaunchOptions, NodeState, Started, drafter_count, make_run_dir
 from runtime.node_setup import LaunchError, node_names, wait_until_serving
 from runtime.placement import Placement, parse_placement
@@ -251,7 +251,8 @@ class Controller:
             self.config["verifier"]["endpoint"] = f"tcp://{ip}:{self.verifier_ports[0]}"
             self.config["client"]["endpoint"] = f"tcp://{ip}:{self.verifier_ports[1]}"
             self.config["drafter"]["verifier_endpoint"] = None
-        node.serving = node.actor.serve.remote(node.role, copy.deepcopy(self.config),
+        # the node's typed config, built here once; Ray pickles it into the call
+        node.serving = node.actor.serve.remote(node.role, typed(self.config),
                                                key_material(self.keys_dir, node.role),
                                                self.config["launch"]["link_delay_ms"] if node.role == "drafter" else 0)
         node.state = "serving"

@@ -10,6 +10,8 @@ runtime/config_schema.py lists every section in the reference's order.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -115,3 +117,15 @@ class Config:
     launch: LaunchConfig
     security: SecurityConfig
     http: HttpConfig
+
+    def as_dict(self) -> dict[str, dict[str, Any]]:
+        """The sections as plain dicts, with the configured drafter type's own keys in ``drafter``: the shape of a
+        loaded config (less other types' keys), for the launcher's helpers that read one (model installs, links)."""
+        out = {f.name: dataclasses.asdict(getattr(self, f.name)) for f in dataclasses.fields(self)
+               if f.name != "drafter_type"}
+        own = self.drafter_type
+        if dataclasses.is_dataclass(own):
+            out["drafter"].update(dataclasses.asdict(own))
+        elif isinstance(own, Mapping):
+            out["drafter"].update(own)
+        return out

@@ -161,3 +161,57 @@ async def test_a_client_follows_the_verifier_to_its_new_address(tmp_path) -> Non
         old.close(0)
         new.close(0)
         ctx.term()
+
+
+def test_a_node_host_serves_the_typed_config_it_was_handed(tiny, tmp_path) -> None:
+    """What a Ray actor runs, without Ray: the controller's typed config, pickled as Ray pickles a call argument,
+    and the run's key files; the host writes its keys, builds the node with the one ``build_node`` and serves. A
+    verifier and a drafter host on loopback over CURVE give transformers' greedy output."""
+    import pickle
+    import threading
+
+    from conftest import tiny_config
+
+    from runtime.config import typed
+    from runtime.ray_node import NodeHost
+    from testkit.tiny_models import reference_greedy
+
+    target = tiny("llama", "target")
+    ports = free_ports("127.0.0.1", 2)
+    config = ray_config(load_config(tiny_config(target, target), {
+        "verifier.endpoint": f"tcp://127.0.0.1:{ports[0]}", "client.endpoint": f"tcp://127.0.0.1:{ports[1]}"}))
+    keys.init(tmp_path / "keys", clients=["client"], drafters=["drafter"])
+    shipped = pickle.loads(pickle.dumps(typed(config)))  # what Ray hands the actor
+    hosts = {role: NodeHost(role) for role in ("verifier", "drafter")}
+    done: dict[str, object] = {}
+
+    def serve(role: str) -> None:
+        try:
+            done[role] = hosts[role].serve(role, shipped, key_material(tmp_path / "keys", role))
+        except Exception as exc:  # reported below
+            done[role] = exc
+
+    threads = [threading.Thread(target=serve, args=(role,), daemon=True) for role in hosts]
+    for t in threads:
+        t.start()
+    write_keys(tmp_path / "client", key_material(tmp_path / "keys", "client"))
+
+    async def main():
+        async with AsyncClient(config["client"]["endpoint"], timeout_s=60,
+                               curve=keys.client_keys(tmp_path / "client")) as client:
+            for _ in range(300):
+                if len((await client.ping(timeout_s=5.0)).get("drafters") or []) >= 1:
+                    break
+                await asyncio.sleep(0.2)
+            return await client.generate(token_ids=[5, 17, 33], max_new_tokens=8, eos_token_ids=[])
+
+    try:
+        result = asyncio.run(main())
+    finally:
+        for host in hosts.values():
+            host.stop()
+        for t in threads:
+            t.join(30)
+    assert result.token_ids == reference_greedy(target, [5, 17, 33], 8)
+    assert result.metrics["drafts"] > 0
+    assert done == {"verifier": 0, "drafter": 0}, done

@@ -30,9 +30,11 @@ import zmq
 
 from runtime import security
 from runtime.client import AsyncClient
+from runtime.config import typed
 from runtime.launchers.base import LaunchOptions, NodeState, Started, drafter_count, make_run_dir
-from runtime.launchers.node import Node, build_node, links_for, node_config
+from runtime.launchers.node import Node, build_node, links_for
 from runtime.node_setup import LaunchError, node_names, prepare_models, wait_until_serving
+from shared.config import Config
 
 #: How long stop() waits for the node threads to end (a serve loop ends within its poll timeout).
 STOP_TIMEOUT_S = 30.0
@@ -111,6 +113,7 @@ class InprocLauncher:
         self.config = inproc_config(config, uuid.uuid4().hex[:12])
         self.secret = security.new_secret()  # what the drafters' hellos show (inproc links run no CURVE)
         self.threads: dict[str, _NodeThread] = {}
+        self.sections: Config | None = None
         self.log = _NodeLog(set())
 
     @property
@@ -120,7 +123,8 @@ class InprocLauncher:
     async def start(self) -> Started:
         import asyncio
 
-        await asyncio.to_thread(prepare_models, self.config)
+        await asyncio.to_thread(prepare_models, self.config)  # both nodes' models, once
+        self.sections = typed(self.config)  # the one typed config both nodes take
         logging.getLogger().addHandler(self.log)
         for name in ["verifier", *node_names(self.drafter_count)]:
             role = "verifier" if name == "verifier" else "drafter"
@@ -133,8 +137,7 @@ class InprocLauncher:
                        context=zmq.Context.instance())
 
     def _build(self, role: str) -> Node:
-        sections = node_config(self.config, role)
-        return build_node(role, sections, links_for(role, self.config, self.secret), **self.hooks.get(role, {}))
+        return build_node(role, self.sections, links_for(role, self.config, self.secret), **self.hooks.get(role, {}))
 
     async def client_address(self) -> str:
         return self.config["client"]["endpoint"]

@@ -31,12 +31,20 @@ class Node(Protocol):
     def stop(self) -> None: ...
 
 
-def node_config(config: dict[str, Any], role: str) -> Config:
-    """Install the named models ``role`` loads (in the foreground, with progress) and type the config once."""
+def install_models(config: Config, role: str) -> None:
+    """Install the named models a ``role`` node loads (in the foreground, with progress: the node then loads fast)."""
     if role not in ROLES:
         raise LaunchError(f"unknown node role {role!r} (one of {', '.join(ROLES)})")
-    prepare_models({**config, "launch": {**config["launch"], "start_drafter": role == "drafter"}})
-    return typed(config)
+    plain = config.as_dict()
+    prepare_models({**plain, "launch": {**plain["launch"], "start_drafter": role == "drafter"}})
+
+
+def node_config(config: dict[str, Any], role: str) -> Config:
+    """The typed config of a node that got a loaded config dict (a node process), built once, its models
+    installed."""
+    sections = typed(config)
+    install_models(sections, role)
+    return sections
 
 
 def build_node(role: str, config: Config, links: Any, **hooks: Any) -> Node:
@@ -54,9 +62,10 @@ def build_node(role: str, config: Config, links: Any, **hooks: Any) -> Node:
     raise LaunchError(f"unknown node role {role!r} (one of {', '.join(ROLES)})")
 
 
-def links_for(role: str, config: dict[str, Any], secret: str | None) -> Any:
+def links_for(role: str, config: Config | dict[str, Any], secret: str | None) -> Any:
     """The node's CURVE keys and run secret (what hello shows where a link has no CURVE)."""
-    return security.verifier_links(config, secret) if role == "verifier" else security.drafter_links(config, secret)
+    plain = config.as_dict() if isinstance(config, Config) else config
+    return security.verifier_links(plain, secret) if role == "verifier" else security.drafter_links(plain, secret)
 
 
 def run_node_process(config: dict[str, Any], role: str, run_dir: str | None,
