@@ -128,3 +128,24 @@ def test_the_command_runs_one_generation_in_process(tiny, tmp_path, capsys):
     assert _node_threads() == []
     assert main(["--config", str(path), "--launcher", "inproc", "--role", "verifier"]) == 2  # one node: no launcher
     assert main(["--config", str(path), "--launcher", "process", "--ray"]) == 2
+
+
+@pytest.mark.unit
+def test_inproc_runs_several_drafters_in_one_pool(tiny):
+    """``launch.drafters: 2`` in one process: two drafter threads join the pool under their own ids and share the
+    requests; the output stays the target's greedy output."""
+    target = tiny("llama", "target")
+    prompts = [[5, i, 7] for i in range(4)]
+
+    async def main():
+        async with inproc_cluster(tiny_config(target, target), {"launch.drafters": 2}) as client:
+            ids = sorted(d["id"] for d in (await client.ping())["drafters"])
+            results = await asyncio.gather(*(client.generate(token_ids=p, max_new_tokens=8, eos_token_ids=[])
+                                             for p in prompts))
+        return ids, results
+
+    ids, results = asyncio.run(main())
+    assert len(ids) == 2 and len(set(ids)) == 2
+    assert [r.token_ids for r in results] == [reference_greedy(target, p, 8) for p in prompts]
+    assert {d for r in results for d in r.metrics["drafter_ids"]} == set(ids)
+    assert _node_threads() == []
