@@ -82,7 +82,7 @@ async def _one_shot(args: argparse.Namespace, config: dict[str, Any]) -> int:
     async with cluster(config) as client:
         for line in startup_lines(client.startup):
             _progress(line)
-        _show_hosts(client.cluster)
+        await asyncio.to_thread(_show_hosts, client.cluster)
         if args.json:
             r = await client.generate(prompt, messages=messages, **params)
             print(json.dumps({"text": r.text, "token_ids": r.token_ids, "metrics": r.metrics}))

@@ -15,6 +15,7 @@ named in a :class:`~runtime.node_setup.LaunchError`.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import contextlib
 import copy
@@ -22,6 +23,7 @@ import logging
 import os
 import shutil
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
@@ -121,8 +123,6 @@ class InprocLauncher:
         return drafter_count(self.config)
 
     async def start(self) -> Started:
-        import asyncio
-
         await asyncio.to_thread(prepare_models, self.config)  # both nodes' models, once
         self.sections = typed(self.config)  # the one typed config both nodes take
         logging.getLogger().addHandler(self.log)
@@ -168,8 +168,6 @@ class InprocLauncher:
 
     def stop(self, timeout_s: float = STOP_TIMEOUT_S, keep_logs: bool = False) -> None:
         """Stop every node and join its thread (drafters first: they leave the verifier's pool on their own)."""
-        import time
-
         order = sorted(self.threads.values(), key=lambda t: t.role == "verifier")
         for t in order:
             t.stop()
