@@ -21,7 +21,7 @@ import secrets
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
-from drafter_node.types import DRAFTER_TYPES
+from shared.config import DRAFTER_TYPE_NAMES
 from shared.protocol import Generate, ProtocolError, error_frames
 from shared.sampling import GenerationParams, ParamError
 from verifier_node.admission import MemoryAdmission
@@ -147,7 +147,7 @@ class RequestIntake:
         A known type with no live drafter is not an error: the request takes plain steps until one joins."""
         if value is None:
             return None
-        known = set(DRAFTER_TYPES) | self.policy.pool.types()
+        known = set(DRAFTER_TYPE_NAMES) | self.policy.pool.types()
         if value not in known:
             raise ParamError(f"drafter_type must be one of {', '.join(sorted(known))}, got {value!r}")
         return value

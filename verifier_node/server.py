@@ -36,8 +36,8 @@ from typing import Any
 import torch
 import zmq
 
-from drafter_node.settings import Config
 from shared.backend import DynamicBackend, TargetBackend, make_backend
+from shared.config import Config
 from shared.cores import CoreLeases, leases_for
 from shared.costs.cache import CurveCheck
 from shared.costs.curve import NodeProfile

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import zmq
 
-from drafter_node.settings import Config
+from shared.config import Config
 from shared.config_sections import VerifierConfig
 from shared.transport import CLIENT_DOMAIN, DRAFTER_DOMAIN, Authenticator, VerifierLinks, bind_router
 from verifier_node.acceptance import check_ensemble_weight
