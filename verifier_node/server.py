@@ -99,7 +99,7 @@ from shared.transport import (
 )
 from verifier_node.acceptance import AcceptRule, check_ensemble_weight
 from verifier_node.admission import MemoryAdmission
-from verifier_node.draft_check import dense_q, tree_parents
+from verifier_node.draft_check import PendingDraft, dense_q, tree_parents
 from verifier_node.draft_wait import DraftWait
 from verifier_node.drafters import DrafterLink, DrafterPool
 from verifier_node.grammar import GrammarCompiler
@@ -587,8 +587,7 @@ class VerifierServer:
         if ensemble and tokens and q is None:
             raise ProtocolError("ensemble verification needs q (q_idx/q_prob or q) with every draft")
         now = time.monotonic()
-        s.draft = {"tokens": tokens, "q": q, "idle_rounds": msg.idle_rounds, "overlap": msg.overlap, "arrived": now,
-                   "parents": parents}
+        s.draft = PendingDraft(tokens, q, msg.idle_rounds, msg.overlap, now, parents)
         s.wait.arrived(len(s.tokens), now, bool(tokens))
         s.metrics.bytes_in += receipt.nbytes
         s.metrics.message_s += receipt.decode_s

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -20,6 +20,9 @@ from verifier_node.detokenize import IncrementalText
 from verifier_node.draft_wait import DraftWait
 from verifier_node.grammar import GrammarPlan, SessionGrammar
 from verifier_node.tree import DraftTree, accept_tree_greedy, keep_path, process_tree, tree_forward
+
+if TYPE_CHECKING:  # draft_check imports this module
+    from verifier_node.draft_check import PendingDraft
 
 _NO_TOKENS = torch.empty(0, dtype=torch.long)
 
@@ -218,7 +221,7 @@ class Session:
         self._chunk_kv: list[dict[str, torch.Tensor]] = []
         self.ready_since = time.monotonic()
         self.timed_from = self.ready_since  # the end of its last round's publish (RoundTiming's clock)
-        self.draft: dict | None = None  # the draft waiting for this round, if any
+        self.draft: PendingDraft | None = None  # the draft waiting for this round, if any
         self.started = time.monotonic()
         self.first_token_at: float | None = None
         self.finished: str | None = None  # finish reason once done
