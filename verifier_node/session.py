@@ -15,6 +15,7 @@ import torch
 from shared.backend import DynamicBackend, TargetBackend
 from shared.protocol import DrafterStats
 from shared.sampling import GenerationParams, make_generator, process_block
+from shared.spec_rates import acceptance_rate, per_position, tokens_per_round
 from verifier_node.acceptance import AcceptRule, accept_greedy, accept_sampling
 from verifier_node.detokenize import IncrementalText
 from verifier_node.draft_wait import DraftWait
@@ -452,9 +453,9 @@ class Session:
             "drafts": m.drafts,
             "draft_tokens": m.draft_tokens,
             "accepted_tokens": m.accepted_tokens,
-            "acceptance_rate": m.accepted_tokens / m.draft_tokens if m.draft_tokens else 0.0,
-            "mean_accepted_length": 1 + m.accepted_tokens / m.drafts if m.drafts else 1.0,
-            "per_position_acceptance": [a / d for a, d in zip(m.per_position_accepted, m.per_position_drafted)],
+            "acceptance_rate": acceptance_rate(m.accepted_tokens, m.draft_tokens, empty=0.0),
+            "mean_accepted_length": tokens_per_round(m.accepted_tokens, m.drafts, empty=1.0),
+            "per_position_acceptance": per_position(m.per_position_accepted, m.per_position_drafted),
             # the counts behind the rates (summable across requests: the HTTP server's Prometheus counters)
             "per_position_accepted": list(m.per_position_accepted),
             "per_position_drafted": list(m.per_position_drafted),
