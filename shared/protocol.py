@@ -202,15 +202,17 @@ def _compile(tp: Any, owner: str) -> tuple[Check, Callable[[Any], Any] | None]:
         if args == (int,):
             return _check_int_list, None
         item_check, item_wire = _compile(args[0], owner) if args else (_check_any, None)
+        item_exact = _EXACT.get(args[0]) if args else None
 
         def check_list(path: str, v: Any) -> list:
             if type(v) is not list:
                 raise _wrong(path, "a list", v)
-            return [item_check(f"{path}[{i}]", x) for i, x in enumerate(v)]
+            return [x if type(x) is item_exact else item_check(f"{path}[{i}]", x) for i, x in enumerate(v)]
 
         return check_list, None if item_wire is None else (lambda v: [item_wire(x) for x in v])
     if origin is dict or tp is dict:
         value_check = _compile(args[1], owner)[0] if args and args[1] is not Any else None
+        value_exact = _EXACT.get(args[1]) if args else None
 
         def check_dict(path: str, v: Any) -> dict:
             if type(v) is not dict:
@@ -219,7 +221,8 @@ def _compile(tp: Any, owner: str) -> tuple[Check, Callable[[Any], Any] | None]:
                 return v
             if not all(type(key) is str for key in v):
                 raise ProtocolError(f"field {path!r} must be a map with string keys")
-            return {key: value_check(f"{path}.{key}", x) for key, x in v.items()}  # converted (float takes ints)
+            # converted values (a float takes an int); the path is only spelled out for a value that needs a check
+            return {key: x if type(x) is value_exact else value_check(f"{path}.{key}", x) for key, x in v.items()}
 
         return check_dict, None
     spec = getattr(tp, "_SPEC", None)
@@ -476,13 +479,15 @@ class DrafterStats:
         if self.dtype is not None and len(self.dtype) > MAX_REPORT_CHARS:
             raise ProtocolError(f"{where}: dtype must be at most {MAX_REPORT_CHARS} characters")
         for name, table in (("plans", self.plans), ("plan_rates", self.plan_rates)):
-            if len(table) > MAX_PLAN_NAMES or any(len(k) > MAX_PLAN_NAME_CHARS for k in table):
+            if len(table) > MAX_PLAN_NAMES or max(map(len, table), default=0) > MAX_PLAN_NAME_CHARS:
                 raise ProtocolError(f"{where}: {name} must map at most {MAX_PLAN_NAMES} plan names of at most "
                                     f"{MAX_PLAN_NAME_CHARS} characters")
-        if any(not math.isfinite(n) or n < 0 for n in self.plans.values()):
+        if min(self.plans.values(), default=0) < 0:  # integers (decode checked): no NaN to miss
             raise ProtocolError(f"{where}: plans must count rounds (integers ≥ 0)")
-        if any(len(row) != 4 or not all(math.isfinite(x) and x >= 0 for x in row) for row in self.plan_rates.values()):
-            raise ProtocolError(f"{where}: plan_rates must map plan names to 4 finite numbers ≥ 0")
+        for row in self.plan_rates.values():  # sent with every block: plain comparisons, no generators
+            if len(row) != 4 or not (0 <= row[0] < math.inf and 0 <= row[1] < math.inf and 0 <= row[2] < math.inf
+                                     and 0 <= row[3] < math.inf):
+                raise ProtocolError(f"{where}: plan_rates must map plan names to 4 finite numbers ≥ 0")
 
 
 #: DrafterStats' counters (its plain-number fields), in order.
@@ -497,11 +502,11 @@ def _non_negative(where: str, obj: Any, *names: str) -> None:
 
 
 def _finite_non_negative(where: str, obj: Any, *names: str) -> None:
-    _non_negative(where, obj, *names)
+    d = obj.__dict__
     for name in names:
-        v = getattr(obj, name)
-        if v is not None and not math.isfinite(v):
-            raise ProtocolError(f"{where}: {name} must be finite, got {v!r}")
+        v = d[name]
+        if v is not None and not 0 <= v < math.inf:  # false for NaN too
+            raise ProtocolError(f"{where}: {name} must be finite and ≥ 0, got {v!r}")
 
 
 def _check_tenant(where: str, tenant: str | None) -> None:
