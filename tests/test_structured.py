@@ -177,7 +177,7 @@ def test_a_long_forced_run_is_capped_per_round_and_completes(target, compiler):
 def test_forced_rounds_take_turns_with_other_sessions(target, compiler):
     from types import SimpleNamespace
 
-    from verifier_node.draft_check import PendingDraft
+    from verifier_node.pending_draft import PendingDraft
     from verifier_node.scheduler import BatchLimits, Scheduler
 
     model, tokenizer = target

@@ -11,7 +11,7 @@ import pytest
 from drafter_node.cost_model import CostBook
 from drafter_node.node_picker import ThreadShare, WorkPicker
 from shared.models import ThreadPlan
-from verifier_node.draft_check import PendingDraft
+from verifier_node.pending_draft import PendingDraft
 from verifier_node.scheduler import BatchLimits, Scheduler
 
 pytestmark = pytest.mark.unit

@@ -12,9 +12,10 @@ import torch
 
 from shared.models import ThreadPlan
 from shared.protocol import Capabilities, ProtocolError, SessionEnd, decode
-from verifier_node.draft_check import TREE_REFUSED, PendingDraft, dense_q, tree_parents
+from verifier_node.draft_check import TREE_REFUSED, dense_q, tree_parents
 from verifier_node.draft_wait import DraftWait
 from verifier_node.drafters import FORGET_AFTER_S, HEARTBEAT_TIMEOUT_S, DrafterLink, DrafterPool
+from verifier_node.pending_draft import PendingDraft
 from verifier_node.pool_policy import REAP_EVERY_S, PoolPolicy
 from verifier_node.rounds import RoundRunner, ThreadSwitch
 from verifier_node.scheduler import IDLE_POLL_MAX_MS, BatchLimits, Prefills, Scheduler

@@ -1,12 +1,10 @@
-"""What the verifier checks of a drafter's draft before a round may use it, without sockets, and the checked draft a
-session holds until its round (:class:`PendingDraft`): the draft distribution q (sparse or dense) rebuilt and
-checked, a token tree's parents (or a refusal the drafter answers by sending chains). Each raises
-:class:`shared.protocol.ProtocolError`, which refuses that draft only. (The drafter's ``stats`` are a
-:class:`shared.protocol.DrafterStats` that ``decode`` checked.)"""
+"""What the verifier checks of a drafter's draft before a round may use it, without sockets: the draft
+distribution q (sparse or dense) rebuilt and checked, a token tree's parents (or a refusal the drafter answers by
+sending chains). Each raises :class:`shared.protocol.ProtocolError`, which refuses that draft only. The drafter's
+``stats`` are a :class:`shared.protocol.DrafterStats` that ``decode`` checked; the checked draft a session then
+holds is a :class:`verifier_node.pending_draft.PendingDraft`."""
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 
@@ -14,22 +12,6 @@ from shared.batch import can_batch
 from shared.protocol import Draft, ProtocolError
 from verifier_node.drafters import DrafterLink
 from verifier_node.session import Session
-
-
-@dataclass(frozen=True)
-class PendingDraft:
-    """A checked draft waiting for its session's next round (``Session.draft``)."""
-
-    tokens: list[int]  # the drafted block (empty: an idle block)
-    q: torch.Tensor | None  # the draft distribution rows [k, vocab] (None: one-hot, drafts chosen deterministically)
-    idle_rounds: int  # k = 0: the verifier steps alone this many rounds
-    overlap: bool  # the drafter pre-drafts while this block is verified
-    arrived: float  # time.monotonic() when it arrived
-    parents: list[int] | None  # a token tree's parent indices (None: a chain)
-
-
-#: What a round verifies when its session has no draft: the target's own token alone.
-NO_DRAFT = PendingDraft(tokens=[], q=None, idle_rounds=0, overlap=False, arrived=0.0, parents=None)
 
 #: Error code of a tree draft the verifier will not verify (the draft is dropped; the drafter turns trees off).
 TREE_REFUSED = "tree_refused"

@@ -23,7 +23,7 @@ from shared.cores import CoreLeases
 from shared.costs.cache import CurveCheck
 from shared.kv import CachedLM
 from shared.models import ThreadPlan, set_threads
-from verifier_node.draft_check import NO_DRAFT
+from verifier_node.pending_draft import NO_DRAFT
 from verifier_node.scheduler import Scheduler
 from verifier_node.session import RoundPlan, RoundResult, Session
 from verifier_node.tree import tree_row

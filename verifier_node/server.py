@@ -99,10 +99,11 @@ from shared.transport import (
 )
 from verifier_node.acceptance import AcceptRule, check_ensemble_weight
 from verifier_node.admission import MemoryAdmission
-from verifier_node.draft_check import PendingDraft, dense_q, tree_parents
+from verifier_node.draft_check import dense_q, tree_parents
 from verifier_node.draft_wait import DraftWait
 from verifier_node.drafters import DrafterLink, DrafterPool
 from verifier_node.grammar import GrammarCompiler
+from verifier_node.pending_draft import PendingDraft
 from verifier_node.pool_policy import PoolPolicy
 from verifier_node.request_prep import (
     GrammarChild,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -20,10 +20,8 @@ from verifier_node.acceptance import AcceptRule, accept_greedy, accept_sampling
 from verifier_node.detokenize import IncrementalText
 from verifier_node.draft_wait import DraftWait
 from verifier_node.grammar import GrammarPlan, SessionGrammar
+from verifier_node.pending_draft import PendingDraft
 from verifier_node.tree import DraftTree, accept_tree_greedy, keep_path, process_tree, tree_forward
-
-if TYPE_CHECKING:  # draft_check imports this module
-    from verifier_node.draft_check import PendingDraft
 
 _NO_TOKENS = torch.empty(0, dtype=torch.long)
 
