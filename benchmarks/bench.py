@@ -59,6 +59,7 @@ from benchmarks.runner import run_report
 from benchmarks.summary import start_row, token_mismatches, tps, vs_anchor
 from benchmarks.tables import curve_table_lines, fmt, header_lines, md_table
 from runtime.paths import results_dir
+from shared.spec_rates import SpecCounts
 
 DEFAULT_PROMPTS = prompt_dir() / "code_prompts.json"
 CONFIG = "cpu.yaml"
@@ -197,9 +198,8 @@ def summarize(key: str, report: dict[str, Any], c: float | None) -> dict[str, An
     if spec:
         row |= spec
         if spec["draft_tokens"]:
-            row["alpha"] = spec["accepted_tokens"] / spec["draft_tokens"]
-            row["tau"] = 1 + spec["accepted_tokens"] / spec["drafts"]
-            row["k"] = spec["draft_tokens"] / spec["drafts"]
+            counts = SpecCounts.of(spec)
+            row |= {"alpha": counts.alpha, "tau": counts.tau, "k": counts.mean_k}
     speedup = vs_anchor(report, key, meta.get("reference"))
     if speedup is not None:
         row["speedup"] = speedup

@@ -61,6 +61,7 @@ from benchmarks.summary import token_mismatches
 from benchmarks.tables import fmt, header_lines, md_table
 from benchmarks.workers import Worker
 from runtime.paths import results_dir
+from shared.spec_rates import SpecCounts
 
 #: This project's own prompt files, in the order the benchmark always took them (the vendored public sets beside
 #: them, for scripts/bench_types.py, are not part of this workload; --prompt-files takes them too).
@@ -279,17 +280,15 @@ def summarize_level(key: str, n: int, raw: dict[str, Any], ref: dict[str, Any] |
             "latency_p50_s": percentile(latencies, 50), "latency_p95_s": percentile(latencies, 95)}
     if ROW_DEFS[key]["kind"] == "pipespec":
         ms = [r["metrics"] for r in reqs]
-        drafted = sum(m.get("draft_tokens", 0) for m in ms)
         row |= {"verify_batch_mean": _mean([m.get("verify_batch_mean", 0.0) for m in ms]),
                 "draft_batch_mean": _mean([m.get("draft_batch_mean", 0.0) for m in ms]),
-                "acceptance": ratio(sum(m.get("accepted_tokens", 0) for m in ms), drafted) if drafted else None,
+                "acceptance": SpecCounts.total(ms).alpha,
                 "rounds": sum(m.get("rounds", 0) for m in ms),
                 "dtypes": "/".join(sorted({f"{m.get('verifier_dtype')}+{m.get('drafter_dtype')}" for m in ms})),
                 **pong_delta(raw["pong_before"], raw["pong_after"]),
                 "pong_forwards_total": raw["pong_after"].get("forwards")}
     elif ROW_DEFS[key]["kind"] == "hf_assisted":
-        drafted = sum(r["stats"]["draft_tokens"] for r in reqs)
-        row["acceptance"] = ratio(sum(r["stats"]["accepted_tokens"] for r in reqs), drafted) if drafted else None
+        row["acceptance"] = SpecCounts.total(r["stats"] for r in reqs).alpha
     if key == TOKEN_REF:
         row["mismatches"] = "ref"
     elif ref and not ref.get("error"):

@@ -115,6 +115,7 @@ from benchmarks.results import write_result
 from benchmarks.runner import run_report
 from benchmarks.summary import anchor_run, speed_ratio, start_row, token_mismatches, tps, vs_anchor
 from benchmarks.tables import curve_table_lines, fmt, header_lines, md_table
+from shared.spec_rates import SpecCounts
 
 PROMPT_SETS = {"code": prompt_dir() / "code_prompts.json",
                "humaneval": prompt_dir() / "humaneval_prompts.json",
@@ -247,12 +248,11 @@ def ratio_between(report: dict[str, Any], key: str, other: str) -> tuple[float |
 
 def draft_totals(pp: list[dict[str, Any]]) -> dict[str, Any]:
     """α, τ, k, drafts and rounds of a drafting row over the prompts ``pp`` (α 0 and τ 1 when it never drafted)."""
-    names = ("drafts", "draft_tokens", "accepted_tokens", "rounds")
-    s = {n: sum((p.get("stats") or p.get("metrics"))[n] for p in pp) for n in names}
-    if s["draft_tokens"]:
-        return {"alpha": s["accepted_tokens"] / s["draft_tokens"], "tau": 1 + s["accepted_tokens"] / s["drafts"],
-                "k": s["draft_tokens"] / s["drafts"], "drafts": s["drafts"], "rounds": s["rounds"]}
-    return {"alpha": 0.0, "tau": 1.0, "drafts": 0, "rounds": s["rounds"]}
+    counts = [p.get("stats") or p.get("metrics") for p in pp]
+    s, rounds = SpecCounts.total(counts), sum(c["rounds"] for c in counts)
+    if s.draft_tokens:
+        return {"alpha": s.alpha, "tau": s.tau, "k": s.mean_k, "drafts": s.drafts, "rounds": rounds}
+    return {"alpha": 0.0, "tau": 1.0, "drafts": 0, "rounds": rounds}
 
 
 def by_category(pp: list[dict[str, Any]], categories: list[str], ref: list[dict[str, Any]] | None,

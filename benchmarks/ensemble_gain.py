@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.results import write_result
+from shared.spec_rates import acceptance_rate, tokens_per_round
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -72,8 +73,8 @@ async def run_weight(
     return {
         "weight": weight,
         **total,
-        "acceptance_rate": total["accepted_tokens"] / total["draft_tokens"] if total["draft_tokens"] else 0.0,
-        "mean_accepted_length": 1 + total["accepted_tokens"] / total["drafts"] if total["drafts"] else 1.0,
+        "acceptance_rate": acceptance_rate(total["accepted_tokens"], total["draft_tokens"], empty=0.0),
+        "mean_accepted_length": tokens_per_round(total["accepted_tokens"], total["drafts"], empty=1.0),
         "tokens_per_second": total["new_tokens"] / total["elapsed_s"] if total["elapsed_s"] else 0.0,
         "per_prompt": per_prompt,
     }

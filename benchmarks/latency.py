@@ -36,6 +36,7 @@ from benchmarks.models import build_random_pair
 from benchmarks.progress import log, utc_now
 from benchmarks.results import write_result
 from benchmarks.tables import header_lines
+from shared.spec_rates import SpecCounts
 from testkit.netns import NetnsError, NetnsPair, delay_proxy, netns_pair
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -119,14 +120,13 @@ async def run_pipespec(config: dict[str, Any], net: NetnsPair, prompts: list[lis
             outputs.append(r.token_ids)
             metrics.append(r.metrics)
     tokens = sum(len(o) for o in outputs)
-    drafted = sum(m["draft_tokens"] for m in metrics)
     plans: dict[str, int] = {}
     for m in metrics:
         for name, count in (m.get("plans") or {}).items():
             plans[name] = plans.get(name, 0) + count
     return {
         "tokens_per_second": tokens / spent, "outputs": outputs,
-        "acceptance_rate": sum(m["accepted_tokens"] for m in metrics) / drafted if drafted else None,
+        "acceptance_rate": SpecCounts.total(metrics).alpha,
         "rounds": sum(m["rounds"] for m in metrics), "solo_rounds": sum(m.get("solo_rounds", 0) for m in metrics),
         "plans": plans, "draft_transit_ms": sum(m["draft_transit_ms"] or 0 for m in metrics) / len(metrics),
     }

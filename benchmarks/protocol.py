@@ -27,8 +27,16 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 
-STATS = {"busy_s": 0.8123, "blocks": 41, "predraft_hits": 12, "rolled_back": 30, "idle_blocks": 0,
-         "plans": {"k=4 overlap": 30, "k=2 sync": 11}, "dtype": "float32"}
+#: A drafter's stats as it sends them with each block (every DrafterStats field set).
+STATS = {"busy_s": 0.8123, "blocks": 41, "predraft_hits": 12, "rolled_back": 30, "idle_blocks": 0, "batch_steps": 52,
+         "batch_rows": 60, "tree_blocks": 0, "side_accepted": 0, "plans": {"overlap": 30, "sync": 11},
+         "dtype": "float32",
+         "timing": {"step_s": 0.61, "send_s": 0.004, "commit_s": 0.01, "roundtrip_s": 0.9, "roundtrips": 40,
+                    "forward_s": 0.5, "profile_s": 0.45},
+         "plan_rates": {"overlap k=4 rows=2": [30, 112, 3.1, 1080.0], "sync k=2": [11, 25, 1.2, 230.0]},
+         "plan_check": {"startup": "overlap k=4 rows=2", "realised_best": "overlap k=4 rows=2",
+                        "verdict": "confirmed"},
+         "ceiling_tokens_per_second": 41.5}
 
 
 def _fields() -> dict[str, tuple[dict[str, Any], dict[str, torch.Tensor]]]:
@@ -37,10 +45,10 @@ def _fields() -> dict[str, tuple[dict[str, Any], dict[str, torch.Tensor]]]:
     q_prob = torch.rand(8, 16, generator=g)
     tokens = [int(t) for t in torch.randint(0, 151_936, (9,), generator=g)]
     return {
-        "draft": ({"session": 3, "base_len": 517, "epoch": 41, "tokens": tokens[:8], "idle_rounds": 0,
+        "draft": ({"session": 3, "base_len": 517, "tokens": tokens[:8], "idle_rounds": 0,
                    "overlap": True, "sent_at": time.time(), "stats": STATS},
                   {"q_idx": q_idx, "q_prob": q_prob}),
-        "commit": ({"session": 3, "base_len": 517, "tokens": tokens, "new_len": 526, "drafted": 8, "accepted": 8,
+        "commit": ({"session": 3, "base_len": 517, "tokens": tokens, "drafted": 8, "accepted": 8,
                     "verify_s": 0.0213, "threads": 2}, {}),
         "chunk": ({"request_id": 7, "token_ids": tokens, "text": " return a + b\n\ndef sub(a, b):"}, {}),
     }
@@ -54,8 +62,26 @@ def _load(path: Path, name: str) -> ModuleType:
     return module
 
 
+def _for_version(module: ModuleType, msg_type: str, fields: dict) -> dict:
+    """The same message in a codec version's fields: before schema 2, a draft's ``epoch`` and a commit's
+    ``new_len`` were required and the stats a plain map; from 2 on, the stats are a ``DrafterStats``."""
+    fields = dict(fields)
+    if getattr(module, "SCHEMA_VERSION", 1) < 2:
+        if msg_type == "draft":
+            fields["epoch"] = fields["stats"]["blocks"]
+        elif msg_type == "commit":
+            fields["new_len"] = fields["base_len"] + len(fields["tokens"])
+    elif msg_type == "draft":
+        s = dict(fields["stats"])
+        s["timing"] = module.DrafterTiming(**s["timing"])
+        s["plan_check"] = module.PlanCheck(**s["plan_check"])
+        fields["stats"] = module.DrafterStats(**s)
+    return fields
+
+
 def _encoder(module: ModuleType, msg_type: str, fields: dict, tensors: dict) -> Callable[[], list]:
     types = getattr(module, "MESSAGE_TYPES", None)
+    fields = _for_version(module, msg_type, fields)
     if types is None:  # the untyped codec: encode(type, tensors, **fields)
         return lambda: module.encode(msg_type, tensors or None, **fields)
     msg = types[msg_type](**fields, **({"tensors": tensors} if tensors else {}))

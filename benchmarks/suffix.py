@@ -50,6 +50,7 @@ from benchmarks.results import write_result
 from benchmarks.runner import run_report
 from benchmarks.summary import start_row, token_mismatches, vs_anchor
 from benchmarks.tables import fmt, header_lines, md_table
+from shared.spec_rates import SpecCounts
 
 PROMPT_FILE = "agent_prompts.json"
 #: The warm-up request: nothing like the workload, so the suffix cache starts with nothing useful.
@@ -81,12 +82,10 @@ def load_workload(n: int | None) -> list[dict[str, Any]]:
 
 
 def _alpha_tau(metrics: list[dict[str, Any]]) -> tuple[float | None, float | None, float | None]:
-    drafts = sum(m["drafts"] for m in metrics)
-    drafted = sum(m["draft_tokens"] for m in metrics)
-    accepted = sum(m["accepted_tokens"] for m in metrics)
-    if not drafts:
+    s = SpecCounts.total(metrics)
+    if not s.drafts:
         return (0.0, 1.0, 0.0) if metrics else (None, None, None)
-    return accepted / drafted, 1 + accepted / drafts, drafted / drafts
+    return s.alpha, s.tau, s.mean_k
 
 
 def summarize(key: str, report: dict[str, Any]) -> dict[str, Any]:

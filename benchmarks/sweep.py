@@ -68,6 +68,7 @@ from benchmarks.results import write_result
 from benchmarks.runner import WARMUP_TOKENS
 from benchmarks.summary import token_mismatches
 from benchmarks.tables import fmt, header_lines, md_table
+from shared.spec_rates import SpecCounts
 
 #: The keys of a sweep file.
 FILE_KEYS = ("base", "set", "prompts", "max_new_tokens", "grid")
@@ -485,12 +486,11 @@ def summarize_point(record: dict[str, Any]) -> dict[str, Any]:
         return row
     time_s = sum(p["time_s"] for p in pp)
     ms = [p["metrics"] for p in pp]
-    drafts, drafted, accepted = (sum(m.get(n, 0) for m in ms) for n in ("drafts", "draft_tokens", "accepted_tokens"))
+    counts = SpecCounts.total(ms)
     dtypes = sorted({str(m.get("verifier_dtype")) for m in ms})
     row |= {"prompts": len(pp), "new_tokens": sum(p["new_tokens"] for p in pp), "time_s": time_s,
             "tokens_per_s": sum(p["new_tokens"] for p in pp) / time_s if time_s else None,
-            "alpha": accepted / drafted if drafted else None, "tau": 1 + accepted / drafts if drafts else None,
-            "k": drafted / drafts if drafts else None,
+            "alpha": counts.alpha, "tau": counts.tau, "k": counts.mean_k,
             "verifier_busy": _weighted(pp, "verifier_busy_fraction", "elapsed_s"),
             "drafter_busy": _weighted(pp, "drafter_busy_fraction", "elapsed_s"),
             "verifier_dtype": "/".join(dtypes)}

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 
 import torch
 
@@ -18,6 +17,7 @@ from drafter_node.base import DraftSession
 from drafter_node.cost_model import Acceptance, CostBook, ceiling
 from drafter_node.plan_search import MIN_ROUNDS
 from drafter_node.schedule import CostSchedule, DraftLengthSchedule
+from shared.protocol import DrafterStats, PlanCheck
 
 log = logging.getLogger("pipespec.drafter")
 
@@ -26,37 +26,6 @@ log = logging.getLogger("pipespec.drafter")
 #: messages between them (heartbeats included), and a verifier forward that wants a core the chunk holds waits for
 #: one chunk at most (shared.cores), not for the whole prompt.
 CATCH_UP_TOKENS = 256
-
-
-@dataclass
-class SessionStats:
-    """What a session counts of its blocks; sent with each block as the ``stats`` of a ``Draft`` (its fields, by
-    ``dataclasses.asdict``, are the wire keys the verifier reads)."""
-
-    busy_s: float = 0.0
-    blocks: int = 0
-    predraft_hits: int = 0  # the next block's start was drafted before the commit came
-    rolled_back: int = 0  # drafted chain tokens a commit threw away
-    idle_blocks: int = 0
-    batch_steps: int = 0  # steps that advanced this session
-    batch_rows: int = 0  # the sessions in each of their forwards, summed
-    tree_blocks: int = 0
-    side_accepted: int = 0
-
-
-@dataclass
-class SessionTiming:
-    """Where this session's drafter time went, summed (the request's metrics show it per block): drafter forwards
-    (``step``, pre-drafting included), encoding and sending blocks, applying commits, and the round trips (block
-    sent → its commit applied: verification as the drafter sees it). Sent as ``stats["timing"]``."""
-
-    step_s: float = 0.0
-    send_s: float = 0.0
-    commit_s: float = 0.0
-    roundtrip_s: float = 0.0
-    roundtrips: int = 0
-    forward_s: float = 0.0
-    profile_s: float = 0.0
 
 
 #: Blocks between two computations of a session's ceiling (:meth:`NodeSession.ceiling`).
@@ -85,14 +54,14 @@ class NodeSession:
         self.last_step: tuple[int, float] | None = None  # (forward size, seconds) of its last one-forward step
         self._sized: tuple | None = None  # what _sized_done last answered for: (base, chain length, plan)
         self._sized_value: bool | None = None
-        self.stats = SessionStats()
-        self.timing = SessionTiming()
+        # the counters sent with each block (``Draft.stats``); ``timing`` is its DrafterTiming, summed here
+        self.stats = DrafterStats()
+        self.timing = self.stats.timing
         # Per plan used (``solo``, ``sync k=4``, ``overlap k=5 rows=3``, or the schedule's k): [rounds, committed
         # tokens, seconds between commits, the predicted tokens/s summed] — what the cost model expected against
-        # what the rounds gave.
-        self.plan_rates: dict[str, list[float]] = {}
+        # what the rounds gave. Sent as the stats' plan_rates, with the start-up plan's check (stats.plan_check).
+        self.plan_rates: dict[str, list[float]] = self.stats.plan_rates
         self.last_commit_at: float | None = None
-        self.plan_check: dict[str, str] | None = None  # the start-up plan against the best realised (plan_check)
         # Per block position, this session's verified drafts: how many were tested and accepted (the realised
         # acceptance the ceiling is computed at), and the ceiling last computed (every CEILING_EVERY blocks).
         self.realised_drafted: list[int] = []
@@ -349,19 +318,19 @@ class NodeSession:
         check = plan_check(start, self.plan_rates)
         if check is None:
             return
-        old, self.plan_check = self.plan_check, check
-        if check["verdict"] == "corrected" and (old is None or old["realised_best"] != check["realised_best"]):
-            rounds, tokens, seconds, _ = self.plan_rates[check["realised_best"]]
+        old, self.stats.plan_check = self.stats.plan_check, check
+        if check.verdict == "corrected" and (old is None or old.realised_best != check.realised_best):
+            rounds, tokens, seconds, _ = self.plan_rates[check.realised_best]
             log.info("session %d: the start-up plan (%s) is corrected: %s realised %.2f tok/s over %d rounds",
-                     self.sid, start, check["realised_best"], tokens / seconds, rounds)
+                     self.sid, start, check.realised_best, tokens / seconds, rounds)
 
 
 #: Distinct plans one session reports (the rest are summed as ``other``).
 MAX_PLAN_LABELS = 24
 
 
-def plan_check(start_plan: str | None, plan_rates: dict[str, list[float]]) -> dict[str, str] | None:
-    """``{"startup", "realised_best", "verdict"}``: the start-up report's plan, the plan with the highest realised
+def plan_check(start_plan: str | None, plan_rates: dict[str, list[float]]) -> PlanCheck | None:
+    """The start-up report's plan, the plan with the highest realised
     tokens/s among those that ran MIN_ROUNDS rounds, and ``confirmed`` when they are the same plan, else
     ``corrected``. None without a start-up plan (no cost schedule, no report yet) or before any plan ran enough."""
     if not start_plan:
@@ -371,8 +340,8 @@ def plan_check(start_plan: str | None, plan_rates: dict[str, list[float]]) -> di
     if not rated:
         return None
     best = max(rated)[1]
-    return {"startup": start_plan, "realised_best": best,
-            "verdict": "confirmed" if best == start_plan else "corrected"}
+    return PlanCheck(startup=start_plan, realised_best=best,
+                     verdict="confirmed" if best == start_plan else "corrected")
 
 
 def tree_block(chain: list[int], sides: dict[int, int]) -> tuple[list[int], list[int]]:

@@ -36,6 +36,7 @@ from drafter_node.plan_search import EXPLORE_ROUNDS
 from drafter_node.plan_search import kind as plan_kind
 from drafter_node.tree_plan import plan_from_acceptance
 from shared.config import DRAFT_SCHEDULES
+from shared.spec_rates import acceptance_rate
 
 log = logging.getLogger("pipespec.schedule")
 
@@ -107,7 +108,7 @@ class DraftLengthSchedule:
 
     @property
     def alpha(self) -> float:
-        return self.accepted / (self.accepted + self.rejected)
+        return acceptance_rate(self.accepted, self.accepted + self.rejected)
 
     def k_if_accepted(self) -> int:
         """The block length likely after the block in flight: how deep pre-drafting should go."""

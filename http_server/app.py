@@ -99,19 +99,31 @@ def create_app(client: AsyncClient, model_name: str, *, api_key: str | None = No
         app.add_middleware(HostCheck, allowed=frozenset(allowed_hosts))  # added last: runs first
     metrics = HttpMetrics()
     app.state.metrics = metrics
-    created = int(time.time())
-    tenants = [(key.encode(), tenant) for key, tenant in (api_keys or {}).items()]
+    tenants = list((api_keys or {}).items())
     if api_key:
-        tenants.append((api_key.encode(), DEFAULT_TENANT))
+        tenants.append((api_key, DEFAULT_TENANT))
+    authorize = Authorize(tenants)
+    _add_error_handlers(app)
+    _add_generation_routes(app, authorize, Completions(client, model_name, metrics, default_max_tokens,
+                                                       request_metrics))
+    _add_service_routes(app, authorize, client, model_name, metrics, scrape_timeout_s)
+    return app
 
-    async def authorize(request: Request) -> str | None:
-        """The caller's tenant: its API key's (None when the server has no key)."""
-        if not tenants:
+
+class Authorize:
+    """The ``Depends`` that finds the caller's tenant by its API key (``tenants``: (key, tenant) pairs, the first
+    match wins; none: no key needed, the tenant is None)."""
+
+    def __init__(self, tenants: list[tuple[str, str]]):
+        self.keys = [(key.encode(), tenant) for key, tenant in tenants]
+
+    async def __call__(self, request: Request) -> str | None:
+        if not self.keys:
             return None
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
         given = token.strip().encode()
         found = None
-        for key, tenant in tenants:  # every key compared, so the time taken does not say which one matched
+        for key, tenant in self.keys:  # every key compared, so the time taken does not say which one matched
             # compare_digest: the time taken says nothing about how much of a key matched
             if hmac.compare_digest(given, key) and found is None:
                 found = tenant
@@ -120,24 +132,18 @@ def create_app(client: AsyncClient, model_name: str, *, api_key: str | None = No
                               code="invalid_api_key")
         return found
 
-    guarded = [Depends(authorize)]
 
-    # ------------------------------------------------------------------------------------------ errors
+# ------------------------------------------------------------------------------------------ errors
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error leaves as an OpenAI-shaped JSON body, never as a traceback."""
+
     @app.exception_handler(OpenAIError)
     async def _openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = exc.errors()
-        first = errors[0] if errors else {}
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        # a body that is not JSON at all names no field (its loc is a character offset)
-        param = None if first.get("type") == "json_invalid" else ".".join(loc) or None
-        message = f"{param + ': ' if param else ''}{first.get('msg', 'invalid request')}"
-        if len(errors) > 1:
-            message += f" (and {len(errors) - 1} more problem(s))"
-        return JSONResponse(error_body(message, param=param, code="invalid_value"), status_code=400)
+        return JSONResponse(validation_body(exc), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -153,108 +159,40 @@ def create_app(client: AsyncClient, model_name: str, *, api_key: str | None = No
         return JSONResponse(error_body(f"internal error: {type(exc).__name__}", "server_error",
                                        code="internal_error"), status_code=500)
 
-    # ------------------------------------------------------------------------------------------ helpers
-    def check(req: CompletionRequest | ChatRequest) -> None:
-        check_supported(req)
-        if req.model is not None and req.model != model_name:
-            raise OpenAIError(404, f"The model {req.model!r} does not exist: this server serves {model_name!r} "
-                              "(see GET /v1/models)", param="model", code="model_not_found")
 
-    async def until_disconnect(request: Request, awaitable: Awaitable[T]) -> T:
-        """Await ``awaitable``, cancelling it (and so its request on the verifier) if the caller disconnects."""
-        task = asyncio.ensure_future(awaitable)
-        try:
-            while True:
-                done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-                if done:
-                    return task.result()
-                if await request.is_disconnected():
-                    raise ClientGone
-        finally:
-            if not task.done():
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
+def validation_body(exc: RequestValidationError) -> dict[str, Any]:
+    """A request body that failed validation, as an OpenAI error naming its first problem (``param``: the field)."""
+    errors = exc.errors()
+    first = errors[0] if errors else {}
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    # a body that is not JSON at all names no field (its loc is a character offset)
+    param = None if first.get("type") == "json_invalid" else ".".join(loc) or None
+    message = f"{param + ': ' if param else ''}{first.get('msg', 'invalid request')}"
+    if len(errors) > 1:
+        message += f" (and {len(errors) - 1} more problem(s))"
+    return error_body(message, param=param, code="invalid_value")
 
-    def base(fmt: _Format, rid: str) -> dict[str, Any]:
-        return {"id": rid, "object": fmt.chunk_object, "created": int(time.time()), "model": model_name}
 
-    def spec_metrics(out: Any) -> dict[str, Any]:
-        """The response's ``metrics`` block, only where ``http.request_metrics`` is on."""
-        return {"metrics": out.metrics()} if request_metrics else {}
+# ------------------------------------------------------------------------------------------ routes
+def _add_generation_routes(app: FastAPI, authorize: Authorize, runner: Completions) -> None:
+    """``/v1/completions`` and ``/v1/chat/completions``."""
 
-    async def run(request: Request, req: CompletionRequest | ChatRequest, fmt: _Format,
-                  tenant: str | None) -> Response:
-        check(req)
-        gen = Generation(client, req, default_max_tokens, tenant)
-        pieces = gen.pieces()
-        rid = fmt.id_prefix + secrets.token_hex(12)
-        try:
-            # the first step runs here, not in the stream: a refused request gets its real status, not a 200
-            first = await until_disconnect(request, anext_or_none(pieces))
-            if not req.stream and first is not None:
-                await until_disconnect(request, drain(pieces))
-        except (PipespecError, TimeoutError) as exc:
-            await pieces.aclose()
-            error = from_pipespec(exc)
-            metrics.record_error(error.code)
-            raise error from None
-        except (ClientGone, asyncio.CancelledError):
-            await pieces.aclose()
-            metrics.record_error("client_gone")
-            raise
-        if not req.stream:
-            out = gen.outcome
-            metrics.record(out.finish_reason, out.result.metrics if out.result else None, out.ttft_s,
-                           time.monotonic() - out.started)
-            return JSONResponse({**base(fmt, rid), "object": fmt.object,
-                                 "choices": [fmt.whole(out.text, out.finish_reason)], "usage": out.usage(),
-                                 **spec_metrics(out)})
-        return _Stream(sse(stream_events(gen, pieces, first, fmt, rid, req.include_usage())),
-                                 media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-    async def stream_events(gen: Generation, pieces: AsyncIterator[str], first: str | None, fmt: _Format, rid: str,
-                            include_usage: bool) -> AsyncIterator[dict[str, Any]]:
-        head = base(fmt, rid)
-        extra = {"usage": None} if include_usage else {}
-        finished = False
-        try:
-            opening = fmt.opening()
-            if opening is not None:
-                yield {**head, "choices": [opening], **extra}
-            if first:
-                yield {**head, "choices": [fmt.piece(first)], **extra}
-            if first is not None:
-                async for piece in pieces:
-                    if piece:
-                        yield {**head, "choices": [fmt.piece(piece)], **extra}
-            out = gen.outcome
-            finished = True
-            metrics.record(out.finish_reason, out.result.metrics if out.result else None, out.ttft_s,
-                           time.monotonic() - out.started)
-            yield {**head, "choices": [fmt.finish(out.finish_reason)], **extra, **spec_metrics(out)}
-            if include_usage:
-                yield {**head, "choices": [], "usage": out.usage()}
-        except (PipespecError, TimeoutError) as exc:  # after the 200: the error travels as an event
-            error = from_pipespec(exc)
-            metrics.record_error(error.code)
-            yield error.body()
-        finally:
-            if not finished:
-                await pieces.aclose()  # the caller left (or an error): cancel the request on the verifier
-                if gen.outcome.result is None:
-                    metrics.record_error("client_gone")
-
-    # ------------------------------------------------------------------------------------------ routes
     @app.post("/v1/completions")
     async def completions(request: Request, req: CompletionRequest,
                           tenant: str | None = Depends(authorize)) -> Response:
-        return await run(request, req, _Format(chat=False), tenant)
+        return await runner.run(request, req, _Format(chat=False), tenant)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request, req: ChatRequest,
                                tenant: str | None = Depends(authorize)) -> Response:
-        return await run(request, req, _Format(chat=True), tenant)
+        return await runner.run(request, req, _Format(chat=True), tenant)
+
+
+def _add_service_routes(app: FastAPI, authorize: Authorize, client: AsyncClient, model_name: str,
+                        metrics: HttpMetrics, scrape_timeout_s: float) -> None:
+    """``/v1/models``, ``/health`` and ``/metrics``."""
+    created = int(time.time())
+    guarded = [Depends(authorize)]
 
     @app.get("/v1/models", dependencies=guarded)
     async def models() -> dict[str, Any]:
@@ -278,7 +216,112 @@ def create_app(client: AsyncClient, model_name: str, *, api_key: str | None = No
     async def prometheus() -> Response:
         return Response(await metrics.render(client, scrape_timeout_s), media_type=CONTENT_TYPE)
 
-    return app
+
+# ------------------------------------------------------------------------------------------ generation
+class Completions:
+    """Runs one completion or chat request on the verifier: answered whole, or streamed as server-sent events."""
+
+    def __init__(self, client: AsyncClient, model_name: str, metrics: HttpMetrics, default_max_tokens: int,
+                 request_metrics: bool):
+        self.client = client
+        self.model_name = model_name
+        self.metrics = metrics
+        self.default_max_tokens = default_max_tokens
+        self.request_metrics = request_metrics
+
+    def check(self, req: CompletionRequest | ChatRequest) -> None:
+        check_supported(req)
+        if req.model is not None and req.model != self.model_name:
+            raise OpenAIError(404, f"The model {req.model!r} does not exist: this server serves "
+                              f"{self.model_name!r} (see GET /v1/models)", param="model", code="model_not_found")
+
+    def base(self, fmt: _Format, rid: str) -> dict[str, Any]:
+        return {"id": rid, "object": fmt.chunk_object, "created": int(time.time()), "model": self.model_name}
+
+    def spec_metrics(self, out: Any) -> dict[str, Any]:
+        """The response's ``metrics`` block, only where ``http.request_metrics`` is on."""
+        return {"metrics": out.metrics()} if self.request_metrics else {}
+
+    def record(self, out: Any) -> None:
+        """A request that finished (the verifier's metrics, when it gave them)."""
+        self.metrics.record(out.finish_reason, out.result.metrics if out.result else None, out.ttft_s,
+                            time.monotonic() - out.started)
+
+    async def run(self, request: Request, req: CompletionRequest | ChatRequest, fmt: _Format,
+                  tenant: str | None) -> Response:
+        self.check(req)
+        gen = Generation(self.client, req, self.default_max_tokens, tenant)
+        pieces = gen.pieces()
+        rid = fmt.id_prefix + secrets.token_hex(12)
+        try:
+            # the first step runs here, not in the stream: a refused request gets its real status, not a 200
+            first = await until_disconnect(request, anext_or_none(pieces))
+            if not req.stream and first is not None:
+                await until_disconnect(request, drain(pieces))
+        except (PipespecError, TimeoutError) as exc:
+            await pieces.aclose()
+            error = from_pipespec(exc)
+            self.metrics.record_error(error.code)
+            raise error from None
+        except (ClientGone, asyncio.CancelledError):
+            await pieces.aclose()
+            self.metrics.record_error("client_gone")
+            raise
+        if not req.stream:
+            out = gen.outcome
+            self.record(out)
+            return JSONResponse({**self.base(fmt, rid), "object": fmt.object,
+                                 "choices": [fmt.whole(out.text, out.finish_reason)], "usage": out.usage(),
+                                 **self.spec_metrics(out)})
+        return _Stream(sse(self.stream_events(gen, pieces, first, fmt, rid, req.include_usage())),
+                       media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def stream_events(self, gen: Generation, pieces: AsyncIterator[str], first: str | None, fmt: _Format,
+                            rid: str, include_usage: bool) -> AsyncIterator[dict[str, Any]]:
+        head = self.base(fmt, rid)
+        extra = {"usage": None} if include_usage else {}
+        finished = False
+        try:
+            opening = fmt.opening()
+            if opening is not None:
+                yield {**head, "choices": [opening], **extra}
+            if first:
+                yield {**head, "choices": [fmt.piece(first)], **extra}
+            if first is not None:
+                async for piece in pieces:
+                    if piece:
+                        yield {**head, "choices": [fmt.piece(piece)], **extra}
+            out = gen.outcome
+            finished = True
+            self.record(out)
+            yield {**head, "choices": [fmt.finish(out.finish_reason)], **extra, **self.spec_metrics(out)}
+            if include_usage:
+                yield {**head, "choices": [], "usage": out.usage()}
+        except (PipespecError, TimeoutError) as exc:  # after the 200: the error travels as an event
+            error = from_pipespec(exc)
+            self.metrics.record_error(error.code)
+            yield error.body()
+        finally:
+            if not finished:
+                await pieces.aclose()  # the caller left (or an error): cancel the request on the verifier
+                if gen.outcome.result is None:
+                    self.metrics.record_error("client_gone")
+
+
+async def until_disconnect(request: Request, awaitable: Awaitable[T]) -> T:
+    """Await ``awaitable``, cancelling it (and so its request on the verifier) if the caller disconnects."""
+    task = asyncio.ensure_future(awaitable)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                raise ClientGone
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
 
 
 async def anext_or_none(pieces: AsyncIterator[str]) -> str | None:

@@ -12,6 +12,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from runtime.client import live_drafters
+from shared.spec_rates import SpecCounts
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -59,9 +60,10 @@ class HttpMetrics:
             self.ttft.observe(ttft_s)
         if not metrics:
             return
-        self.drafts.inc(metrics.get("drafts") or 0)
-        self.draft_tokens.inc(metrics.get("draft_tokens") or 0)
-        self.accepted_tokens.inc(metrics.get("accepted_tokens") or 0)
+        counts = SpecCounts.of(metrics)  # Prometheus takes α and τ as ratios of these counters' rates
+        self.drafts.inc(counts.drafts)
+        self.draft_tokens.inc(counts.draft_tokens)
+        self.accepted_tokens.inc(counts.accepted_tokens)
         self.generated.inc(metrics.get("new_tokens") or 0)
         for position, count in enumerate(metrics.get("per_position_accepted") or []):
             self.accepted_per_pos.labels(position=str(position)).inc(count)

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from shared.spec_rates import mean_block
 from weights.progress import is_terminal
 
 #: How long the launcher waits, once the nodes are ready, for each drafter's start-up report (sent right after the
@@ -137,7 +138,7 @@ def run_summary(metrics: dict[str, Any], reports: list[dict[str, Any]] | None = 
         else:
             why = "the drafter sent no block in time (the verifier stepped alone)"
         return f"target alone for all {new} tokens: {why}; {speed}{ceiling_words(metrics)}"
-    k_mean = drafted / drafts if drafts else 0.0
+    k_mean = mean_block(drafted, drafts, empty=0.0)
     schedule = report.get("schedule") or "?"
     out = (f"speculated: {accepted} of {new} tokens from drafts, acceptance {metrics.get('acceptance_rate', 0.0):.2f} "
            f"({accepted}/{drafted}), τ {metrics.get('mean_accepted_length', 1.0):.2f}, k {k_mean:.1f} on average "

@@ -10,12 +10,13 @@ sends it (``DIRECTION``), typed fields (required ones first, optional ones with 
 carries tensors, ``tensors``. ``encode(msg)`` turns an instance into frames; ``decode(frames, max_bytes)`` checks
 the frames against the class and returns an instance: a known version and type, every required field present, every
 field of its annotated type (``int`` rejects bools, ``float`` accepts ints and gives a float, list elements and
-nested structures such as :class:`Capabilities` and :class:`ThreadCounts` are checked too), missing optional fields
-filled with their defaults, tensor sizes that match their shapes, a total size under a cap, and the message's own
-range checks (``validate()``: a draft's length, ``idle_rounds``, non-negative counts). Anything else raises
-:class:`ProtocolError`, which a node turns into an ``error`` reply before it goes on serving. **Unknown extra header
-fields are ignored** (not an error, not kept): a newer peer may add optional fields without breaking an older one.
-Checks that need a node's state (token ids below the vocabulary size, a matching ``base_len``) stay in the nodes.
+nested structures such as :class:`Capabilities`, :class:`ThreadCounts` and :class:`DrafterStats` are checked too),
+missing optional fields filled with their defaults, tensor sizes that match their shapes, a total size under a cap,
+and the message's own range checks (``validate()``: a draft's length, ``idle_rounds`` and ``stats``, non-negative
+counts). Anything else raises :class:`ProtocolError`, which a node turns into an ``error`` reply before it goes on
+serving. **Unknown extra header fields are ignored** (not an error, not kept): a newer peer may add optional fields
+without breaking an older one. Checks that need a node's state (token ids below the vocabulary size, a matching
+``base_len``) stay in the nodes.
 
 The message types, their fields and the limits are listed in docs/protocol.md, generated from the classes below
 (``python -m shared.protocol_doc --write``; the comment next to a field is its description there).
@@ -42,7 +43,7 @@ import torch
 
 from shared.tree_shape import validate_tree_shape
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 # ----------------------------------------------------------------------------------------------------- limits
 #: Default cap on the total bytes of one message (header + tensor frames). Configurable per node
@@ -65,6 +66,10 @@ MAX_REPORT_CHARS = 200
 MAX_REPORTS = 256
 #: Longest ``generate.tenant`` / ``session_start.tenant`` (a tenant name, or the verifier's opaque id of one).
 MAX_TENANT_CHARS = 128
+#: Most plan names one draft's ``stats`` lists in ``plans`` and in ``plan_rates`` each.
+MAX_PLAN_NAMES = 32
+#: Longest plan name in a draft's ``stats`` (``overlap k=5 rows=3``).
+MAX_PLAN_NAME_CHARS = 64
 #: ``tokenizer_id`` of a drafter that only copies token ids (prompt lookup): it fits any target tokenizer.
 ANY_TOKENIZER = "any"
 
@@ -197,23 +202,27 @@ def _compile(tp: Any, owner: str) -> tuple[Check, Callable[[Any], Any] | None]:
         if args == (int,):
             return _check_int_list, None
         item_check, item_wire = _compile(args[0], owner) if args else (_check_any, None)
+        item_exact = _EXACT.get(args[0]) if args else None
 
         def check_list(path: str, v: Any) -> list:
             if type(v) is not list:
                 raise _wrong(path, "a list", v)
-            return [item_check(f"{path}[{i}]", x) for i, x in enumerate(v)]
+            return [x if type(x) is item_exact else item_check(f"{path}[{i}]", x) for i, x in enumerate(v)]
 
         return check_list, None if item_wire is None else (lambda v: [item_wire(x) for x in v])
     if origin is dict or tp is dict:
         value_check = _compile(args[1], owner)[0] if args and args[1] is not Any else None
+        value_exact = _EXACT.get(args[1]) if args else None
 
         def check_dict(path: str, v: Any) -> dict:
             if type(v) is not dict:
                 raise _wrong(path, "a map", v)
-            if value_check is not None:
-                for key, x in v.items():
-                    value_check(f"{path}.{key}", x)
-            return v
+            if value_check is None:
+                return v
+            if not all(type(key) is str for key in v):
+                raise ProtocolError(f"field {path!r} must be a map with string keys")
+            # converted values (a float takes an int); the path is only spelled out for a value that needs a check
+            return {key: x if type(x) is value_exact else value_check(f"{path}.{key}", x) for key, x in v.items()}
 
         return check_dict, None
     spec = getattr(tp, "_SPEC", None)
@@ -403,11 +412,101 @@ class StartReport:
                 _non_negative(f"{where}: threads", threads, "share", "full")
 
 
+@_struct
+class DrafterTiming:
+    """Where a draft session's drafter time went, summed over its blocks (the request's metrics show it per block):
+    drafter forwards (``step_s``, pre-drafting included), encoding and sending blocks, applying commits, and the
+    round trips (block sent → its commit applied: verification as the drafter sees it)."""
+
+    step_s: float = 0.0  # drafter steps (pre-drafting included)
+    send_s: float = 0.0  # encoding and sending blocks
+    commit_s: float = 0.0  # applying commits
+    roundtrip_s: float = 0.0  # block sent → its commit applied, summed
+    roundtrips: int = 0  # round trips in roundtrip_s
+    forward_s: float = 0.0  # one-forward steps, measured …
+    profile_s: float = 0.0  # … and the start-up profile's time for the same steps
+
+    def check(self, where: str) -> None:
+        _finite_non_negative(where, self, "step_s", "send_s", "commit_s", "roundtrip_s", "roundtrips", "forward_s",
+                             "profile_s")
+
+
+@_struct
+class PlanCheck:
+    """The start-up report's plan against the best plan a session realised (drafter_node.node_session.plan_check)."""
+
+    startup: str  # the plan the start-up report named
+    realised_best: str  # the plan with the highest realised tokens/s among those that ran long enough
+    verdict: str  # confirmed (the same plan) or corrected
+
+    def check(self, where: str) -> None:
+        if self.verdict not in ("confirmed", "corrected"):
+            raise ProtocolError(f"{where}: verdict must be confirmed or corrected")
+        if max(len(self.startup), len(self.realised_best)) > MAX_PLAN_NAME_CHARS:
+            raise ProtocolError(f"{where}: plan names must be at most {MAX_PLAN_NAME_CHARS} characters")
+
+
+@_struct
+class DrafterStats:
+    """A draft session's counters as its drafter keeps them, sent with each block (``draft.stats``, the totals so
+    far); the verifier passes them on in the request's metrics (docs/metrics.md). One struct on both sides: the
+    drafter counts in it, the verifier reads its attributes."""
+
+    busy_s: float = 0.0  # drafter compute time for the session
+    blocks: int = 0  # blocks sent
+    predraft_hits: int = 0  # the next block's start was drafted before the commit came
+    rolled_back: int = 0  # drafted chain tokens a commit threw away
+    idle_blocks: int = 0  # k = 0 blocks (the verifier steps alone)
+    batch_steps: int = 0  # steps that advanced this session
+    batch_rows: int = 0  # the sessions in each of their forwards, summed
+    tree_blocks: int = 0  # blocks sent as token trees
+    side_accepted: int = 0  # commits that took a side leaf (the drafter's second choice)
+    plans: dict[str, int] = field(default_factory=dict)  # rounds per kind of plan (the cost schedule's)
+    dtype: str | None = None  # the drafter model's dtype
+    timing: DrafterTiming = field(default_factory=DrafterTiming)  # where the drafter's time went
+    # Per plan used: [rounds, committed tokens, seconds between commits, the predicted tokens/s summed]
+    plan_rates: dict[str, list[float]] = field(default_factory=dict)
+    plan_check: PlanCheck | None = None  # the start-up plan, confirmed or corrected
+    # The cost model's best plan at the acceptance realised, measured forward costs, no overhead (None: unknown)
+    ceiling_tokens_per_second: float | None = None
+
+    def check(self, where: str) -> None:
+        """Range checks: counts and times finite and ≥ 0, the maps bounded (nested structures have no ``validate``)."""
+        _finite_non_negative(where, self, *_COUNTERS, "ceiling_tokens_per_second")
+        self.timing.check(f"{where}.timing")
+        if self.plan_check is not None:
+            self.plan_check.check(f"{where}.plan_check")
+        if self.dtype is not None and len(self.dtype) > MAX_REPORT_CHARS:
+            raise ProtocolError(f"{where}: dtype must be at most {MAX_REPORT_CHARS} characters")
+        for name, table in (("plans", self.plans), ("plan_rates", self.plan_rates)):
+            if len(table) > MAX_PLAN_NAMES or max(map(len, table), default=0) > MAX_PLAN_NAME_CHARS:
+                raise ProtocolError(f"{where}: {name} must map at most {MAX_PLAN_NAMES} plan names of at most "
+                                    f"{MAX_PLAN_NAME_CHARS} characters")
+        if min(self.plans.values(), default=0) < 0:  # integers (decode checked): no NaN to miss
+            raise ProtocolError(f"{where}: plans must count rounds (integers ≥ 0)")
+        for row in self.plan_rates.values():  # sent with every block: plain comparisons, no generators
+            if len(row) != 4 or not (0 <= row[0] < math.inf and 0 <= row[1] < math.inf and 0 <= row[2] < math.inf
+                                     and 0 <= row[3] < math.inf):
+                raise ProtocolError(f"{where}: plan_rates must map plan names to 4 finite numbers ≥ 0")
+
+
+#: DrafterStats' counters (its plain-number fields), in order.
+_COUNTERS = ("busy_s", "blocks", "predraft_hits", "rolled_back", "idle_blocks", "batch_steps", "batch_rows",
+             "tree_blocks", "side_accepted")
+
 def _non_negative(where: str, obj: Any, *names: str) -> None:
     for name in names:
         v = getattr(obj, name)
         if v is not None and not v >= 0:  # `not >=` also catches NaN
             raise ProtocolError(f"{where}: {name} must be ≥ 0, got {v!r}")
+
+
+def _finite_non_negative(where: str, obj: Any, *names: str) -> None:
+    d = obj.__dict__
+    for name in names:
+        v = d[name]
+        if v is not None and not 0 <= v < math.inf:  # false for NaN too
+            raise ProtocolError(f"{where}: {name} must be finite and ≥ 0, got {v!r}")
 
 
 def _check_tenant(where: str, tenant: str | None) -> None:
@@ -496,12 +595,11 @@ class Draft(Message):
 
     session: int  # the session the block is for
     base_len: int  # the committed length the block was built on; any other is stale and dropped
-    epoch: int  # the drafter's count of blocks sent for the session (the verifier does not act on it)
     tokens: list[int]  # the drafted block, at most MAX_DRAFT_TOKENS tokens
     idle_rounds: int = 0  # k = 0: the verifier steps alone this many rounds (no tokens then)
     overlap: bool = True  # the drafter pre-drafts while this block is verified
     sent_at: float | None = None  # the drafter's wall clock at send (same-host transit time)
-    stats: dict[str, Any] | None = None  # the drafter's counters, passed on in the request's metrics
+    stats: DrafterStats | None = None  # the drafter's counters, passed on in the request's metrics
     # A token tree instead of a chain: the parent index of each token (-1: under the pending token; topological).
     # None: a chain. Greedy requests only, without q (verifier_node.tree).
     parents: list[int] | None = None
@@ -517,6 +615,8 @@ class Draft(Message):
                 validate_tree_shape(self.tokens, self.parents, MAX_DRAFT_TOKENS)
             except ValueError as exc:
                 raise ProtocolError(f"draft: parents: {exc}") from None
+        if self.stats is not None:
+            self.stats.check("draft: stats")
 
 
 @_message
@@ -526,8 +626,7 @@ class Commit(Message):
 
     session: int  # the session the round was for
     base_len: int  # the committed length before the round
-    tokens: list[int]  # the n accepted drafts plus the target's own token (correction or bonus)
-    new_len: int  # the committed length after the round
+    tokens: list[int]  # the n accepted drafts plus the target's own token; committed length now: base_len + n + 1
     drafted: int = 0  # draft tokens the verifier checked (0: the round used no draft)
     accepted: int = 0  # of those, the accepted ones
     verify_s: float | None = None  # the round's target forward time
@@ -541,7 +640,7 @@ class Commit(Message):
     tensors: dict[str, torch.Tensor] = _tensors()  # extras: hidden, kv.{layer} for the committed positions
 
     def validate(self) -> None:
-        _non_negative(self.TYPE, self, "base_len", "new_len", "drafted", "accepted", "verify_s", "threads",
+        _non_negative(self.TYPE, self, "base_len", "drafted", "accepted", "verify_s", "threads",
                       "batch_sessions", "batch_tokens", "decoding")
 
 

@@ -21,13 +21,13 @@ from pathlib import Path
 from typing import Any
 
 from shared import protocol
-from shared.protocol import MESSAGE_TYPES, Capabilities, ThreadCounts
+from shared.protocol import MESSAGE_TYPES, Capabilities, DrafterStats, DrafterTiming, PlanCheck, ThreadCounts
 
 DOC_PATH = Path(__file__).resolve().parent.parent / "docs" / "protocol.md"
 
 #: The limits named in the reference, in this order (their descriptions are the ``#:`` comments above them).
 LIMITS = ("DEFAULT_MAX_MESSAGE_BYTES", "MAX_HEADER_BYTES", "MAX_DRAFT_TOKENS", "MAX_IDLE_ROUNDS", "MAX_DIM",
-          "MAX_HOST_CHARS", "ANY_TOKENIZER")
+          "MAX_HOST_CHARS", "MAX_PLAN_NAMES", "MAX_PLAN_NAME_CHARS", "ANY_TOKENIZER")
 
 HEADER = """# Protocol
 
@@ -54,7 +54,7 @@ matching `base_len`) stay in the nodes. Anything malformed gets an `error` reply
 import torch
 from shared.protocol import Draft, decode, encode
 
-frames = encode(Draft(session=1, base_len=5, epoch=0, tokens=[7, 8],
+frames = encode(Draft(session=1, base_len=5, tokens=[7, 8],
                       tensors={"q_idx": torch.tensor([[7], [8]]), "q_prob": torch.tensor([[0.9], [0.8]])}))
 msg = decode(frames)  # a Draft again; idle_rounds, overlap, sent_at, stats took their defaults
 assert isinstance(msg, Draft) and msg.tokens == [7, 8] and msg.idle_rounds == 0 and msg.overlap
@@ -80,8 +80,8 @@ The client raises two codes of its own: `verifier_gone` and `closed` (see [clien
   on. Each handled message and each round run under a last-resort guard that turns any exception into such an
   error and a logged traceback, never an exit of the process.
 - A draft whose fields are well-typed but unusable (token ids outside the vocabulary, `q` of the wrong shape or with
-  negative/NaN entries, `stats` whose counters are not numbers) is refused with `bad_message` to the drafter; the
-  session then steps without it.
+  negative/NaN entries) is refused with `bad_message` to the drafter, as is one whose `stats` fail `decode`'s
+  checks (`DrafterStats`: counts and times finite and ≥ 0, bounded maps); the session then steps without it.
 - The drafter node drops a session it cannot use (a `session_start` whose params fail validation, state of the
   wrong shape, a failure while drafting) and logs it; the verifier then verifies that session without drafts. A
   drafter told `not_connected` (the verifier restarted) says hello again.
@@ -169,6 +169,8 @@ def _default(f: dataclasses.Field) -> str | None:
         return "null"
     if isinstance(v, bool):
         return "true" if v else "false"
+    if hasattr(type(v), "_SPEC"):  # a nested structure: its own fields' defaults (a missing map reads so)
+        return "{}"
     return repr(v)
 
 
@@ -234,7 +236,7 @@ def generate() -> str:
         else:
             parts.append("No fields.\n")
     parts.append("## Nested structures\n")
-    for cls in (Capabilities, ThreadCounts):
+    for cls in (Capabilities, ThreadCounts, DrafterStats, DrafterTiming, PlanCheck):
         parts.append(f"### `{cls.__name__}`\n")
         parts.append(_doc(cls) + "\n")
         parts.append(_fields_table(cls) + "\n")

@@ -27,6 +27,8 @@ from shared.protocol import (
     Commit,
     Done,
     Draft,
+    DrafterStats,
+    DrafterTiming,
     Error,
     Generate,
     Heartbeat,
@@ -75,14 +77,16 @@ def samples(vocab: int = 160, session: int = 1, base_len: int = 5, request_id: i
               run_secret=run_secret),
         Welcome(target="t", vocab_size=vocab, want_q=False, profile=None, threads=threads),
         SessionStart(session=session, token_ids=[5, 6, 7], params=params, prompt_len=2, tensors=state),
-        Draft(session=session, base_len=base_len, epoch=1, tokens=[3, 4], idle_rounds=0, overlap=True,
-              sent_at=1.0, stats={"busy_s": 0.1, "blocks": 1, "plans": {"sync": 1}, "dtype": "float32"},
+        Draft(session=session, base_len=base_len, tokens=[3, 4], idle_rounds=0, overlap=True,
+              sent_at=1.0, stats=DrafterStats(busy_s=0.1, blocks=1, plans={"sync": 1}, dtype="float32",
+                                             timing=DrafterTiming(step_s=0.05, roundtrips=1),
+                                             plan_rates={"sync k=2": [1, 3, 0.5, 5.0]}),
               tensors={"q_idx": q_idx, "q_prob": q_prob}),
-        Draft(session=session, base_len=base_len, epoch=2, tokens=[3, 4], tensors={"q": torch.full((k, vocab),
+        Draft(session=session, base_len=base_len, tokens=[3, 4], tensors={"q": torch.full((k, vocab),
                                                                                                  1 / vocab)}),
-        Draft(session=session, base_len=base_len, epoch=3, tokens=[], idle_rounds=4),
-        Draft(session=session, base_len=base_len, epoch=4, tokens=[3, 4, 5], parents=[-1, -1, 0]),
-        Commit(session=session, base_len=base_len, tokens=[1, 2], new_len=base_len + 2, drafted=1, accepted=1,
+        Draft(session=session, base_len=base_len, tokens=[], idle_rounds=4),
+        Draft(session=session, base_len=base_len, tokens=[3, 4, 5], parents=[-1, -1, 0]),
+        Commit(session=session, base_len=base_len, tokens=[1, 2], drafted=1, accepted=1,
                verify_s=0.01, threads=1, tensors=state),
         State(session=session, base_len=base_len, end=3, tensors=state),
         SessionEnd(session=session),
@@ -150,7 +154,8 @@ class Mutator:
             header["type"] = rng.choice(["explode", "", "HELLO", 7, None, ["draft"], "draft\x00"])
             return [_pack(header), *frames[1:]], f"type {header['type']!r}"
         if r < 0.68:
-            header["v"] = rng.choice([0, 2, -1, 2**64 - 1, "1", 1.0, None, True, [1]])
+            header["v"] = rng.choice([SCHEMA_VERSION - 1, SCHEMA_VERSION + 1, -1, 2**64 - 1, "1", 1.0, None, True,
+                                      [1]])
             return [_pack(header), *frames[1:]], f"version {header['v']!r}"
         if r < 0.72:
             header[rng.choice(["extra", "zz", "profile", "threads", "stats", "sent_at"])] = self.value()

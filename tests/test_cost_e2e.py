@@ -135,17 +135,17 @@ async def idle_drafter(endpoint: str, tok_id: str, stop: asyncio.Event) -> dict:
             if isinstance(msg, SessionStart):
                 sid, base = msg.session, len(msg.token_ids)
             elif isinstance(msg, Commit):
-                sid, base = msg.session, msg.new_len
+                sid, base = msg.session, msg.base_len + len(msg.tokens)
                 if msg.drafted or base % 4:  # only after a solo run ends (every 4th round)
                     continue
             else:
                 continue
             for bad in BAD_IDLE:  # malformed on purpose: the encoder does not check types, decode does
-                await sock.send_multipart(encode(Draft(session=sid, base_len=base, epoch=0, tokens=[],
+                await sock.send_multipart(encode(Draft(session=sid, base_len=base, tokens=[],
                                                        idle_rounds=bad)))
-            await sock.send_multipart(encode(Draft(session=sid, base_len=base, epoch=0, tokens=[3],
+            await sock.send_multipart(encode(Draft(session=sid, base_len=base, tokens=[3],
                                                    idle_rounds=2)))  # idle rounds with tokens: refused too
-            await sock.send_multipart(encode(Draft(session=sid, base_len=base, epoch=0, tokens=[],
+            await sock.send_multipart(encode(Draft(session=sid, base_len=base, tokens=[],
                                                    idle_rounds=4)))
             seen["idle_blocks"] += 1
     return seen

@@ -601,33 +601,41 @@ def test_a_new_session_keeps_the_nodes_run_alone_length():
 
 def test_the_start_plan_is_confirmed_or_corrected():
     from drafter_node.node_session import plan_check
+    from shared.protocol import PlanCheck
 
     rates = {"overlap k=3 rows=4": [10, 55, 10.0, 60.0], "sync k=8": [3, 24, 3.2, 18.0], "sync k=2": [1, 9, 0.5, 5]}
-    assert plan_check("sync k=8", rates) == {"startup": "sync k=8", "realised_best": "sync k=8",
-                                             "verdict": "confirmed"}
-    assert plan_check("sync k=1", rates)["verdict"] == "corrected"  # sync k=2 ran one round only: not counted
+    assert plan_check("sync k=8", rates) == PlanCheck(startup="sync k=8", realised_best="sync k=8",
+                                                      verdict="confirmed")
+    assert plan_check("sync k=1", rates).verdict == "corrected"  # sync k=2 ran one round only: not counted
     assert plan_check(None, rates) is None and plan_check("solo", {}) is None
 
 
+def _draft_with_stats(stats: object) -> bytes:
+    import msgpack
+
+    from shared.protocol import SCHEMA_VERSION
+
+    return msgpack.packb({"v": SCHEMA_VERSION, "type": "draft", "session": 1, "base_len": 2, "tokens": [3],
+                          "stats": stats})
+
+
 def test_the_plan_check_travels_in_the_draft_stats():
-    from shared.protocol import ProtocolError
-    from verifier_node.draft_check import checked_stats
+    from shared.protocol import PlanCheck, ProtocolError, decode
 
     good = {"startup": "sync k=1", "realised_best": "sync k=8", "verdict": "corrected"}
-    assert checked_stats({"plan_check": good})["plan_check"] == good
+    assert decode([_draft_with_stats({"plan_check": good})]).stats.plan_check == PlanCheck(**good)
     for bad in ({**good, "verdict": "maybe"}, {"startup": "x"}, "corrected", {**good, "startup": 3}):
         with pytest.raises(ProtocolError):
-            checked_stats({"plan_check": bad})
+            decode([_draft_with_stats({"plan_check": bad})])
 
 
 def test_the_ceiling_travels_in_the_draft_stats():
-    from shared.protocol import ProtocolError
-    from verifier_node.draft_check import checked_stats
+    from shared.protocol import ProtocolError, decode
 
-    assert checked_stats({"ceiling_tokens_per_second": 7.5})["ceiling_tokens_per_second"] == 7.5
+    assert decode([_draft_with_stats({"ceiling_tokens_per_second": 7.5})]).stats.ceiling_tokens_per_second == 7.5
     for bad in (-1.0, float("nan"), float("inf"), "fast", True):
         with pytest.raises(ProtocolError):
-            checked_stats({"ceiling_tokens_per_second": bad})
+            decode([_draft_with_stats({"ceiling_tokens_per_second": bad})])
 
 
 def test_the_start_report_names_the_plan_a_new_session_starts_with():

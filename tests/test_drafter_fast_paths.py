@@ -86,15 +86,17 @@ def test_the_rows_visibility_and_mask_are_the_plain_ones_at_every_depth(rows):
         assert mask.dtype == b._dtype and torch.equal(mask, reference_mask(b))
 
 
-def test_the_block_stats_are_the_counters_fields():
+def test_the_block_stats_go_out_as_the_counters_fields():
+    """A block's stats are the session's own counters, packed as they are (no per-block copy): on the wire, the
+    struct's fields as a plain map (unset optional ones left out)."""
     from dataclasses import asdict
 
-    from drafter_node.node import flat_fields
-    from drafter_node.node_session import SessionStats, SessionTiming
+    import msgpack
 
-    stats, timing = SessionStats(busy_s=1.5, blocks=3, tree_blocks=1), SessionTiming(step_s=0.25, roundtrips=2)
-    for counters in (stats, timing, SessionStats(), SessionTiming()):
-        got = flat_fields(counters)
-        assert got == asdict(counters) and list(got) == list(asdict(counters))
-        got["blocks" if "blocks" in got else "step_s"] = 99  # a copy: the session's counters stay as they were
-        assert flat_fields(counters) == asdict(counters)
+    from shared.protocol import Draft, DrafterStats, DrafterTiming, encode
+
+    stats = DrafterStats(busy_s=1.5, blocks=3, tree_blocks=1, timing=DrafterTiming(step_s=0.25, roundtrips=2))
+    for counters in (stats, DrafterStats()):
+        wire = msgpack.unpackb(encode(Draft(session=1, base_len=2, tokens=[4], stats=counters))[0])["stats"]
+        expected = {k: v for k, v in asdict(counters).items() if v is not None}
+        assert wire == expected and list(wire) == list(expected)

@@ -47,14 +47,14 @@ async def hostile_drafter(endpoint: str, tok_id: str, vocab: int, stop: asyncio.
             if isinstance(msg, SessionStart):
                 sid, base = msg.session, len(msg.token_ids)
             elif isinstance(msg, Commit):
-                sid, base = msg.session, msg.new_len
+                sid, base = msg.session, msg.base_len + len(msg.tokens)
             else:
                 continue
-            await sock.send_multipart(encode(Draft(session=sid, base_len=base - 1, epoch=0, tokens=[3, 4])))
+            await sock.send_multipart(encode(Draft(session=sid, base_len=base - 1, tokens=[3, 4])))
             sent["stale"] += 1
             tokens = [rng.randrange(vocab) for _ in range(rng.randint(0, 5))]
             for _ in range(2):
-                await sock.send_multipart(encode(Draft(session=sid, base_len=base, epoch=0, tokens=tokens)))
+                await sock.send_multipart(encode(Draft(session=sid, base_len=base, tokens=tokens)))
             sent["dup"] += 1
     return sent
 
@@ -163,10 +163,10 @@ def test_malformed_messages_get_error_replies_and_nodes_keep_serving(tiny):
             # a drafter-only message on the client socket, and a draft from a drafter that never said hello
             replies["draft from client"] = await raw_exchange(
                 client.config["client"]["endpoint"],
-                encode(Draft(session=1, base_len=1, epoch=0, tokens=[1])))
+                encode(Draft(session=1, base_len=1, tokens=[1])))
             replies["draft before hello"] = await raw_exchange(
                 client.config["verifier"]["endpoint"],
-                encode(Draft(session=1, base_len=1, epoch=0, tokens=[1])))
+                encode(Draft(session=1, base_len=1, tokens=[1])))
             bad_request = await raw_exchange(client.config["client"]["endpoint"],
                                              encode(Generate(request_id=3, params={"temperature": -1},
                                                              token_ids=[1, 2])))

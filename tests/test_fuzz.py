@@ -141,7 +141,7 @@ async def fake_drafter(endpoint: str, mutator: Mutator, tok_id: str, secret: str
         if isinstance(msg, SessionStart):
             live[msg.session] = len(msg.token_ids)
         elif isinstance(msg, Commit):
-            live[msg.session] = msg.new_len
+            live[msg.session] = msg.base_len + len(msg.tokens)
         elif isinstance(msg, Error) or msg.TYPE == "welcome":
             return True
         return False  # verifier traffic to a connected drafter, not a reply

@@ -36,12 +36,15 @@ from shared.protocol import (
     Commit,
     Done,
     Draft,
+    DrafterStats,
+    DrafterTiming,
     Error,
     Generate,
     Heartbeat,
     Hello,
     Message,
     Ping,
+    PlanCheck,
     Pong,
     ProtocolError,
     SessionEnd,
@@ -79,9 +82,16 @@ VALID: dict[str, Message] = {
                        dtype="bfloat16"),
     "session_start": SessionStart(session=3, token_ids=[1, 2, 3], params={"max_new_tokens": 8, "do_sample": False},
                                   prompt_len=2, decoding=4, tenant="9f86d081884c7d65"),
-    "draft": Draft(session=3, base_len=10, epoch=1, tokens=[4, 5, 6], idle_rounds=0, overlap=False,
-                   sent_at=1.7e9, stats={"blocks": 2, "plans": {"k=3": 2}}),
-    "commit": Commit(session=3, base_len=10, tokens=[4, 5], new_len=12, drafted=3, accepted=1, verify_s=0.25,
+    "draft": Draft(session=3, base_len=10, tokens=[4, 5, 6], idle_rounds=0, overlap=False,
+                   sent_at=1.7e9, stats=DrafterStats(
+                       busy_s=0.5, blocks=2, predraft_hits=1, rolled_back=3, idle_blocks=1, batch_steps=4, batch_rows=6,
+                       tree_blocks=1, side_accepted=1, plans={"k=3": 2}, dtype="float32",
+                       timing=DrafterTiming(step_s=0.1, send_s=0.01, commit_s=0.02, roundtrip_s=0.3, roundtrips=2,
+                                            forward_s=0.05, profile_s=0.04),
+                       plan_rates={"sync k=3": [2, 7, 0.5, 12.0]},
+                       plan_check=PlanCheck(startup="sync k=3", realised_best="sync k=3", verdict="confirmed"),
+                       ceiling_tokens_per_second=9.5)),
+    "commit": Commit(session=3, base_len=10, tokens=[4, 5], drafted=3, accepted=1, verify_s=0.25,
                      threads=2, batch_sessions=3, batch_tokens=9, decoding=5),
     "state": State(session=3, base_len=10, end=9),
     "session_end": SessionEnd(session=3),
@@ -104,8 +114,8 @@ VALID: dict[str, Message] = {
 VARIANTS: list[Message] = [
     Generate(request_id=8, params={}, prompt="héllo"),
     Generate(request_id=9, params={}, messages=[{"role": "user", "content": "hi"}]),
-    Draft(session=1, base_len=2, epoch=0, tokens=[], idle_rounds=MAX_IDLE_ROUNDS),
-    Draft(session=1, base_len=2, epoch=0, tokens=[4, 9, 5, 6], parents=[-1, -1, 0, 2]),  # a token tree
+    Draft(session=1, base_len=2, tokens=[], idle_rounds=MAX_IDLE_ROUNDS),
+    Draft(session=1, base_len=2, tokens=[4, 9, 5, 6], parents=[-1, -1, 0, 2]),  # a token tree
     Welcome(target="t", vocab_size=1, want_q=False),
 ]
 #: Optional fields VALID leaves at their default on purpose (covered by VARIANTS).
@@ -481,6 +491,10 @@ WRONG_VALUES: dict[Any, list[Any]] = {
     StartReport: [[], "x", {"k": "4"}, {"overlap": 1}, {"speedup": "fast"}, {"decision": "maybe"},
                   {"k": -1}, {"verify_1_s": -0.1}, {"schedule": "x" * 201}, {"drafter_threads": {"share": -1}}],
     list[StartReport]: ["x", {}, [1], [{"k": "4"}], [{"decision": "maybe"}]],
+    DrafterStats: [[], "x", True, {"blocks": "3"}, {"busy_s": True}, {"blocks": 1.5}, {"plans": ["sync"]},
+                   {"plans": {"sync": 1.0}}, {"dtype": 3}, {"timing": []}, {"timing": {"roundtrips": "2"}},
+                   {"plan_rates": {"p": "x"}}, {"plan_rates": {"p": [1, "2", 3, 4]}}, {"plan_check": "corrected"},
+                   {"plan_check": {"startup": "x"}}, {"ceiling_tokens_per_second": "fast"}, {"side_accepted": -1}],
     list[dict[str, Any]]: ["x", {}, [1], [["id", "d1"]], [None]],
 }
 
@@ -537,7 +551,16 @@ RANGE_ERRORS = [
     ("commit", {"accepted": -1}, "accepted"),
     ("commit", {"threads": -2}, "threads"),
     ("commit", {"batch_sessions": -1}, "batch_sessions"),
-    ("commit", {"new_len": -1}, "new_len"),
+    ("draft", {"stats": {"blocks": -1}}, "stats: blocks"),
+    ("draft", {"stats": {"busy_s": float("nan")}}, "busy_s"),
+    ("draft", {"stats": {"ceiling_tokens_per_second": float("inf")}}, "ceiling_tokens_per_second"),
+    ("draft", {"stats": {"timing": {"step_s": -1.0}}}, "stats.timing: step_s"),
+    ("draft", {"stats": {"plans": {"p": -2}}}, "plans"),
+    ("draft", {"stats": {"plans": {f"p{i}": 1 for i in range(33)}}}, "plans"),
+    ("draft", {"stats": {"plan_rates": {"p": [1, 2, 3]}}}, "plan_rates"),
+    ("draft", {"stats": {"plan_rates": {"p": [1, 2, 3, float("inf")]}}}, "plan_rates"),
+    ("draft", {"stats": {"plan_check": {"startup": "a", "realised_best": "b", "verdict": "maybe"}}}, "verdict"),
+    ("draft", {"stats": {"dtype": "x" * 201}}, "dtype"),
     ("commit", {"verify_s": -0.5}, "verify_s"),
     ("commit", {"verify_s": float("nan")}, "verify_s"),
     ("state", {"end": -1}, "end"),
@@ -627,20 +650,21 @@ MALFORMED: list[tuple[str, list[Any], str]] = [
     ("truncated msgpack", [_header()[:-2]], "bad_message"),
     ("trailing bytes after header", [_header() + b"\x00"], "bad_message"),
     ("json header", [b'{"v": 1, "type": "ping"}'], "bad_message"),
-    ("int map key", [_pack({"v": 1, "type": "ping", 5: 1})], "bad_message"),
+    ("int map key", [_pack({"v": SCHEMA_VERSION, "type": "ping", 5: 1})], "bad_message"),
     ("header is a list", [_pack([1, "ping"])], "bad_message"),
     ("header is a string", [_pack("ping")], "bad_message"),
     ("header is an int", [_pack(1)], "bad_message"),
     ("header is nil", [_pack(None)], "bad_message"),
     ("no version", [_pack({"type": "ping"})], "bad_version"),
-    ("version 2", [_pack({"v": 2, "type": "ping"})], "bad_version"),
+    ("next version", [_pack({"v": SCHEMA_VERSION + 1, "type": "ping"})], "bad_version"),
+    ("previous version", [_pack({"v": SCHEMA_VERSION - 1, "type": "ping"})], "bad_version"),
     ("version 0", [_pack({"v": 0, "type": "ping"})], "bad_version"),
     ("version as string", [_pack({"v": "1", "type": "ping"})], "bad_version"),
-    ("no type", [_pack({"v": 1})], "unknown_type"),
+    ("no type", [_pack({"v": SCHEMA_VERSION})], "unknown_type"),
     ("unknown type", [_header("launch_missiles")], "unknown_type"),
-    ("type nil", [_pack({"v": 1, "type": None})], "unknown_type"),
-    ("type as int", [_pack({"v": 1, "type": 3})], "unknown_type"),
-    ("type as bytes", [_pack({"v": 1, "type": b"ping"})], "unknown_type"),
+    ("type nil", [_pack({"v": SCHEMA_VERSION, "type": None})], "unknown_type"),
+    ("type as int", [_pack({"v": SCHEMA_VERSION, "type": 3})], "unknown_type"),
+    ("type as bytes", [_pack({"v": SCHEMA_VERSION, "type": b"ping"})], "unknown_type"),
     ("type in wrong case", [_header("PING")], "unknown_type"),
     # tensor descriptors
     ("descriptor without frame", [_header(tensors=[{"name": "x", "dtype": "uint8", "shape": [1]}])], "bad_message"),
@@ -689,12 +713,12 @@ def test_malformed_message_raises_protocol_error_with_code(frames, code):
 
 REQUEST_ID_CASES = [
     ("bad version", {"v": 99, "type": "generate", "params": {}}, [], "bad_version"),
-    ("unknown type", {"v": 1, "type": "generat", "params": {}}, [], "unknown_type"),
-    ("missing field", {"v": 1, "type": "generate"}, [], "bad_message"),
-    ("wrong field type", {"v": 1, "type": "generate", "params": []}, [], "bad_message"),
-    ("bad tensor", {"v": 1, "type": "generate", "params": {},
+    ("unknown type", {"v": SCHEMA_VERSION, "type": "generat", "params": {}}, [], "unknown_type"),
+    ("missing field", {"v": SCHEMA_VERSION, "type": "generate"}, [], "bad_message"),
+    ("wrong field type", {"v": SCHEMA_VERSION, "type": "generate", "params": []}, [], "bad_message"),
+    ("bad tensor", {"v": SCHEMA_VERSION, "type": "generate", "params": {},
                     "tensors": [{"name": "x", "dtype": "int32", "shape": [2]}]}, [b"\x00"], "bad_message"),
-    ("cancel missing nothing but tensor count", {"v": 1, "type": "cancel"}, [b"\x00"], "bad_message"),
+    ("cancel missing nothing but tensor count", {"v": SCHEMA_VERSION, "type": "cancel"}, [b"\x00"], "bad_message"),
 ]
 
 
@@ -738,7 +762,7 @@ def test_errors_before_the_header_is_read_have_no_request_id():
 
 @pytest.mark.parametrize("msg_type", [[], [1], {}, {"a": 1}], ids=["empty-list", "list", "empty-map", "map"])
 def test_unhashable_type_field_is_unknown_type(msg_type):
-    exc = _error([_pack({"v": 1, "type": msg_type, "request_id": 3})])
+    exc = _error([_pack({"v": SCHEMA_VERSION, "type": msg_type, "request_id": 3})])
     assert exc.code == "unknown_type"
 
 

@@ -182,8 +182,8 @@ def test_a_draft_with_bad_stats_gets_an_error_and_the_request_completes(tiny):
                 if isinstance(msg, Error):
                     errors.append(msg)
                 elif isinstance(msg, (SessionStart, Commit)):
-                    base = len(msg.token_ids) if isinstance(msg, SessionStart) else msg.new_len
-                    good = encode(Draft(session=msg.session, base_len=base, epoch=0, tokens=[3]))
+                    base = len(msg.token_ids) if isinstance(msg, SessionStart) else msg.base_len + len(msg.tokens)
+                    good = encode(Draft(session=msg.session, base_len=base, tokens=[3]))
                     if len(errors) < len(bad_stats):
                         header = msgpack.unpackb(good[0])
                         header["stats"] = bad_stats[len(errors)]
@@ -265,11 +265,11 @@ def test_drafter_drops_sessions_it_cannot_use_and_keeps_drafting(tiny):
                 SessionStart(session=1, token_ids=PROMPT, params={"temperature": "hot"}),
                 SessionStart(session=2, token_ids=PROMPT, params={"nonsense": 1}),
                 SessionStart(session=3, token_ids=PROMPT, params={"do_sample": True, "temperature": 1e-30}),
-                Commit(session=99, base_len=5, tokens=[1], new_len=6),
+                Commit(session=99, base_len=5, tokens=[1]),
                 SessionStart(session=4, token_ids=[10**9, 3], params={}),
                 SessionStart(session=5, token_ids=PROMPT, params={}),
                 State(session=5, base_len=5, end=4, tensors={"hidden": torch.zeros(3, 7)}),
-                Commit(session=5, base_len=5, tokens=[vocab + 50], new_len=6,
+                Commit(session=5, base_len=5, tokens=[vocab + 50],
                        tensors={"kv.0": torch.zeros(2, 1, 1, 1)}),
                 SessionEnd(session=12345),
             ]

@@ -177,6 +177,7 @@ def test_a_long_forced_run_is_capped_per_round_and_completes(target, compiler):
 def test_forced_rounds_take_turns_with_other_sessions(target, compiler):
     from types import SimpleNamespace
 
+    from verifier_node.pending_draft import PendingDraft
     from verifier_node.scheduler import BatchLimits, Scheduler
 
     model, tokenizer = target
@@ -191,7 +192,7 @@ def test_forced_rounds_take_turns_with_other_sessions(target, compiler):
     scheduler.add(plain)
     picked = []
     for _ in range(6):
-        plain.draft = {"tokens": [7]}  # its drafter always has a block ready
+        plain.draft = PendingDraft([7], None, 0, True, 0.0, None)  # its drafter always has a block ready
         batch = scheduler.next_work()
         picked.append(batch[0].sid)
         batch[0].verify([], None)

@@ -11,6 +11,7 @@ import pytest
 from drafter_node.cost_model import CostBook
 from drafter_node.node_picker import ThreadShare, WorkPicker
 from shared.models import ThreadPlan
+from verifier_node.pending_draft import PendingDraft
 from verifier_node.scheduler import BatchLimits, Scheduler
 
 pytestmark = pytest.mark.unit
@@ -48,7 +49,7 @@ def test_the_verifier_shares_the_cores_while_a_session_left_out_waits_for_its_dr
                 "grammar": None}
         return SimpleNamespace(**{**base, **state})
 
-    ready, waiting = session(1, draft={"tokens": []}), session(2)
+    ready, waiting = session(1, draft=PendingDraft([], None, 0, True, 0.0, None)), session(2)
     scheduler = Scheduler(BatchLimits(True, 64, 512, 2048))  # only the session table drafting_elsewhere reads
     scheduler.add(ready)
     scheduler.add(waiting)

@@ -144,15 +144,15 @@ def test_router_dealer_exchange_over_ipc(ctx, tmp_path):
     router = bind_router(ctx, endpoint)
     dealer = connect_dealer(ctx, endpoint)
     q = torch.rand(3, 7)
-    dealer.send_multipart(encode(Draft(session=1, base_len=4, epoch=0, tokens=[5, 6, 7], tensors={"q": q})))
+    dealer.send_multipart(encode(Draft(session=1, base_len=4, tokens=[5, 6, 7], tensors={"q": q})))
     peer, *body = _recv(router)
     msg = decode(body)
     assert isinstance(msg, Draft) and (msg.session, msg.tokens) == (1, [5, 6, 7])
     assert torch.equal(msg.tensors["q"], q)
 
-    router.send_multipart([peer, *encode(Commit(session=1, base_len=4, tokens=[5, 9], new_len=6, accepted=1))])
+    router.send_multipart([peer, *encode(Commit(session=1, base_len=4, tokens=[5, 9], accepted=1))])
     reply = decode(_recv(dealer))
-    assert isinstance(reply, Commit) and (reply.tokens, reply.new_len, reply.accepted) == ([5, 9], 6, 1)
+    assert isinstance(reply, Commit) and (reply.tokens, reply.base_len, reply.accepted) == ([5, 9], 4, 1)
 
     # a malformed message gets an addressed error reply, and the pair keeps working
     dealer.send_multipart([b"\xc1not msgpack"])

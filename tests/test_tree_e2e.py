@@ -112,16 +112,16 @@ async def tree_peer(endpoint: str, tok_id: str, stop: asyncio.Event) -> dict:
                 sid, base = msg.session, len(msg.token_ids)
                 sampled[sid] = bool(msg.params.get("do_sample"))
             elif isinstance(msg, Commit):
-                sid, base = msg.session, msg.new_len
+                sid, base = msg.session, msg.base_len + len(msg.tokens)
             else:
                 continue
             for bad in BAD_PARENTS:  # malformed on purpose: the encoder does not check types, decode does
-                await sock.send_multipart(encode(Draft(session=sid, base_len=base, epoch=0, tokens=[7, 8, 9],
+                await sock.send_multipart(encode(Draft(session=sid, base_len=base, tokens=[7, 8, 9],
                                                        parents=bad)))
-            tree = Draft(session=sid, base_len=base, epoch=1, tokens=[7, 8, 9, 10], parents=[-1, -1, 0, 0])
+            tree = Draft(session=sid, base_len=base, tokens=[7, 8, 9, 10], parents=[-1, -1, 0, 0])
             await sock.send_multipart(encode(tree))
             if sampled[sid]:
-                await sock.send_multipart(encode(Draft(session=sid, base_len=base, epoch=2, tokens=[])))
+                await sock.send_multipart(encode(Draft(session=sid, base_len=base, tokens=[])))
             else:
                 seen["trees"] += 1
     return seen

@@ -152,16 +152,20 @@ def test_drafter_tree_is_a_bool_key():
         load_config("cpu.yaml", {"drafter.tree": 1})
 
 
-def test_session_stats_keep_the_wire_keys_the_verifier_checks():
-    """The drafter's typed stats go on the wire as plain maps (``asdict``), with the keys the verifier checks."""
-    from dataclasses import asdict, fields
+def test_the_drafter_stats_reach_the_verifier_as_the_same_struct():
+    """One struct on both sides (``DrafterStats``): what the drafter counts decodes field for field, the nested
+    timing and plan check included, and a field the sender left out takes the struct's default."""
+    import msgpack
 
-    from drafter_node.node_session import SessionStats, SessionTiming
-    from verifier_node.draft_check import _NUMERIC_STATS, checked_stats
+    from shared.protocol import Draft, DrafterStats, DrafterTiming, PlanCheck, decode, encode
 
-    assert tuple(f.name for f in fields(SessionStats)) == _NUMERIC_STATS
-    stats, timing = SessionStats(blocks=3, busy_s=0.5), SessionTiming(roundtrips=2)
-    wire = {**asdict(stats), "timing": asdict(timing), "plans": {}, "dtype": "float32"}
-    assert checked_stats(wire) is wire and wire["blocks"] == 3 and wire["timing"]["roundtrips"] == 2
-    assert set(wire["timing"]) == {"step_s", "send_s", "commit_s", "roundtrip_s", "roundtrips", "forward_s",
-                                   "profile_s"}
+    stats = DrafterStats(blocks=3, busy_s=0.5, tree_blocks=1, plans={"sync": 2}, timing=DrafterTiming(roundtrips=2),
+                         plan_check=PlanCheck(startup="sync k=2", realised_best="sync k=3", verdict="corrected"),
+                         ceiling_tokens_per_second=4.0)
+    frames = encode(Draft(session=1, base_len=2, tokens=[3], stats=stats))
+    got = decode(frames).stats
+    assert got == stats and isinstance(got.timing, DrafterTiming) and got.timing.roundtrips == 2
+    header = msgpack.unpackb(frames[0])
+    del header["stats"]["timing"], header["stats"]["blocks"]
+    older = decode([msgpack.packb(header)]).stats
+    assert older.timing == DrafterTiming() and older.blocks == 0 and older.busy_s == 0.5

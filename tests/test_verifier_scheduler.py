@@ -15,6 +15,7 @@ from shared.protocol import Capabilities, ProtocolError, SessionEnd, decode
 from verifier_node.draft_check import TREE_REFUSED, dense_q, tree_parents
 from verifier_node.draft_wait import DraftWait
 from verifier_node.drafters import FORGET_AFTER_S, HEARTBEAT_TIMEOUT_S, DrafterLink, DrafterPool
+from verifier_node.pending_draft import PendingDraft
 from verifier_node.pool_policy import REAP_EVERY_S, PoolPolicy
 from verifier_node.rounds import RoundRunner, ThreadSwitch
 from verifier_node.scheduler import IDLE_POLL_MAX_MS, BatchLimits, Prefills, Scheduler
@@ -34,6 +35,10 @@ class FakeClock:
 
 def _link(alive: bool = True) -> SimpleNamespace:
     return SimpleNamespace(alive=lambda now=None: alive)
+
+
+def _pending(tokens: list[int]) -> PendingDraft:
+    return PendingDraft(tokens, None, 0, True, 0.0, None)
 
 
 def _session(sid: int, **state) -> SimpleNamespace:
@@ -73,7 +78,7 @@ def test_prefill_batches_take_prompts_of_like_length_within_the_budget():
 
 
 def test_drafting_elsewhere_sees_a_session_left_out_that_waits_for_its_draft():
-    ready, waiting = _session(1, draft={"tokens": []}), _session(2)
+    ready, waiting = _session(1, draft=_pending([])), _session(2)
     sched = _scheduler(ready, waiting)
     assert sched.drafting_elsewhere([ready], 0.0)  # session 2's drafter is drafting its block now
     assert not sched.drafting_elsewhere([ready, waiting], 0.0)
@@ -106,7 +111,7 @@ def test_no_session_polls_at_most_the_idle_maximum():
 
 
 def test_rounds_batch_in_round_robin_order_within_the_limits():
-    drafted = [_session(i, draft={"tokens": [7] * 3}) for i in range(1, 6)]  # 4 tokens fed each
+    drafted = [_session(i, draft=_pending([7] * 3)) for i in range(1, 6)]  # 4 tokens fed each
     sched = _scheduler(*drafted, limits=replace(LIMITS, max_batch_sessions=2))
     assert [s.sid for s in sched.next_work()] == [1, 2]
     assert [s.sid for s in sched.next_work()] == [3, 4]  # the first two went to the back
@@ -120,7 +125,7 @@ def test_rounds_batch_in_round_robin_order_within_the_limits():
 
 def test_a_prompt_takes_a_turn_of_its_own():
     clock = FakeClock()
-    drafted = _session(1, draft={"tokens": [5]})
+    drafted = _session(1, draft=_pending([5]))
     prompt = _session(2, prefilled=False, announced=False, prompt_to_cache=[3] * 8)
     later = _session(3, prefilled=False, announced=False, prompt_to_cache=[4] * 9)
     sched = _scheduler(drafted, prompt, later, clock=clock)

@@ -1,12 +1,10 @@
 """What the verifier checks of a drafter's draft before a round may use it, without sockets: the draft
 distribution q (sparse or dense) rebuilt and checked, a token tree's parents (or a refusal the drafter answers by
-sending chains), the drafter's ``stats`` as the request's metrics will read them. Each raises
-:class:`shared.protocol.ProtocolError`, which refuses that draft only."""
+sending chains). Each raises :class:`shared.protocol.ProtocolError`, which refuses that draft only. The drafter's
+``stats`` are a :class:`shared.protocol.DrafterStats` that ``decode`` checked; the checked draft a session then
+holds is a :class:`verifier_node.pending_draft.PendingDraft`."""
 
 from __future__ import annotations
-
-import math
-from typing import Any
 
 import torch
 
@@ -59,43 +57,3 @@ def dense_q(msg: Draft, k: int, vocab_size: int) -> torch.Tensor | None:
     if not torch.isfinite(q).all() or (q < 0).any():
         raise ProtocolError("q must hold finite, non-negative probabilities")
     return q
-
-
-_NUMERIC_STATS = ("busy_s", "blocks", "predraft_hits", "rolled_back", "idle_blocks", "batch_steps", "batch_rows",
-                  "tree_blocks", "side_accepted")
-
-
-def checked_stats(stats: dict[str, Any]) -> dict[str, Any]:
-    """A draft's ``stats`` as the request's metrics read them: numbers where numbers go, a map of plan counts, a dtype
-    name; anything else is refused here, not when the request finishes."""
-    for key in _NUMERIC_STATS:
-        v = stats.get(key, 0)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-            raise ProtocolError(f"draft: stats.{key} must be a finite number, got {type(v).__name__}")
-    plans = stats.get("plans", {})
-    if not isinstance(plans, dict) or not all(isinstance(k, str) and type(v) is int for k, v in plans.items()):
-        raise ProtocolError("draft: stats.plans must map plan names to counts")
-    ceiling = stats.get("ceiling_tokens_per_second", 0)  # sent beside SessionStats' fields (NodeSession.ceiling)
-    if isinstance(ceiling, bool) or not isinstance(ceiling, (int, float)) or not math.isfinite(ceiling) or ceiling < 0:
-        raise ProtocolError("draft: stats.ceiling_tokens_per_second must be a finite, non-negative number")
-    if not isinstance(stats.get("dtype", ""), (str, type(None))):
-        raise ProtocolError("draft: stats.dtype must be a string")
-    timing = stats.get("timing", {})
-    if not isinstance(timing, dict) or len(timing) > 16 or not all(
-            isinstance(k, str) and not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
-            for k, v in timing.items()):
-        raise ProtocolError("draft: stats.timing must map at most 16 names to finite numbers")
-    rates = stats.get("plan_rates", {})
-    if not isinstance(rates, dict) or len(rates) > 32 or not all(
-            isinstance(k, str) and len(k) <= 64 and isinstance(v, list) and len(v) == 4
-            and all(not isinstance(x, bool) and isinstance(x, (int, float)) and math.isfinite(x) and x >= 0
-                    for x in v) for k, v in rates.items()):
-        raise ProtocolError("draft: stats.plan_rates must map at most 32 plan names to 4 non-negative numbers")
-    check = stats.get("plan_check")
-    if check is not None and not (
-            isinstance(check, dict) and set(check) == {"startup", "realised_best", "verdict"}
-            and all(isinstance(v, str) and len(v) <= 64 for v in check.values())
-            and check["verdict"] in ("confirmed", "corrected")):
-        raise ProtocolError("draft: stats.plan_check must hold startup, realised_best (plan names) and a verdict "
-                            "(confirmed or corrected)")
-    return stats

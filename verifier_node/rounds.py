@@ -23,6 +23,7 @@ from shared.cores import CoreLeases
 from shared.costs.cache import CurveCheck
 from shared.kv import CachedLM
 from shared.models import ThreadPlan, set_threads
+from verifier_node.pending_draft import NO_DRAFT
 from verifier_node.scheduler import Scheduler
 from verifier_node.session import RoundPlan, RoundResult, Session
 from verifier_node.tree import tree_row
@@ -261,18 +262,18 @@ class RoundRunner:
         d = s.drafter
         now = time.monotonic()
         could_use = self.scheduler.may_wait(s, now) or (s.draft is not None and s.solo_left == 0)
-        waited = (s.draft["arrived"] if s.draft is not None else now) - s.ready_since
+        waited = (s.draft.arrived if s.draft is not None else now) - s.ready_since
         demoted = could_use and s.wait.outcome(s.draft is not None, max(0.0, waited))
-        draft = s.draft or {"tokens": [], "q": None, "idle_rounds": 0, "overlap": False, "parents": None}
+        draft = s.draft or NO_DRAFT
         s.draft = None
-        if draft["idle_rounds"]:
-            s.solo_left = draft["idle_rounds"]
+        if draft.idle_rounds:
+            s.solo_left = draft.idle_rounds
         solo = s.solo_left > 0
         s.solo_left = max(0, s.solo_left - 1)
-        drafter_busy = bool(draft["tokens"] and draft["overlap"] and d is not None and d.alive() and not solo)
+        drafter_busy = bool(draft.tokens and draft.overlap and d is not None and d.alive() and not solo)
         gap = max(0.0, now - s.timed_from)
         draft_wait = min(gap, max(0.0, waited)) if could_use else 0.0
-        return PendingRound(s, s.plan_round(draft["tokens"], draft["q"], draft["parents"]), solo, demoted, drafter_busy,
+        return PendingRound(s, s.plan_round(draft.tokens, draft.q, draft.parents), solo, demoted, drafter_busy,
                             bool(d and d.needs_hidden), list(d.kv_layers) if d else [], s.timed_from, draft_wait)
 
     def run_batch(self, batch: list[Session]) -> None:

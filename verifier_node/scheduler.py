@@ -123,7 +123,7 @@ class Scheduler:
                 if batch:
                     continue  # prefills come on their own turn
                 return self.take_prefills(s, now)
-            fed = 1 + (len(s.draft["tokens"]) if s.draft is not None else 0)
+            fed = 1 + (len(s.draft.tokens) if s.draft is not None else 0)
             if batch and tokens + fed > self.limits.max_batch_tokens:
                 continue
             batch.append(s)

@@ -86,12 +86,13 @@ from shared.transport import (
 )
 from verifier_node.acceptance import AcceptRule
 from verifier_node.admission import MemoryAdmission
-from verifier_node.draft_check import checked_stats, dense_q, tree_parents
+from verifier_node.draft_check import dense_q, tree_parents
 from verifier_node.draft_wait import DraftWait
 from verifier_node.drafter_out import DrafterOut
 from verifier_node.drafters import DrafterLink, DrafterPool
 from verifier_node.gather import Gather
 from verifier_node.intake import RequestIntake
+from verifier_node.pending_draft import PendingDraft
 from verifier_node.pool_policy import HelloCheck, PoolPolicy
 from verifier_node.request_prep import PrepJob
 from verifier_node.rounds import RoundRunner, ThreadSwitch
@@ -371,17 +372,15 @@ class VerifierServer:
         q = dense_q(msg, len(tokens), self.vocab_size) if s.params.do_sample or ensemble else None
         if ensemble and tokens and q is None:
             raise ProtocolError("ensemble verification needs q (q_idx/q_prob or q) with every draft")
-        stats = checked_stats(msg.stats) if msg.stats is not None else None  # a bad field refuses the draft
         now = time.monotonic()
-        s.draft = {"tokens": tokens, "q": q, "idle_rounds": msg.idle_rounds, "overlap": msg.overlap, "arrived": now,
-                   "parents": parents}
+        s.draft = PendingDraft(tokens, q, msg.idle_rounds, msg.overlap, now, parents)
         s.wait.arrived(len(s.tokens), now, bool(tokens))
         s.metrics.bytes_in += receipt.nbytes
         s.metrics.message_s += receipt.decode_s
         if msg.sent_at is not None:
             s.metrics.transit_s += max(0.0, time.time() - msg.sent_at)
-        if stats is not None:
-            s.metrics.drafter_stats = stats
+        if msg.stats is not None:  # checked by decode (DrafterStats.check)
+            s.metrics.drafter_stats = msg.stats
 
     # --------------------------------------------------------------- client side
     def _on_client_message(self, peer: bytes, msg: Message, receipt: Receipt) -> None:
@@ -454,7 +453,7 @@ class VerifierServer:
     def publish(self, s: Session, r: RoundResult, decoding: int) -> None:
         t0 = time.monotonic()
         if s.announced and s.drafter is not None:
-            frames = encode(Commit(session=s.sid, base_len=r.base_len, tokens=r.tokens, new_len=len(s.tokens),
+            frames = encode(Commit(session=s.sid, base_len=r.base_len, tokens=r.tokens,
                                    drafted=r.drafted, accepted=r.accepted, verify_s=r.forward_s, threads=r.threads,
                                    batch_sessions=r.batch_sessions, batch_tokens=r.batch_tokens,
                                    decoding=decoding, tensors=self.drafter_out.extras(s, r.hidden, r.kv)))

@@ -13,11 +13,14 @@ from typing import Any
 import torch
 
 from shared.backend import DynamicBackend, TargetBackend
+from shared.protocol import DrafterStats
 from shared.sampling import GenerationParams, make_generator, process_block
+from shared.spec_rates import acceptance_rate, per_position, tokens_per_round
 from verifier_node.acceptance import AcceptRule, accept_greedy, accept_sampling
 from verifier_node.detokenize import IncrementalText
 from verifier_node.draft_wait import DraftWait
 from verifier_node.grammar import GrammarPlan, SessionGrammar
+from verifier_node.pending_draft import PendingDraft
 from verifier_node.tree import DraftTree, accept_tree_greedy, keep_path, process_tree, tree_forward
 
 _NO_TOKENS = torch.empty(0, dtype=torch.long)
@@ -120,7 +123,7 @@ class SessionMetrics:
     transit_s: float = 0.0  # draft send → receive, summed (same-host clocks)
     bytes_in: int = 0
     bytes_out: int = 0
-    drafter_stats: dict = field(default_factory=dict)
+    drafter_stats: DrafterStats = field(default_factory=DrafterStats)  # the latest draft's (Draft.stats)
     verify_batch_sum: int = 0  # sessions in the target forwards of its rounds, summed (÷ rounds: verify_batch_mean)
     tree_rounds: int = 0  # rounds that verified a token tree (not a chain)
     side_accepted: int = 0  # … whose accepted path took a node that is not its parent's first child (a side leaf)
@@ -156,15 +159,15 @@ class SessionMetrics:
             self.per_position_accepted[i] += int(i < accepted)
 
 
-def _drafter_timing(stats: dict) -> dict:
+def _drafter_timing(stats: DrafterStats) -> dict:
     """The drafter's own timing sums (``stats.timing``), per block sent, in ms."""
-    timing, blocks = stats.get("timing") or {}, max(int(stats.get("blocks", 0) or 0), 1)
+    timing, blocks = stats.timing, max(stats.blocks, 1)
     out = {f"{k.removesuffix('_s')}_ms_per_block": round(1000 * v / blocks, 3)
-           for k, v in timing.items() if k.endswith("_s") and k != "roundtrip_s"}
-    if timing.get("profile_s"):  # the drafter's own forwards against its start-up profile
-        out["forward_vs_profile"] = round(timing.get("forward_s", 0.0) / timing["profile_s"], 3)
-    if timing.get("roundtrips"):
-        out["roundtrip_ms"] = round(1000 * timing.get("roundtrip_s", 0.0) / timing["roundtrips"], 3)
+           for k, v in vars(timing).items() if k.endswith("_s") and k != "roundtrip_s"}
+    if timing.profile_s:  # the drafter's own forwards against its start-up profile
+        out["forward_vs_profile"] = round(timing.forward_s / timing.profile_s, 3)
+    if timing.roundtrips:
+        out["roundtrip_ms"] = round(1000 * timing.roundtrip_s / timing.roundtrips, 3)
     return out
 
 
@@ -174,11 +177,11 @@ def _forward_vs_profile(sums: dict[str, list[float]]) -> dict:
             for kind, (n, measured, profiled) in sums.items() if n and profiled > 0}
 
 
-def _plan_rates(stats: dict) -> dict:
+def _plan_rates(stats: DrafterStats) -> dict:
     """Per plan the drafter used: rounds, the tokens/s its cost model predicted (mean over the rounds) and the
     tokens/s the rounds gave (committed tokens over the time between commits)."""
     out = {}
-    for name, (rounds, tokens, seconds, predicted) in (stats.get("plan_rates") or {}).items():
+    for name, (rounds, tokens, seconds, predicted) in stats.plan_rates.items():
         if rounds:
             out[name] = {"rounds": int(rounds), "predicted_tokens_per_s": round(predicted / rounds, 3),
                          "realised_tokens_per_s": round(tokens / seconds, 3) if seconds > 0 else None}
@@ -217,7 +220,7 @@ class Session:
         self._chunk_kv: list[dict[str, torch.Tensor]] = []
         self.ready_since = time.monotonic()
         self.timed_from = self.ready_since  # the end of its last round's publish (RoundTiming's clock)
-        self.draft: dict | None = None  # the draft waiting for this round, if any
+        self.draft: PendingDraft | None = None  # the draft waiting for this round, if any
         self.started = time.monotonic()
         self.first_token_at: float | None = None
         self.finished: str | None = None  # finish reason once done
@@ -437,7 +440,7 @@ class Session:
 
     def summary(self, verifier_dtype: str | None = None, drafter_dtype: str | None = None) -> dict:
         """Per-request metrics returned to the client."""
-        m = self.metrics
+        m, d = self.metrics, self.metrics.drafter_stats
         elapsed = max(time.monotonic() - self.started, 1e-9)
         new = len(self.generated)
         rounds = max(m.rounds, 1)
@@ -448,42 +451,41 @@ class Session:
             "drafts": m.drafts,
             "draft_tokens": m.draft_tokens,
             "accepted_tokens": m.accepted_tokens,
-            "acceptance_rate": m.accepted_tokens / m.draft_tokens if m.draft_tokens else 0.0,
-            "mean_accepted_length": 1 + m.accepted_tokens / m.drafts if m.drafts else 1.0,
-            "per_position_acceptance": [a / d for a, d in zip(m.per_position_accepted, m.per_position_drafted)],
+            "acceptance_rate": acceptance_rate(m.accepted_tokens, m.draft_tokens, empty=0.0),
+            "mean_accepted_length": tokens_per_round(m.accepted_tokens, m.drafts, empty=1.0),
+            "per_position_acceptance": per_position(m.per_position_accepted, m.per_position_drafted),
             # the counts behind the rates (summable across requests: the HTTP server's Prometheus counters)
             "per_position_accepted": list(m.per_position_accepted),
             "per_position_drafted": list(m.per_position_drafted),
             "fallback_rounds": m.fallback_rounds - m.solo_rounds,
             "solo_rounds": m.solo_rounds,
-            "plans": m.drafter_stats.get("plans", {}),
+            "plans": d.plans,
             "verifier_dtype": verifier_dtype,
-            "drafter_dtype": drafter_dtype or m.drafter_stats.get("dtype"),
+            "drafter_dtype": drafter_dtype or d.dtype,
             "stale_drafts": m.stale_drafts,
             "tree_rounds": m.tree_rounds,  # rounds that verified a token tree
             "side_accepted": m.side_accepted,  # … that accepted a side leaf (the drafter's second choice)
-            "drafter_tree_blocks": m.drafter_stats.get("tree_blocks", 0),  # trees the drafter sent
+            "drafter_tree_blocks": d.tree_blocks,  # trees the drafter sent
             "tokens_per_second": new / elapsed,
             **_ceiling(new, elapsed, self.first_token_at and self.first_token_at - self.started,
-                       m.drafter_stats.get("ceiling_tokens_per_second")),
+                       d.ceiling_tokens_per_second),
             "elapsed_s": elapsed,
             "time_to_first_token_s": (self.first_token_at - self.started) if self.first_token_at else None,
             "verifier_busy_fraction": m.verify_s / elapsed,
-            "drafter_busy_fraction": m.drafter_stats.get("busy_s", 0.0) / elapsed,
-            "predraft_hits": m.drafter_stats.get("predraft_hits", 0),
-            "predraft_hit_rate": m.drafter_stats.get("predraft_hits", 0) / max(m.drafter_stats.get("blocks", 0), 1),
-            "rolled_back_draft_tokens": m.drafter_stats.get("rolled_back", 0),
+            "drafter_busy_fraction": d.busy_s / elapsed,
+            "predraft_hits": d.predraft_hits,
+            "predraft_hit_rate": d.predraft_hits / max(d.blocks, 1),
+            "rolled_back_draft_tokens": d.rolled_back,
             "bytes_per_round": (m.bytes_in + m.bytes_out) / rounds,
             "message_overhead_ms_per_round": 1000 * m.message_s / rounds,
             "draft_transit_ms": 1000 * m.transit_s / m.drafts if m.drafts else 0.0,
             "verify_batch_mean": m.verify_batch_sum / m.rounds if m.rounds else 0.0,
-            "draft_batch_mean": (m.drafter_stats.get("batch_rows", 0) / m.drafter_stats["batch_steps"]
-                                 if m.drafter_stats.get("batch_steps") else 0.0),
+            "draft_batch_mean": d.batch_rows / d.batch_steps if d.batch_steps else 0.0,
             "round_timing": m.timing.summary(),
             "forward_vs_profile": _forward_vs_profile(m.forward_profile),
-            "drafter_timing": _drafter_timing(m.drafter_stats),
-            "plan_rates": _plan_rates(m.drafter_stats),
-            "plan_check": m.drafter_stats.get("plan_check"),  # the start-up plan, confirmed or corrected
+            "drafter_timing": _drafter_timing(d),
+            "plan_rates": _plan_rates(d),
+            "plan_check": dict(vars(d.plan_check)) if d.plan_check else None,  # the start-up plan checked
             "seed": self.params.seed,
             # structured output: tokens the grammar forced, drafted for free (not in the draft/accept counts)
             "grammar_forced_tokens": self.grammar.forced_tokens if self.grammar is not None else 0,
