@@ -234,6 +234,7 @@ class LlamaSequence(SequenceCache):
     no per-sequence bound; a full one fails the forward instead."""
 
     recurrent = False
+    batchable = True  # rows of one llama_decode with other sequences (LlamaBackend.feed_rows)
     _sliding = False
 
     def __init__(self, engine: LlamaEngine, seq: int, vocab_size: int):
@@ -359,8 +360,8 @@ class GGUFDrafter(Drafter):
     ) -> DraftSession:
         self.backend.vocab_size = self.target_vocab_size
         try:
-            return GGUFDraftSession(self.engine, token_ids, prompt_len, params, self.q_top_m, self.target_vocab_size,
-                                    backend=self.backend, max_draft_tokens=self.max_draft_tokens)
+            return GGUFDraftSession(self.backend, token_ids, prompt_len, params, self.q_top_m,
+                                    self.target_vocab_size, max_draft_tokens=self.max_draft_tokens)
         except LlamaDecodeError:
             if not self._warned_full:
                 log.warning("every llama.cpp sequence is in use (%d sessions): further sessions are not drafted "

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import logging
 import time
-from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from typing import Any
 
@@ -37,7 +36,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer
 
-from shared.batch import MASKABLE_ATTENTION, Row, RowOutput, can_batch, feed_rows
+from shared.batch import MASKABLE_ATTENTION, feed_rows
 from shared.kv import CachedLM
 from shared.node_keys import (
     BACKEND_CHOICES,
@@ -46,48 +45,17 @@ from shared.node_keys import (
     DEFAULT_SLOT_TOKENS,
     compiled_buckets,
 )
+from shared.target import Row, RowOutput, Target, TargetBackend, TargetOptions, register_target_backend
+from shared.target_torch import DynamicBackend, TorchBackend, as_target, torch_target
+
+#: What callers import from here (the torch seam's parts live in shared.target_torch and shared.target).
+__all__ = ["CompiledBackend", "DynamicBackend", "SlotOverflow", "StaticBackend", "StaticHandle", "TargetBackend",
+           "TorchBackend", "as_target", "load_torch_target", "make_backend", "static_problem", "torch_target"]
 
 log = logging.getLogger("pipespec.backend")
 
 class SlotOverflow(ValueError):
     """A forward would write past the end of a sequence's KV slot (nothing was written)."""
-
-
-class TargetBackend(ABC):
-    """Owns a model's per-sequence KV memory: opens handles, runs batched forwards over them."""
-
-    #: ``dynamic`` or ``static``.
-    name: str = ""
-    #: The most tokens a handle holds (None: no bound but the model's).
-    slot_tokens: int | None = None
-
-    def __init__(self, model: Any):
-        self.model = model
-
-    @abstractmethod
-    def open(self, tokens: int | None = None) -> CachedLM:
-        """A handle for a new sequence that will hold at most ``tokens`` positions (None: unknown). Give it back
-        with its ``close()``."""
-
-    def feed_rows(self, rows: list[Row], want_hidden: bool = False, logits: bool = True) -> list[RowOutput]:
-        """One forward over every row (see :func:`shared.batch.feed_rows`)."""
-        return feed_rows(self.model, rows, want_hidden=want_hidden, logits=logits)
-
-    def can_batch(self) -> bool:
-        """Whether this model can run ragged batched forwards with a custom mask."""
-        return can_batch(CachedLM(self.model))
-
-    def describe(self) -> str:
-        return self.name
-
-
-class DynamicBackend(TargetBackend):
-    """Today's layout: each handle a :class:`~shared.kv.CachedLM` over a ``DynamicCache``."""
-
-    name = "dynamic"
-
-    def open(self, tokens: int | None = None) -> CachedLM:
-        return CachedLM(self.model)
 
 
 # ---------------------------------------------------------------------------------------------------- static slots
@@ -252,7 +220,7 @@ def _slot_mask_and_positions(rows: list[Row], width: int, new: int,
     return mask[:, None], positions
 
 
-class StaticBackend(TargetBackend):
+class StaticBackend(TorchBackend):
     """Preallocated per-sequence KV slots (see the module's docstring)."""
 
     name = "static"
@@ -313,6 +281,9 @@ class StaticBackend(TargetBackend):
 
     def can_batch(self) -> bool:
         return True  # static_problem refused the models that cannot
+
+    def capacity_tokens(self) -> int:
+        return self.slots * self.slot_tokens
 
     def _ours(self, lm: CachedLM) -> bool:
         return isinstance(lm, StaticHandle) and lm.backend is self and lm.slot is not None
@@ -647,3 +618,32 @@ class CompiledHandle(StaticHandle):
 
 
 CompiledBackend.handle_class = CompiledHandle  # its slots' small forwards go through the compiled step
+
+
+# ---------------------------------------------------------------------------------------------------- the loader
+@register_target_backend("auto", "dynamic", "static", "compiled")
+def load_torch_target(verifier: Any, options: TargetOptions) -> Target:
+    """A transformers target: the model (``verifier.model``, ``device``, ``dtype``, ``max_memory``) and its
+    tokenizer, its cost profile (measured while no other node on this machine loads or measures: the drafter
+    starts at the same time) and the KV backend ``verifier.backend`` names, with a slot per session batched at
+    once (:func:`make_backend`)."""
+    import contextlib
+
+    from shared.costs.measure import measuring_alone
+    from shared.models import load_causal_lm, load_tokenizer, profile_node, resolve_model
+    from shared.node_keys import kv_slots
+
+    path = resolve_model(verifier.model)
+    tokenizer = options.tokenizer or load_tokenizer(path)
+    spec = options.profile
+    measure = spec is not None and spec.budget_s > 0
+    profile = None
+    with measuring_alone(verifier.device) if measure else contextlib.nullcontext():
+        model = options.model or load_causal_lm(path, verifier.device, verifier.dtype, verifier.max_memory,
+                                                profile=spec)
+        if measure:
+            profile = profile_node(model, verifier.model, verifier.device, spec, "verifier")
+    slots = kv_slots(verifier.kv_slots, verifier.max_sessions, verifier.max_batch_sessions)
+    backend = make_backend(model, verifier.backend, slots, verifier.kv_slot_tokens,
+                           compiled_tokens=verifier.compiled_max_tokens, thread_counts=options.thread_counts)
+    return torch_target(model, tokenizer, backend, name=verifier.model, profile=profile)

@@ -14,7 +14,7 @@ from conftest import greedy_outputs, tiny_config
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from shared.backend import DynamicBackend, SlotOverflow, StaticBackend, StaticHandle, make_backend, static_problem
-from shared.batch import Row, can_batch
+from shared.batch import Row
 from shared.kv import CachedLM
 from shared.sampling import GenerationParams
 from testkit.tiny_models import reference_greedy
@@ -78,7 +78,7 @@ def test_a_static_handle_feeds_and_rolls_back_like_a_dynamic_cache(tiny, arch):
     pool = backend.pool_keys[0]
     assert layer.keys.data_ptr() == pool[static.slot].data_ptr()  # a view of the pool, no copy
     static.check_kv_layers([0, 1])
-    assert can_batch(static)
+    assert static.batchable
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -137,16 +137,16 @@ def test_tree_rounds_and_kept_paths_on_slots(tiny, arch, attn):
             lm.feed(prefix)
         for lm in (other, other_alone):
             lm.feed(_ids(4, 5))
-        expected, _ = tree_forward(dynamic, pending, tree)
+        expected, _ = tree_forward(DynamicBackend(model), dynamic, pending, tree)
         if index % 2 == 0:
-            logits, _ = tree_forward(static, pending, tree)
+            logits, _ = tree_forward(backend, static, pending, tree)
         else:
             outs = backend.feed_rows([Row(other, [9, 10]), tree_row(static, pending, tree)])
             logits = outs[1].logits
             assert torch.allclose(outs[0].logits, other_alone.feed([9, 10])[0], atol=1e-4)
         assert torch.allclose(logits, expected, atol=1e-4)
-        keep_path(static, len(tree), path)
-        keep_path(dynamic, len(tree), path)
+        keep_path(backend, static, len(tree), path)
+        keep_path(DynamicBackend(model), dynamic, len(tree), path)
         _same_cache(static, dynamic)
         assert torch.allclose(static.feed([31])[0], dynamic.feed([31])[0], atol=1e-4)
         static.close()
@@ -155,8 +155,8 @@ def test_tree_rounds_and_kept_paths_on_slots(tiny, arch, attn):
 
 
 def _session(model, tokenizer, backend, sid: int, prompt: list[int], **params) -> Session:
-    s = Session(sid, model, tokenizer, prompt, GenerationParams.from_dict({"eos_token_ids": [], **params}, 160),
-                b"c", sid, backend=backend)
+    s = Session(sid, backend or DynamicBackend(model), tokenizer, prompt,
+                GenerationParams.from_dict({"eos_token_ids": [], **params}, 160), b"c", sid)
     s.prefill()
     return s
 

@@ -13,7 +13,8 @@ from node_entry import node_entry
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from runtime.launch import cluster
-from shared.batch import Row, can_batch, feed_rows
+from shared.backend import DynamicBackend
+from shared.batch import Row, feed_rows
 from shared.kv import CachedLM
 from shared.sampling import GenerationParams
 from testkit.tiny_models import reference_greedy
@@ -43,7 +44,7 @@ def test_feed_rows_equals_one_forward_per_sequence(tiny, arch):
         for lm, prefix in zip(lms, prefixes):
             if prefix:
                 lm.feed(prefix)
-    assert can_batch(batched[0])
+    assert batched[0].batchable
     for step in range(3):
         feeds = [_ids(10 * step + i, n) for i, n in enumerate((3, 1, 6, 2))]
         outs = feed_rows(model, [Row(lm, f) for lm, f in zip(batched, feeds)], want_hidden=True)
@@ -108,8 +109,8 @@ def test_feed_rows_custom_positions_and_visibility(tiny):
 
 
 def _session(model, tokenizer, sid: int, prompt: list[int], **params) -> Session:
-    s = Session(sid, model, tokenizer, prompt, GenerationParams.from_dict({"eos_token_ids": [], **params}, 160),
-                b"c", sid)
+    s = Session(sid, DynamicBackend(model), tokenizer, prompt,
+                GenerationParams.from_dict({"eos_token_ids": [], **params}, 160), b"c", sid)
     s.prefill()
     return s
 

@@ -25,7 +25,6 @@ from drafter_node.node_session import NodeSession
 from drafter_node.schedule import DraftLengthSchedule
 from runtime.launch import cluster
 from shared.backend import DynamicBackend
-from shared.batch import can_batch
 from shared.kv import CachedLM
 from shared.protocol import Chunk, Done, Generate, Ping, Pong, decode, encode
 from shared.sampling import GenerationParams
@@ -54,7 +53,7 @@ def _load(folder):
 
 def _session(model, folder, prompt, new_tokens, backend=None) -> Session:
     params = GenerationParams.from_dict({"max_new_tokens": new_tokens, "eos_token_ids": []}, model.config.vocab_size)
-    return Session(1, model, AutoTokenizer.from_pretrained(folder), prompt, params, b"c", 1, backend=backend)
+    return Session(1, backend or DynamicBackend(model), AutoTokenizer.from_pretrained(folder), prompt, params, b"c", 1)
 
 
 @pytest.mark.unit
@@ -130,7 +129,7 @@ def test_a_batched_round_that_failed_after_the_caches_grew_is_rolled_back(tiny):
     target = tiny("llama")
     model = _load(target)
     backend = FailsAfterGrowing(model, failures=3)
-    assert can_batch(CachedLM(model))
+    assert CachedLM(model).batchable
     server, endpoint = verifier_from_parts(target, model=model, backend=backend)
     prompts = {1: SHORT, 2: [9, 9, 8, 7, 6, 5, 4, 3]}
     got, _ = serve_requests(server, endpoint, prompts, 8)
@@ -219,10 +218,10 @@ def test_the_drafter_catches_a_long_prompt_up_in_chunks_of_its_own(tiny, monkeyp
     forward each, no token drafted), then the chain steps draft exactly what one prefill forward would have."""
     model = _load(tiny("llama", "random"))
     params = GenerationParams.from_dict({"max_new_tokens": 8, "eos_token_ids": []}, model.config.vocab_size)
-    whole = LMDraftSession(model, LONG, len(LONG), params, 0, model.config.vocab_size)
+    whole = LMDraftSession(DynamicBackend(model), LONG, len(LONG), params, 0, model.config.vocab_size)
     whole.propose(4)
     counted = CountingLM(model)
-    chunked = LMDraftSession(counted, LONG, len(LONG), params, 0, model.config.vocab_size)
+    chunked = LMDraftSession(DynamicBackend(counted), LONG, len(LONG), params, 0, model.config.vocab_size)
     monkeypatch.setattr(node_session, "CATCH_UP_TOKENS", 32)
     node = NodeSession(1, chunked, DraftLengthSchedule(4, "constant", max_k=4, overlap=False))
     for _ in range(4):

@@ -23,6 +23,7 @@ from shared.protocol import (
     Welcome,
     decode,
 )
+from shared.target_torch import DynamicBackend
 from verifier_node.admission import MemoryAdmission
 from verifier_node.drafters import DrafterLink, DrafterPool
 from verifier_node.intake import RequestIntake
@@ -212,7 +213,8 @@ def test_a_tokenizer_without_chat_template_refuses_messages(bench, tokenizer):
 # ------------------------------------------------------------------------------------------------ hello checks
 @pytest.fixture(scope="module")
 def tiny_llama(tiny):
-    return AutoModelForCausalLM.from_pretrained(tiny("llama"), dtype=torch.float32).eval()
+    """The tiny Llama's KV backend: what the hello checks ask whether it holds a drafter's K/V layers."""
+    return DynamicBackend(AutoModelForCausalLM.from_pretrained(tiny("llama"), dtype=torch.float32).eval())
 
 
 def _hello(**kwargs) -> Hello:
@@ -221,8 +223,8 @@ def _hello(**kwargs) -> Hello:
 
 
 def test_hello_checks_refuse_with_their_codes(tiny_llama):
-    check = HelloCheck(tiny_llama, "tiny", "tok", ["a", "b"], ensemble_weight=0.5, draft_timeout=1.0,
-                       run_secret="s" * 64)
+    check = HelloCheck(tiny_llama, "LlamaForCausalLM", "tiny", "tok", ["a", "b"], ensemble_weight=0.5,
+                       draft_timeout=1.0, run_secret="s" * 64)
     cases = {
         "unauthorized": _hello(run_secret="x" * 64),
         "tokenizer_mismatch": _hello(run_secret="s" * 64, tokenizer_id="other"),
@@ -243,7 +245,7 @@ def test_on_hello_joins_welcomes_and_hands_out_waiting_sessions(tiny_llama):
     pool, sent = DrafterPool(), []
     policy = PoolPolicy(pool, {}, None, send=lambda link, frames: sent.append((link.id, decode(frames))),
                         announce=lambda s, kv: None)
-    check = HelloCheck(tiny_llama, "tiny", "tok", [], ensemble_weight=None, draft_timeout=1.0)
+    check = HelloCheck(tiny_llama, "LlamaForCausalLM", "tiny", "tok", [], ensemble_weight=None, draft_timeout=1.0)
     welcome = Welcome(target="tiny", vocab_size=64, want_q=False)
     policy.on_hello(b"d", _hello(), check, welcome)
     policy.on_hello(b"d", _hello(), check, welcome)  # again: the same link

@@ -13,15 +13,14 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from shared.costs.curve import NodeProfile
-from shared.kv import CachedLM, KVRowsError
 from shared.models import vocab_prefix_matches
 from shared.protocol import ANY_TOKENIZER, Hello, Message, ProtocolError, SessionEnd, encode
 from shared.sampling import GenerationParams
+from shared.target import KVRowsError, TargetBackend
 from shared.transport import SECRET_ENV, secret_matches
 from verifier_node.drafters import DrafterLink, DrafterPool
 from verifier_node.session import Session
@@ -43,10 +42,11 @@ Announce = Callable[[Session, "dict[str, torch.Tensor] | None"], None]
 class HelloCheck:
     """Who may join the pool: a drafter of this run (``run_secret``, where the drafter link has no CURVE; None:
     anyone the link lets in), with the target's tokenizer (``tokenizer_id``, or a GGUF token list that is a prefix
-    of ``vocab_tokens``), q where ensemble verification needs it, and K/V rows the target ``model`` can provide.
+    of ``vocab_tokens``), q where ensemble verification needs it, and K/V rows the target's ``backend`` can provide.
     ``draft_timeout``: the cap on a session's wait for a draft (bounds the drafter's measured block time)."""
 
-    model: Any
+    backend: TargetBackend
+    target_kind: str
     model_name: str
     tokenizer_id: str
     vocab_tokens: list[str]
@@ -87,12 +87,12 @@ class HelloCheck:
     def _check_kv_layers(self, msg: Hello, drafter: DrafterLink) -> None:
         if drafter.kv_layers:
             try:
-                CachedLM(self.model).check_kv_layers(drafter.kv_layers)
+                self.backend.check_kv_layers(drafter.kv_layers)
             except KVRowsError as exc:
                 log.error("refused drafter %r: %s", msg.drafter_type, exc)
                 raise ProtocolError(
                     f"drafter type {msg.drafter_type!r} needs K/V rows of target layers {drafter.kv_layers}, "
-                    f"which this target ({self.model_name}, {type(self.model).__name__}) cannot provide: {exc}",
+                    f"which this target ({self.model_name}, {self.target_kind}) cannot provide: {exc}",
                     code="unsupported",
                 ) from None
 
