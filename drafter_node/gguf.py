@@ -63,6 +63,7 @@ class LlamaSequence(SequenceCache):
     no per-sequence bound; a full one fails the forward instead."""
 
     recurrent = False
+    batchable = True  # rows of one llama_decode with other sequences (LlamaBackend.feed_rows)
     _sliding = False
 
     def __init__(self, engine: LlamaEngine, seq: int, vocab_size: int):

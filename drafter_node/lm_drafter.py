@@ -29,7 +29,7 @@ from drafter_node.base import BatchStep, DraftSession, DraftToken
 from drafter_node.branches import Branches, rank_outcomes, supports_flat_rows
 from drafter_node.settings import DrafterConfig
 from shared.backend import DynamicBackend, TargetBackend, make_backend
-from shared.batch import Row, RowOutput, can_batch
+from shared.batch import Row, RowOutput
 from shared.kv import CachedLM
 from shared.node_keys import kv_slots
 from shared.sampling import GenerationParams, make_generator, process_logits
@@ -178,7 +178,7 @@ class LMDraftSession(DraftSession):
         """``speculate_step`` (the pre-draft rows) while speculating, else ``propose(1)``, as a batched forward's
         rows; None where the model cannot run batched forwards (sliding-window layers, a kernel without masks) or
         the chain ended (``propose`` has nothing to add)."""
-        if not can_batch(self.lm):
+        if not self.lm.batchable:
             return None
         if self.branches is not None:
             return self.branches.batch_step(self._choose_rows) if self._rows_fit() else None

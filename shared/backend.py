@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import logging
 import time
-from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from typing import Any
 
@@ -37,7 +36,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer
 
-from shared.batch import MASKABLE_ATTENTION, Row, RowOutput, can_batch, feed_rows
+from shared.batch import MASKABLE_ATTENTION, feed_rows
 from shared.kv import CachedLM
 from shared.node_keys import (
     BACKEND_CHOICES,
@@ -46,6 +45,7 @@ from shared.node_keys import (
     DEFAULT_SLOT_TOKENS,
     compiled_buckets,
 )
+from shared.target import Row, RowOutput, Target, TargetBackend, TargetOptions, register_target_backend
 
 log = logging.getLogger("pipespec.backend")
 
@@ -53,21 +53,8 @@ class SlotOverflow(ValueError):
     """A forward would write past the end of a sequence's KV slot (nothing was written)."""
 
 
-class TargetBackend(ABC):
-    """Owns a model's per-sequence KV memory: opens handles, runs batched forwards over them."""
-
-    #: ``dynamic`` or ``static``.
-    name: str = ""
-    #: The most tokens a handle holds (None: no bound but the model's).
-    slot_tokens: int | None = None
-
-    def __init__(self, model: Any):
-        self.model = model
-
-    @abstractmethod
-    def open(self, tokens: int | None = None) -> CachedLM:
-        """A handle for a new sequence that will hold at most ``tokens`` positions (None: unknown). Give it back
-        with its ``close()``."""
+class TorchBackend(TargetBackend):
+    """What the torch backends share: handles are :class:`~shared.kv.CachedLM` over one transformers model."""
 
     def feed_rows(self, rows: list[Row], want_hidden: bool = False, logits: bool = True) -> list[RowOutput]:
         """One forward over every row (see :func:`shared.batch.feed_rows`)."""
@@ -75,13 +62,24 @@ class TargetBackend(ABC):
 
     def can_batch(self) -> bool:
         """Whether this model can run ragged batched forwards with a custom mask."""
-        return can_batch(CachedLM(self.model))
+        return CachedLM(self.model).batchable
 
-    def describe(self) -> str:
-        return self.name
+    def feed_tree(self, lm: CachedLM, tokens: list[int], positions: list[int], visible: torch.Tensor,
+                  want_hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return lm.feed_masked(tokens, positions, visible, want_hidden)
+
+    def keep_positions(self, lm: CachedLM, prefix: int, positions: list[int]) -> None:
+        lm.keep_positions(prefix, positions)
+
+    @property
+    def recurrent(self) -> bool:
+        return CachedLM(self.model).recurrent
+
+    def check_kv_layers(self, layers: list[int]) -> None:
+        CachedLM(self.model).check_kv_layers(layers)
 
 
-class DynamicBackend(TargetBackend):
+class DynamicBackend(TorchBackend):
     """Today's layout: each handle a :class:`~shared.kv.CachedLM` over a ``DynamicCache``."""
 
     name = "dynamic"
@@ -252,7 +250,7 @@ def _slot_mask_and_positions(rows: list[Row], width: int, new: int,
     return mask[:, None], positions
 
 
-class StaticBackend(TargetBackend):
+class StaticBackend(TorchBackend):
     """Preallocated per-sequence KV slots (see the module's docstring)."""
 
     name = "static"
@@ -313,6 +311,9 @@ class StaticBackend(TargetBackend):
 
     def can_batch(self) -> bool:
         return True  # static_problem refused the models that cannot
+
+    def capacity_tokens(self) -> int:
+        return self.slots * self.slot_tokens
 
     def _ours(self, lm: CachedLM) -> bool:
         return isinstance(lm, StaticHandle) and lm.backend is self and lm.slot is not None
@@ -647,3 +648,46 @@ class CompiledHandle(StaticHandle):
 
 
 CompiledBackend.handle_class = CompiledHandle  # its slots' small forwards go through the compiled step
+
+
+# ---------------------------------------------------------------------------------------------------- the loader
+@register_target_backend("auto", "dynamic", "static", "compiled")
+def load_torch_target(verifier: Any, options: TargetOptions) -> Target:
+    """A transformers target: the model (``verifier.model``, ``device``, ``dtype``, ``max_memory``) and its
+    tokenizer, its cost profile (measured while no other node on this machine loads or measures: the drafter
+    starts at the same time) and the KV backend ``verifier.backend`` names, with a slot per session batched at
+    once (:func:`make_backend`)."""
+    import contextlib
+
+    from shared.costs.measure import measuring_alone
+    from shared.models import load_causal_lm, load_tokenizer, profile_node, resolve_model
+    from shared.node_keys import kv_slots
+
+    path = resolve_model(verifier.model)
+    tokenizer = options.tokenizer or load_tokenizer(path)
+    spec = options.profile
+    measure = spec is not None and spec.budget_s > 0
+    profile = None
+    with measuring_alone(verifier.device) if measure else contextlib.nullcontext():
+        model = options.model or load_causal_lm(path, verifier.device, verifier.dtype, verifier.max_memory,
+                                                profile=spec)
+        if measure:
+            profile = profile_node(model, verifier.model, verifier.device, spec, "verifier")
+    slots = kv_slots(verifier.kv_slots, verifier.max_sessions, verifier.max_batch_sessions)
+    backend = make_backend(model, verifier.backend, slots, verifier.kv_slot_tokens,
+                           compiled_tokens=verifier.compiled_max_tokens, thread_counts=options.thread_counts)
+    return torch_target(model, tokenizer, backend, name=verifier.model, device=verifier.device, profile=profile)
+
+
+def torch_target(model: Any, tokenizer: Any, backend: TargetBackend | None = None, *, name: str = "",
+                 device: str | None = None, profile: Any = None) -> Target:
+    """The :class:`~shared.target.Target` of a loaded transformers ``model`` (``backend``: None, dynamic caches)."""
+    from shared.models import default_eos_ids, logits_vocab_size, model_dtype
+
+    positions = getattr(model.config, "max_position_embeddings", None)
+    return Target(
+        backend=backend or DynamicBackend(model), tokenizer=tokenizer,
+        end_token_ids=default_eos_ids(model, tokenizer), vocab_size=logits_vocab_size(model),
+        dtype=model_dtype(model), device=device or str(next(model.parameters()).device), name=name,
+        max_positions=int(positions) if isinstance(positions, int) and positions > 0 else None, profile=profile,
+        kind=type(model).__name__)

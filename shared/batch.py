@@ -16,56 +16,19 @@ A row may also bring its own visibility over its cached positions and new tokens
 session's cache, :mod:`drafter_node.branches`) and its own position ids.
 
 Not for sliding-window models (their layers keep only the window) nor attention kernels that ignore a custom mask:
-:func:`can_batch` says so, and callers then run one forward per sequence.
+a handle's ``batchable`` says so, and callers then run one forward per sequence.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from shared.kv import CachedLM
+from shared.kv import MASKABLE_ATTENTION, plain_attention
+from shared.target import Row, RowOutput
 
-#: Attention implementations that take a custom 4D additive mask as given (transformers' mask builders return a 4D
-#: mask as is; eager adds it to the scores, sdpa passes it as ``attn_mask``).
-MASKABLE_ATTENTION = ("eager", "sdpa")
-
-
-def can_batch(lm: CachedLM) -> bool:
-    """Whether ``lm``'s model can run ragged batched forwards with a custom mask (no sliding-window layers, a
-    maskable attention kernel, plain dynamic cache layers)."""
-    if lm._sliding or getattr(lm.model.config, "_attn_implementation", "eager") not in MASKABLE_ATTENTION:
-        return False
-    return all(plain_attention(layer) for layer in lm.cache.layers)
-
-
-def plain_attention(layer) -> bool:
-    """A cache layer that holds every position's K/V and nothing else: a ``DynamicLayer`` or a static slot's layer
-    (:class:`shared.backend.SlotLayer`)."""
-    return type(layer) is DynamicLayer or getattr(layer, "slot_backed", False)
-
-
-@dataclass
-class Row:
-    """One sequence's part of a batched forward: feed ``tokens`` on top of what ``lm`` caches.
-
-    ``positions``: position ids of the new tokens (default ``lm.length + i``). ``visible``: bool ``[T, lm.length +
-    T]``, which cached positions and new tokens each new token attends to (default: every cached position and the new
-    tokens up to itself, the causal rule)."""
-
-    lm: CachedLM
-    tokens: list[int]
-    positions: list[int] | None = None
-    visible: torch.Tensor | None = None
-
-
-@dataclass
-class RowOutput:
-    logits: torch.Tensor | None  # float32 [T, vocab] (None when the forward was asked for no logits)
-    hidden: torch.Tensor | None  # last hidden states [T, hidden] (when asked)
+__all__ = ["MASKABLE_ATTENTION", "Row", "RowOutput", "feed_rows", "plain_attention"]
 
 
 class _FilledLayer(DynamicLayer):

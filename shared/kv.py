@@ -35,18 +35,25 @@ from transformers.cache_utils import (
 )
 
 from shared.devices import input_device
+from shared.target import KVRowsError
+
+#: Attention implementations that take a custom 4D additive mask as given (transformers' mask builders return a 4D
+#: mask as is; eager adds it to the scores, sdpa passes it as ``attn_mask``).
+MASKABLE_ATTENTION = ("eager", "sdpa")
 
 #: Rollback points a recurrent cache keeps (:meth:`CachedLM.anchor`): a drafter's committed length and the end of the
 #: block in flight; each holds a copy of the recurrent states (no sequence dimension).
 MAX_ANCHORS = 2
 
 
-class KVRowsError(ValueError):
-    """A drafter asked for K/V rows of layers this model's cache does not hold."""
-
-
 def _is_recurrent(layer) -> bool:
     return isinstance(layer, LinearAttentionCacheLayerMixin)
+
+
+def plain_attention(layer) -> bool:
+    """A cache layer that holds every position's K/V and nothing else: a ``DynamicLayer`` or a static slot's layer
+    (:class:`shared.backend.SlotLayer`)."""
+    return type(layer) is DynamicLayer or getattr(layer, "slot_backed", False)
 
 
 def rollback_problem(config) -> str | None:
@@ -120,6 +127,16 @@ class SequenceCache:
         self.refed_total = 0  # tokens fed again to roll back recurrent state (hybrid models)
         self.capacity: int | None = None  # the most positions the cache can hold (None: no bound of its own)
 
+    #: Flags of the handle protocol (shared.target.SequenceHandle); a subclass sets what it supports.
+    recurrent = False
+    batchable = False
+    trees = False
+
+    @property
+    def batch_key(self):
+        """Handles over the same model may share a forward."""
+        return self.model
+
     def feed(self, token_ids: list[int], want_hidden: bool = False,
              last_logits_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         raise NotImplementedError
@@ -160,6 +177,7 @@ class CachedLM(SequenceCache):
         super().__init__(model)
         self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
         self._device = input_device(model)
+        self._maskable = getattr(model.config, "_attn_implementation", "eager") in MASKABLE_ATTENTION
         self._anchors: list[StateSnapshot] = []  # rollback points the owner marked (recurrent caches only)
         self.reset()
 
@@ -179,6 +197,60 @@ class CachedLM(SequenceCache):
         self.grew(len(token_ids))
         hidden = out.hidden_states[-1][0] if want_hidden else None
         return out.logits[0].float(), hidden
+
+    @property
+    def batchable(self) -> bool:
+        """Ragged batched forwards with a custom mask (:mod:`shared.batch`): no sliding-window layers, a maskable
+        attention kernel, plain attention layers only."""
+        return not self._sliding and self._maskable and all(plain_attention(layer) for layer in self.cache.layers)
+
+    @property
+    def trees(self) -> bool:
+        """Forwards with their own positions and visibility on this cache (:meth:`feed_masked`): the same rule (a
+        sliding layer keeps only its window, so R new slots per step would push out positions rows still need)."""
+        return self.batchable
+
+    @torch.inference_mode()
+    def feed_masked(self, tokens: list[int], positions: list[int], visible: torch.Tensor,
+                    want_hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One forward of ``tokens`` directly on this cache (no copy of it) at ``positions``, token t seeing what
+        ``visible[t]`` says of the cached positions and the new tokens (bool ``[T, length + T]``): float32 logits
+        and, when asked, the last hidden states. The cache grows by T positions (token trees, pre-draft rows)."""
+        if not self.trees:
+            raise ValueError("masked forwards need eager or sdpa attention and no sliding-window layers")
+        dtype = self.cache_dtype()
+        mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, torch.finfo(dtype).min)
+        out = self.model(
+            input_ids=torch.tensor([tokens], dtype=torch.long, device=self._device),
+            attention_mask=mask[None, None].to(self._device),
+            position_ids=torch.tensor([positions], dtype=torch.long, device=self._device),
+            cache=self.cache,
+            use_cache=True,
+            output_hidden_states=want_hidden,
+        )
+        self.grew(len(tokens))
+        hidden = out.hidden_states[-1][0] if want_hidden else None
+        return out.logits[0].float(), hidden
+
+    def cache_dtype(self) -> torch.dtype:
+        """The dtype of the model's weights (what an additive mask is built in)."""
+        return next(self.model.parameters()).dtype
+
+    @torch.inference_mode()
+    def keep_positions(self, prefix: int, positions: list[int]) -> None:
+        """Keep the first ``prefix`` cached positions and then ``positions`` (ascending, each ≥ ``prefix``), moved
+        in place to follow them; drop the rest. Only the moved positions are read and written (``index_select``
+        reads them out first, so the write may overlap them); those already in place are not touched."""
+        if prefix < 0 or any(p < prefix or p >= self.length for p in positions) or positions != sorted(positions):
+            raise ValueError(f"cannot keep positions {positions} after {prefix} of {self.length} cached")
+        first = next((j for j, p in enumerate(positions) if p != prefix + j), len(positions))
+        if first < len(positions):
+            src = torch.tensor(positions[first:], dtype=torch.long, device=self.cache.layers[0].keys.device)
+            lo, hi = prefix + first, prefix + len(positions)
+            for layer in self.cache.layers:
+                layer.keys[..., lo:hi, :] = layer.keys.index_select(-2, src)
+                layer.values[..., lo:hi, :] = layer.values.index_select(-2, src)
+        self.crop(prefix + len(positions))
 
     def crop(self, keep: int) -> None:
         """Drop cached positions beyond ``keep`` (rollback after a rejection); trim sliding layers to their window."""

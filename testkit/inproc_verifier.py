@@ -12,7 +12,6 @@ import torch
 import zmq
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from shared.batch import can_batch
 from shared.kv import CachedLM
 from shared.models import ThreadPlan
 from shared.protocol import Done, Generate, Ping, Pong, decode, encode
@@ -36,7 +35,7 @@ def verifier_from_parts(target: Any, *, model: Any = None, **kwargs: Any) -> tup
     settings = {"model_name": str(target), "draft_timeout_s": 3.0, "max_sessions": 8, "max_message_bytes": 1 << 20,
                 "client_timeout_s": 60.0, "ensemble_weight": None, "drafter_endpoint": f"{name}-drafters",
                 "client_endpoint": f"{name}-clients", **kwargs}
-    limits = BatchLimits(can_batch(CachedLM(model)), 8, 1024, 2048)
+    limits = BatchLimits(CachedLM(model).batchable, 8, 1024, 2048)
     server = VerifierServer(VerifierSettings(**settings), model, AutoTokenizer.from_pretrained(target), None,
                             ThreadPlan(share=1, full=1), limits, VerifierSockets(drafter, client), **server_args)
     return server, f"{name}-clients"

@@ -14,7 +14,7 @@ from conftest import greedy_outputs, tiny_config
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from shared.backend import DynamicBackend, SlotOverflow, StaticBackend, StaticHandle, make_backend, static_problem
-from shared.batch import Row, can_batch
+from shared.batch import Row
 from shared.kv import CachedLM
 from shared.sampling import GenerationParams
 from testkit.tiny_models import reference_greedy
@@ -78,7 +78,7 @@ def test_a_static_handle_feeds_and_rolls_back_like_a_dynamic_cache(tiny, arch):
     pool = backend.pool_keys[0]
     assert layer.keys.data_ptr() == pool[static.slot].data_ptr()  # a view of the pool, no copy
     static.check_kv_layers([0, 1])
-    assert can_batch(static)
+    assert static.batchable
 
 
 @pytest.mark.parametrize("arch", ARCHS)

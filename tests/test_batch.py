@@ -13,7 +13,7 @@ from node_entry import node_entry
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from runtime.launch import cluster
-from shared.batch import Row, can_batch, feed_rows
+from shared.batch import Row, feed_rows
 from shared.kv import CachedLM
 from shared.sampling import GenerationParams
 from testkit.tiny_models import reference_greedy
@@ -43,7 +43,7 @@ def test_feed_rows_equals_one_forward_per_sequence(tiny, arch):
         for lm, prefix in zip(lms, prefixes):
             if prefix:
                 lm.feed(prefix)
-    assert can_batch(batched[0])
+    assert batched[0].batchable
     for step in range(3):
         feeds = [_ids(10 * step + i, n) for i, n in enumerate((3, 1, 6, 2))]
         outs = feed_rows(model, [Row(lm, f) for lm, f in zip(batched, feeds)], want_hidden=True)

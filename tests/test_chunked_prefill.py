@@ -25,7 +25,6 @@ from drafter_node.node_session import NodeSession
 from drafter_node.schedule import DraftLengthSchedule
 from runtime.launch import cluster
 from shared.backend import DynamicBackend
-from shared.batch import can_batch
 from shared.kv import CachedLM
 from shared.protocol import Chunk, Done, Generate, Ping, Pong, decode, encode
 from shared.sampling import GenerationParams
@@ -130,7 +129,7 @@ def test_a_batched_round_that_failed_after_the_caches_grew_is_rolled_back(tiny):
     target = tiny("llama")
     model = _load(target)
     backend = FailsAfterGrowing(model, failures=3)
-    assert can_batch(CachedLM(model))
+    assert CachedLM(model).batchable
     server, endpoint = verifier_from_parts(target, model=model, backend=backend)
     prompts = {1: SHORT, 2: [9, 9, 8, 7, 6, 5, 4, 3]}
     got, _ = serve_requests(server, endpoint, prompts, 8)

@@ -9,7 +9,6 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from shared import kv
-from shared.batch import can_batch
 from shared.kv import CachedLM, rollback_problem
 from shared.models import ModelLoadError, load_causal_lm
 from testkit.tiny_hybrid import HYBRID_FAMILIES, build_hybrid
@@ -99,7 +98,7 @@ def test_a_greedy_round_by_round_decode_matches_generate(hybrids, family):
 
 def test_hybrids_verify_one_session_per_forward(hybrids):
     for family in HYBRID_FAMILIES:
-        assert not can_batch(CachedLM(hybrids[family])), family  # ragged batching stacks K/V only
+        assert not CachedLM(hybrids[family]).batchable, family  # ragged batching stacks K/V only
 
 
 def test_attention_caches_pass_the_load_check():

@@ -10,7 +10,6 @@ from typing import Any
 
 import torch
 
-from shared.batch import can_batch
 from shared.protocol import Draft, ProtocolError
 from verifier_node.drafters import DrafterLink
 from verifier_node.session import Session
@@ -34,7 +33,7 @@ def tree_parents(msg: Draft, s: Session, link: DrafterLink, ensemble: bool) -> l
     if link.needs_hidden or link.kv_layers:
         raise ProtocolError("draft: token trees are not taken from drafters that need the target's hidden "
                             "states or K/V rows", code=TREE_REFUSED)
-    if not can_batch(s.lm):
+    if not s.lm.trees:
         raise ProtocolError("draft: this target cannot verify token trees (its attention takes no custom mask, "
                             "or it has sliding-window layers)", code=TREE_REFUSED)
     return parents

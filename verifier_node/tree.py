@@ -36,7 +36,7 @@ from typing import NamedTuple
 
 import torch
 
-from shared.batch import Row, can_batch
+from shared.batch import Row
 from shared.kv import CachedLM
 from shared.sampling import GenerationParams, process_logits, sample
 from shared.tree_shape import validate_tree_shape
@@ -118,7 +118,7 @@ def tree_row(lm: CachedLM, pending: int, tree: DraftTree) -> Row:
 
 
 def _check_model(lm: CachedLM) -> None:
-    if not can_batch(lm):
+    if not lm.trees:
         raise ValueError("tree verification needs eager or sdpa attention and no sliding-window layers")
 
 
