@@ -38,9 +38,7 @@ from drafter_node.lm_drafter import LMDraftSession
 from drafter_node.settings import DrafterConfig
 from shared.backend import TargetBackend
 from shared.batch import Row, RowOutput
-from shared.costs.cache import profile_key, read_cached, write_cached
-from shared.costs.curve import CostCurve, NodeProfile
-from shared.costs.measure import measure_quietly, nondecreasing
+from shared.costs.curve import NodeProfile
 from shared.kv import SequenceCache
 from shared.llama_engine import (  # noqa: F401 (re-exported: the engine lived here before shared/llama_engine.py)
     INSTALL_HINT,
@@ -49,6 +47,7 @@ from shared.llama_engine import (  # noqa: F401 (re-exported: the engine lived h
     build_info,
     gguf_path,
     import_llama_cpp,
+    llama_profile,
 )
 from shared.models import ProfileSpec, vocab_fingerprint
 from shared.node_keys import kv_slots
@@ -199,65 +198,8 @@ class GGUFDrafter(Drafter):
             return IdleDraftSession(token_ids, prompt_len, params)
 
     def measure_profile(self, spec: ProfileSpec, progress) -> NodeProfile | None:
-        """The start-up cost curve of llama.cpp forwards over 1 .. max rows (tokens of one sequence, as the
-        node's batched steps are rows of different sequences at about the same cost), at each planned thread count,
-        checked for a quiet machine (a busy one is measured again at the next start); cached on disk like the torch
-        types' profiles."""
-        if spec.budget_s <= 0:
-            return None
-        st = self.path.stat()  # a file is not fingerprinted by the cache: its size and mtime, and the engine's build
-        variant = f"llama.cpp {getattr(self.engine.lib, '__version__', '?')} {st.st_size} {st.st_mtime_ns}"
-        threads = sorted(set(spec.threads))
-        key = profile_key(str(self.path), "cpu", "gguf", threads, spec.sizes, variant=variant)
-        cached = read_cached(key)
-        if cached is not None and sorted(cached.curves) == threads:
-            progress(f"profile of {self.path.name} in llama.cpp: cached")
-            return cached
-        started = time.perf_counter()
-        curves, quiet = measure_quietly(None, spec.sizes, threads, spec.budget_s, "cpu", progress,
-                                        measure=lambda: self._measure_curves(spec.sizes, threads, spec.budget_s))
-        profile = NodeProfile(model=self.path.name, device="cpu", dtype="gguf", curves=curves,
-                              measured_s=time.perf_counter() - started, quiet=quiet, key=key)
-        for count, curve in curves.items():
-            progress(f"profiled {self.path.name} in llama.cpp at {count} thread(s): "
-                     + ", ".join(f"{k}: {s * 1000:.0f} ms" for k, s in zip(curve.sizes, curve.seconds)))
-        write_cached(key, profile)
-        return profile
-
-    def _measure_curves(self, sizes: list[int], threads: list[int], budget_s: float) -> dict[int, CostCurve]:
-        """Per thread count: the fastest of three forwards of n tokens on a 64-token cached prefix, for each n in
-        ``sizes`` while the thread count's share of ``budget_s`` lasts (at least the smallest n)."""
-        seq = self.engine.acquire()
-        if seq is None:
-            raise LlamaDecodeError("no free llama.cpp sequence to measure with")
-        prefix = 64
-        rng = np.random.default_rng(1234)
-        budget = budget_s / max(1, len(threads))
-        previous = torch.get_num_threads()
-        curves: dict[int, CostCurve] = {}
-        try:
-            for count in threads:
-                torch.set_num_threads(count)  # the engine follows torch's count (see LlamaEngine.decode)
-                self.engine.crop(seq, 0)
-                self.engine.decode([(seq, 0, rng.integers(0, self.engine.n_vocab, prefix).tolist())])
-                t_start, points = time.perf_counter(), {}
-                for n in sorted(sizes):
-                    best = float("inf")
-                    for _ in range(3):
-                        ids = rng.integers(0, self.engine.n_vocab, n).tolist()
-                        t0 = time.perf_counter()
-                        self.engine.decode([(seq, prefix, ids)])
-                        best = min(best, time.perf_counter() - t0)
-                        self.engine.crop(seq, prefix)
-                    points[n] = max(best, 1e-9)
-                    if time.perf_counter() - t_start > budget:
-                        break
-                ks = sorted(points)
-                curves[count] = CostCurve(ks, nondecreasing([points[k] for k in ks]), prefix)
-        finally:
-            torch.set_num_threads(previous)
-            self.engine.release(seq)
-        return curves
+        """The start-up cost curve of llama.cpp forwards (:func:`shared.llama_engine.llama_profile`)."""
+        return llama_profile(self.engine, spec, progress)
 
 
 def _probe_forward(path: Path) -> None:

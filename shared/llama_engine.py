@@ -18,8 +18,9 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -271,3 +272,77 @@ def build_info() -> str:
     """llama.cpp's description of its build (the instruction sets it was compiled with)."""
     lib = import_llama_cpp()
     return lib.llama_print_system_info().decode(errors="replace").strip()
+
+
+# ---------------------------------------------------------------------------------------------------- cost profile
+def llama_profile(engine: LlamaEngine, spec: Any, progress: Callable[[str], None],
+                  device: str = "cpu") -> Any:
+    """The start-up cost curve (:class:`shared.costs.curve.NodeProfile`) of llama.cpp forwards over 1 .. max rows
+    (tokens of one sequence, as a node's batched steps are rows of different sequences at about the same cost), at
+    each thread count of ``spec`` (a :class:`shared.models.ProfileSpec`), checked for a quiet machine (a busy one is
+    measured again at the next start); cached on disk like the torch models' profiles. None when ``spec`` has no
+    budget."""
+    from shared.costs.cache import profile_key, read_cached, write_cached
+    from shared.costs.curve import NodeProfile
+    from shared.costs.measure import measure_quietly
+
+    if spec.budget_s <= 0:
+        return None
+    path = engine.path
+    st = path.stat()  # a file is not fingerprinted by the cache: its size and mtime, and the engine's build
+    variant = f"llama.cpp {getattr(engine.lib, '__version__', '?')} {st.st_size} {st.st_mtime_ns}"
+    threads = sorted(set(spec.threads))
+    key = profile_key(str(path), device, "gguf", threads, spec.sizes, variant=variant)
+    cached = read_cached(key)
+    if cached is not None and sorted(cached.curves) == threads:
+        progress(f"profile of {path.name} in llama.cpp: cached")
+        return cached
+    started = time.perf_counter()
+    curves, quiet = measure_quietly(None, spec.sizes, threads, spec.budget_s, device, progress,
+                                    measure=lambda: measure_curves(engine, spec.sizes, threads, spec.budget_s))
+    profile = NodeProfile(model=path.name, device=device, dtype="gguf", curves=curves,
+                          measured_s=time.perf_counter() - started, quiet=quiet, key=key)
+    for count, curve in curves.items():
+        progress(f"profiled {path.name} in llama.cpp at {count} thread(s): "
+                 + ", ".join(f"{k}: {s * 1000:.0f} ms" for k, s in zip(curve.sizes, curve.seconds)))
+    write_cached(key, profile)
+    return profile
+
+
+def measure_curves(engine: LlamaEngine, sizes: list[int], threads: list[int], budget_s: float) -> dict[int, Any]:
+    """Per thread count: the fastest of three forwards of n tokens on a 64-token cached prefix, for each n in
+    ``sizes`` while the thread count's share of ``budget_s`` lasts (at least the smallest n)."""
+    from shared.costs.curve import CostCurve
+    from shared.costs.measure import nondecreasing
+
+    seq = engine.acquire()
+    if seq is None:
+        raise LlamaDecodeError("no free llama.cpp sequence to measure with")
+    prefix = 64
+    rng = np.random.default_rng(1234)
+    budget = budget_s / max(1, len(threads))
+    previous = torch.get_num_threads()
+    curves: dict[int, CostCurve] = {}
+    try:
+        for count in threads:
+            torch.set_num_threads(count)  # the engine follows torch's count (see LlamaEngine.decode)
+            engine.crop(seq, 0)
+            engine.decode([(seq, 0, rng.integers(0, engine.n_vocab, prefix).tolist())])
+            t_start, points = time.perf_counter(), {}
+            for n in sorted(sizes):
+                best = float("inf")
+                for _ in range(3):
+                    ids = rng.integers(0, engine.n_vocab, n).tolist()
+                    t0 = time.perf_counter()
+                    engine.decode([(seq, prefix, ids)])
+                    best = min(best, time.perf_counter() - t0)
+                    engine.crop(seq, prefix)
+                points[n] = max(best, 1e-9)
+                if time.perf_counter() - t_start > budget:
+                    break
+            ks = sorted(points)
+            curves[count] = CostCurve(ks, nondecreasing([points[k] for k in ks]), prefix)
+    finally:
+        torch.set_num_threads(previous)
+        engine.release(seq)
+    return curves
