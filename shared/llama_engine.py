@@ -92,18 +92,20 @@ class LlamaEngine:
     layers are offloaded to a GPU (0: CPU only; the caller checks :func:`gpu_offload_problem` first)."""
 
     def __init__(self, path: Path, n_ctx: int, n_seq: int, threads: int, batch_tokens: int = 512,
-                 n_gpu_layers: int = 0):
+                 n_gpu_layers: int = 0, main_gpu: int = 0):
         lib = import_llama_cpp()
         self.lib = lib
         self.path = path
         lib.llama_backend_init()
         _quiet_logs(lib)
         mparams = lib.llama_model_default_params()
-        mparams.n_gpu_layers = n_gpu_layers
+        mparams.n_gpu_layers = self.n_gpu_layers = n_gpu_layers
+        mparams.main_gpu = main_gpu
         self.model = lib.llama_model_load_from_file(str(path).encode(), mparams)
         if not self.model:
             raise ModelLoadError(f"llama.cpp could not load {path}: {' / '.join(LAST_ERRORS) or 'no reason given'}")
         self.vocab = lib.llama_model_get_vocab(self.model)
+        self.n_ctx_train = int(lib.llama_model_n_ctx_train(self.model))
         self.n_vocab = int(lib.llama_vocab_n_tokens(self.vocab))
         eos = int(lib.llama_vocab_eos(self.vocab))
         self.fallback_token = eos if 0 <= eos < self.n_vocab else 0
@@ -159,10 +161,17 @@ class LlamaEngine:
         get = self.lib.llama_vocab_get_text
         return [get(self.vocab, i).decode("utf-8", errors="surrogateescape") for i in range(self.n_vocab)]
 
-    def end_tokens(self) -> list[int]:
-        """The GGUF's end-of-generation tokens (``llama_vocab_is_eog``)."""
-        is_eog = self.lib.llama_vocab_is_eog
-        return [i for i in range(self.n_vocab) if is_eog(self.vocab, i)]
+    def file_type(self) -> str:
+        """The GGUF's weight type in lower case (``q4_k_m``, ``f32``, …; ``gguf`` when it states none)."""
+        buf = ctypes.create_string_buffer(32)
+        if self.lib.llama_model_meta_val_str(self.model, b"general.file_type", buf, len(buf)) < 0:
+            return "gguf"
+        try:
+            import gguf
+
+            return gguf.LlamaFileType(int(buf.value)).name.lower().removeprefix("mostly_").removeprefix("all_")
+        except (ImportError, ValueError):
+            return "gguf"
 
     # ------------------------------------------------------------------ forwards
     def decode(self, rows: list[tuple[int, int, list[int]]], all_logits: bool = False) -> list[np.ndarray]:
