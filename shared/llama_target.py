@@ -355,12 +355,15 @@ class LlamaTargetBackend(TargetBackend):
 # ---------------------------------------------------------------------------------------------------- loading
 def gguf_tokenizer(model: str, path: Path, token_texts: list[str]) -> Any:
     """The transformers tokenizer of a GGUF target (prompts, chat template, detokenizing): a named model's
-    converted folder's, else the GGUF's own (``AutoTokenizer.from_pretrained(folder, gguf_file=…)``). Its
-    vocabulary must map onto the GGUF's token list id for id, else a ModelLoadError."""
+    converted folder's, else the tokenizer files beside the GGUF (a GGUF kept in its model's folder), else the
+    GGUF's own (``AutoTokenizer.from_pretrained(folder, gguf_file=…)``, which reads only some GGUF vocabularies).
+    Its vocabulary must map onto the GGUF's token list id for id, else a ModelLoadError."""
     from shared.models import load_tokenizer
     from shared.named_models import installed_folder, is_named_model
 
     folder = installed_folder(model) if is_named_model(model) else None
+    if folder is None and (path.parent / "tokenizer_config.json").is_file():
+        folder = path.parent
     if folder is not None:
         tokenizer = load_tokenizer(str(folder))
     else:
@@ -369,9 +372,11 @@ def gguf_tokenizer(model: str, path: Path, token_texts: list[str]) -> Any:
         try:
             tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
         except Exception as exc:  # transformers reads only some GGUF tokenizers
-            raise ModelLoadError(f"transformers cannot read the tokenizer of {path} ({exc!r:.300})") from None
+            raise ModelLoadError(f"transformers cannot read the tokenizer of {path} ({exc!r:.300}); put the model's "
+                                 "tokenizer files (tokenizer.json, tokenizer_config.json) beside it") from None
     if not vocab_prefix_matches(vocab_fingerprint(token_texts), vocab_tokens(tokenizer)):
-        raise ModelLoadError(f"the tokenizer of {model!r} does not map onto {path.name}'s token list id for id")
+        where = folder or path
+        raise ModelLoadError(f"the tokenizer of {where} does not map onto {path.name}'s token list id for id")
     return tokenizer
 
 
