@@ -213,7 +213,7 @@ def _check_device(dotted: str, value: Any, config_hint: str) -> None:
 def validate(config: dict[str, Any]) -> None:
     v, d = config["verifier"], config["drafter"]
     hint = "on a machine without GPUs use configs/cpu.yaml (--config cpu.yaml)"
-    llama_target = v["backend"] == "llama_cpp"  # a GGUF target: shared/llama_target.py checks its model
+    llama_target = v["backend"] == "llama_cpp"  # shared/llama_target.py checks its model file
     if not llama_target:
         _check_model(config, "verifier.model")
     _check_device("verifier.device", v["device"], hint)
@@ -221,13 +221,9 @@ def validate(config: dict[str, Any]) -> None:
         known = ", ".join((type_choice.AUTO, *DRAFTER_TYPES))
         raise ConfigError(f"drafter.type: unknown drafter type {d['type']!r} (known: {known})")
     spec = drafter_spec(d["type"])
-    if llama_target:
-        from shared.llama_target import check_config as check_llama_target
+    from shared.llama_target import check_config as check_llama_cpp
 
-        _run_hook(check_llama_target, config, spec.target_states)
-    elif d["backend"] == "llama_cpp":
-        raise ConfigError("drafter.backend: llama_cpp is a target backend (verifier.backend); a llama.cpp drafter "
-                          "is drafter.type: gguf")
+    _run_hook(check_llama_cpp, config, spec.target_states)
     _check_requires(spec)
     _fill_type_keys(d, spec)
     if spec.model_defaults_to_target and d["model"] is None:

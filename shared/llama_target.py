@@ -433,15 +433,20 @@ def load_llama_target(verifier: Any, options: TargetOptions) -> Target:
 
 # ---------------------------------------------------------------------------------------------------- config
 def check_config(config: dict[str, Any], target_states: str) -> None:
-    """Config-time checks of a ``llama_cpp`` target (ValueError naming the key): ``verifier.model`` is a named
-    model or a GGUF file (made absolute), ``verifier.device`` is cpu or cuda, llama-cpp-python is installed, the
-    drafter type does not need the target's torch forward (``target_states``: its spec's reason why it does, or
-    ""), ``drafter.backend`` is not ``llama_cpp``."""
+    """Config-time checks (ValueError naming the key): ``drafter.backend`` is not ``llama_cpp`` (a target backend);
+    with ``verifier.backend: llama_cpp``, ``verifier.model`` is a named model or a GGUF file (made absolute),
+    ``verifier.device`` is cpu or cuda, llama-cpp-python is installed and the drafter type does not need the
+    target's torch forward (``target_states``: its spec's reason why it does, or "")."""
     import importlib.util
 
     from shared.named_models import NAMED_MODELS
 
     v, d = config["verifier"], config["drafter"]
+    if d.get("backend") == NAME:
+        raise ValueError("drafter.backend: llama_cpp is a target backend (verifier.backend); a llama.cpp drafter is "
+                         "drafter.type: gguf")
+    if v["backend"] != NAME:
+        return
     model = v["model"]
     if not model or not isinstance(model, str):
         raise ValueError("verifier.model: missing model (backend llama_cpp: a .gguf file or a named model)")
@@ -458,7 +463,4 @@ def check_config(config: dict[str, Any], target_states: str) -> None:
     if target_states:
         raise ValueError(f"drafter.type: {d['type']} cannot draft for a llama_cpp target: {target_states}; "
                          "llama.cpp runs the target with no torch forward to share: no hidden states, K/V rows or "
-                         "layers (use gguf, assistant, prompt_lookup, "
-                         "suffix or universal)")
-    if d.get("backend") == NAME:
-        raise ValueError("drafter.backend: llama_cpp is a target backend; a llama.cpp drafter is drafter.type: gguf")
+                         "layers (use gguf, assistant, prompt_lookup, suffix or universal)")
