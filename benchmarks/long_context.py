@@ -106,9 +106,10 @@ def calibrate_drafter(assistant: Any, prompt: list[int], k: int) -> dict[str, fl
     batched step of the rows, adopting a row (the parts the old copying implementation made grow)."""
     from drafter_node.base import DraftToken
     from drafter_node.branches import Branches
-    from shared.kv import CachedLM
+    from shared.backend import DynamicBackend
 
-    lm = CachedLM(assistant)
+    backend = DynamicBackend(assistant)
+    lm = backend.open()
     block = prompt[-k:]
     lm.feed(prompt)
     times: dict[str, list[float]] = {"plain_step": [], "build": [], "rows_step": [], "adopt": []}
@@ -120,7 +121,7 @@ def calibrate_drafter(assistant: Any, prompt: list[int], k: int) -> dict[str, fl
         times["plain_step"].append(time.perf_counter() - t0)
         lm.crop(len(prompt))
         t0 = time.perf_counter()
-        branches = Branches(lm, len(prompt) - k, block, rows)
+        branches = Branches(backend, lm, len(prompt) - k, block, rows)
         times["build"].append(time.perf_counter() - t0)
         for _ in range(k):
             t0 = time.perf_counter()

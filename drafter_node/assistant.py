@@ -41,5 +41,5 @@ class AssistantDrafter(Drafter):
     def open_session(
         self, token_ids: list[int], prompt_len: int, params: GenerationParams, extras: dict[str, torch.Tensor]
     ) -> DraftSession:
-        return LMDraftSession(self.model, token_ids, prompt_len, params, self.q_top_m, self.target_vocab_size,
-                              backend=self.backend, max_draft_tokens=self.max_draft_tokens)
+        return LMDraftSession(self.backend, token_ids, prompt_len, params, self.q_top_m, self.target_vocab_size,
+                              max_draft_tokens=self.max_draft_tokens)

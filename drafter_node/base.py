@@ -11,10 +11,11 @@ beyond them. The node calls three things:
 
 Types differ only in how ``propose`` chooses tokens and what ``_truncate`` must undo (a KV cache, nothing, …).
 
-Batched drafting: a type whose step is one forward of a causal LM over its own :class:`~shared.kv.CachedLM` may
-also express that step as :meth:`DraftSession.batch_step` — the rows it feeds plus a ``finish`` that applies their
-outputs — so the node runs many sessions' steps as one :func:`shared.batch.feed_rows` forward. Types that cannot
-(no model, target state, several forwards per step) return None and step alone.
+Batched drafting: a type whose step is one forward of a causal LM over its own sequence handle
+(:class:`shared.target.SequenceHandle`) may also express that step as :meth:`DraftSession.batch_step` — the rows it
+feeds plus a ``finish`` that applies their outputs — so the node runs many sessions' steps as one forward of its
+backend's ``feed_rows``. Types that cannot (no model, target state, several forwards per step) return None and step
+alone.
 """
 
 from __future__ import annotations
@@ -27,11 +28,11 @@ from typing import ClassVar
 import torch
 
 from shared.backend import TargetBackend
-from shared.batch import Row, RowOutput
 from shared.costs.curve import NodeProfile
 from shared.models import ProfileSpec
 from shared.protocol import Capabilities
 from shared.sampling import GenerationParams
+from shared.target import Row, RowOutput
 
 
 @dataclass
@@ -56,8 +57,9 @@ class BatchStep:
 
     @property
     def model(self):
-        """The model every row runs on: steps batch together only over the same one."""
-        return self.rows[0].lm.model
+        """What every row runs on (its handles' ``batch_key``: the model or engine): steps batch together only over
+        the same one."""
+        return self.rows[0].lm.batch_key
 
     @property
     def tokens(self) -> int:

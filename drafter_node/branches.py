@@ -19,6 +19,12 @@ When the commit arrives, the row it confirms is moved in place to directly after
 O(tail), whatever the context length. A commit no row predicted crops the cache back to ``committed + block`` and
 the session rolls back as without pre-drafting. Greedy requests only: a sampled correction comes from the residual
 distribution and is rarely guessed.
+
+The forwards and the adoption are the backend's (``feed_tree``, ``keep_positions``: :mod:`shared.target`), for
+handles whose ``trees`` flag is set. Not for sliding-window models: their layers keep only the last W positions, so
+R new slots per step would push out committed positions that rows still need; pre-drafting is disabled for them
+(``begin_speculation`` returns False and the node extends the single chain) rather than keeping a second, copying
+implementation. Nor for attention kernels that ignore a custom mask (flash attention).
 """
 
 from __future__ import annotations
@@ -28,24 +34,7 @@ from collections.abc import Callable
 import torch
 
 from drafter_node.base import BatchStep, DraftToken
-from shared.batch import Row, plain_attention
-from shared.kv import CachedLM
-
-#: Attention implementations that take a custom 4D additive mask as given (transformers' ``create_causal_mask``
-#: returns a 4D mask as is; eager adds it to the scores, sdpa passes it as ``attn_mask``).
-MASKABLE_ATTENTION = ("eager", "sdpa")
-
-
-def supports_flat_rows(lm: CachedLM) -> bool:
-    """Whether outcome rows can be flattened into ``lm``'s cache.
-
-    Not for sliding-window models (Gemma-style, ``CachedLM._sliding``): their layers keep only the last W positions,
-    so R new slots per step would push out committed positions that rows still need. Pre-drafting is disabled for
-    them (``begin_speculation`` returns False and the node extends the single chain instead) rather than keeping a
-    second, copying implementation. Nor for attention kernels that ignore a custom mask (flash attention)."""
-    if lm._sliding or getattr(lm.model.config, "_attn_implementation", "eager") not in MASKABLE_ATTENTION:
-        return False
-    return all(plain_attention(layer) for layer in lm.cache.layers)
+from shared.target import Row, SequenceHandle, TargetBackend
 
 
 def rank_outcomes(chain: list[DraftToken], block_len: int) -> list[tuple[int, int, float]]:
@@ -71,11 +60,12 @@ def rank_outcomes(chain: list[DraftToken], block_len: int) -> list[tuple[int, in
 class Branches:
     """Outcome rows of one block, drafted as extra slots of the session's own batch-1 cache."""
 
-    def __init__(self, lm: CachedLM, committed_len: int, block: list[int], rows: list[tuple[int, int]],
-                 weights: list[float] | None = None):
-        """``lm`` caches exactly ``committed + block``; row ``(r, guess)`` keeps ``block[:r]`` then assumes the
-        verifier's token ``guess`` at position r (r == len(block): the bonus row). ``weights``: each row's
-        probability (from :func:`rank_outcomes`), summed in :attr:`hit_weight`."""
+    def __init__(self, backend: TargetBackend, lm: SequenceHandle, committed_len: int, block: list[int],
+                 rows: list[tuple[int, int]], weights: list[float] | None = None):
+        """``lm`` (a handle of ``backend``'s whose ``trees`` flag is set) caches exactly ``committed + block``; row
+        ``(r, guess)`` keeps ``block[:r]`` then assumes the verifier's token ``guess`` at position r (r ==
+        len(block): the bonus row). ``weights``: each row's probability (from :func:`rank_outcomes`), summed in
+        :attr:`hit_weight`."""
         self.base = committed_len
         self.block = list(block)
         self.k = len(block)
@@ -85,18 +75,15 @@ class Branches:
         if lm.length != committed_len + self.k:
             raise ValueError(f"the cache holds {lm.length} tokens, not committed + block ({committed_len + self.k})")
         self.weights = None if weights is None else [float(w) for w in weights]
-        self.lm = lm
+        self.backend, self.lm = backend, lm
         self.drafted: list[list[DraftToken]] = [[] for _ in self.rows]  # tokens after the guess, per row
         self.pending = [guess for _, guess in self.rows]  # next input token per row
         self._cuts = torch.tensor([committed_len + r for r, _ in self.rows])  # row r sees the first base + r slots
-        self._dtype = lm.cache.layers[0].keys.dtype
         # What every step's visibility shares, built at the first step and kept for the block's others (a step is a
-        # few ms on a fast drafter): which slots of committed + block each row sees, one step's tail pattern (each
-        # row sees its own slot), and their additive forms.
+        # few ms on a fast drafter): which slots of committed + block each row sees, and one step's tail pattern
+        # (each row sees its own slot).
         self._prefix_visible: torch.Tensor | None = None
         self._own = torch.eye(len(self.rows), dtype=torch.bool)
-        self._prefix_mask: torch.Tensor | None = None
-        self._own_mask: torch.Tensor | None = None
 
     @property
     def depth(self) -> int:
@@ -119,32 +106,15 @@ class Branches:
             self._prefix_visible = torch.arange(self.base + self.k)[None, :] < self._cuts[:, None]
         return self._prefix_visible
 
-    def _mask(self) -> torch.Tensor:
-        """The additive mask [1, 1, R, cached + R] for the next step's R tokens: 0 where :meth:`_visible`, the
-        dtype's minimum elsewhere."""
-        if self._prefix_mask is None:
-            self._prefix_mask, self._own_mask = (
-                torch.zeros(v.shape, dtype=self._dtype).masked_fill_(~v, torch.finfo(self._dtype).min)
-                for v in (self._prefix(), self._own))
-        return torch.cat([self._prefix_mask, self._own_mask.repeat(1, self.depth + 1)], dim=1)[None, None]
-
     def _positions(self) -> torch.Tensor:
         return self._cuts + self.depth  # row r at depth j: base + r + j
 
     @torch.inference_mode()
     def step(self, choose_rows: Callable[[torch.Tensor, list[list[int]]], list[DraftToken]]) -> None:
         """Feed each row's pending token; ``choose_rows(logits [rows, V], contexts)`` picks the next tokens."""
-        device = self.lm._device
-        out = self.lm.model(
-            input_ids=torch.tensor([self.pending], dtype=torch.long, device=device),
-            attention_mask=self._mask().to(device),
-            position_ids=self._positions()[None].to(device),
-            cache=self.lm.cache,
-            use_cache=True,
-        )
-        self.lm.length += len(self.rows)  # the cache holds every slot: a batched step stacks it from ``length``
-        self.lm.last_fed = len(self.rows)
-        self._advance(out.logits[0].float(), choose_rows)
+        # in place on the session's memory; it holds every slot: a batched step stacks it from ``length``
+        logits, _ = self.backend.feed_tree(self.lm, list(self.pending), self._positions().tolist(), self._visible())
+        self._advance(logits, choose_rows)
 
     def batch_step(self, choose_rows: Callable[[torch.Tensor, list[list[int]]], list[DraftToken]]) -> BatchStep:
         """The next :meth:`step` as one row of a batched forward (:func:`shared.batch.feed_rows`): the R pending
@@ -170,30 +140,19 @@ class Branches:
             return None
         return next((i for i, row in enumerate(self.rows) if row == (r, tokens[r])), None)
 
-    @torch.inference_mode()
-    def adopt(self, index: int, lm: CachedLM) -> list[DraftToken]:
+    def adopt(self, index: int, lm: SequenceHandle) -> list[DraftToken]:
         """Make row ``index`` the session's sequence; return its drafted tokens (the new chain).
 
-        Its slots move to directly after ``committed + block[:r]``, in place, and the cache is cropped behind them:
-        only the row's own ``depth`` slots per layer are read and written."""
+        Its slots are kept directly after ``committed + block[:r]`` and the rest dropped
+        (:meth:`~shared.target.TargetBackend.keep_positions`: the torch backends move only the row's own ``depth``
+        slots per layer, in place)."""
         r, _ = self.rows[index]
         rows, depth = len(self.rows), self.depth
-        start = self.base + r
-        if depth:
-            src = torch.arange(depth, device=lm.cache.layers[0].keys.device) * rows + (self.base + self.k + index)
-            for layer in lm.cache.layers:
-                # index_select reads the row's slots out first, so the write may overlap them
-                layer.keys[..., start : start + depth, :] = layer.keys.index_select(-2, src)
-                layer.values[..., start : start + depth, :] = layer.values.index_select(-2, src)
-        extra = self.base + self.k + rows * depth - (start + depth)
-        if extra:
-            lm.cache.crop(-extra)  # a view of the first slots: no copy
-        # cached now: committed + block[:r] + guess + drafted[:-1] (the last drafted token is not fed yet)
-        lm.length = start + depth
+        tail = self.base + self.k + index  # row ``index``'s slot at depth 0 (step-major: one slot per row a step)
+        # held now: committed + block[:r] + guess + drafted[:-1] (the last drafted token is not fed yet)
+        self.backend.keep_positions(lm, self.base + r, [tail + j * rows for j in range(depth)])
         return list(self.drafted[index])
 
-    def discard(self, lm: CachedLM) -> None:
+    def discard(self, lm: SequenceHandle) -> None:
         """No row was confirmed: crop the rows' slots, leaving ``lm`` caching ``committed + block`` again."""
-        if self.depth:
-            lm.cache.crop(-len(self.rows) * self.depth)
-        lm.length = self.base + self.k
+        lm.crop(self.base + self.k)

@@ -188,8 +188,8 @@ class GGUFDrafter(Drafter):
     ) -> DraftSession:
         self.backend.vocab_size = self.target_vocab_size
         try:
-            return GGUFDraftSession(self.engine, token_ids, prompt_len, params, self.q_top_m, self.target_vocab_size,
-                                    backend=self.backend, max_draft_tokens=self.max_draft_tokens)
+            return GGUFDraftSession(self.backend, token_ids, prompt_len, params, self.q_top_m,
+                                    self.target_vocab_size, max_draft_tokens=self.max_draft_tokens)
         except LlamaDecodeError:
             if not self._warned_full:
                 log.warning("every llama.cpp sequence is in use (%d sessions): further sessions are not drafted "

@@ -26,13 +26,12 @@ from typing import Any
 import torch
 
 from drafter_node.base import BatchStep, DraftSession, DraftToken
-from drafter_node.branches import Branches, rank_outcomes, supports_flat_rows
+from drafter_node.branches import Branches, rank_outcomes
 from drafter_node.settings import DrafterConfig
-from shared.backend import DynamicBackend, TargetBackend, make_backend
-from shared.batch import Row, RowOutput
-from shared.kv import CachedLM
+from shared.backend import make_backend
 from shared.node_keys import kv_slots
 from shared.sampling import GenerationParams, make_generator, process_logits
+from shared.target import Row, RowOutput, SequenceHandle, TargetBackend
 
 _NO_CONTEXT = torch.empty(0, dtype=torch.long)
 _GREEDY = GenerationParams(do_sample=False)
@@ -56,15 +55,17 @@ def drafter_backend(model: Any, settings: DrafterConfig, thread_counts: list[int
                         thread_counts=thread_counts)
 
 
-def with_room(lm: CachedLM, count: int) -> CachedLM:
-    """``lm``, or where its slot cannot take ``count`` more positions, a fresh dynamic cache over the same model
-    (``lm``'s slot given back; the caller re-feeds the sequence: what the new cache lacks)."""
+def with_room(lm: SequenceHandle, count: int, backend: TargetBackend) -> SequenceHandle:
+    """``lm``, or where it cannot take ``count`` more positions, a fresh handle of ``backend``'s for a sequence that
+    long (a static backend's is a dynamic cache; ``lm``'s slot given back; the caller re-feeds the sequence: what the
+    new handle lacks)."""
     room = lm.room
     if room is None or room >= count:
         return lm
     log.info("a draft session outgrew its KV slot (%d positions): it goes on with a dynamic cache", lm.capacity)
+    need = lm.length + count
     lm.close()
-    return CachedLM(lm.model)
+    return backend.open(need)
 
 
 def choose(
@@ -122,14 +123,14 @@ class LMDraftSession(DraftSession):
     """A draft session over a causal LM whose vocabulary is the target's."""
 
     def __init__(
-        self, model, token_ids: list[int], prompt_len: int, params: GenerationParams, q_top_m: int, vocab_size: int,
-        backend: TargetBackend | None = None, max_draft_tokens: int = 16,
+        self, backend: TargetBackend, token_ids: list[int], prompt_len: int, params: GenerationParams, q_top_m: int,
+        vocab_size: int, max_draft_tokens: int = 16,
     ):
-        """``backend``: where the session's KV cache lives (None: a dynamic cache over ``model``);
+        """``backend``: the drafter model's, where the session's KV memory lives and its forwards run;
         ``max_draft_tokens``: the node's largest block, which sizes the slot's room for pre-draft rows."""
         super().__init__(token_ids, prompt_len, params)
-        backend = backend or DynamicBackend(model)
-        self.lm = backend.open(len(token_ids) + params.max_new_tokens + predraft_room(max_draft_tokens))
+        self.backend = backend
+        self.lm: SequenceHandle = backend.open(len(token_ids) + params.max_new_tokens + predraft_room(max_draft_tokens))
         self.q_top_m = q_top_m
         self.vocab_size = vocab_size  # the target's: a drafter head may be padded wider
         self.branches: Branches | None = None
@@ -156,7 +157,7 @@ class LMDraftSession(DraftSession):
         if lacking <= limit:
             return 0
         self._drop_branches()  # nothing pre-drafted survives so long a gap; the cache ends at committed + chain
-        self.lm = with_room(self.lm, lacking + len(self.chain) + 1)
+        self.lm = with_room(self.lm, lacking + len(self.chain) + 1, self.backend)
         start = self.lm.length
         chunk = self.committed[start : start + limit]
         self.lm.feed(chunk, last_logits_only=True)  # its logits are not needed: the LM head over one token only
@@ -166,7 +167,7 @@ class LMDraftSession(DraftSession):
         """The next chain token's step: feed what the cache lacks of committed + chain, pick from the last logits
         (on a dynamic cache from now on where the slot has no room for it)."""
         ids = self.committed + self.chain_tokens
-        self.lm = with_room(self.lm, len(self.lm.uncached(ids)))
+        self.lm = with_room(self.lm, len(self.lm.uncached(ids)), self.backend)
         if self.lm.length in (len(self.committed), self._block_end):
             # A recurrent (hybrid) drafter's rollback point: a rejected block restores it and re-feeds the accepted
             # drafts only, not the whole context (a no-op for attention caches, which crop).
@@ -206,7 +207,7 @@ class LMDraftSession(DraftSession):
     # --------------------------------------------------------------- multi-outcome pre-drafting (greedy)
     @property
     def predrafts_rows(self) -> bool:  # type: ignore[override]
-        return not self.params.do_sample and supports_flat_rows(self.lm)  # else: the single all-accepted chain
+        return not self.params.do_sample and self.lm.trees  # else: the single all-accepted chain
 
     @property
     def forward_size(self) -> int:
@@ -223,7 +224,7 @@ class LMDraftSession(DraftSession):
         self._drop_branches()
         self.outcomes = []
         self._block_end = len(self.committed) + block_len + 1  # the single chain pre-drafted past it anchors there
-        if self.params.do_sample or self.ended or not supports_flat_rows(self.lm):
+        if self.params.do_sample or self.ended or not self.lm.trees:
             return False
         if len(self.chain) < block_len + 1:
             self.propose(block_len + 1 - len(self.chain))  # the bonus guess
@@ -241,7 +242,7 @@ class LMDraftSession(DraftSession):
             self.lm.crop(cached)
         elif self.lm.length < cached:
             self.lm.feed(ids[self.lm.length : cached], last_logits_only=True)
-        self.branches = Branches(self.lm, len(self.committed), self.chain_tokens[:block_len],
+        self.branches = Branches(self.backend, self.lm, len(self.committed), self.chain_tokens[:block_len],
                                  [(r, guess) for r, guess, _ in chosen], weights=[w for _, _, w in chosen])
         return True
 

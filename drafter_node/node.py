@@ -436,7 +436,7 @@ class DrafterNode:
         """One batched forward of ``model`` over ``rows``: through the drafter's KV backend where the rows are its
         model's (static slots: each row's new K/V go straight into its slot), else :func:`shared.batch.feed_rows`."""
         backend = self.drafter.backend
-        if backend is not None and backend.model is model:
+        if backend is not None and backend.batch_key is model:
             return backend.feed_rows(rows)
         return feed_rows(model, rows)
 

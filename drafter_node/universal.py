@@ -31,10 +31,9 @@ import torch
 from drafter_node.base import Capabilities, Drafter, DraftSession, DraftToken
 from drafter_node.lm_drafter import choose, drafter_backend, predraft_room, with_room
 from drafter_node.settings import DrafterConfig
-from shared.backend import DynamicBackend
-from shared.kv import CachedLM
 from shared.models import ProfileSpec, load_causal_lm, load_tokenizer, resolve_model, tokenizer_id
 from shared.sampling import GenerationParams, process_logits
+from shared.target import SequenceHandle, TargetBackend
 
 log = logging.getLogger("pipespec.drafter")
 
@@ -183,8 +182,8 @@ class UniversalSession(DraftSession):
         self.u = drafter
         # Its own tokenizer's context may be longer than the target's ids: a slot that fills up moves the session
         # onto a dynamic cache (lm_drafter.with_room).
-        backend = getattr(drafter, "backend", None) or DynamicBackend(drafter.model)
-        self.lm: CachedLM = backend.open(len(token_ids) + params.max_new_tokens + predraft_room(
+        self.backend: TargetBackend = drafter.backend
+        self.lm: SequenceHandle = self.backend.open(len(token_ids) + params.max_new_tokens + predraft_room(
             getattr(drafter, "max_draft_tokens", 16)))
         self.vocab = drafter.vocab.limited(drafter.draft_vocab_size, drafter.target_vocab_size)
         self.d_ids: list[int] = []  # drafter context: its tokens for text(committed + chain) + self.pending
@@ -256,8 +255,8 @@ class UniversalSession(DraftSession):
             return 0
         added = forwards = 0
         while added < n and forwards < MAX_FORWARDS_PER_CALL and not self.ended and not self.stuck:
-            if getattr(self.lm, "capacity", None) is not None:  # a KV slot: room for what next_logits feeds?
-                self.lm = with_room(self.lm, max(1, len(self.d_ids) - self.lm.length))
+            if self.lm.capacity is not None:  # a KV slot: room for what next_logits feeds?
+                self.lm = with_room(self.lm, max(1, len(self.d_ids) - self.lm.length), self.backend)
             logits = self.lm.next_logits(self.d_ids)[: self.u.draft_vocab_size]
             forwards += 1
             added += self._sample_step(logits) if self.params.do_sample else self._greedy_step(logits)
@@ -351,8 +350,7 @@ class UniversalSession(DraftSession):
 
     def close(self) -> None:
         """The request ended: its KV memory goes back to the drafter's backend."""
-        if hasattr(self.lm, "close"):
-            self.lm.close()
+        self.lm.close()
 
 
 # ------------------------------------------------------------------------------------------------- drafter

@@ -50,7 +50,7 @@ def rows_step_ms(backend, prefix: list[int], reps: int, depth: int = 6) -> float
 
     runs = []
     for rep in range(reps + 1):
-        branches = Branches(lm, len(prefix), block, rows)
+        branches = Branches(backend, lm, len(prefix), block, rows)
         t0 = time.perf_counter()
         for _ in range(depth):
             step = branches.batch_step(greedy)

@@ -53,7 +53,7 @@ def main() -> None:
 
     def session(backend) -> float:
         params = GenerationParams.from_dict({"eos_token_ids": [], "max_new_tokens": n + 1}, 4096)
-        s = Session(1, model, tokenizer, prompt, params, b"probe", 1, backend=backend)
+        s = Session(1, backend, tokenizer, prompt, params, b"probe", 1)
         s.prefill()
         steps, t0 = -1, 0.0
         while not s.finished:

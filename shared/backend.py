@@ -676,18 +676,29 @@ def load_torch_target(verifier: Any, options: TargetOptions) -> Target:
     slots = kv_slots(verifier.kv_slots, verifier.max_sessions, verifier.max_batch_sessions)
     backend = make_backend(model, verifier.backend, slots, verifier.kv_slot_tokens,
                            compiled_tokens=verifier.compiled_max_tokens, thread_counts=options.thread_counts)
-    return torch_target(model, tokenizer, backend, name=verifier.model, device=verifier.device, profile=profile)
+    return torch_target(model, tokenizer, backend, name=verifier.model, profile=profile)
 
 
-def torch_target(model: Any, tokenizer: Any, backend: TargetBackend | None = None, *, name: str = "",
-                 device: str | None = None, profile: Any = None) -> Target:
-    """The :class:`~shared.target.Target` of a loaded transformers ``model`` (``backend``: None, dynamic caches)."""
+def torch_target(model: Any, tokenizer: Any = None, backend: TargetBackend | None = None, *, name: str = "",
+                 profile: Any = None) -> Target:
+    """The :class:`~shared.target.Target` of a loaded transformers ``model``: its facts, ``backend`` (None: dynamic
+    caches; the one place that default is written) and ``tokenizer`` (None: a target only measured or tested; its
+    end tokens then come from the model's generation config alone)."""
+    from shared.devices import input_device
     from shared.models import default_eos_ids, logits_vocab_size, model_dtype
 
     positions = getattr(model.config, "max_position_embeddings", None)
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ends = default_eos_ids(model, tokenizer) if tokenizer is not None else \
+        [] if eos is None else [int(e) for e in (eos if isinstance(eos, list) else [eos])]
     return Target(
-        backend=backend or DynamicBackend(model), tokenizer=tokenizer,
-        end_token_ids=default_eos_ids(model, tokenizer), vocab_size=logits_vocab_size(model),
-        dtype=model_dtype(model), device=device or str(next(model.parameters()).device), name=name,
+        backend=backend or DynamicBackend(model), tokenizer=tokenizer, end_token_ids=ends,
+        vocab_size=logits_vocab_size(model), dtype=model_dtype(model), device=str(input_device(model)), name=name,
         max_positions=int(positions) if isinstance(positions, int) and positions > 0 else None, profile=profile,
-        kind=type(model).__name__)
+        kind=type(model).__name__, input_vocab_size=int(model.get_input_embeddings().weight.shape[0]))
+
+
+def as_target(what: Any) -> Target:
+    """``what`` if it is a :class:`~shared.target.Target`, else the target of the loaded torch model ``what`` on
+    dynamic caches (profiling, benchmarks and tests that hold a bare model)."""
+    return what if isinstance(what, Target) else torch_target(what)

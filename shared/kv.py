@@ -169,6 +169,30 @@ class SequenceCache:
         """How many more positions the cache can take (None: no bound of its own; see shared.backend)."""
         return None if self.capacity is None else self.capacity - self.length
 
+    def restore(self, keep: int) -> None:
+        """Hold exactly the first ``keep`` positions again after a forward that failed part-way."""
+        self.crop(keep)
+        self.length = keep
+
+    def anchor(self) -> None:
+        """A rollback point (recurrent state only; nothing to mark here)."""
+
+    def close(self) -> None:
+        """The sequence ended: its memory goes back (nothing held here)."""
+
+    def check_kv_layers(self, layers: list[int]) -> None:
+        """Raise :class:`KVRowsError` unless the memory gives K/V rows of ``layers`` (here: none)."""
+        if layers:
+            raise KVRowsError(f"a {type(self).__name__} gives no K/V rows")
+
+    def new_rows(self, layers: list[int], fed: int, kept: int) -> dict[str, torch.Tensor]:
+        self.check_kv_layers(layers)
+        return {}
+
+    def held_rows(self, layers: list[int]) -> dict[str, torch.Tensor]:
+        self.check_kv_layers(layers)
+        return {}
+
 
 class CachedLM(SequenceCache):
     """One sequence's KV cache over a shared model. ``length`` is the number of tokens the cache holds."""

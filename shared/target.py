@@ -209,6 +209,7 @@ class Target:
     max_positions: int | None = None  # its context (None: states none)
     profile: Any = None  # its measured cost profile (shared.costs.curve.NodeProfile; None: not measured)
     kind: str = ""  # what it is, for messages (a model class, ``llama.cpp``)
+    input_vocab_size: int | None = None  # ids its input takes where not ``vocab_size`` (random tokens for profiles)
     extras: dict[str, Any] = field(default_factory=dict)  # backend-specific facts (tests, bench rows)
 
     @property

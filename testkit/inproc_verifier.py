@@ -12,7 +12,7 @@ import torch
 import zmq
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from shared.kv import CachedLM
+from shared.backend import torch_target
 from shared.models import ThreadPlan
 from shared.protocol import Done, Generate, Ping, Pong, decode, encode
 from verifier_node.scheduler import BatchLimits
@@ -25,7 +25,8 @@ def verifier_from_parts(target: Any, *, model: Any = None, **kwargs: Any) -> tup
     """A :class:`VerifierServer` on ``target`` (float32; ``model``: already loaded) and its client endpoint.
     ``kwargs``: :class:`VerifierSettings` fields over the tests' defaults, and ``backend``, ``prep_hook``,
     ``forward_delay_s`` for the server itself. Batching where the target can (8 sessions, 1024 / 2048 tokens)."""
-    server_args = {k: kwargs.pop(k) for k in ("backend", "prep_hook", "forward_delay_s") if k in kwargs}
+    server_args = {k: kwargs.pop(k) for k in ("prep_hook", "forward_delay_s") if k in kwargs}
+    backend = kwargs.pop("backend", None)
     model = model if model is not None else AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
     ctx = zmq.Context.instance()
     name = f"inproc://verifier-parts-{next(_names)}"
@@ -35,9 +36,10 @@ def verifier_from_parts(target: Any, *, model: Any = None, **kwargs: Any) -> tup
     settings = {"model_name": str(target), "draft_timeout_s": 3.0, "max_sessions": 8, "max_message_bytes": 1 << 20,
                 "client_timeout_s": 60.0, "ensemble_weight": None, "drafter_endpoint": f"{name}-drafters",
                 "client_endpoint": f"{name}-clients", **kwargs}
-    limits = BatchLimits(CachedLM(model).batchable, 8, 1024, 2048)
-    server = VerifierServer(VerifierSettings(**settings), model, AutoTokenizer.from_pretrained(target), None,
-                            ThreadPlan(share=1, full=1), limits, VerifierSockets(drafter, client), **server_args)
+    parts = torch_target(model, AutoTokenizer.from_pretrained(target), backend, name=str(target))
+    limits = BatchLimits(parts.backend.can_batch(), 8, 1024, 2048)
+    server = VerifierServer(VerifierSettings(**settings), parts, ThreadPlan(share=1, full=1), limits,
+                            VerifierSockets(drafter, client), **server_args)
     return server, f"{name}-clients"
 
 

@@ -137,16 +137,16 @@ def test_tree_rounds_and_kept_paths_on_slots(tiny, arch, attn):
             lm.feed(prefix)
         for lm in (other, other_alone):
             lm.feed(_ids(4, 5))
-        expected, _ = tree_forward(dynamic, pending, tree)
+        expected, _ = tree_forward(DynamicBackend(model), dynamic, pending, tree)
         if index % 2 == 0:
-            logits, _ = tree_forward(static, pending, tree)
+            logits, _ = tree_forward(backend, static, pending, tree)
         else:
             outs = backend.feed_rows([Row(other, [9, 10]), tree_row(static, pending, tree)])
             logits = outs[1].logits
             assert torch.allclose(outs[0].logits, other_alone.feed([9, 10])[0], atol=1e-4)
         assert torch.allclose(logits, expected, atol=1e-4)
-        keep_path(static, len(tree), path)
-        keep_path(dynamic, len(tree), path)
+        keep_path(backend, static, len(tree), path)
+        keep_path(DynamicBackend(model), dynamic, len(tree), path)
         _same_cache(static, dynamic)
         assert torch.allclose(static.feed([31])[0], dynamic.feed([31])[0], atol=1e-4)
         static.close()
@@ -155,8 +155,8 @@ def test_tree_rounds_and_kept_paths_on_slots(tiny, arch, attn):
 
 
 def _session(model, tokenizer, backend, sid: int, prompt: list[int], **params) -> Session:
-    s = Session(sid, model, tokenizer, prompt, GenerationParams.from_dict({"eos_token_ids": [], **params}, 160),
-                b"c", sid, backend=backend)
+    s = Session(sid, backend or DynamicBackend(model), tokenizer, prompt,
+                GenerationParams.from_dict({"eos_token_ids": [], **params}, 160), b"c", sid)
     s.prefill()
     return s
 

@@ -13,6 +13,7 @@ from node_entry import node_entry
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from runtime.launch import cluster
+from shared.backend import DynamicBackend
 from shared.batch import Row, feed_rows
 from shared.kv import CachedLM
 from shared.sampling import GenerationParams
@@ -108,8 +109,8 @@ def test_feed_rows_custom_positions_and_visibility(tiny):
 
 
 def _session(model, tokenizer, sid: int, prompt: list[int], **params) -> Session:
-    s = Session(sid, model, tokenizer, prompt, GenerationParams.from_dict({"eos_token_ids": [], **params}, 160),
-                b"c", sid)
+    s = Session(sid, DynamicBackend(model), tokenizer, prompt,
+                GenerationParams.from_dict({"eos_token_ids": [], **params}, 160), b"c", sid)
     s.prefill()
     return s
 

@@ -16,8 +16,9 @@ from transformers import AutoModelForCausalLM, DynamicCache
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 
 from drafter_node.base import DraftToken
-from drafter_node.branches import Branches, rank_outcomes, supports_flat_rows
+from drafter_node.branches import Branches, rank_outcomes
 from drafter_node.lm_drafter import LMDraftSession, choose
+from shared.backend import DynamicBackend
 from shared.kv import CachedLM
 from shared.sampling import GenerationParams
 from testkit.tiny_models import build_gemma4_pair
@@ -57,7 +58,7 @@ def test_rows_match_from_scratch_and_adopted_cache_continues(tiny, arch, attn, r
     for index, (r, guess) in enumerate(rows):
         lm = CachedLM(model)
         lm.feed(COMMITTED + BLOCK)
-        branches = Branches(lm, len(COMMITTED), BLOCK, rows)
+        branches = Branches(DynamicBackend(model), lm, len(COMMITTED), BLOCK, rows)
         for _ in range(STEPS):
             seen = []
             branches.step(lambda logits, contexts, seen=seen: seen.append(logits) or greedy_rows(logits, contexts))
@@ -76,9 +77,10 @@ def test_rows_match_from_scratch_and_adopted_cache_continues(tiny, arch, attn, r
 
 
 def test_match_names_the_confirmed_row(tiny):
-    lm = CachedLM(load(tiny("llama")))
+    model = load(tiny("llama"))
+    lm = CachedLM(model)
     lm.feed(COMMITTED + BLOCK)
-    branches = Branches(lm, len(COMMITTED), BLOCK, SOME_ROWS)
+    branches = Branches(DynamicBackend(model), lm, len(COMMITTED), BLOCK, SOME_ROWS)
     assert branches.match([40]) == 1
     assert branches.match([11, 12, 13, 90]) == 2
     assert branches.match([11, 12, 13, 14, 44]) == 3
@@ -91,7 +93,7 @@ def test_discard_returns_to_committed_plus_block_and_drafting_continues(tiny):
     model = load(tiny("llama"))
     lm = CachedLM(model)
     lm.feed(COMMITTED + BLOCK)
-    branches = Branches(lm, len(COMMITTED), BLOCK, ALL_ROWS)
+    branches = Branches(DynamicBackend(model), lm, len(COMMITTED), BLOCK, ALL_ROWS)
     for _ in range(2):
         branches.step(greedy_rows)
     branches.discard(lm)
@@ -104,7 +106,8 @@ def test_discard_returns_to_committed_plus_block_and_drafting_continues(tiny):
 def test_commit_matching_a_row_is_a_hit_and_others_roll_back(tiny):
     model = load(tiny("llama"))
     params = GenerationParams(max_new_tokens=50)
-    session = LMDraftSession(model, COMMITTED, len(COMMITTED), params, q_top_m=0, vocab_size=model.config.vocab_size)
+    session = LMDraftSession(DynamicBackend(model), COMMITTED, len(COMMITTED), params, q_top_m=0,
+                             vocab_size=model.config.vocab_size)
     session.propose(4)
     block = session.chain_tokens[:3]
     assert session.begin_speculation(3)
@@ -130,7 +133,7 @@ def test_commit_matching_a_row_is_a_hit_and_others_roll_back(tiny):
 
 def test_a_plan_of_the_likeliest_rows(tiny):
     model = load(tiny("qwen2"))
-    session = LMDraftSession(model, COMMITTED, len(COMMITTED), GenerationParams(max_new_tokens=50), 0,
+    session = LMDraftSession(DynamicBackend(model), COMMITTED, len(COMMITTED), GenerationParams(max_new_tokens=50), 0,
                              model.config.vocab_size)
     session.propose(4)
     assert session.begin_speculation(3)  # max_rows=None: every outcome, the same guesses as before plans
@@ -179,7 +182,7 @@ def _lifecycle_allocations(model, committed: list[int]) -> dict[str, int]:
         lm = CachedLM(model)
         lm.feed(committed + BLOCK)
         with FreshElements() as built:
-            branches = Branches(lm, len(committed), BLOCK, ALL_ROWS)
+            branches = Branches(DynamicBackend(model), lm, len(committed), BLOCK, ALL_ROWS)
         counts["build"] = built.count
         for _ in range(STEPS - 1):
             branches.step(greedy_rows)
@@ -237,8 +240,8 @@ def test_pre_drafting_never_copies_or_repeats_the_cache(tiny, monkeypatch):
     for cls in (Cache, DynamicCache, DynamicLayer):
         monkeypatch.setattr(cls, "batch_repeat_interleave", refuse)
         monkeypatch.setattr(cls, "batch_select_indices", refuse)
-    session = LMDraftSession(model, COMMITTED * 20, len(COMMITTED), GenerationParams(max_new_tokens=50), 0,
-                             model.config.vocab_size)
+    session = LMDraftSession(DynamicBackend(model), COMMITTED * 20, len(COMMITTED),
+                             GenerationParams(max_new_tokens=50), 0, model.config.vocab_size)
     for _ in range(3):  # three blocks in a row, each confirmed at its bonus outcome
         session.propose(4)
         block = session.chain_tokens[:4]
@@ -257,9 +260,9 @@ def test_pre_drafting_never_copies_or_repeats_the_cache(tiny, monkeypatch):
 def test_sliding_window_drafters_do_not_pre_draft(model_dir, tokenizer_dir):
     gemma, _ = build_gemma4_pair(model_dir / "branches", tokenizer_dir)
     model = load(gemma)
-    session = LMDraftSession(model, COMMITTED, len(COMMITTED), GenerationParams(max_new_tokens=50), 0,
+    session = LMDraftSession(DynamicBackend(model), COMMITTED, len(COMMITTED), GenerationParams(max_new_tokens=50), 0,
                              model.config.vocab_size)
-    assert not supports_flat_rows(session.lm)
+    assert not session.lm.trees
     session.propose(3)
     assert not session.begin_speculation(3)
     assert session.speculation_depth is None

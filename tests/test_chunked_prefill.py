@@ -53,7 +53,7 @@ def _load(folder):
 
 def _session(model, folder, prompt, new_tokens, backend=None) -> Session:
     params = GenerationParams.from_dict({"max_new_tokens": new_tokens, "eos_token_ids": []}, model.config.vocab_size)
-    return Session(1, model, AutoTokenizer.from_pretrained(folder), prompt, params, b"c", 1, backend=backend)
+    return Session(1, backend or DynamicBackend(model), AutoTokenizer.from_pretrained(folder), prompt, params, b"c", 1)
 
 
 @pytest.mark.unit
@@ -218,10 +218,10 @@ def test_the_drafter_catches_a_long_prompt_up_in_chunks_of_its_own(tiny, monkeyp
     forward each, no token drafted), then the chain steps draft exactly what one prefill forward would have."""
     model = _load(tiny("llama", "random"))
     params = GenerationParams.from_dict({"max_new_tokens": 8, "eos_token_ids": []}, model.config.vocab_size)
-    whole = LMDraftSession(model, LONG, len(LONG), params, 0, model.config.vocab_size)
+    whole = LMDraftSession(DynamicBackend(model), LONG, len(LONG), params, 0, model.config.vocab_size)
     whole.propose(4)
     counted = CountingLM(model)
-    chunked = LMDraftSession(counted, LONG, len(LONG), params, 0, model.config.vocab_size)
+    chunked = LMDraftSession(DynamicBackend(counted), LONG, len(LONG), params, 0, model.config.vocab_size)
     monkeypatch.setattr(node_session, "CATCH_UP_TOKENS", 32)
     node = NodeSession(1, chunked, DraftLengthSchedule(4, "constant", max_k=4, overlap=False))
     for _ in range(4):

@@ -16,7 +16,7 @@ from conftest import tiny_config
 from sampling_check import check_lossless_sampling, exact_joint
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from shared.backend import CompiledBackend, CompiledHandle, StaticBackend, make_backend
+from shared.backend import CompiledBackend, CompiledHandle, DynamicBackend, StaticBackend, make_backend
 from shared.batch import Row
 from shared.kv import CachedLM
 from shared.sampling import GenerationParams
@@ -62,8 +62,8 @@ def _greedy_rounds(folder, model, backend, prompt: list[int], new: int = 60) -> 
     buckets 1, 2 and 4, the eager path for 6 tokens, and rollbacks); returns (its output, generate's)."""
     truth = reference_greedy(folder, prompt, new)
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    s = Session(1, model, tokenizer, prompt, GenerationParams.from_dict({"eos_token_ids": [], "max_new_tokens": new},
-                                                                          160), b"c", 1, backend=backend)
+    s = Session(1, backend, tokenizer, prompt, GenerationParams.from_dict({"eos_token_ids": [], "max_new_tokens": new},
+                                                                            160), b"c", 1)
     s.prefill()
     rnd = 0
     while not s.finished:
@@ -185,7 +185,8 @@ def test_flat_pre_draft_rows_run_the_compiled_step_and_match_a_dynamic_cache(com
     handle, alone = backend.open(), CachedLM(model)
     for lm in (handle, alone):
         lm.feed(committed + block)
-    ours, theirs = Branches(handle, len(committed), block, rows), Branches(alone, len(committed), block, rows)
+    ours = Branches(backend, handle, len(committed), block, rows)
+    theirs = Branches(DynamicBackend(model), alone, len(committed), block, rows)
 
     def greedy(logits, contexts):
         return [DraftToken(int(row.argmax())) for row in logits]

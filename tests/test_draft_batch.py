@@ -23,7 +23,7 @@ from drafter_node.node import DrafterNode
 from runtime.config import ConfigError, load_config, typed
 from runtime.launch import cluster
 from runtime.security import drafter_links
-from shared.backend import StaticHandle
+from shared.backend import DynamicBackend, StaticHandle
 from shared.batch import feed_rows
 from shared.protocol import SessionEnd, SessionStart
 from shared.sampling import GenerationParams
@@ -40,7 +40,7 @@ def load(folder, attn: str = "sdpa"):
 
 
 def open_sessions(model, params: GenerationParams, q_top_m: int = 0) -> list[LMDraftSession]:
-    return [LMDraftSession(model, p, len(p), params, q_top_m, model.config.vocab_size) for p in PROMPTS]
+    return [LMDraftSession(DynamicBackend(model), p, len(p), params, q_top_m, model.config.vocab_size) for p in PROMPTS]
 
 
 def batched_step(model, sessions) -> int:
@@ -125,8 +125,8 @@ def test_batched_steps_with_a_session_that_prefills_and_one_that_ended(tiny):
             s.propose(1)
         batched_step(model, together)
     assert_same_sessions(alone, together)
-    ended = LMDraftSession(model, PROMPTS[0], 3, GenerationParams(eos_token_ids=[together[0].chain_tokens[0]]), 0,
-                           model.config.vocab_size)
+    ended = LMDraftSession(DynamicBackend(model), PROMPTS[0], 3,
+                           GenerationParams(eos_token_ids=[together[0].chain_tokens[0]]), 0, model.config.vocab_size)
     ended.propose(1)
     assert ended.ended and ended.batch_step() is None  # nothing to add: it steps alone (propose returns 0)
 
@@ -181,7 +181,7 @@ def test_sessions_that_cannot_batch_step_alone(tiny, model_dir, tokenizer_dir):
 
     gemma, _ = build_gemma4_pair(model_dir / "draftbatch", tokenizer_dir)
     model = load(gemma)
-    session = LMDraftSession(model, PROMPTS[0], 3, GREEDY, 0, model.config.vocab_size)
+    session = LMDraftSession(DynamicBackend(model), PROMPTS[0], 3, GREEDY, 0, model.config.vocab_size)
     assert session.batch_step() is None  # sliding-window layers: no stacked cache
     assert session.propose(1) == 1
 
@@ -219,7 +219,7 @@ def reference_chains(node, steps: int) -> list[list[int]]:
     model = node.drafter.model
     out = []
     for prompt in PROMPTS:
-        s = LMDraftSession(model, prompt, len(prompt), GREEDY, 0, model.config.vocab_size)
+        s = LMDraftSession(DynamicBackend(model), prompt, len(prompt), GREEDY, 0, model.config.vocab_size)
         s.propose(steps)
         out.append(s.chain_tokens)
     return out

@@ -35,9 +35,8 @@ def load(folder, attn: str = "sdpa"):
 
 def pair(model, backend, prompt, params=GREEDY):
     """The same request on ``backend``'s slots and on a dynamic cache."""
-    static = LMDraftSession(model, prompt, len(prompt), params, 0, model.config.vocab_size, backend=backend,
-                            max_draft_tokens=MAX_K)
-    dynamic = LMDraftSession(model, prompt, len(prompt), params, 0, model.config.vocab_size)
+    static = LMDraftSession(backend, prompt, len(prompt), params, 0, model.config.vocab_size, max_draft_tokens=MAX_K)
+    dynamic = LMDraftSession(DynamicBackend(model), prompt, len(prompt), params, 0, model.config.vocab_size)
     return static, dynamic
 
 
@@ -176,9 +175,8 @@ def test_a_full_slot_skips_pre_drafts_and_moves_the_session_to_a_dynamic_cache(t
     params = GenerationParams(max_new_tokens=1)
     # room for the prompt, one new token and max_draft_tokens = 1's pre-draft rows (3), plus 3
     backend = StaticBackend(model, slots=1, slot_tokens=len(prompt) + 1 + predraft_room(1) + 3)
-    static = LMDraftSession(model, prompt, len(prompt), params, 0, model.config.vocab_size, backend=backend,
-                            max_draft_tokens=1)
-    dynamic = LMDraftSession(model, prompt, len(prompt), params, 0, model.config.vocab_size)
+    static = LMDraftSession(backend, prompt, len(prompt), params, 0, model.config.vocab_size, max_draft_tokens=1)
+    dynamic = LMDraftSession(DynamicBackend(model), prompt, len(prompt), params, 0, model.config.vocab_size)
     assert isinstance(static.lm, StaticHandle) and static.lm.capacity == len(prompt) + 7
     static.propose(5)
     dynamic.propose(5)
@@ -198,9 +196,9 @@ def test_a_full_slot_skips_pre_drafts_and_moves_the_session_to_a_dynamic_cache(t
     assert backend.free == [0]  # the slot went back when the session left it
     static.close()
     # a request longer than a slot gets a dynamic cache at once
-    long = LMDraftSession(model, prompt, len(prompt), GenerationParams(max_new_tokens=40), 0,
-                          model.config.vocab_size, backend=backend, max_draft_tokens=1)
-    assert type(long.lm) is CachedLM and backend.fallbacks == 1
+    long = LMDraftSession(backend, prompt, len(prompt), GenerationParams(max_new_tokens=40), 0,
+                          model.config.vocab_size, max_draft_tokens=1)
+    assert type(long.lm) is CachedLM and backend.fallbacks == 2  # the outgrown session's handle, and this one
 
 
 @pytest.mark.unit
@@ -264,6 +262,6 @@ def test_a_drafter_model_without_static_slots_gets_dynamic_caches(tmp_path, capl
                                                        max_batch_sessions=4))
     assert isinstance(backend, DynamicBackend)
     assert "drafter: KV backend auto falls back to dynamic caches" in caplog.text
-    session = LMDraftSession(model, PROMPTS[0], 3, GREEDY, 0, model.config.vocab_size, backend=backend)
+    session = LMDraftSession(backend, PROMPTS[0], 3, GREEDY, 0, model.config.vocab_size)
     assert session.propose(2) == 2 and type(session.lm) is CachedLM
     session.close()

@@ -17,6 +17,7 @@ import xgrammar as xgr
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from xgrammar.contrib.hf import LogitsProcessor
 
+from shared.backend import DynamicBackend
 from shared.batch import Row, feed_rows
 from shared.sampling import MAX_GRAMMAR_CHARS, GenerationParams, GrammarSpec, ParamError, structured_output
 from verifier_node.grammar import GrammarCompiler, GrammarUnavailable, engine_message
@@ -57,7 +58,8 @@ def _params(spec: GrammarSpec, **kw) -> GenerationParams:
 def _session(target, compiler, prompt, spec: GrammarSpec, sid: int = 1, **kw) -> Session:
     _, model, tokenizer = target
     params = _params(spec, **kw)
-    s = Session(sid, model, tokenizer, prompt, params, b"c", sid, grammar=compiler.session(spec, params.end_token_ids))
+    s = Session(sid, DynamicBackend(model), tokenizer, prompt, params, b"c", sid,
+                grammar=compiler.session(spec, params.end_token_ids))
     s.prefill()
     return s
 
@@ -275,13 +277,13 @@ def test_a_grammar_session_batched_beside_a_plain_one(target, compiler):
     spec = GrammarSpec("json_schema", json.dumps(SCHEMA))
     alone_g, alone_p = _session(target, compiler, PROMPTS[0], spec, sid=1), None
     params = GenerationParams.from_dict({"eos_token_ids": [], "max_new_tokens": 20})
-    alone_p = Session(2, model, tokenizer, PROMPTS[1], params, b"c", 2)
+    alone_p = Session(2, DynamicBackend(model), tokenizer, PROMPTS[1], params, b"c", 2)
     alone_p.prefill()
     for s in (alone_g, alone_p):
         while not s.finished:
             s.verify([9, 10], None)
     g = _session(target, compiler, PROMPTS[0], spec, sid=3)
-    p = Session(4, model, tokenizer, PROMPTS[1], params, b"c", 4)
+    p = Session(4, DynamicBackend(model), tokenizer, PROMPTS[1], params, b"c", 4)
     p.prefill()
     while not (g.finished and p.finished):
         live = [s for s in (g, p) if not s.finished]
@@ -355,6 +357,7 @@ def test_the_scheduler_does_not_wait_for_a_draft_where_the_grammar_forces_the_ne
     while s.grammar.next_is_forced():
         s.verify([], None)  # a round with no draft commits every forced token, then the target's own
     assert Scheduler.may_wait(s, 0.0)  # a real choice: the drafter's block is worth waiting for
-    plain = Session(9, target[1], target[2], PROMPTS[0], GenerationParams.from_dict({"eos_token_ids": [EOS]}), b"c", 9)
+    plain = Session(9, DynamicBackend(target[1]), target[2], PROMPTS[0],
+                    GenerationParams.from_dict({"eos_token_ids": [EOS]}), b"c", 9)
     plain.prefilled, plain.announced, plain.drafter = True, True, s.drafter
     assert Scheduler.may_wait(plain, 0.0)

@@ -12,6 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from drafter_node.lm_drafter import LMDraftSession
+from shared.backend import DynamicBackend
 from shared.sampling import GenerationParams
 from testkit.tiny_hybrid import HYBRID_FAMILIES, build_hybrid, perturbed_copy
 from testkit.tiny_models import build_tokenizer, reference_greedy
@@ -49,7 +50,7 @@ class ForwardSizes:
 
 
 def fresh_block(model, committed: list[int], prompt_len: int, n: int) -> list[int]:
-    s = LMDraftSession(model, committed, prompt_len, GREEDY, 0, model.config.vocab_size)
+    s = LMDraftSession(DynamicBackend(model), committed, prompt_len, GREEDY, 0, model.config.vocab_size)
     s.propose(n)
     return s.chain_tokens
 
@@ -61,7 +62,7 @@ def test_a_rejected_block_refeeds_the_block_not_the_context(pairs, family, overl
     rng = random.Random(1)
     prompt = [rng.randrange(2, 150) for _ in range(80)]  # a context much longer than a block
     reference = reference_greedy(target, prompt, NEW_TOKENS + K + 1)
-    session = LMDraftSession(draft, prompt, len(prompt), GREEDY, 0, draft.config.vocab_size)
+    session = LMDraftSession(DynamicBackend(draft), prompt, len(prompt), GREEDY, 0, draft.config.vocab_size)
     forwards = ForwardSizes(draft)
     out: list[int] = []
     outcomes = []

@@ -18,6 +18,7 @@ from drafter_node.mtp_drafter import AssistantMTPDrafter, MTPDrafterError
 from drafter_node.settings import DrafterConfig
 from runtime.config import ConfigError, load_config, load_typed
 from runtime.launch import cluster
+from shared.backend import DynamicBackend
 from shared.kv import CachedLM, KVRowsError
 from shared.protocol import split_state
 from shared.sampling import GenerationParams
@@ -142,7 +143,7 @@ def test_drafter_rows_equal_the_target_cache_after_partial_acceptance(gemma4):
     model = AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.float32).eval()
     prompt = [5, 17, 33, 2, 60, 8]
     params = GenerationParams.from_dict({"max_new_tokens": 40, "eos_token_ids": []})
-    session = Session(1, model, drafter.tokenizer, prompt, params, b"c", 1)
+    session = Session(1, DynamicBackend(model), drafter.tokenizer, prompt, params, b"c", 1)
     layers = drafter.capabilities.needs_kv_layers
     hidden, kv = session.prefill(True, layers)
     draft = drafter.open_session(list(session.tokens), len(prompt), params, {"hidden": hidden, **kv})
@@ -230,7 +231,7 @@ def test_a_drafter_joining_mid_request_waits_for_the_state_then_drafts(gemma4):
     model = AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.float32).eval()
     prompt = list(range(3, 23))
     params = GenerationParams.from_dict({"max_new_tokens": 10, "eos_token_ids": []})
-    session = Session(1, model, drafter.tokenizer, prompt, params, b"c", 1)
+    session = Session(1, DynamicBackend(model), drafter.tokenizer, prompt, params, b"c", 1)
     layers = drafter.capabilities.needs_kv_layers
     session.prefill(True, layers)
     session.verify([], None, True, layers)

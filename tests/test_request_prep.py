@@ -126,14 +126,12 @@ def test_cache_key_has_a_scope():
 
 # ----------------------------------------------------------------------------------------------------- admission
 def test_admission_bounds_resolve_and_refuse():
-    no_positions = SimpleNamespace()
-    slots = SimpleNamespace(slots=4, slot_tokens=512)
-    assert MemoryAdmission.resolve(None, None, no_positions, None) == MemoryAdmission(DEFAULT_MAX_MODEL_LEN,
-                                                                                       DEFAULT_KV_TOKENS)
-    a = MemoryAdmission.resolve(None, None, SimpleNamespace(max_position_embeddings=512), slots)
+    slots = 4 * 512  # a static backend's capacity_tokens()
+    assert MemoryAdmission.resolve(None, None, None, None) == MemoryAdmission(DEFAULT_MAX_MODEL_LEN, DEFAULT_KV_TOKENS)
+    a = MemoryAdmission.resolve(None, None, 512, slots)
     assert a == MemoryAdmission(512, 2048)
     with pytest.raises(ValueError, match="exceeds the target's context"):
-        MemoryAdmission.resolve(1024, None, SimpleNamespace(max_position_embeddings=512), slots)
+        MemoryAdmission.resolve(1024, None, 512, slots)
     with pytest.raises(ParamError, match=r"verifier\.max_model_len \(512\)"):
         a.check(10, 1_000_000, 0)
     small = MemoryAdmission(512, 300)

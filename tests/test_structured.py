@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from http_server.errors import OpenAIError
 from http_server.schemas import ChatRequest, CompletionRequest, check_supported
+from shared.backend import DynamicBackend
 from shared.sampling import GenerationParams, GrammarSpec, ParamError, structured_output
 from verifier_node.grammar import MAX_FORCED_PER_ROUND, GrammarCompiler, choice_grammar, ebnf_literal
 from verifier_node.schema_check import IGNORED_KEYWORDS, check_schema
@@ -51,7 +52,7 @@ def _session(target, compiler, spec: GrammarSpec, sid: int = 1, max_new_tokens: 
     model, tokenizer = target
     params = GenerationParams.from_dict({"eos_token_ids": [EOS], "max_new_tokens": max_new_tokens,
                                          "grammar": spec.to_wire()})
-    s = Session(sid, model, tokenizer, [5, 17, 33], params, b"c", sid,
+    s = Session(sid, DynamicBackend(model), tokenizer, [5, 17, 33], params, b"c", sid,
                 grammar=compiler.session(spec, params.end_token_ids))
     s.prefill()
     return s
@@ -181,7 +182,8 @@ def test_forced_rounds_take_turns_with_other_sessions(target, compiler):
 
     model, tokenizer = target
     forced = _session(target, compiler, GrammarSpec("regex", LITERAL), sid=1, max_new_tokens=20_000)
-    plain = Session(2, model, tokenizer, [5, 17, 33], GenerationParams.from_dict({"eos_token_ids": [EOS]}), b"c", 2)
+    plain = Session(2, DynamicBackend(model), tokenizer, [5, 17, 33],
+                    GenerationParams.from_dict({"eos_token_ids": [EOS]}), b"c", 2)
     plain.prefill()
     alive = SimpleNamespace(alive=lambda now=None: True)
     for s in (forced, plain):

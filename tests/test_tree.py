@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM
 
 from drafter_node.cost_model import Acceptance
 from drafter_node.tree_plan import TreePlan, expected_tokens, plan_from_acceptance, plan_tree, survival
+from shared.backend import DynamicBackend
 from shared.batch import feed_rows
 from shared.kv import CachedLM
 from shared.sampling import GenerationParams, make_generator, process_block, sample
@@ -66,10 +67,11 @@ def run_round(lm: CachedLM, tokens: list[int], prompt_len: int, tree: DraftTree,
               rule) -> TreeOutcome:
     """One verifier round on ``tokens`` (the cache holds all but the last): forward, accept, compact, commit."""
     base_len = len(tokens)
-    logits, _ = tree_forward(lm, tokens[-1], tree)
+    backend = DynamicBackend(lm.batch_key)  # the model the handle runs on
+    logits, _ = tree_forward(backend, lm, tokens[-1], tree)
     scores = process_tree(logits, torch.tensor(tokens), tree, params, base_len - prompt_len)
     out = rule(scores, tree, base_len)
-    keep_path(lm, len(tree), out.nodes)
+    keep_path(backend, lm, len(tree), out.nodes)
     tokens.extend(out.tokens)
     lm.crop(len(tokens) - 1)
     return out
@@ -126,7 +128,7 @@ def test_tree_logits_and_kept_path_equal_fresh_forwards(tiny, arch, attn):
         lm = CachedLM(model)
         lm.feed(prefix)
         if index % 2 == 0:
-            logits, hidden = tree_forward(lm, pending, tree, want_hidden=True)
+            logits, hidden = tree_forward(DynamicBackend(model), lm, pending, tree, want_hidden=True)
         else:  # the same round as a row of a batched forward
             out = feed_rows(model, [tree_row(lm, pending, tree)], want_hidden=True)[0]
             logits, hidden = out.logits, out.hidden
@@ -139,7 +141,7 @@ def test_tree_logits_and_kept_path_equal_fresh_forwards(tiny, arch, attn):
             if index == 0:
                 direct = logits, hidden
             assert torch.allclose(direct[0], logits, atol=1e-4) and torch.allclose(direct[1], hidden, atol=1e-4)
-        keep_path(lm, len(tree), path)
+        keep_path(DynamicBackend(model), lm, len(tree), path)
         committed = [*prefix, pending, *(tree.tokens[i] for i in path)]
         assert lm.length == len(committed) == lm.cache.layers[0].keys.shape[-2]
         nxt = 31
@@ -152,12 +154,12 @@ def test_tree_round_on_an_empty_cache(tiny):
     model = load(tiny("llama"))
     tree = DraftTree(distinct_tokens(PARENTS, 2), PARENTS)
     lm = CachedLM(model)
-    logits, _ = tree_forward(lm, 9, tree)
+    logits, _ = tree_forward(DynamicBackend(model), lm, 9, tree)
     for i in range(len(tree)):
         ids = [9, *(tree.tokens[j] for j in tree.path(i))]
         assert torch.allclose(logits[1 + i], scratch_logits(model, ids), atol=1e-4), i
     path = tree.path(8)
-    keep_path(lm, len(tree), path)
+    keep_path(DynamicBackend(model), lm, len(tree), path)
     assert kept_rows(path) == [0, *(1 + i for i in path)]
     after, _ = lm.feed([4])
     assert torch.allclose(after[-1], scratch_logits(model, [9, *(tree.tokens[i] for i in path), 4]), atol=1e-4)

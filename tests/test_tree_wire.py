@@ -13,6 +13,7 @@ from drafter_node.cost_model import CostBook
 from drafter_node.node_session import NodeSession, tree_block
 from drafter_node.schedule import CostSchedule
 from runtime.config import ConfigError, load_config
+from shared.backend import DynamicBackend
 from shared.costs.curve import CostCurve
 from shared.sampling import GenerationParams
 from verifier_node.session import Session
@@ -125,7 +126,7 @@ def test_a_session_round_over_a_tree_commits_what_greedy_would(target_lm):
     model, tokenizer = target_lm
     prompt = [5, 17, 33, 2, 60]
     want = greedy(model, prompt, 12)
-    s = Session(1, model, tokenizer, prompt, GenerationParams(max_new_tokens=12), b"", 1)
+    s = Session(1, DynamicBackend(model), tokenizer, prompt, GenerationParams(max_new_tokens=12), b"", 1)
     s.prefill()
     wrong = (want[0] + 1) % 100
     # the chain's first token is wrong, its sibling (a side leaf) right; under the chain a right token to ignore

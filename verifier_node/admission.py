@@ -6,7 +6,8 @@ Two bounds (config keys of the ``verifier`` section):
 * ``max_model_len``: prompt + ``max_new_tokens`` of one request (null: the target's ``max_position_embeddings``,
   or :data:`DEFAULT_MAX_MODEL_LEN` for a target that states none). The check is never skipped.
 * ``max_kv_tokens``: the sum over admitted sessions of prompt + ``max_new_tokens`` — the KV cache they may grow
-  to (null: the backend's slots × slot tokens where it has slots, else :data:`DEFAULT_KV_TOKENS`).
+  to (null: the KV backend's ``capacity_tokens()``, e.g. static slots × slot tokens, where it has a bound, else
+  :data:`DEFAULT_KV_TOKENS`).
 
 A request that does not fit *now* is refused with ``busy`` (retry later); one that can never fit (past either bound
 on its own) is a ``bad_request`` naming the key. Pure: the verifier passes the tokens its sessions hold.
@@ -16,7 +17,6 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
 
 from shared.protocol import ProtocolError
 from shared.sampling import ParamError
@@ -25,7 +25,7 @@ log = logging.getLogger("pipespec.verifier")
 
 #: ``max_model_len`` for a target whose config has no ``max_position_embeddings`` (state-space models, …).
 DEFAULT_MAX_MODEL_LEN = 32768
-#: ``max_kv_tokens`` where the backend has no slots (dynamic caches).
+#: ``max_kv_tokens`` where the backend has no bound of its own (dynamic caches).
 DEFAULT_KV_TOKENS = 65536
 
 
@@ -37,25 +37,23 @@ class MemoryAdmission:
     max_kv_tokens: int
 
     @classmethod
-    def resolve(cls, max_model_len: int | None, max_kv_tokens: int | None, model_config: Any,
-                backend: Any) -> MemoryAdmission:
-        """The bounds from the config keys (None: their defaults), the target's config and its KV ``backend``
-        (``slots`` and ``slot_tokens`` where it preallocates). A ``max_model_len`` past the target's context is
-        refused (ValueError: the node does not start)."""
-        positions = getattr(model_config, "max_position_embeddings", None)
+    def resolve(cls, max_model_len: int | None, max_kv_tokens: int | None, max_positions: int | None,
+                capacity_tokens: int | None) -> MemoryAdmission:
+        """The bounds from the config keys (None: their defaults), the target's context ``max_positions`` (None:
+        it states none) and its KV backend's ``capacity_tokens()`` (None: no bound of its own). A
+        ``max_model_len`` past the target's context is refused (ValueError: the node does not start)."""
         if max_model_len is None:
-            if positions:
-                max_model_len = int(positions)
+            if max_positions:
+                max_model_len = int(max_positions)
             else:
                 max_model_len = DEFAULT_MAX_MODEL_LEN
                 log.warning("verifier: the target states no max_position_embeddings; max_model_len defaults to %d "
                             "(set verifier.max_model_len)", max_model_len)
-        elif positions and max_model_len > positions:
+        elif max_positions and max_model_len > max_positions:
             raise ValueError(f"verifier.max_model_len ({max_model_len}) exceeds the target's context "
-                             f"(max_position_embeddings = {positions})")
+                             f"(max_position_embeddings = {max_positions})")
         if max_kv_tokens is None:
-            slots, slot_tokens = getattr(backend, "slots", None), getattr(backend, "slot_tokens", None)
-            max_kv_tokens = int(slots * slot_tokens) if slots and slot_tokens else DEFAULT_KV_TOKENS
+            max_kv_tokens = int(capacity_tokens) if capacity_tokens else DEFAULT_KV_TOKENS
         return cls(int(max_model_len), int(max_kv_tokens))
 
     def check(self, prompt_len: int, max_new_tokens: int, in_use: int, request_id: int | None = None) -> None:

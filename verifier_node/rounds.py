@@ -17,12 +17,10 @@ from typing import Any, Protocol
 
 import torch
 
-from shared.backend import DynamicBackend, TargetBackend
-from shared.batch import Row
 from shared.cores import CoreLeases
 from shared.costs.cache import CurveCheck
-from shared.kv import CachedLM
 from shared.models import ThreadPlan, set_threads
+from shared.target import Row, SequenceHandle, TargetBackend
 from verifier_node.scheduler import Scheduler
 from verifier_node.session import RoundPlan, RoundResult, Session
 from verifier_node.tree import tree_row
@@ -31,7 +29,7 @@ log = logging.getLogger("pipespec.verifier")
 
 
 @contextlib.contextmanager
-def restored_on_failure(lms: list[CachedLM]) -> Iterator[None]:
+def restored_on_failure(lms: list[SequenceHandle]) -> Iterator[None]:
     """Around a batched forward: if it raises, every row's cache holds again exactly what it held before (the
     forward may have grown some rows, or some layers of a row, before it failed), so the per-session forwards that
     follow feed each row from its committed length, not from a stale one."""
@@ -128,11 +126,9 @@ class RoundRunner:
     """Runs the prefills and rounds the scheduler picked. ``forward_delay_s`` (tests): seconds slept before each
     target forward, a target slow enough that other work gets ahead."""
 
-    def __init__(self, model: Any, scheduler: Scheduler, out: RoundOutput, threads: ThreadSwitch,
-                 curve_check: CurveCheck, forward_delay_s: float = 0.0, backend: TargetBackend | None = None,
-                 cores: CoreLeases | None = None):
-        self.model = model
-        self.backend = backend or DynamicBackend(model)  # the batched forwards' (shared.backend)
+    def __init__(self, backend: TargetBackend, scheduler: Scheduler, out: RoundOutput, threads: ThreadSwitch,
+                 curve_check: CurveCheck, forward_delay_s: float = 0.0, cores: CoreLeases | None = None):
+        self.backend = backend  # the target's: every forward of the verifier runs through it (shared.target)
         self.scheduler = scheduler
         self.out = out
         self.threads = threads

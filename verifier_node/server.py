@@ -23,7 +23,6 @@ server). :class:`VerifierServer` is the I/O loop and the message handlers that t
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import logging
 import secrets
@@ -37,30 +36,20 @@ import zmq
 
 from drafter_node.settings import Config
 from drafter_node.types import DRAFTER_TYPES
-from shared.backend import DynamicBackend, TargetBackend, make_backend
 from shared.config_sections import VerifierConfig
 from shared.cores import CoreLeases, leases_for
 from shared.costs.cache import CurveCheck
 from shared.costs.curve import NodeProfile
-from shared.costs.measure import measuring_alone
-from shared.kv import CachedLM, KVRowsError
+from shared.kv import KVRowsError
 from shared.models import (
     ProfileSpec,
     ThreadPlan,
-    default_eos_ids,
-    load_causal_lm,
-    load_tokenizer,
-    logits_vocab_size,
-    model_dtype,
-    profile_node,
     profile_sizes,
-    resolve_model,
     set_threads,
     tokenizer_id,
     vocab_prefix_matches,
     vocab_tokens,
 )
-from shared.node_keys import kv_slots
 from shared.protocol import (
     ANY_TOKENIZER,
     MAX_REPORTS,
@@ -87,6 +76,7 @@ from shared.protocol import (
 )
 from shared.sampling import GenerationParams, ParamError
 from shared.signals import stop_on_signals
+from shared.target import Target, TargetOptions, load_target
 from shared.transport import (
     CLIENT_DOMAIN,
     DRAFTER_DOMAIN,
@@ -222,15 +212,15 @@ class VerifierServer:
     (:mod:`verifier_node.scheduler`), which drafter serves them the pool policy's (:mod:`verifier_node.pool_policy`),
     the forwards the round runner's (:mod:`verifier_node.rounds`). :meth:`from_config` loads, measures and binds."""
 
-    def __init__(self, settings: VerifierSettings, model: Any, tokenizer: Any, profile: NodeProfile | None,
-                 threads: ThreadPlan, limits: BatchLimits, sockets: VerifierSockets, *, run_secret: str | None = None,
-                 forward_delay_s: float = 0.0, accept: AcceptRule | None = None, backend: TargetBackend | None = None,
-                 cores: CoreLeases | None = None, prep_hook: Callable[[PrepJob], None] | None = None):
-        """Serve with built parts: the target ``model`` and its ``tokenizer``, its measured ``profile`` (None: not
-        measured), the thread plan (its share already applied), the batch ``limits`` (batching only where the
-        target can), bound ``sockets``. ``run_secret``: what a drafter's hello must show where the drafter link has
-        no CURVE (None: nothing). ``forward_delay_s`` and ``accept``: see :meth:`from_config`. ``backend``: who holds
-        the sessions' KV caches (:mod:`shared.backend`; None: dynamic caches). ``cores``: the CPU core leases each
+    def __init__(self, settings: VerifierSettings, target: Target, threads: ThreadPlan, limits: BatchLimits,
+                 sockets: VerifierSockets, *, run_secret: str | None = None, forward_delay_s: float = 0.0,
+                 accept: AcceptRule | None = None, cores: CoreLeases | None = None,
+                 prep_hook: Callable[[PrepJob], None] | None = None):
+        """Serve with built parts: the ``target`` (its KV backend, tokenizer and measured profile:
+        :mod:`shared.target`), the thread plan (its share already applied), the batch ``limits`` (batching only
+        where the target can), bound ``sockets``. ``run_secret``: what a drafter's hello must show where the drafter
+        link has no CURVE (None: nothing). ``forward_delay_s`` and ``accept``: see :meth:`from_config`. ``cores``: the
+        CPU core leases each
         forward holds (:mod:`shared.cores`; None: the planned thread counts as they are). ``prep_hook``: for tests,
         run by the preparation worker before each request it prepares (a slow tokenizer or compile)."""
         self.settings = settings
@@ -244,22 +234,22 @@ class VerifierServer:
         self.client_seen: dict[bytes, float] = {}
         self._next_sweep = 0.0
         self.threads = threads
-        self.model = model
-        self.backend = backend or DynamicBackend(model)
-        self.tokenizer = tokenizer
+        self.target = target
+        self.backend = target.backend
+        tokenizer = self.tokenizer = target.tokenizer
         self._worker_tokenizer: Any = None  # the preparation worker's copy (made at its first text prompt)
-        self.profile = profile
-        self.dtype = model_dtype(model)
-        self.vocab_size = logits_vocab_size(model)
-        self.rollback_refeeds = CachedLM(model).recurrent  # hybrid / state-space target: see shared/kv.py
+        self.profile = target.profile
+        self.dtype = target.dtype
+        self.vocab_size = target.vocab_size
+        self.rollback_refeeds = target.rollback_refeeds  # hybrid / state-space target: see shared/kv.py
         self.tokenizer_id = tokenizer_id(tokenizer)
         # what a drafter without a transformers tokenizer (a GGUF file's token list) is checked against
         self.vocab_tokens = vocab_tokens(tokenizer)
-        self.default_eos = default_eos_ids(model, tokenizer)
+        self.default_eos = list(target.end_token_ids)
         self.grammars: GrammarCompiler | None = None  # built at the first request with a grammar (xgrammar optional)
         self.grammar_child: GrammarChild | None = None  # where grammars compile (started with self.grammars)
-        self.admission = MemoryAdmission.resolve(settings.max_model_len, settings.max_kv_tokens, model.config,
-                                                 self.backend)
+        self.admission = MemoryAdmission.resolve(settings.max_model_len, settings.max_kv_tokens,
+                                                 target.max_positions, self.backend.capacity_tokens())
         self.sockets = sockets
         self.drafter_sock, self.client_sock = sockets.drafter, sockets.client
         self.run_secret = run_secret
@@ -276,8 +266,8 @@ class VerifierServer:
         self.policy = PoolPolicy(self.pool, self.sessions, self.ensemble_weight, send=self._send_to,
                                  announce=lambda s, kv: self.announce(s, kv=kv))
         switch = ThreadSwitch(threads) if cores is None else ThreadSwitch(threads, apply=lambda n: None)
-        self.rounds = RoundRunner(model, self.scheduler, self, switch, CurveCheck(profile), forward_delay_s,
-                                  self.backend, cores)
+        self.rounds = RoundRunner(self.backend, self.scheduler, self, switch, CurveCheck(self.profile),
+                                  forward_delay_s, cores)
         self.running = True
 
     @classmethod
@@ -296,33 +286,23 @@ class VerifierServer:
         v = config.verifier
         threads = ThreadPlan.for_node(v.threads, v.device, config.drafter.device)
         set_threads(threads.share)
-        path = resolve_model(v.model)
-        tokenizer = tokenizer or load_tokenizer(path)
         spec = ProfileSpec(threads.counts(), profile_sizes(config.drafter.max_draft_tokens), float(v.profile_s),
                            role="verifier")
-        profile: NodeProfile | None = None
-        # Load and measure while no other node on this machine does (the drafter starts at the same time).
-        with measuring_alone(v.device) if spec.budget_s > 0 else contextlib.nullcontext():
-            model = model or load_causal_lm(path, v.device, v.dtype, v.max_memory, profile=spec)
-            if spec.budget_s > 0:
-                profile = profile_node(model, v.model, v.device, spec, "verifier")
+        # The model, its KV backend and its profile: the loader verifier.backend names (shared/target.py).
+        target = load_target(v, TargetOptions(threads.counts(), spec, model=model, tokenizer=tokenizer))
         # Batched verification: one target forward over every session whose round is ready (shared/batch.py).
         max_batch_sessions = v.max_batch_sessions if v.batching else 1
-        # Where the sessions' KV caches live (shared/backend.py): a slot per session batched at once.
-        slots = kv_slots(v.kv_slots, v.max_sessions, v.max_batch_sessions)
-        backend = make_backend(model, v.backend, slots, v.kv_slot_tokens, compiled_tokens=v.compiled_max_tokens,
-                               thread_counts=threads.counts())
-        batching = max_batch_sessions > 1 and backend.can_batch()
+        batching = max_batch_sessions > 1 and target.backend.can_batch()
         if max_batch_sessions > 1 and not batching:
             log.warning("verifier: batched verification is not possible with this target (sliding-window layers or "
                         "an attention kernel without custom masks): one forward per session")
-        log.info("verifier: %s in %s, threads %d (share) / %d (full)", v.model, model_dtype(model),
+        log.info("verifier: %s in %s, threads %d (share) / %d (full)", v.model, target.dtype,
                  threads.share, threads.full)
         limits = BatchLimits(batching, max_batch_sessions, v.max_batch_tokens, v.max_prefill_tokens)
         settings = VerifierSettings.from_config(config)
         # Without CURVE on the drafter link, a launcher-given secret is what a drafter's hello must show.
-        return cls(settings, model, tokenizer, profile, threads, limits, VerifierSockets.bind(config, links),
-                   run_secret=links.run_secret, forward_delay_s=forward_delay_s, accept=accept, backend=backend,
+        return cls(settings, target, threads, limits, VerifierSockets.bind(config, links),
+                   run_secret=links.run_secret, forward_delay_s=forward_delay_s, accept=accept,
                    cores=leases_for(v.device, threads.full, set_threads), prep_hook=prep_hook)
 
     @property
@@ -506,12 +486,12 @@ class VerifierServer:
             )
         if drafter.kv_layers:
             try:
-                CachedLM(self.model).check_kv_layers(drafter.kv_layers)
+                self.backend.check_kv_layers(drafter.kv_layers)
             except KVRowsError as exc:
                 log.error("refused drafter %r: %s", msg.drafter_type, exc)
                 raise ProtocolError(
                     f"drafter type {msg.drafter_type!r} needs K/V rows of target layers {drafter.kv_layers}, "
-                    f"which this target ({self.model_name}, {type(self.model).__name__}) cannot provide: {exc}",
+                    f"which this target ({self.model_name}, {self.target.kind}) cannot provide: {exc}",
                     code="unsupported",
                 ) from None
         if msg.profile is not None:
@@ -706,8 +686,8 @@ class VerifierServer:
         # Under ensemble verification a plain step is not equivalent (it samples from p, not from w·p + (1 − w)·q),
         # so there the wait stays the cap; lossless sessions wait as long as their drafter's answers take.
         wait = DraftWait(self.draft_timeout, adaptive=self.ensemble_weight is None)
-        s = Session(sid, self.model, self.tokenizer, prompt, params, job.peer, rid, self.ensemble_weight, job.wanted,
-                    wait, accept=self.accept_rule, grammar=job.grammar, backend=self.backend)
+        s = Session(sid, self.backend, self.tokenizer, prompt, params, job.peer, rid, self.ensemble_weight, job.wanted,
+                    wait, accept=self.accept_rule, grammar=job.grammar)
         s.tenant = job.scope
         self.scheduler.add(s)
         self.by_request[(job.peer, rid)] = sid

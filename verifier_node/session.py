@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from shared.backend import DynamicBackend, TargetBackend
 from shared.sampling import GenerationParams, make_generator, process_block
+from shared.target import SequenceHandle, TargetBackend
 from verifier_node.acceptance import AcceptRule, accept_greedy, accept_sampling
 from verifier_node.detokenize import IncrementalText
 from verifier_node.draft_wait import DraftWait
@@ -189,12 +189,11 @@ class Session:
     """State of one request on the verifier."""
 
     def __init__(
-        self, sid: int, model, tokenizer, prompt: list[int], params: GenerationParams, client: bytes, request_id: int,
-        ensemble_weight: float | None = None, drafter_type: str | None = None, wait: DraftWait | None = None,
-        accept: AcceptRule | None = None, grammar: SessionGrammar | None = None,
-        backend: TargetBackend | None = None,
+        self, sid: int, backend: TargetBackend, tokenizer, prompt: list[int], params: GenerationParams,
+        client: bytes, request_id: int, ensemble_weight: float | None = None, drafter_type: str | None = None,
+        wait: DraftWait | None = None, accept: AcceptRule | None = None, grammar: SessionGrammar | None = None,
     ):
-        """``backend``: where its KV cache lives (:mod:`shared.backend`; None: a dynamic cache over ``model``)."""
+        """``backend``: the target's, where its KV memory lives and its forwards run (:mod:`shared.target`)."""
         self.sid = sid
         self.grammar = grammar  # structured output: the request's matcher (verifier_node.grammar)
         self.params = params
@@ -206,8 +205,8 @@ class Session:
         self.client = client
         self.request_id = request_id
         # Its KV cache: a handle sized for the prompt and the whole budget (``close`` gives it back).
-        backend = backend or DynamicBackend(model)
-        self.lm = backend.open(len(prompt) + params.max_new_tokens)
+        self.backend = backend
+        self.lm: SequenceHandle = backend.open(len(prompt) + params.max_new_tokens)
         self.prefilled = False
         self.cached_prompt = 0  # prompt tokens the prefill's chunks cached so far
         # What the prefill's chunks collect for the drafter it was started for (its needs: hidden states, K/V rows)
@@ -343,7 +342,7 @@ class Session:
     def round_forward(self, plan: RoundPlan, want_hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The round's forward of its own: ``plan.fed`` onto the cache (a tree with its tree mask and positions)."""
         if plan.tree is not None:
-            return tree_forward(self.lm, plan.fed[0], plan.tree, want_hidden)
+            return tree_forward(self.backend, self.lm, plan.fed[0], plan.tree, want_hidden)
         return self.lm.feed(plan.fed, want_hidden=want_hidden)
 
     def finish_round(
@@ -397,7 +396,7 @@ class Session:
         accepted = len(outcome.nodes)
         out = self._cut_at_end(outcome.tokens, plan.remaining)
         self.tokens.extend(out)
-        keep_path(self.lm, len(tree), outcome.nodes)
+        keep_path(self.backend, self.lm, len(tree), outcome.nodes)
         self.lm.crop(len(self.tokens) - 1)
         self.metrics.record(len(tree), accepted, depth=max(tree.depths()))
         self.metrics.tree_rounds += 1

@@ -2,17 +2,17 @@
 
 Where it is used: a ``draft`` with ``parents`` (a parent index per drafted token, -1 under the pending token) is a
 tree; ``Session.plan_round`` cuts it to the budget (``DraftTree.truncate``), the verifier runs :func:`tree_forward`
-(or :func:`tree_row` in a batched ``feed_rows``), and ``Session.finish_round`` takes :func:`process_tree`,
-:func:`accept_tree_greedy` and :func:`keep_path` before the usual crop. The nodes take trees for greedy requests
-only; :func:`accept_tree_sampling` is tested here but not used by them yet.
+(the backend's ``feed_tree``; or :func:`tree_row` in a batched ``feed_rows``), and ``Session.finish_round`` takes
+:func:`process_tree`, :func:`accept_tree_greedy` and :func:`keep_path` before the usual crop. The nodes take trees
+for greedy requests only; :func:`accept_tree_sampling` is tested here but not used by them yet.
 
 Layout. The cache holds the committed prefix but the pending token (``L`` positions). A round feeds ``[pending,
 *tree.tokens]`` in one batch-1 forward: the pending token at position ``L``, node i at ``L + depth(i)``, with a 4D
 additive mask in which every fed token sees the cached prefix, the pending token and its own ancestors (and itself)
 only. So each node's logits are exactly those of a chain forward of its path. After acceptance, :func:`keep_path`
-moves the accepted nodes' K/V slots in place to directly after the pending token (``index_select``, a read of a few
-slots per layer, then a write) and crops behind them: the cache then equals what a chain forward of the accepted
-tokens would have cached, whatever the context length, without copying the prefix.
+has the backend keep the accepted nodes' positions directly after the pending token (the torch backends move their
+K/V slots in place, a read of a few slots per layer and a write, and crop behind them): the cache then equals what a
+chain forward of the accepted tokens would have cached, whatever the context length, without copying the prefix.
 
 Acceptance, on processed scores with one row for the pending token and one per node (row ``1 + i`` predicts the
 token after node i):
@@ -25,8 +25,8 @@ token after node i):
   exactly its probability p). Children sampled from a draft distribution q would need recursive rejection sampling
   (SpecInfer); that is not implemented, nor is ensemble verification for trees.
 
-Only models whose attention takes a custom 4D mask (eager, sdpa) and without sliding-window layers
-(:func:`shared.batch.can_batch`); transformers 5 passes a 4D ``attention_mask`` through unchanged.
+Only handles whose ``trees`` flag is set (torch: attention that takes a custom 4D mask, eager or sdpa, and no
+sliding-window layers; transformers 5 passes a 4D ``attention_mask`` through unchanged).
 """
 
 from __future__ import annotations
@@ -36,9 +36,8 @@ from typing import NamedTuple
 
 import torch
 
-from shared.batch import Row
-from shared.kv import CachedLM
 from shared.sampling import GenerationParams, process_logits, sample
+from shared.target import Row, SequenceHandle, TargetBackend
 from shared.tree_shape import validate_tree_shape
 
 
@@ -108,8 +107,8 @@ def tree_visibility(tree: DraftTree) -> torch.Tensor:
     return visible
 
 
-def tree_row(lm: CachedLM, pending: int, tree: DraftTree) -> Row:
-    """The round as a :class:`shared.batch.Row` (for a batched forward with other sessions, ``feed_rows``): the
+def tree_row(lm: SequenceHandle, pending: int, tree: DraftTree) -> Row:
+    """The round as a :class:`shared.target.Row` (for a batched forward with other sessions, ``feed_rows``): the
     pending token and the nodes, at positions ``lm.length + depth``, seeing the cache and their ancestors."""
     cached = torch.ones(len(tree) + 1, lm.length, dtype=torch.bool)
     visible = torch.cat([cached, tree_visibility(tree)], dim=1)
@@ -117,34 +116,16 @@ def tree_row(lm: CachedLM, pending: int, tree: DraftTree) -> Row:
     return Row(lm, [pending, *tree.tokens], positions=positions, visible=visible)
 
 
-def _check_model(lm: CachedLM) -> None:
+def tree_forward(backend: TargetBackend, lm: SequenceHandle, pending: int, tree: DraftTree,
+                 want_hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Feed the round ``[pending, *tree.tokens]`` onto ``lm``'s memory in one forward of ``backend``'s
+    (:meth:`~shared.target.TargetBackend.feed_tree`: in place, no copy of the context); return float32 logits
+    ``[n + 1, vocab]`` (row 0: after the pending token, row 1 + i: after node i) and, when asked, the last hidden
+    states. ``lm`` grows by n + 1 positions; :func:`keep_path` keeps the accepted ones."""
     if not lm.trees:
         raise ValueError("tree verification needs eager or sdpa attention and no sliding-window layers")
-
-
-@torch.inference_mode()
-def tree_forward(lm: CachedLM, pending: int, tree: DraftTree,
-                 want_hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Feed the round ``[pending, *tree.tokens]`` onto ``lm``'s cache in one forward; return float32 logits
-    ``[n + 1, vocab]`` (row 0: after the pending token, row 1 + i: after node i) and, when asked, the last hidden
-    states. The cache grows by n + 1 slots; :func:`keep_path` keeps the accepted ones."""
-    _check_model(lm)
     row = tree_row(lm, pending, tree)
-    dtype = next(lm.model.parameters()).dtype
-    mask = torch.zeros(row.visible.shape, dtype=dtype).masked_fill_(~row.visible, torch.finfo(dtype).min)
-    device = lm._device
-    # Directly on the session's cache (as drafter_node.branches does): feed_rows would stack a copy of it.
-    out = lm.model(
-        input_ids=torch.tensor([row.tokens], dtype=torch.long, device=device),
-        attention_mask=mask[None, None].to(device),
-        position_ids=torch.tensor([row.positions], dtype=torch.long, device=device),
-        cache=lm.cache,
-        use_cache=True,
-        output_hidden_states=want_hidden,
-    )
-    lm.grew(len(row.tokens))
-    hidden = out.hidden_states[-1][0] if want_hidden else None
-    return out.logits[0].float(), hidden
+    return backend.feed_tree(lm, row.tokens, row.positions, row.visible, want_hidden)
 
 
 def process_tree(logits: torch.Tensor, prefix: torch.Tensor, tree: DraftTree, params: GenerationParams,
@@ -193,23 +174,11 @@ def kept_rows(nodes: list[int]) -> list[int]:
     return [0, *(1 + i for i in nodes)]
 
 
-@torch.inference_mode()
-def keep_path(lm: CachedLM, tree_size: int, nodes: list[int]) -> None:
+def keep_path(backend: TargetBackend, lm: SequenceHandle, tree_size: int, nodes: list[int]) -> None:
     """After :func:`tree_forward` of a tree of ``tree_size`` nodes: keep the cached prefix, the pending token and
-    the accepted ``nodes`` (moved in place to be contiguous), drop the rest. ``lm`` then caches exactly what a chain
-    forward of ``[pending, *accepted tokens]`` would have."""
-    start = lm.length - tree_size - 1  # the pending token's slot
+    the accepted ``nodes`` (moved to be contiguous: :meth:`~shared.target.TargetBackend.keep_positions`), drop the
+    rest. ``lm`` then holds exactly what a chain forward of ``[pending, *accepted tokens]`` would have."""
+    start = lm.length - tree_size - 1  # the pending token's position
     if start < 0:
         raise ValueError(f"the cache holds {lm.length} positions, fewer than a round of {tree_size + 1}")
-    # Nodes are topological, so node j of the path sits at or behind slot j: the moves only go left. The leading
-    # nodes already in place (a chain) are not touched.
-    first = next((j for j, i in enumerate(nodes) if i != j), len(nodes))
-    if first < len(nodes):
-        device = lm.cache.layers[0].keys.device
-        src = torch.tensor([start + 1 + i for i in nodes[first:]], dtype=torch.long, device=device)
-        lo, hi = start + 1 + first, start + 1 + len(nodes)
-        for layer in lm.cache.layers:
-            # index_select reads the slots out first, so the write may overlap them
-            layer.keys[..., lo:hi, :] = layer.keys.index_select(-2, src)
-            layer.values[..., lo:hi, :] = layer.values.index_select(-2, src)
-    lm.crop(start + 1 + len(nodes))
+    backend.keep_positions(lm, start + 1, [start + 1 + i for i in nodes])

@@ -20,6 +20,7 @@ import torch
 from shared.costs.cache import profile_cache_dir, profile_key, read_cached, thread_keys, write_cached
 from shared.costs.curve import PROFILE_DTYPES, CostCurve, NodeProfile
 from shared.costs.hardware import is_cpu
+from shared.target import SequenceHandle, Target
 
 ProgressFn = Callable[[str], None]
 
@@ -74,26 +75,128 @@ def _synchronizer(device: torch.device) -> Callable[[], None]:
 PROFILE_PREFIX = 16
 
 
-def measure_curve(model, sizes: list[int], prefix_len: int = PROFILE_PREFIX, budget_s: float = 8.0,
+def measure_curve(model: Any, sizes: list[int], prefix_len: int = PROFILE_PREFIX, budget_s: float = 8.0,
                   repeats: int = 2) -> CostCurve:
-    """Measure ``model``'s forward time for each n in ``sizes`` new tokens on a cached prefix of ``prefix_len``
+    """Measure a target's forward time for each n in ``sizes`` new tokens on a cached prefix of ``prefix_len``
     random tokens at the current thread count (see :func:`measure_curves`)."""
     return measure_curves(model, sizes, [0], prefix_len, budget_s, repeats)[0]
 
 
+class _Measurement:
+    """One :func:`measure_curves` run: forwards of random tokens on handles of the target, within a budget."""
+
+    def __init__(self, target: Target, prefix_len: int, budget_s: float, repeats: int):
+        self.target, self.prefix_len, self.budget_s, self.repeats = target, prefix_len, budget_s, repeats
+        self.start = time.perf_counter()
+        self.lm = target.open()
+        self.sync = _synchronizer(torch.device(target.device))
+        self.vocab = target.input_vocab_size or target.vocab_size
+        self.generator = torch.Generator().manual_seed(1234)
+        self.prefill_s = 0.0
+        self.measured: dict[int, dict[int, float]] = {}
+
+    @staticmethod
+    def use(threads: int) -> None:
+        if threads:
+            torch.set_num_threads(threads)
+
+    def tokens(self, n: int) -> list[int]:
+        return torch.randint(0, self.vocab, (n,), generator=self.generator).tolist()
+
+    def forward(self, ids: list[int]) -> float:
+        self.sync()
+        t0 = time.perf_counter()
+        self.lm.feed(ids)
+        self.sync()
+        return time.perf_counter() - t0
+
+    def left(self) -> float:
+        return self.budget_s - (time.perf_counter() - self.start)
+
+    def fastest(self, ids: list[int], keep: int) -> float:
+        """The minimum over a warm-up and up to ``repeats`` more forwards, as many as the budget allows. The warm-up
+        counts too: a slow one (first use of a shape) never wins the minimum, a normal one is not wasted when a
+        large model leaves the budget room for a single forward."""
+        best = self.forward(ids)
+        self.lm.crop(keep)
+        for _ in range(self.repeats):
+            if best > self.left():
+                break
+            best = min(best, self.forward(ids))
+            self.lm.crop(keep)
+        return max(best, 1e-9)
+
+    def estimate(self, threads: int, n: int) -> float:
+        """A guess of a forward of ``n`` tokens at ``threads`` from what is measured so far (the prefill an upper
+        bound at its size: first-call overheads, fine for a budget guess)."""
+        points = dict(self.measured[threads])
+        if self.prefix_len and self.prefill_s > 0 and self.prefix_len not in points:
+            points[self.prefix_len] = self.prefill_s
+        if not points:
+            return 0.0
+        ks = sorted(points)
+        return CostCurve(ks, [points[k] for k in ks], self.prefix_len).base_cost(n)
+
+    def curves(self, wanted: list[int], keys: list[int]) -> dict[int, CostCurve]:
+        """The curves at each thread count in ``keys``: one prefill, then the sizes shape-first while the budget
+        allows (a size whose estimate overruns it is interpolated over; the first is always measured)."""
+        self.use(keys[-1])
+        self.prefill_s = self.forward(self.tokens(self.prefix_len)) if self.prefix_len else 0.0
+        self.measured = {t: {} for t in keys}
+        for n in _shape_first_order(wanted):
+            for t in keys:
+                if self.measured[t] and self.estimate(t, n) > self.left():  # not even one forward fits
+                    continue
+                self.use(t)
+                self.measured[t][n] = self.fastest(self.tokens(n), self.prefix_len)
+        fill_from_richest(self.measured)
+        curves = {}
+        for t in keys:
+            ks = sorted(self.measured[t])
+            curves[t] = CostCurve(ks, nondecreasing([self.measured[t][k] for k in ks]), self.prefix_len)
+        return curves
+
+    def add_context_slopes(self, curves: dict[int, CostCurve], first: int, keys: list[int]) -> None:
+        """Set each curve's ``per_context_token_s`` from forwards of ``first`` tokens on a 4× longer prefix paired
+        with the same forward on the first (:func:`_context_slope`), if the budget allows."""
+        long_len = 4 * self.prefix_len
+        if self.target.max_positions:
+            long_len = min(long_len, self.target.max_positions - 1)
+        if long_len <= self.prefix_len:
+            return
+        need = self.estimate(keys[-1], long_len) + sum(2 * SLOPE_PAIRS * c.base_cost(first) for c in curves.values())
+        if need > self.left():
+            return
+        self.use(keys[-1])
+        long_lm = self.target.open()
+        try:
+            long_lm.feed(self.tokens(long_len))
+            for t, curve in curves.items():
+                self.use(t)
+                curve.per_context_token_s = _context_slope(self.lm, long_lm, self.tokens(first), self.sync)
+        finally:
+            long_lm.close()
+
+    def close(self) -> None:
+        self.lm.close()
+
+
 @torch.inference_mode()
-def measure_curves(model, sizes: list[int], threads: list[int], prefix_len: int = PROFILE_PREFIX,
+def measure_curves(target: Target | Any, sizes: list[int], threads: list[int], prefix_len: int = PROFILE_PREFIX,
                    budget_s: float = 8.0, repeats: int = 2) -> dict[int, CostCurve]:
     """One curve per thread count in ``threads`` (0: leave the thread count as it is), all on one cached prefix of
     ``prefix_len`` random tokens (one prefill, at the largest thread count): for each n in ``sizes``, one warm-up
     and up to ``repeats`` more forwards of n new tokens per thread count (while the budget allows), the minimum kept.
+
+    ``target``: a :class:`~shared.target.Target` whose handles are measured, or a loaded torch model (measured on
+    dynamic caches, :func:`shared.backend.as_target`).
 
     Sizes are measured shape-first (smallest, largest, then the middles); a size whose estimated forward time would
     overrun ``budget_s`` is skipped (the curve interpolates over it), but the first size is always measured (so a
     model slower than the budget overruns it by about one prefill and one forward per thread count). If the budget
     allows, forwards on a 4× longer prefix, each paired with one on the first (:func:`_context_slope`), set
     ``per_context_token_s``. The thread count is restored."""
-    from shared.kv import CachedLM
+    from shared.backend import as_target
 
     wanted = sorted({int(n) for n in sizes if int(n) >= 1})
     if not wanted:
@@ -101,85 +204,14 @@ def measure_curves(model, sizes: list[int], threads: list[int], prefix_len: int 
     if prefix_len < 0:
         raise ValueError(f"measure_curve: prefix_len must be ≥ 0, got {prefix_len}")
     keys = sorted({int(t) for t in threads}) or [0]
-    repeats = max(1, int(repeats))
-    start = time.perf_counter()
     previous = torch.get_num_threads()
-    lm = CachedLM(model)
-    sync = _synchronizer(lm._device)
-    vocab = int(model.get_input_embeddings().weight.shape[0])
-    generator = torch.Generator().manual_seed(1234)
-
-    def use(t: int) -> None:
-        if t:
-            torch.set_num_threads(t)
-
-    def tokens(n: int) -> list[int]:
-        return torch.randint(0, vocab, (n,), generator=generator).tolist()
-
-    def forward(ids: list[int]) -> float:
-        sync()
-        t0 = time.perf_counter()
-        lm.feed(ids)
-        sync()
-        return time.perf_counter() - t0
-
-    def left() -> float:
-        return budget_s - (time.perf_counter() - start)
-
-    def fastest(ids: list[int], keep: int) -> float:
-        """The minimum over a warm-up and up to ``repeats`` more forwards, as many as the budget allows. The warm-up
-        counts too: a slow one (first use of a shape) never wins the minimum, a normal one is not wasted when a
-        large model leaves the budget room for a single forward."""
-        best = forward(ids)
-        lm.crop(keep)
-        for _ in range(repeats):
-            if best > left():
-                break
-            best = min(best, forward(ids))
-            lm.crop(keep)
-        return max(best, 1e-9)
-
+    run = _Measurement(as_target(target), prefix_len, budget_s, max(1, int(repeats)))
     try:
-        use(keys[-1])
-        prefill_s = forward(tokens(prefix_len)) if prefix_len else 0.0
-        measured: dict[int, dict[int, float]] = {t: {} for t in keys}
-
-        def estimate(t: int, n: int) -> float:
-            points = dict(measured[t])
-            if prefix_len and prefill_s > 0 and prefix_len not in points:
-                points[prefix_len] = prefill_s  # an upper bound (first-call overheads), fine for a budget guess
-            if not points:
-                return 0.0
-            ks = sorted(points)
-            return CostCurve(ks, [points[k] for k in ks], prefix_len).base_cost(n)
-
-        for n in _shape_first_order(wanted):
-            for t in keys:
-                if measured[t] and estimate(t, n) > left():  # not even one forward fits: interpolate over n
-                    continue
-                use(t)
-                measured[t][n] = fastest(tokens(n), prefix_len)
-        fill_from_richest(measured)
-        curves = {}
-        for t in keys:
-            ks = sorted(measured[t])
-            curves[t] = CostCurve(ks, nondecreasing([measured[t][k] for k in ks]), prefix_len)
-        long_len = 4 * prefix_len
-        max_pos = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-        if isinstance(max_pos, int) and not isinstance(max_pos, bool):
-            long_len = min(long_len, max_pos - 1)
-        if long_len > prefix_len:
-            first = wanted[0]  # compared at the same size on both prefixes
-            need = estimate(keys[-1], long_len) + sum(2 * SLOPE_PAIRS * c.base_cost(first) for c in curves.values())
-            if need <= left():
-                use(keys[-1])
-                long_lm = CachedLM(model)
-                long_lm.feed(tokens(long_len))
-                for t, curve in curves.items():
-                    use(t)
-                    curve.per_context_token_s = _context_slope(lm, long_lm, tokens(first), sync)
+        curves = run.curves(wanted, keys)
+        run.add_context_slopes(curves, wanted[0], keys)  # compared at the same size on both prefixes
         return curves
     finally:
+        run.close()
         torch.set_num_threads(previous)
 
 
@@ -187,7 +219,7 @@ def measure_curves(model, sizes: list[int], threads: list[int], prefix_len: int 
 SLOPE_PAIRS = 3
 
 
-def _context_slope(short: Any, long: Any, ids: list[int], sync: Callable[[], None]) -> float:
+def _context_slope(short: SequenceHandle, long: SequenceHandle, ids: list[int], sync: Callable[[], None]) -> float:
     """Seconds per cached token: the median over SLOPE_PAIRS of a forward of ``ids`` on the long prefix minus the
     same forward on the short one, each pair timed back to back. A slope from one long-prefix forward against the
     curve's minimum, measured seconds earlier, took a host's passing slow-down for context cost (5.3 ms per cached
