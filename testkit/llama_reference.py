@@ -35,7 +35,10 @@ def llama_greedy(path: str | Path, prompt: list[int], max_new_tokens: int, stop:
     each token a ``llama_decode`` of its own."""
     import llama_cpp as lib
 
+    from shared.llama_engine import _quiet_logs
+
     lib.llama_backend_init()
+    _quiet_logs(lib)  # its chatter to the debug log, not stderr
     mparams = lib.llama_model_default_params()
     mparams.n_gpu_layers = 0
     model = lib.llama_model_load_from_file(str(path).encode(), mparams)
