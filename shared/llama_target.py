@@ -105,8 +105,8 @@ class LlamaHandle:
         """Append ``token_ids``; float32 logits ``[T, vocab]`` (``last_logits_only``: ``[1, vocab]``)."""
         if want_hidden:
             raise ValueError("the llama_cpp backend gives no hidden states")
-        out = self.backend.feed_rows([Row(self, list(token_ids))])[0].logits
-        return (out[-1:] if last_logits_only else out), None
+        out = self.backend.forward([Row(self, list(token_ids))], "last" if last_logits_only else "all")[0].logits
+        return out, None
 
     def grew(self, count: int) -> None:
         self.length += count
@@ -287,6 +287,11 @@ class LlamaTargetBackend(TargetBackend):
         logits ``[T, vocab]`` (``logits=False``: None, no LM head rows asked for)."""
         if want_hidden:
             raise ValueError("the llama_cpp backend gives no hidden states (a hidden-state drafter cannot use it)")
+        return self.forward(rows, "all" if logits else "none")
+
+    def forward(self, rows: list[Row], outputs: str) -> list[RowOutput]:
+        """:meth:`feed_rows` with the logits llama.cpp computes: of every token (``all``), of each row's last
+        (``last``: a prompt's forward needs no more) or none."""
         if any(not row.tokens for row in rows):
             raise ValueError("every row must feed at least one token")
         shapes = [tree_of(row) for row in rows]
@@ -295,7 +300,7 @@ class LlamaTargetBackend(TargetBackend):
         trees: list[_Tree] = []
         try:
             for row, (parents, positions) in zip(rows, shapes):
-                tree = self._place(row, parents, positions, logits, tokens)
+                tree = self._place(row, parents, positions, outputs, tokens)
                 borrowed.extend(tree.borrowed)
                 trees.append(tree)
             out = self.engine.decode_tokens(tokens, [(row.lm.seq, row.lm.length) for row in rows])
@@ -308,14 +313,15 @@ class LlamaTargetBackend(TargetBackend):
             count = len(row.tokens)
             row.lm.tree = tree if tree.borrowed or tree.parents != list(range(-1, count - 1)) else None
             row.lm.grew(count)
-            if logits:
-                results.append(RowOutput(torch.from_numpy(np.stack(out[at : at + count])), None))
-                at += count
+            if outputs != "none":
+                wanted = count if outputs == "all" else 1
+                results.append(RowOutput(torch.from_numpy(np.stack(out[at : at + wanted])), None))
+                at += wanted
             else:
                 results.append(RowOutput(None, None))
         return results
 
-    def _place(self, row: Row, parents: list[int], positions: list[int], logits: bool,
+    def _place(self, row: Row, parents: list[int], positions: list[int], outputs: str,
                tokens: list[Token]) -> _Tree:
         """Append ``row``'s tokens to a forward's ``tokens``: each with the sequence ids of the leaves below it."""
         lm: LlamaHandle = row.lm  # type: ignore[assignment]
@@ -339,7 +345,8 @@ class LlamaTargetBackend(TargetBackend):
             borrowed.append(other)
         seqs = [[leaf_seq[leaf] for leaf in below[t]] for t in range(len(parents))]
         for t, token in enumerate(row.tokens):
-            tokens.append(Token(token, positions[t], seqs[t], logits))
+            want = outputs == "all" or (outputs == "last" and t == len(row.tokens) - 1)
+            tokens.append(Token(token, positions[t], seqs[t], want))
         return _Tree(lm.length, parents, seqs, borrowed)
 
     def check_kv_layers(self, layers: list[int]) -> None:

@@ -86,7 +86,13 @@ def test_rows_of_several_sessions_are_their_chains(backend):
     a.crop(3)
     expected = chain_logits(backend, [*PROMPTS[0][:3], 1, 2])[-2:]
     torch.testing.assert_close(a.feed([1, 2])[0], expected, atol=ATOL, rtol=0)
-    a.close(), b.close()
+    c = backend.open()
+    last = c.feed(PROMPTS[2], last_logits_only=True)[0]  # a prompt's forward: llama.cpp computes one row only
+    assert last.shape == (1, backend.engine.n_vocab)
+    torch.testing.assert_close(last, chain_logits(backend, PROMPTS[2])[-1:], atol=ATOL, rtol=0)
+    torch.testing.assert_close(c.next_logits([*PROMPTS[2], 3]), chain_logits(backend, [*PROMPTS[2], 3])[-1],
+                               atol=ATOL, rtol=0)
+    a.close(), b.close(), c.close()
     assert backend.engine.free_sequences() == 8
 
 
