@@ -316,23 +316,26 @@ def test_greedy_output_is_llama_cpps_own_with_the_gguf_drafter(llama_pair):
     assert max(r.metrics["verify_batch_mean"] for r in results) > 1.0, "no two sessions shared a llama_decode"
 
 
-async def tree_peer(endpoint: str, tok_id: str, expected: list[int], stop: asyncio.Event) -> int:
-    """A drafter played by hand that sends, every round, a tree whose right continuation is on a side branch:
-    a wrong first root, then the right token with the right next one and a wrong sibling under it."""
+async def tree_peer(endpoint: str, tok_id: str, expected: dict[tuple[int, ...], list[int]],
+                    stop: asyncio.Event) -> int:
+    """A drafter played by hand that sends, every round of every session, a tree whose right continuation is on a
+    side branch: a wrong first root, then the right token with the right next one and a wrong sibling under it.
+    ``expected``: each prompt's reference output after it, by prompt."""
     from shared.protocol import Capabilities, Commit, Draft, Hello, SessionStart, encode
 
-    trees = 0
+    trees, known = 0, {}
     async with peer_socket(endpoint) as sock:
         await sock.send_multipart(encode(Hello(drafter_type="hand", tokenizer_id=tok_id,
                                                capabilities=Capabilities())))
         async for msg in peer_messages(sock, stop):
             if isinstance(msg, SessionStart):
                 sid, base = msg.session, len(msg.token_ids)
-            elif isinstance(msg, Commit):
+                known[sid] = expected[tuple(msg.token_ids)]
+            elif isinstance(msg, Commit) and msg.session in known:
                 sid, base = msg.session, msg.new_len
             else:
                 continue
-            right = expected[base : base + 2]
+            right = known[sid][base : base + 2]
             if len(right) < 2:
                 continue
             wrong = [(t + 1) % 200 for t in right]
@@ -345,29 +348,33 @@ async def tree_peer(endpoint: str, tok_id: str, expected: list[int], stop: async
 
 @pytest.mark.cluster
 def test_token_trees_keep_a_side_branch_and_stay_exact(llama_pair):
+    """Two sessions at once, so tree rows also share a llama_decode."""
     from runtime.launch import cluster
 
     target_gguf, _ = llama_pair
     config, tok_id = hand_played(target_gguf.parent)
     config["verifier"].update(model=str(target_gguf), backend="llama_cpp")
-    prompt, n = PROMPTS[0], 20
-    ref = llama_greedy(target_gguf, prompt, n)
-    expected = prompt + ref.tokens
+    prompts, n = PROMPTS[:2], 20
+    refs = [llama_greedy(target_gguf, p, n) for p in prompts]
+    expected = {tuple(p): p + ref.tokens for p, ref in zip(prompts, refs)}
 
     async def main():
         async with cluster(config) as client:
             stop = asyncio.Event()
             peer = asyncio.create_task(tree_peer(client.config["verifier"]["endpoint"], tok_id, expected, stop))
             await wait_for_drafter(client)
-            result = await client.generate(token_ids=prompt, max_new_tokens=n, eos_token_ids=[])
+            results = await asyncio.gather(*(client.generate(token_ids=p, max_new_tokens=n, eos_token_ids=[])
+                                             for p in prompts))
             stop.set()
-            return result, await peer
+            return results, await peer
 
-    result, trees = asyncio.run(main())
-    ok, why = greedy_agrees(result.token_ids, ref, TIE)
-    assert ok, why
-    assert trees > 0 and result.metrics["tree_rounds"] > 0
-    assert result.metrics["accepted_tokens"] > 0, "the side branch was never kept"
+    results, trees = asyncio.run(main())
+    for result, ref in zip(results, refs):
+        ok, why = greedy_agrees(result.token_ids, ref, TIE)
+        assert ok, why
+        assert result.metrics["tree_rounds"] > 0
+        assert result.metrics["accepted_tokens"] > 0, "the side branch was never kept"
+    assert trees > 0 and max(r.metrics["verify_batch_mean"] for r in results) > 1.0
 
 
 @pytest.mark.statistical
