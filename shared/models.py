@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from shared.model_facts import default_eos_ids, logits_vocab_size, model_dtype  # noqa: F401 - their old home
+
 log = logging.getLogger("pipespec.models")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -88,10 +90,6 @@ def heuristic_dtype(device: str) -> str:
 def concrete_dtype(dtype: str, device: str) -> str:
     """A config's dtype with ``auto`` resolved by :func:`heuristic_dtype` (for models that cannot be profiled)."""
     return heuristic_dtype(device) if dtype == AUTO else dtype
-
-
-def model_dtype(model) -> str:
-    return str(next(model.parameters()).dtype).removeprefix("torch.")
 
 
 def profile_sizes(max_draft_tokens: int) -> list[int]:
@@ -273,17 +271,3 @@ def vocab_prefix_matches(fingerprint: Any, tokens: list[str]) -> bool:
     if not count.isdigit() or len(count) > 9 or not 0 < int(count) <= len(tokens):
         return False
     return vocab_fingerprint(tokens[: int(count)]) == fingerprint
-
-
-def default_eos_ids(model, tokenizer) -> list[int]:
-    """EOS ids from the model's generation config (what ``generate`` stops on), else the tokenizer's."""
-    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    if eos is None:
-        eos = tokenizer.eos_token_id
-    if eos is None:
-        return []
-    return [int(e) for e in eos] if isinstance(eos, (list, tuple)) else [int(eos)]
-
-
-def logits_vocab_size(model) -> int:
-    return int(model.get_output_embeddings().weight.shape[0])

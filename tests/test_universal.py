@@ -90,7 +90,9 @@ def test_subset_vocabularies_really_are_subsets(pairs):
 
 
 class OracleLM:
-    """Stands in for the drafter's CachedLM: always predicts the drafter token that continues ``text``."""
+    """Stands in for the drafter's sequence handle: always predicts the drafter token that continues ``text``."""
+
+    capacity = None  # no KV slot of its own
 
     def __init__(self, tokenizer, text: str, vocab: int):
         self.tokenizer, self.text, self.vocab, self.length = tokenizer, text, vocab, 0

@@ -189,14 +189,14 @@ def measure_curves(target: Target | Any, sizes: list[int], threads: list[int], p
     and up to ``repeats`` more forwards of n new tokens per thread count (while the budget allows), the minimum kept.
 
     ``target``: a :class:`~shared.target.Target` whose handles are measured, or a loaded torch model (measured on
-    dynamic caches, :func:`shared.backend.as_target`).
+    dynamic caches, :func:`shared.target_torch.as_target`).
 
     Sizes are measured shape-first (smallest, largest, then the middles); a size whose estimated forward time would
     overrun ``budget_s`` is skipped (the curve interpolates over it), but the first size is always measured (so a
     model slower than the budget overruns it by about one prefill and one forward per thread count). If the budget
     allows, forwards on a 4× longer prefix, each paired with one on the first (:func:`_context_slope`), set
     ``per_context_token_s``. The thread count is restored."""
-    from shared.backend import as_target
+    from shared.target_torch import as_target
 
     wanted = sorted({int(n) for n in sizes if int(n) >= 1})
     if not wanted:
