@@ -220,9 +220,9 @@ class VerifierServer:
         :mod:`shared.target`), the thread plan (its share already applied), the batch ``limits`` (batching only
         where the target can), bound ``sockets``. ``run_secret``: what a drafter's hello must show where the drafter
         link has no CURVE (None: nothing). ``forward_delay_s`` and ``accept``: see :meth:`from_config`. ``cores``: the
-        CPU core leases each
-        forward holds (:mod:`shared.cores`; None: the planned thread counts as they are). ``prep_hook``: for tests,
-        run by the preparation worker before each request it prepares (a slow tokenizer or compile)."""
+        CPU core leases each forward holds (:mod:`shared.cores`; None: the planned thread counts as they are).
+        ``prep_hook``: for tests, run by the preparation worker before each request it prepares (a slow tokenizer or
+        compile)."""
         self.settings = settings
         self.draft_timeout = settings.draft_timeout_s
         self.max_sessions = settings.max_sessions
