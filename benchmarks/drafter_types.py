@@ -29,6 +29,10 @@ warm-up generation per row):
                      design: its mismatches are expected; the point is the acceptance next to ``pipespec-assistant``)
 ``pipespec-gguf``    ``configs/gguf.yaml``: the 0.5B's GGUF drafts in llama.cpp for the torch target; compared with
                      ``hf-assistant`` (same strategy) and with ``llama-speculative`` (the same pair in llama.cpp)
+``pipespec-gguf-target``  ``configs/gguf_target.yaml``: the target's Q4_K_M GGUF verifies in llama.cpp
+                     (``verifier.backend: llama_cpp``) and the 0.5B's GGUF drafts in llama.cpp: the very pair of
+                     ``llama-speculative-q4``, compared with it in the same pass (its tokens are llama.cpp's
+                     Q4_K_M greedy, so its mismatches with the transformers target are expected)
 ``llama-target``     llama.cpp's ``llama-server``, the target alone as a bf16 GGUF (made once from its safetensors
                      with llama.cpp's ``convert_hf_to_gguf.py`` when missing)
 ``llama-speculative``   ``llama-server`` with the bf16 target and the 0.5B's GGUF as draft model (``draft-simple``,
@@ -80,6 +84,8 @@ Usage::
     .venv/bin/python scripts/bench_types.py --rows target-edit,hf-prompt-lookup,pipespec-prompt-lookup
     .venv/bin/python scripts/bench_types.py --rows target-code,hf-assistant,pipespec-assistant,pipespec-gguf,llama
     .venv/bin/python scripts/bench_types.py --rows target-code,hf-assistant,ov          # OpenVINO GenAI's rows
+    .venv/bin/python scripts/bench_types.py --rows target-code,pipespec-gguf-target,llama-speculative-q4
+                                              # the llama.cpp target beside llama.cpp's own speculative decoding
     .venv/bin/python scripts/bench_types.py --prompts 1 --max-new-tokens 8 --out /tmp/t   # a quick smoke
     .venv/bin/python scripts/bench_types.py --rows target-code,pipespec-gguf --prompt-set chat --prompts 8
     .venv/bin/python scripts/bench_types.py --dry-run                         # the passes, without running
@@ -134,6 +140,8 @@ ROWS: dict[str, tuple[str, str, str, str, str]] = {
     "pipespec-assistant": ("pipespec assistant", "assistant", "pipespec", "code", "cpu.yaml"),
     "pipespec-ensemble": ("pipespec assistant + ensemble", "assistant+ensemble", "pipespec", "code", "cpu.yaml"),
     "pipespec-gguf": ("pipespec gguf", "gguf", "pipespec", "code", "gguf.yaml"),
+    "pipespec-gguf-target": ("pipespec llama.cpp target (Q4_K_M) + gguf", "gguf", "pipespec", "code",
+                             "gguf_target.yaml"),
     # llama.cpp's own server, the CPU user's alternative: "llama:<target GGUF>[+draft]" (benchmarks/llama_server.py)
     "llama-speculative": ("llama.cpp speculative (bf16 target)", "llama.cpp draft model", "llama:bf16+draft", "code",
                           "llama-server"),
@@ -305,6 +313,8 @@ def summarize(key: str, report: dict[str, Any]) -> dict[str, Any]:
     if key in ("pipespec-gguf", "pipespec-default"):  # the same pair in llama.cpp (its target in bf16), OpenVINO
         row["vs_llama_speculative"], row["vs_llama_how"] = ratio_between(report, key, "llama-speculative")
         row["vs_ov_speculative"], row["vs_ov_how"] = ratio_between(report, key, "ov-speculative")
+    if key == "pipespec-gguf-target":  # the same GGUF pair in llama.cpp's own speculative decoding
+        row["vs_llama_speculative_q4"], row["vs_llama_q4_how"] = ratio_between(report, key, "llama-speculative-q4")
     if key == "ov-speculative":  # what GenAI's own speculative decoding gains over its target alone
         row["vs_ov_target"], row["vs_ov_target_how"] = ratio_between(report, key, "ov-target")
     categories = report["meta"].get("categories", {}).get(shown_set)
@@ -414,6 +424,10 @@ def write_markdown(path: Path, report: dict[str, Any]) -> None:
         if r.get("vs_ov_speculative"):
             notes.append(f"- {r['label']} ÷ OpenVINO GenAI speculative, the same pair: "
                          f"{r['vs_ov_speculative']:.2f}× ({r['vs_ov_how']})")
+    gguf_target = next((r for r in report["rows"] if r["key"] == "pipespec-gguf-target"), None)
+    if gguf_target and gguf_target.get("vs_llama_speculative_q4"):
+        notes.append(f"- {gguf_target['label']} ÷ llama.cpp speculative (Q4_K_M target), the same GGUF pair: "
+                     f"{gguf_target['vs_llama_speculative_q4']:.2f}× ({gguf_target['vs_llama_q4_how']})")
     ovs = next((r for r in report["rows"] if r["key"] == "ov-speculative"), None)
     if ovs and ovs.get("vs_ov_target"):
         notes.append(f"- OpenVINO GenAI speculative ÷ its target alone: {ovs['vs_ov_target']:.2f}× "

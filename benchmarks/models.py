@@ -77,18 +77,22 @@ def _sized_dtype(dtype: str) -> str:
 def cluster_models(cfg: dict[str, Any]) -> dict[str, float]:
     """GiB of the models a cluster of the loaded config ``cfg`` holds: the target in the verifier and the drafter's
     model (none for the model-free types; for early exit its first layers plus, roughly, the embeddings and LM head)."""
+    from shared.llama_engine import gguf_path
+    from shared.models import ModelLoadError
     from weights import resolve_model
 
     v, d = cfg["verifier"], cfg["drafter"]
-    models = {"verifier": model_gib(resolve_model(v["model"]), _sized_dtype(v["dtype"]))}
+    models: dict[str, float] = {}
+    if v["backend"] == "llama_cpp":  # a GGUF target: llama.cpp maps the file as it is
+        with contextlib.suppress(ModelLoadError, OSError):
+            models["verifier"] = gguf_path(v["model"], "verifier.model").stat().st_size / 2**30
+    if "verifier" not in models:
+        models["verifier"] = model_gib(resolve_model(v["model"]), _sized_dtype(v["dtype"]))
     from drafter_node.types import drafter_spec
 
     if not cfg["launch"]["start_drafter"] or not drafter_spec(d["type"]).needs_model:
         return models
     if d["type"] == "gguf":  # llama.cpp maps the GGUF as it is, in its own tensor types
-        from drafter_node.gguf import gguf_path
-        from shared.models import ModelLoadError
-
         with contextlib.suppress(ModelLoadError, OSError):
             models["drafter"] = gguf_path(d["model"]).stat().st_size / 2**30
             return models

@@ -7,9 +7,9 @@ drafts the chain with the shared logits processing (greedy argmax with the secon
 rank by, or a sample with its top-k q for lossless sampling), keeps the KV cache in step with the commits and
 batches sessions. What this module adds is a llama.cpp stand-in for the torch model and its caches:
 
-* :class:`LlamaEngine` — one model and one llama.cpp context whose KV memory (one pool of ``kv_slots ×
-  kv_slot_tokens`` positions) holds up to 256 sequences; a batched forward of many sessions is one ``llama_decode``
-  over their sequences;
+* :class:`~shared.llama_engine.LlamaEngine` (shared with the llama.cpp target backend) — one model and one
+  llama.cpp context whose KV memory (one pool of ``kv_slots × kv_slot_tokens`` positions) holds up to 256
+  sequences; a batched forward of many sessions is one ``llama_decode`` over their sequences;
 * :class:`LlamaSequence` — one session's sequence, with the part of :class:`shared.kv.CachedLM`'s interface the
   session uses (``feed``, ``uncached``, ``crop``, ``length``, ...); cropping is ``llama_memory_seq_rm``;
 * :class:`LlamaBackend` — the node's KV backend over the engine (``open`` a sequence, ``feed_rows`` batched).
@@ -24,10 +24,8 @@ node's ``ThreadShare`` sets) as llama.cpp's.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import time
-from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -38,194 +36,24 @@ from drafter_node.base import Capabilities, Drafter, DraftSession
 from drafter_node.gguf_check import run_probe
 from drafter_node.lm_drafter import LMDraftSession
 from drafter_node.settings import DrafterConfig
-from drafter_node.type_specs.gguf import gguf_file_problem
 from shared.backend import TargetBackend
 from shared.batch import Row, RowOutput
-from shared.costs.cache import profile_key, read_cached, write_cached
-from shared.costs.curve import CostCurve, NodeProfile
-from shared.costs.measure import measure_quietly, nondecreasing
+from shared.costs.curve import NodeProfile
 from shared.kv import SequenceCache
-from shared.models import ModelLoadError, ProfileSpec, vocab_fingerprint
-from shared.named_models import is_named_model
+from shared.llama_engine import (  # noqa: F401 (re-exported: the engine lived here before shared/llama_engine.py)
+    INSTALL_HINT,
+    LlamaDecodeError,
+    LlamaEngine,
+    build_info,
+    gguf_path,
+    import_llama_cpp,
+    llama_profile,
+)
+from shared.models import ProfileSpec, vocab_fingerprint
 from shared.node_keys import kv_slots
 from shared.sampling import GenerationParams
 
 log = logging.getLogger("pipespec.drafter")
-
-#: What to install when llama-cpp-python is missing (the type's spec says the same at config time).
-INSTALL_HINT = "make setup-gguf (builds llama-cpp-python for this CPU; or pip install 'pipespec[gguf]')"
-
-
-class LlamaDecodeError(RuntimeError):
-    """llama.cpp could not run a forward (its KV memory is full, or it failed); the caches are as before it."""
-
-
-def import_llama_cpp():
-    """The llama_cpp module, or a ModelLoadError that says what to install."""
-    try:
-        import llama_cpp
-    except ImportError as exc:
-        raise ModelLoadError(f"drafter.type gguf needs llama-cpp-python ({exc}); install it with {INSTALL_HINT}") \
-            from None
-    return llama_cpp
-
-
-def gguf_path(model: str) -> Path:
-    """``drafter.model`` as a GGUF file: a named model's verified GGUF (installed by the launcher, no conversion)
-    or a path to a ``.gguf`` file."""
-    if is_named_model(model):
-        from shared.named_models import gguf_file_path, installed_gguf
-
-        found = installed_gguf(model)
-        if found is None:
-            raise ModelLoadError(f"the GGUF of named model {model!r} is not installed at {gguf_file_path(model)}: "
-                                 f"run `python -m weights --gguf {model}` (the launcher does it)")
-        return found
-    problem = gguf_file_problem(model)
-    if problem is not None:
-        raise ModelLoadError(f"drafter.model: {model!r}: {problem} (the gguf type loads a .gguf file or a named "
-                             "model's GGUF)")
-    return Path(model).expanduser()
-
-
-class LlamaEngine:
-    """One GGUF model in llama.cpp and one context with KV memory for ``n_seq`` sequences of up to ``n_ctx``
-    positions in all (the memory is shared: a long sequence may take what short ones leave)."""
-
-    def __init__(self, path: Path, n_ctx: int, n_seq: int, threads: int, batch_tokens: int = 512):
-        lib = import_llama_cpp()
-        self.lib = lib
-        self.path = path
-        lib.llama_backend_init()
-        _quiet_logs(lib)
-        mparams = lib.llama_model_default_params()
-        mparams.n_gpu_layers = 0
-        self.model = lib.llama_model_load_from_file(str(path).encode(), mparams)
-        if not self.model:
-            raise ModelLoadError(f"llama.cpp could not load {path}: {' / '.join(LAST_ERRORS) or 'no reason given'}")
-        self.vocab = lib.llama_model_get_vocab(self.model)
-        self.n_vocab = int(lib.llama_vocab_n_tokens(self.vocab))
-        eos = int(lib.llama_vocab_eos(self.vocab))
-        self.fallback_token = eos if 0 <= eos < self.n_vocab else 0
-        cparams = lib.llama_context_default_params()
-        cparams.n_ctx = n_ctx
-        cparams.n_batch = batch_tokens
-        cparams.n_ubatch = batch_tokens
-        cparams.n_seq_max = n_seq
-        cparams.kv_unified = True  # one pool for every sequence: n_ctx is not split n_seq ways
-        cparams.n_threads = cparams.n_threads_batch = threads
-        cparams.no_perf = True
-        self.ctx = lib.llama_init_from_model(self.model, cparams)
-        if not self.ctx:
-            lib.llama_model_free(self.model)
-            raise ModelLoadError(f"llama.cpp could not create a context for {path} (n_ctx {n_ctx}, {n_seq} sequences)")
-        self.n_ctx = int(lib.llama_n_ctx(self.ctx))
-        self.memory = lib.llama_get_memory(self.ctx)
-        # llama.cpp caps the batch at n_ctx, and aborts the process (GGML_ASSERT) on a decode over its batch size:
-        # every decode is split at the size the context really has
-        self.batch_tokens = int(lib.llama_n_batch(self.ctx))
-        self.threads = threads
-        self._batch = lib.llama_batch_init(self.batch_tokens, 0, 1)
-        self.n_seq = n_seq
-        self._free = list(range(n_seq - 1, -1, -1))  # sequence ids not in use (popped from the end: 0 first)
-
-    # ------------------------------------------------------------------ sequences
-    def acquire(self) -> int | None:
-        """A free sequence id, or None when every one is in use."""
-        return self._free.pop() if self._free else None
-
-    def release(self, seq: int) -> None:
-        self.lib.llama_memory_seq_rm(self.memory, seq, -1, -1)
-        self._free.append(seq)
-
-    def crop(self, seq: int, keep: int) -> None:
-        """Drop ``seq``'s positions from ``keep`` on."""
-        if not self.lib.llama_memory_seq_rm(self.memory, seq, keep, -1):
-            raise LlamaDecodeError(f"llama.cpp could not crop sequence {seq} to {keep} positions")
-
-    def token_texts(self) -> list[str]:
-        """Every token's text in id order (the GGUF's vocabulary, as the verifier's fingerprint reads it)."""
-        get = self.lib.llama_vocab_get_text
-        return [get(self.vocab, i).decode("utf-8", errors="surrogateescape") for i in range(self.n_vocab)]
-
-    # ------------------------------------------------------------------ forwards
-    def decode(self, rows: list[tuple[int, int, list[int]]], all_logits: bool = False) -> list[np.ndarray]:
-        """One forward over ``rows`` — ``(seq, start position, tokens)`` each — returning per row the float32
-        logits of its last token (``all_logits``: of each of its tokens, ``[T, n_vocab]``). Batches larger than
-        llama.cpp's batch are split into several decodes (the logits are read after each)."""
-        self._follow_torch_threads()
-        wanted: list[list[np.ndarray]] = [[] for _ in rows]
-        pending: list[tuple[int, int]] = []  # (row, batch index) whose logits this decode outputs
-        batch = self._batch
-        n = 0
-        for r, (seq, start, tokens) in enumerate(rows):
-            for j, token in enumerate(tokens):
-                if n == self.batch_tokens:
-                    self._run(n, pending, wanted, rows)
-                    n, pending = 0, []
-                last = j == len(tokens) - 1
-                # a token past the GGUF's vocabulary (the target's own added tokens): a known one in its place
-                batch.token[n] = token if 0 <= token < self.n_vocab else self.fallback_token
-                batch.pos[n] = start + j
-                batch.n_seq_id[n] = 1
-                batch.seq_id[n][0] = seq
-                batch.logits[n] = 1 if (last or all_logits) else 0
-                if last or all_logits:
-                    pending.append((r, n))
-                n += 1
-        if n:
-            self._run(n, pending, wanted, rows)
-        return [np.stack(w) if all_logits else w[-1] for w in wanted]
-
-    def _run(self, n: int, pending: list[tuple[int, int]], wanted: list[list[np.ndarray]],
-             rows: list[tuple[int, int, list[int]]]) -> None:
-        self._batch.n_tokens = n
-        code = self.lib.llama_decode(self.ctx, self._batch)
-        if code != 0:
-            for seq, start, _ in rows:  # leave every sequence as it was before this forward
-                self.lib.llama_memory_seq_rm(self.memory, seq, start, -1)
-            what = "its KV memory is full" if code == 1 else f"error {code}"
-            raise LlamaDecodeError(f"llama.cpp could not run a forward of {n} tokens: {what}")
-        for r, i in pending:
-            ptr = self.lib.llama_get_logits_ith(self.ctx, i)
-            wanted[r].append(np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy())
-
-    def _follow_torch_threads(self) -> None:
-        threads = torch.get_num_threads()
-        if threads != self.threads:
-            self.lib.llama_set_n_threads(self.ctx, threads, threads)
-            self.threads = threads
-
-    def close(self) -> None:
-        if self.ctx:
-            self.lib.llama_batch_free(self._batch)
-            self.lib.llama_free(self.ctx)
-            self.lib.llama_model_free(self.model)
-            self.ctx = self.model = None
-
-
-_LOG_CALLBACK = None  # kept alive: llama.cpp holds the pointer
-#: llama.cpp's latest error lines, for the message of a load that failed.
-LAST_ERRORS: deque[str] = deque(maxlen=3)
-
-
-def _quiet_logs(lib) -> None:
-    """llama.cpp's loading chatter goes to our debug log, its errors and warnings to our log (not raw stderr)."""
-    global _LOG_CALLBACK
-    if _LOG_CALLBACK is not None:
-        return
-
-    def forward(level: int, text: bytes, _user: Any) -> None:
-        message = text.decode("utf-8", errors="replace").rstrip()
-        if message and level == 4:
-            LAST_ERRORS.append(message)
-        if message:
-            # ggml's levels: 3 warning, 4 error
-            log.log(logging.WARNING if level in (3, 4) else logging.DEBUG, "llama.cpp: %s", message)
-
-    _LOG_CALLBACK = lib.llama_log_callback(forward)
-    lib.llama_log_set(_LOG_CALLBACK, ctypes.c_void_p(0))
-
 
 class LlamaSequence(SequenceCache):
     """One session's sequence in the engine's KV memory: the part of :class:`shared.kv.CachedLM` that
@@ -370,71 +198,8 @@ class GGUFDrafter(Drafter):
             return IdleDraftSession(token_ids, prompt_len, params)
 
     def measure_profile(self, spec: ProfileSpec, progress) -> NodeProfile | None:
-        """The start-up cost curve of llama.cpp forwards over 1 .. max rows (tokens of one sequence, as the
-        node's batched steps are rows of different sequences at about the same cost), at each planned thread count,
-        checked for a quiet machine (a busy one is measured again at the next start); cached on disk like the torch
-        types' profiles."""
-        if spec.budget_s <= 0:
-            return None
-        st = self.path.stat()  # a file is not fingerprinted by the cache: its size and mtime, and the engine's build
-        variant = f"llama.cpp {getattr(self.engine.lib, '__version__', '?')} {st.st_size} {st.st_mtime_ns}"
-        threads = sorted(set(spec.threads))
-        key = profile_key(str(self.path), "cpu", "gguf", threads, spec.sizes, variant=variant)
-        cached = read_cached(key)
-        if cached is not None and sorted(cached.curves) == threads:
-            progress(f"profile of {self.path.name} in llama.cpp: cached")
-            return cached
-        started = time.perf_counter()
-        curves, quiet = measure_quietly(None, spec.sizes, threads, spec.budget_s, "cpu", progress,
-                                        measure=lambda: self._measure_curves(spec.sizes, threads, spec.budget_s))
-        profile = NodeProfile(model=self.path.name, device="cpu", dtype="gguf", curves=curves,
-                              measured_s=time.perf_counter() - started, quiet=quiet, key=key)
-        for count, curve in curves.items():
-            progress(f"profiled {self.path.name} in llama.cpp at {count} thread(s): "
-                     + ", ".join(f"{k}: {s * 1000:.0f} ms" for k, s in zip(curve.sizes, curve.seconds)))
-        write_cached(key, profile)
-        return profile
-
-    def _measure_curves(self, sizes: list[int], threads: list[int], budget_s: float) -> dict[int, CostCurve]:
-        """Per thread count: the fastest of three forwards of n tokens on a 64-token cached prefix, for each n in
-        ``sizes`` while the thread count's share of ``budget_s`` lasts (at least the smallest n)."""
-        seq = self.engine.acquire()
-        if seq is None:
-            raise LlamaDecodeError("no free llama.cpp sequence to measure with")
-        prefix = 64
-        rng = np.random.default_rng(1234)
-        budget = budget_s / max(1, len(threads))
-        previous = torch.get_num_threads()
-        curves: dict[int, CostCurve] = {}
-        try:
-            for count in threads:
-                torch.set_num_threads(count)  # the engine follows torch's count (see LlamaEngine.decode)
-                self.engine.crop(seq, 0)
-                self.engine.decode([(seq, 0, rng.integers(0, self.engine.n_vocab, prefix).tolist())])
-                t_start, points = time.perf_counter(), {}
-                for n in sorted(sizes):
-                    best = float("inf")
-                    for _ in range(3):
-                        ids = rng.integers(0, self.engine.n_vocab, n).tolist()
-                        t0 = time.perf_counter()
-                        self.engine.decode([(seq, prefix, ids)])
-                        best = min(best, time.perf_counter() - t0)
-                        self.engine.crop(seq, prefix)
-                    points[n] = max(best, 1e-9)
-                    if time.perf_counter() - t_start > budget:
-                        break
-                ks = sorted(points)
-                curves[count] = CostCurve(ks, nondecreasing([points[k] for k in ks]), prefix)
-        finally:
-            torch.set_num_threads(previous)
-            self.engine.release(seq)
-        return curves
-
-
-def build_info() -> str:
-    """llama.cpp's description of its CPU build (the instruction sets it was compiled with)."""
-    lib = import_llama_cpp()
-    return lib.llama_print_system_info().decode(errors="replace").strip()
+        """The start-up cost curve of llama.cpp forwards (:func:`shared.llama_engine.llama_profile`)."""
+        return llama_profile(self.engine, spec, progress)
 
 
 def _probe_forward(path: Path) -> None:

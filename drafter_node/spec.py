@@ -91,6 +91,9 @@ class DrafterSpec:
     model_defaults_to_target: bool = False
     #: The drafter reads part of the target checkpoint: ``drafter.target_model`` defaults to ``verifier.model``.
     reads_target: bool = False
+    #: Why the drafter needs the target's own torch forward (its hidden states, K/V rows or layers), or "": a target
+    #: backend that has no such forward (``verifier.backend: llama_cpp``) refuses the type with this reason.
+    target_states: str = ""
     #: The drafter sends a draft distribution q (without it, static ensemble verification is refused).
     sends_q: bool = True
     #: ``drafter.model`` is one model file (a GGUF), not a folder: a named model is installed as its file, not

@@ -215,12 +215,17 @@ def _check_device(dotted: str, value: Any, config_hint: str) -> None:
 def validate(config: dict[str, Any]) -> None:
     v, d = config["verifier"], config["drafter"]
     hint = "on a machine without GPUs use configs/cpu.yaml (--config cpu.yaml)"
-    _check_model(config, "verifier.model")
+    llama_target = v["backend"] == "llama_cpp"  # shared/llama_target.py checks its model file
+    if not llama_target:
+        _check_model(config, "verifier.model")
     _check_device("verifier.device", v["device"], hint)
     if not isinstance(d["type"], str) or d["type"] not in DRAFTER_TYPES:
         known = ", ".join((type_choice.AUTO, *DRAFTER_TYPES))
         raise ConfigError(f"drafter.type: unknown drafter type {d['type']!r} (known: {known})")
     spec = drafter_spec(d["type"])
+    from shared.llama_target import check_config as check_llama_cpp
+
+    _run_hook(check_llama_cpp, config, spec.target_states)
     _check_requires(spec)
     _fill_type_keys(d, spec)
     if spec.model_defaults_to_target and d["model"] is None:

@@ -64,7 +64,9 @@ def prepare_models(config: dict[str, Any]) -> None:
         if section == "drafter" and not config["launch"]["start_drafter"]:
             continue
         if isinstance(name, str) and is_named_model(name):
-            if section == "drafter" and drafter_spec(config["drafter"]["type"]).model_file:
+            gguf_file = (drafter_spec(config["drafter"]["type"]).model_file if section == "drafter"
+                         else config["verifier"]["backend"] == "llama_cpp")  # llama.cpp loads the GGUF itself
+            if gguf_file:
                 install.ensure_gguf(name, progress=progress)
             else:
                 install.ensure_model(name, progress=progress)

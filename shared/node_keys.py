@@ -9,8 +9,9 @@ from typing import Any
 from shared.models import AUTO, DTYPES
 from shared.settings import setting
 
-#: ``backend``: where a node's KV caches live (:mod:`shared.backend`).
-BACKEND_CHOICES = ("auto", "dynamic", "static", "compiled")
+#: ``backend``: where a node's KV caches live (:mod:`shared.backend`; ``llama_cpp``: the verifier's target is a
+#: GGUF in llama.cpp, :mod:`shared.llama_target`).
+BACKEND_CHOICES = ("auto", "dynamic", "static", "compiled", "llama_cpp")
 #: ``compiled_max_tokens``' default: ``backend: compiled`` builds a decode step for 1, 2, 4, … up to this many new
 #: tokens (a forward of T tokens runs in the smallest bucket ≥ T, padded; longer ones take the eager static path).
 DEFAULT_COMPILED_TOKENS = 16
@@ -66,7 +67,8 @@ def node_backend() -> Any:
         "auto",
         "Where sessions' KV caches live: static (preallocated slots), dynamic (growing caches), auto (static where "
         "the model allows it), compiled (static slots whose single-session steps run torch.compile'd; opt-in, never "
-        "chosen by auto: it compiles at start-up).",
+        "chosen by auto: it compiles at start-up), llama_cpp (verifier only: the target is a GGUF run by llama.cpp, "
+        "docs/backends.md).",
         kind="str",
         choices=BACKEND_CHOICES,
     )

@@ -244,6 +244,7 @@ BACKEND_MODULES: dict[str, str] = {
     "dynamic": "shared.backend",
     "static": "shared.backend",
     "compiled": "shared.backend",
+    "llama_cpp": "shared.llama_target",
 }
 
 

@@ -178,6 +178,32 @@ def test_the_report_shows_llama_rows_with_alpha_mismatches_and_the_gguf_comparis
 
 
 @pytest.mark.unit
+def test_the_llama_cpp_target_row_is_compared_with_the_same_gguf_pair_in_llama_cpp(tmp_path):
+    """pipespec-gguf-target (configs/gguf_target.yaml) ÷ llama-speculative-q4 (the Q4_K_M target and the 0.5B's
+    GGUF in llama-server), directly when they shared a pass; the row's tokens may differ from transformers'."""
+    stats = {"rounds": 3, "drafts": 3, "draft_tokens": 9, "accepted_tokens": 5}
+    raw = {
+        "target-code": {"pass": 1, "per_prompt": [_pp([1, 2, 3, 4, 5, 6, 7, 8], 4.0)]},
+        "pipespec-gguf-target": {"pass": 1, "per_prompt": [_pp([1, 2, 3, 4, 5, 6, 7, 9], 1.0, stats=stats)]},
+        "llama-speculative-q4": {"pass": 1, "per_prompt": [
+            _pp([1, 2, 3, 4, 5, 6, 7, 9], 1.5, stats=stats, llama={"timings": {}})]},
+    }
+    machine = {"cpu": "cpu", "cores": 2, "logical_cpus": 2, "flags": {}, "memory_gib": 8.0, "gpu": None,
+               "python": "3", "versions": {}}
+    meta = {"start": "2026-01-01T00:00:00", "end": None, "machine": machine, "prompts": 1, "max_new_tokens": 8,
+            "ensemble_weight": 0.7, "hf_threads": 2}
+    report = {"meta": meta, "raw": raw, "anchor_runs": {}, "setups": {}}
+    report["rows"] = [dt.summarize(k, report) for k in raw]
+    row = next(r for r in report["rows"] if r["key"] == "pipespec-gguf-target")
+    assert row["config"] == "gguf_target.yaml" and row["mismatches"] == 1
+    assert row["vs_llama_speculative_q4"] == pytest.approx(1.5) and row["vs_llama_q4_how"] == "same pass"
+    dt.write_markdown(tmp_path / "types.md", report)
+    assert ("pipespec llama.cpp target (Q4_K_M) + gguf ÷ llama.cpp speculative (Q4_K_M target), the same GGUF pair: "
+            "1.50× (same pass)") in (tmp_path / "types.md").read_text()
+    assert dt.unit_of("pipespec-gguf-target") == dt.unit_of("pipespec-gguf")  # they share a pass
+
+
+@pytest.mark.unit
 def test_gguf_and_llama_rows_come_right_after_the_assistant_pair_in_the_plan():
     keys = [k for k in dt.ROWS if k in {"target-code", "hf-assistant", "pipespec-assistant", "pipespec-ensemble",
                                          "pipespec-gguf", "llama-target", "llama-speculative", "hf-early-exit"}]

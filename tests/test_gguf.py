@@ -42,7 +42,7 @@ def hf_logits(folder, ids: list[int]) -> np.ndarray:
 @pytest.mark.unit
 def test_llama_cpp_computes_what_transformers_computes(gguf_pair):
     """Same weights, same logits (float32, up to rounding): the GGUF writer and the engine's decode are right."""
-    from drafter_node.gguf import LlamaEngine
+    from shared.llama_engine import LlamaEngine
 
     _, drafter, path = gguf_pair
     ids = [5, 17, 33, 2, 60, 7, 9, 100]
@@ -70,7 +70,7 @@ def test_the_vocabulary_fingerprint_maps_gguf_ids_onto_the_targets(gguf_pair):
     test tokenizer adds one past the model's head); one with two tokens swapped does not."""
     from transformers import AutoTokenizer
 
-    from drafter_node.gguf import LlamaEngine
+    from shared.llama_engine import LlamaEngine
     from shared.models import vocab_fingerprint, vocab_prefix_matches, vocab_tokens
 
     target, _, path = gguf_pair
@@ -96,7 +96,7 @@ def test_the_vocabulary_fingerprint_maps_gguf_ids_onto_the_targets(gguf_pair):
 def test_a_target_token_the_gguf_lacks_is_fed_as_a_known_one(gguf_pair):
     """The target may commit a token past the GGUF's vocabulary (an added special token): llama.cpp would refuse the
     forward, so the engine feeds its end token there instead (drafts are only proposals)."""
-    from drafter_node.gguf import LlamaEngine
+    from shared.llama_engine import LlamaEngine
 
     _, _, path = gguf_pair
     engine = LlamaEngine(path, n_ctx=64, n_seq=1, threads=1)
@@ -110,7 +110,7 @@ def test_a_target_token_the_gguf_lacks_is_fed_as_a_known_one(gguf_pair):
 @pytest.mark.unit
 def test_a_full_kv_pool_fails_the_forward_and_keeps_the_sequence(gguf_pair):
     """A forward that does not fit the KV memory raises LlamaDecodeError, and the sequence is as before it."""
-    from drafter_node.gguf import LlamaDecodeError, LlamaEngine
+    from shared.llama_engine import LlamaDecodeError, LlamaEngine
 
     _, drafter, path = gguf_pair
     engine = LlamaEngine(path, n_ctx=256, n_seq=1, threads=1)

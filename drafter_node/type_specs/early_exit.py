@@ -38,6 +38,7 @@ def _profile_model(drafter: Mapping[str, Any], path: str) -> tuple[Any, str]:
 
 SPEC = DrafterSpec(
     name="early_exit",
+    target_states="it drafts with the target checkpoint's own first layers in torch",
     cls="drafter_node.early_exit:EarlyExitDrafter",
     title="early-exit self-speculative drafting",
     settings=EarlyExitSettings,

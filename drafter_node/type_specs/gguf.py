@@ -11,17 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from drafter_node.spec import DrafterSpec, Normalised, SpecError
-
-
-def gguf_file_problem(path: str) -> str | None:
-    """Why ``path`` is not a GGUF file (unreadable, or not starting with the GGUF magic), or None: the one check
-    of the config loader and of the drafter node, which may run on another host than the one that loaded it."""
-    try:
-        with open(os.path.expanduser(path), "rb") as fh:
-            magic = fh.read(4)
-    except OSError as exc:
-        return f"it is not a readable file: {exc.strerror}"
-    return None if magic == b"GGUF" else "it is not a GGUF file (it does not start with 'GGUF')"
+from shared.llama_engine import gguf_file_problem
 
 
 def _check(config: Mapping[str, Mapping[str, Any]]) -> Normalised:

@@ -19,6 +19,7 @@ def _check_model(config: Mapping[str, Mapping[str, Any]], local: LocalFolder) ->
 
 SPEC = DrafterSpec(
     name="mtp",
+    target_states="its MTP modules are fed the target's final hidden states with each commit",
     cls="drafter_node.mtp:MTPDrafter",
     title="multi-token prediction",
     model_defaults_to_target=True,  # the MTP layers ship inside the target checkpoint

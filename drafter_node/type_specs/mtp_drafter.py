@@ -22,6 +22,7 @@ def _check_model(config: Mapping[str, Mapping[str, Any]], local: LocalFolder) ->
 
 SPEC = DrafterSpec(
     name="mtp_drafter",
+    target_states="it reads the target's hidden states and K/V rows with each commit",
     cls="drafter_node.mtp_drafter:AssistantMTPDrafter",
     title="an MTP drafter checkpoint",
     reads_target=True,  # the target's config and input embeddings
