@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PROMPT ?= Write a Python function is_prime(n) that returns True when n is a prime number.
 
-.PHONY: setup setup-gguf models run test test-fast lint bench test-slow test-ray
+.PHONY: setup setup-gguf models run test test-fast test-ci lint bench test-slow test-ray
 
 setup: $(VENV)/.installed $(VENV)/.gguf-installed
 
@@ -44,12 +44,19 @@ run: $(VENV)/.installed
 	$(MAKE) --no-print-directory -j2 $(VENV)/.gguf-installed models
 	$(VENV)/bin/pipespec generate --config cpu.yaml --max-new-tokens 64 --chat --prompt "$(PROMPT)"
 
+# The tiers (docs/development.md, "Tests"): unit, compile, cluster, statistical, netns in `make test` (pyproject.toml's
+# addopts: every tier but ci, slow and ray), under 10 minutes on 2 cores.
 test: setup
 	$(PY) -m pytest -q
 
-# The unit tier: no node processes, under 2 minutes on 2 cores.
+# The unit tier: one process, no nodes, no torch.compile; under a minute on 2 cores.
 test-fast: setup
 	$(PY) -m pytest -q -m unit
+
+# What CI runs (.ci/run): `make test` and the ci tier (the docs' run blocks, the installed wheel, the sampling check
+# of every drafter type and target path beside make test's one per kind of draft) in one session.
+test-ci: setup
+	$(PY) -m pytest -q -m 'not slow and not ray'
 
 test-slow: setup
 	$(PY) -m pytest -q -m slow

@@ -7,6 +7,7 @@ import contextlib
 import os
 import subprocess
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
@@ -22,17 +23,29 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 #: The tiers of pyproject.toml's markers; every test carries at least one (a file's ``pytestmark`` or its own).
-TIERS = ("unit", "cluster", "statistical", "netns", "slow", "ray")
+TIERS = ("unit", "compile", "cluster", "statistical", "netns", "ci", "slow", "ray")
 #: The tiers whose tests start node processes.
-NODE_TIERS = ("cluster", "statistical", "netns", "slow")
+NODE_TIERS = ("cluster", "statistical", "netns", "ci", "slow")
+
+
+def _tiers(item) -> list[str]:
+    return [tier for tier in TIERS if item.get_closest_marker(tier)]
+
+
+def _refuse(what: str, nodeids: list[str], fix: str) -> None:
+    if nodeids:
+        more = " …" if len(nodeids) > 10 else ""
+        raise pytest.UsageError(f"{what}: {', '.join(nodeids[:10])}{more}; {fix}")
 
 
 def pytest_collection_modifyitems(config, items):
-    untiered = [item.nodeid for item in items if not any(item.get_closest_marker(t) for t in TIERS)]
-    if untiered:
-        more = " …" if len(untiered) > 10 else ""
-        raise pytest.UsageError(f"tests without a tier marker ({', '.join(TIERS)}): {', '.join(untiered[:10])}{more}; "
-                                "add `pytestmark = pytest.mark.<tier>` to the file")
+    _refuse(f"tests without a tier marker ({', '.join(TIERS)})", [i.nodeid for i in items if not _tiers(i)],
+            "add `pytestmark = pytest.mark.<tier>` to the file")
+    # `make test-fast` (-m unit) must stay under a minute: a test in another tier too (a compile warm-up, nodes)
+    # is not a unit test; give the parameter its own marks (pytest.param(..., marks=...)) instead
+    _refuse("unit tests that carry another tier too", [i.nodeid for i in items if "unit" in _tiers(i)
+                                                       and len(_tiers(i)) > 1],
+            "a test is `unit` or in another tier, not both")
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -48,7 +61,7 @@ def node_zygote(request, tmp_path_factory):
     forked from, and every node a test starts without an entry of its own goes through tests/node_entry.py so that
     it is forked too. Saves the import of torch and transformers in each node (seconds per cluster).
     ``PIPESPEC_TEST_NO_ZYGOTE=1`` starts every node in a fresh interpreter instead (to compare, or to rule it out)."""
-    from node_entry import node_entry
+    from node_entry import restore, route_nodes_here
     from node_zygote import ZYGOTE_ENV, zygote_env_value
 
     from runtime import launch
@@ -66,9 +79,9 @@ def node_zygote(request, tmp_path_factory):
                             preexec_fn=launch._die_with_parent)
     log.close()
     os.environ[ZYGOTE_ENV] = zygote_env_value(path)
-    default_entry, launch.NODE_ENTRY = launch.NODE_ENTRY, node_entry("plain")
+    replaced = route_nodes_here()
     yield proc
-    launch.NODE_ENTRY = default_entry
+    restore(replaced)
     os.environ.pop(ZYGOTE_ENV, None)
     launch.stop_process(proc, grace_s=5)
 
@@ -126,6 +139,19 @@ def sharp_pair(tmp_path_factory):
 
 
 
+def start_cluster(config: dict, hooks: Mapping[str, str] | None = None, **kwargs):
+    """``runtime.launch.cluster`` for a test: ``async with start_cluster(config) as client``. The one place that
+    chooses how a test's nodes start. ``hooks``: role → a tests/node_entry.py hook (``"accept_all"``, or
+    ``"name=argument"``) the node runs with; the process launcher gets it as the node's entry script (forked from the
+    session's zygote like every test node). ``kwargs`` go to ``cluster``."""
+    from node_entry import node_entry
+
+    from runtime.launch import cluster
+
+    entry = {role: node_entry(*hook.split("=", 1)) for role, hook in (hooks or {}).items()}
+    return cluster(config, entry=entry or None, **kwargs)
+
+
 @contextlib.asynccontextmanager
 async def peer_socket(endpoint: str):
     """A raw DEALER socket to a node, for tests that play a (hostile) peer by hand."""
@@ -175,10 +201,8 @@ async def wait_for_drafter(client, tries: int = 100) -> None:
 
 def greedy_outputs(config: dict, prompts: list[list[int]], max_new_tokens: int) -> list:
     """Every prompt sent at once to a cluster of ``config`` (greedy, end tokens off); the results in prompt order."""
-    from runtime.launch import cluster
-
     async def main():
-        async with cluster(config) as client:
+        async with start_cluster(config) as client:
             return await asyncio.gather(*(client.generate(token_ids=p, max_new_tokens=max_new_tokens,
                                                           eos_token_ids=[]) for p in prompts))
 

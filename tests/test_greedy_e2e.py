@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from conftest import tiny_config
+from conftest import greedy_outputs, tiny_config
 
 from runtime.launch import cluster
 from testkit.tiny_models import reference_greedy
@@ -87,3 +87,15 @@ def test_nodes_started_through_a_test_entry_behave_the_same(tiny):
     cmdlines, result = asyncio.run(main())
     assert all("node_entry.py none" in line for line in cmdlines)
     assert result.token_ids == reference_greedy(target, PROMPTS[0], 20)
+
+
+def test_cluster_on_static_slots_matches_transformers(tiny):
+    """A running cluster with ``verifier.backend: static`` and two slots for three concurrent requests (one in a
+    dynamic cache, mixed batches): every greedy output equals ``generate``."""
+    target = tiny("llama")
+    config = tiny_config(target, tiny("llama", "random"), num_draft_tokens=4)
+    config["verifier"].update(backend="static", kv_slots=2, kv_slot_tokens=64)
+    prompts = [[5, 17, 33, 2, 60], [100, 101, 7], [42] * 12 + [9, 8]]
+    expected = [reference_greedy(target, p, 20) for p in prompts]
+    results = greedy_outputs(config, prompts, 20)
+    assert [r.token_ids for r in results] == expected

@@ -8,14 +8,13 @@ from __future__ import annotations
 import asyncio
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import yaml
 from conftest import peer_socket, tiny_config
-from node_entry import node_entry
+from node_entry import node_command, node_entry
 
 from runtime.client import AsyncClient, Chunk, PipespecError
 from runtime.launch import REPO_ROOT, cluster
@@ -29,8 +28,8 @@ LONG = 480  # new tokens: far more than any test lets a request run (the tiny mo
 
 
 def _start_verifier(cfg: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "runtime.launch", "--config", str(cfg), "--role", "verifier"],
-                            cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return subprocess.Popen(node_command("--config", str(cfg), "--role", "verifier"), cwd=REPO_ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 async def _until_answers(client: AsyncClient, limit_s: float = 90.0) -> float:
