@@ -155,7 +155,7 @@ def check_models_installed(cfg: dict[str, Any], sections: list[str]) -> None:
 
 
 def node_log_tails(client: Any) -> str:
-    tails = {role: client.cluster.log_tail(role) for role in client.processes}
+    tails = {role: client.cluster.log_tail(role) for role in client.cluster.nodes()}
     return "\n".join(f"--- end of {role} log ---\n{text}" for role, text in tails.items())
 
 
@@ -550,7 +550,7 @@ class Bench:
                                   max_new_tokens=WARMUP_TOKENS, strategy={"kind": "assistant",
                                                                           "model": self.assistant})
             return worker
-        from runtime.launch import cluster
+        from runtime.launchers import cluster
 
         log(f"{skey}: starting the nodes with {setup.overrides}")
         # the client's bound on each wait for a reply: a level's bound (at N = 64 on two cores a request can wait

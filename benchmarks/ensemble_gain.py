@@ -1,7 +1,7 @@
 """Acceptance gain of static ensemble verification: the same prompts at ``verification.ensemble_weight`` = None
 (lossless) and w (default 0.7), side by side — acceptance rate, τ (mean accepted length), tokens/s.
 
-Each weight runs in its own cluster of real node processes (``runtime.launch.cluster``) after one short warm-up
+Each weight runs in its own cluster of real node processes (``runtime.launchers.cluster``) after one short warm-up
 generation; prompts are the chat prompts of ``scripts/prompts/code_prompts.json`` (templated by the verifier),
 greedy unless ``--do-sample``. Totals are over all prompts: acceptance = accepted / drafted tokens,
 τ = 1 + accepted / drafts, tokens/s = new tokens / summed request time. ``differs`` counts prompts whose output is
@@ -52,7 +52,7 @@ async def run_weight(
     config: str, overrides: dict[str, Any], prompts: list[dict[str, Any]], max_new_tokens: int,
     weight: float | None, params: dict[str, Any],
 ) -> dict[str, Any]:
-    from runtime.launch import cluster
+    from runtime.launchers import cluster
 
     label = "lossless" if weight is None else f"w={weight}"
     log(f"{label}: starting the nodes")

@@ -79,7 +79,7 @@ HF_REPEATS = 3
 
 async def pipespec_run(target: Path, assistant: Path, prompt: list[int], max_new_tokens: int,
                        overrides: list[str]) -> dict[str, Any]:
-    from runtime.launch import cluster
+    from runtime.launchers import cluster
 
     config = REPO_ROOT / "configs" / "cpu.yaml"
     sets = [f"verifier.model={target}", f"drafter.model={assistant}", "verifier.dtype=float32",

@@ -42,7 +42,7 @@ from benchmarks.progress import log, utc_now
 from benchmarks.results import write_result
 from benchmarks.tables import header_lines, md_table
 from runtime.client import AsyncClient, Chunk
-from runtime.launch import stop_process
+from runtime.launchers.process import stop_process
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 

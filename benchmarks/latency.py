@@ -106,7 +106,7 @@ def pipespec_config(target: Path, assistant: Path, keys: Path, net: NetnsPair, s
 
 async def run_pipespec(config: dict[str, Any], net: NetnsPair, prompts: list[list[int]],
                        args: argparse.Namespace) -> dict[str, Any]:
-    from runtime.launch import cluster
+    from runtime.launchers import cluster
 
     params = {"max_new_tokens": args.max_new_tokens, "eos_token_ids": [], "do_sample": False}
     async with cluster(config, prefix={"verifier": net.exec("a"), "drafter": net.exec("b")}) as client:

@@ -47,7 +47,7 @@ from benchmarks.machine import machine_info
 from benchmarks.progress import log, utc_now
 from benchmarks.results import write_result
 from benchmarks.tables import header_lines, md_table
-from runtime.launch import stop_process
+from runtime.launchers.process import stop_process
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 #: Seconds any one HTTP exchange of the test may take before it counts as lost (a stall of the server).

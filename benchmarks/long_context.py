@@ -14,7 +14,7 @@ greedy, ``--max-new-tokens`` new tokens, end tokens off, one short warm-up per r
 - ``hf-target``: transformers ``generate`` on the target alone (``--hf-threads`` threads, one subprocess);
 - ``hf-assisted``: transformers assisted generation (``assistant_model=`` the cut assistant) with the same
   constant k as pipespec and no confidence stop (``--hf-defaults``: transformers' own settings; recorded either way);
-- ``pipespec``: ``runtime.launch.cluster`` with a config dict: both models from the saved folders, ``--dtype``, one
+- ``pipespec``: ``runtime.launchers.cluster`` with a config dict: both models from the saved folders, ``--dtype``, one
   thread per node, overlap on, a fixed k (``num_draft_tokens`` ``--k``, ``draft_schedule: constant``).
 
 tok/s is counted two ways: end to end (new tokens / request time, the prefill included) and decode only (tokens
@@ -216,7 +216,7 @@ def pipespec_config(ctx: dict[str, Any]) -> dict[str, Any]:
 
 
 async def run_pipespec(prompts: list[list[int]], ctx: dict[str, Any]) -> dict[str, Any]:
-    from runtime.launch import cluster
+    from runtime.launchers import cluster
 
     params = {"max_new_tokens": ctx["max_new_tokens"], "eos_token_ids": [], "do_sample": False}
     async with cluster(pipespec_config(ctx)) as client:
@@ -234,7 +234,7 @@ async def run_pipespec(prompts: list[list[int]], ctx: dict[str, Any]) -> dict[st
                 log(f"pipespec @ {len(ids)}: {len(r.token_ids)} tokens in {elapsed:.2f} s, α "
                     f"{m['acceptance_rate']:.2f}, {m['rounds']} rounds, pre-draft hits {m['predraft_hit_rate']:.2f}")
         except Exception as exc:  # keep the node logs with the error text
-            tails = {role: client.cluster.log_tail(role) for role in client.processes}
+            tails = {role: client.cluster.log_tail(role) for role in client.cluster.nodes()}
             raise RuntimeError(f"{type(exc).__name__}: {exc}\n" + "\n".join(
                 f"--- end of {role} log ---\n{text}" for role, text in tails.items())) from exc
     return {"per_prompt": per_prompt}

@@ -159,7 +159,7 @@ class Runner:
             info = await asyncio.to_thread(ov.start)
             self.setup_info.setdefault(setup.key, {})["openvino"] = {**info, "exports": ov.exports}
             return ov
-        from runtime.launch import cluster
+        from runtime.launchers import cluster
 
         log(f"{setup.key}: starting the nodes of {setup.config}" + (f" with {setup.overrides}" if setup.overrides
                                                                    else ""))
@@ -205,7 +205,7 @@ class Runner:
             source = {"messages": prompt["messages"]} if prompt.get("messages") else {"token_ids": prompt["ids"]}
             r = await handle.generate(**source, max_new_tokens=max_new_tokens, do_sample=False)
         except Exception as exc:  # keep the node logs with the error text
-            tails = {role: handle.cluster.log_tail(role) for role in handle.processes}
+            tails = {role: handle.cluster.log_tail(role) for role in handle.cluster.nodes()}
             raise RuntimeError(f"{type(exc).__name__}: {exc}\n" + "\n".join(
                 f"--- end of {role} log ---\n{text}" for role, text in tails.items())) from exc
         elapsed = time.perf_counter() - t0

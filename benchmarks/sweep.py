@@ -362,9 +362,10 @@ def sweep_messages(sweep: Sweep) -> list[list[dict[str, str]]]:
 
 async def node_hardware(client: Any) -> dict[str, dict[str, Any]]:
     """Each node's hardware, ``{node name: {"ip", "host", "cpu", "cores", "gpu", "threads"}}``: where the launcher
-    says each node runs (:meth:`runtime.node_setup.Launcher.node_hardware`), with the threads each node reported at
+    says each node runs (:meth:`runtime.launchers.base.Launcher.nodes`), with the threads each node reported at
     start-up (else its config's)."""
-    out = await asyncio.to_thread(client.cluster.node_hardware)
+    nodes = await asyncio.to_thread(client.cluster.nodes)
+    out = {name: dict(node.host) for name, node in nodes.items()}
     config = client.config
     reports = (client.startup or {}).get("reports") or []
     drafters = [n for n in out if n != "verifier"]
@@ -381,7 +382,7 @@ async def node_hardware(client: Any) -> dict[str, dict[str, Any]]:
 
 def _log_tails(client: Any) -> str:
     nodes = client.cluster
-    return "\n".join(f"--- end of {name} log ---\n{nodes.log_tail(name)}" for name in nodes.processes)
+    return "\n".join(f"--- end of {name} log ---\n{nodes.log_tail(name)}" for name in nodes.nodes())
 
 
 async def _generate(client: Any, messages: list[dict[str, str]], max_new_tokens: int) -> dict[str, Any]:
@@ -397,7 +398,7 @@ async def _generate(client: Any, messages: list[dict[str, str]], max_new_tokens:
 async def run_point(sweep: Sweep, point: Point, record: dict[str, Any], messages: list[list[dict[str, str]]],
                     save: Any) -> None:
     """Start the point's cluster, warm up, decode every prompt into ``record`` (``save()`` after each prompt)."""
-    from runtime.launch import cluster
+    from runtime.launchers import cluster
 
     t0 = time.perf_counter()
     async with cluster(sweep.base, overrides=point.overrides) as client:

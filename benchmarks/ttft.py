@@ -8,8 +8,8 @@ new tokens, end tokens off, one short warm-up each:
 - ``hf-target``: transformers ``generate`` on the config's target (``verifier.model``) in one subprocess at
   ``--hf-threads`` threads (default 2), in the dtype the verifier chose (from its metrics; ``--dtype`` to force);
   its first token is timed with a streamer: the prefill and the first token's logits;
-- ``pipespec``: ``runtime.launch.cluster`` with the config (``--set`` overrides, as the CLI's); its first token is the
-  verifier's ``time_to_first_token_s``, the request time the client's.
+- ``pipespec``: ``runtime.launchers.cluster`` with the config (``--set`` overrides, as the CLI's); its first token is
+  the verifier's ``time_to_first_token_s``, the request time the client's.
 
 The result is the first-token ratio pipespec ÷ hf-target (≤ 1.0: the prefill costs no more than the target's own)
 and the end-to-end ratio. Outputs in ``--out`` (default ``results/``): ``ttft.md`` and ``ttft.json``.
@@ -101,7 +101,7 @@ def hf_worker(job_path: Path) -> int:
 
 async def run_pipespec(config: str, overrides: list[str], prompt: list[int], new_tokens: int,
                        reps: int) -> list[dict[str, Any]]:
-    from runtime.launch import cluster
+    from runtime.launchers import cluster
 
     params = {"max_new_tokens": new_tokens, "eos_token_ids": [], "do_sample": False}
     runs = []

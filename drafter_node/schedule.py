@@ -35,10 +35,11 @@ from drafter_node.cost_model import (
 from drafter_node.plan_search import EXPLORE_ROUNDS
 from drafter_node.plan_search import kind as plan_kind
 from drafter_node.tree_plan import plan_from_acceptance
+from shared.config import DRAFT_SCHEDULES
 
 log = logging.getLogger("pipespec.schedule")
 
-SCHEDULES = ("cost", "pipeline", "adaptive", "heuristic", "constant")
+SCHEDULES = DRAFT_SCHEDULES  # declared beside the config key (shared/config.py)
 
 #: k = 0 is kept for this many verifier rounds before a probe block; doubled after each probe that confirms k = 0.
 SOLO_ROUNDS_MIN, SOLO_ROUNDS_MAX = 8, 64

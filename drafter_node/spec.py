@@ -6,10 +6,11 @@ lists that module; the config loader (``runtime/config.py``), the CLI (``runtime
 loader imports every registered spec module, so those stay light: at module scope they import this module only, and
 their hooks import the type's implementation (torch, transformers) when they run.
 
-The loader's hooks (``check``, ``check_model``) see the config dict it is validating; they raise
-:class:`ValueError` (any subclass) whose message starts with the offending key (``drafter.KEY: ...``), which the
-loader turns into its ``ConfigError``. The node's hook (``profile_variant``) gets the typed settings the type is
-built from.
+The loader's hooks (``check``, ``check_model``) see a read-only view of the config it is validating (a hook cannot
+change it behind the loader's back): ``check`` returns the ``drafter`` keys it normalised (e.g. a path made
+absolute; the loader sets them), ``check_model`` only checks. Both raise :class:`ValueError` (any subclass) whose
+message starts with the offending key (``drafter.KEY: ...``), which the loader turns into its ``ConfigError``.
+The node's hook (``profile_variant``) gets the typed settings the type is built from.
 """
 
 from __future__ import annotations
@@ -52,11 +53,15 @@ class OwnKeys(Mapping[str, Any]):
         return f"OwnKeys({self._values!r})"
 
 
-def _no_check(config: dict[str, Any]) -> None:
-    return None
+#: What a type's ``check`` hook returns: the ``drafter`` keys it normalised, with their new values (empty: none).
+Normalised = Mapping[str, Any]
 
 
-def _no_model_check(config: dict[str, Any], local: LocalFolder) -> None:
+def _no_check(config: Mapping[str, Mapping[str, Any]]) -> Normalised:
+    return {}
+
+
+def _no_model_check(config: Mapping[str, Mapping[str, Any]], local: LocalFolder) -> None:
     return None
 
 
@@ -111,10 +116,11 @@ class DrafterSpec:
     drafts_with: str = ""
     #: What the drafter holds and how it drafts (docs/drafter-types.md's table).
     holds: str = ""
-    #: Config-time checks of the type's own keys (``check(config)``; no files are read).
-    check: Callable[[dict[str, Any]], None] = _no_check
+    #: Config-time checks of the type's own keys (``check(config)`` on a read-only view; no model is loaded): returns
+    #: the ``drafter`` keys it normalised (:data:`Normalised`), which the loader sets.
+    check: Callable[[Mapping[str, Mapping[str, Any]]], Normalised] = _no_check
     #: Checks that need the model's config.json: ``check_model(config, local)``, see :data:`LocalFolder`.
-    check_model: Callable[[dict[str, Any], LocalFolder], None] = _no_model_check
+    check_model: Callable[[Mapping[str, Mapping[str, Any]], LocalFolder], None] = _no_model_check
     #: What distinguishes this type's cost profile from another's on the same model ("" when nothing does):
     #: ``profile_variant(settings, own)``, given what the type is built from (the typed ``drafter`` section and the
     #: type's own settings, see :class:`drafter_node.base.Drafter`).
@@ -164,8 +170,10 @@ class DrafterSpec:
         return OwnKeys({key: drafter[key] for key in self.keys}) if self.keys else None
 
 
-def positive_int(config: dict[str, Any], key: str, minimum: int = 1) -> None:
-    """``drafter.KEY`` is an integer ≥ ``minimum`` (a bool is not), else :class:`SpecError` naming it."""
+def positive_int(config: Mapping[str, Mapping[str, Any]], key: str, minimum: int = 1) -> Normalised:
+    """``drafter.KEY`` is an integer ≥ ``minimum`` (a bool is not), else :class:`SpecError` naming it; nothing to
+    normalise (a ``check`` hook may return this)."""
     value = config["drafter"][key]
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise SpecError(f"drafter.{key}: must be an integer ≥ {minimum}, got {value!r}")
+    return {}

@@ -25,6 +25,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -143,7 +144,7 @@ def _gguf_model(model: Any) -> str | None:
     return None if problem is None else f"the draft model {model!r} is a torch model ({problem})"
 
 
-def choose(drafter: dict[str, Any], probe: bool = True) -> Choice:
+def choose(drafter: Mapping[str, Any], probe: bool = True) -> Choice:
     """Resolve ``auto`` for the validated-to-be ``drafter`` section. ``probe``: run llama.cpp's probe when this
     install has none recorded (False: treat an unprobed install as unusable)."""
     fallback = "assistant"
@@ -169,13 +170,10 @@ def choose(drafter: dict[str, Any], probe: bool = True) -> Choice:
     return Choice("gguf", "llama.cpp runs here (its probe passed) and drafts 2.4-2.8x faster than torch")
 
 
-def resolve(config: dict[str, Any]) -> Choice | None:
-    """Replace ``drafter.type: auto`` in ``config`` with the chosen type; the choice, or None when the type was not
-    ``auto``. The choice's reason is kept in ``drafter.type_reason`` for the start-up line."""
-    drafter = config["drafter"]
+def resolve(drafter: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``drafter`` keys that resolve ``type: auto`` (the chosen ``type`` and, for the start-up line, why in
+    ``type_reason``); empty when the type is not ``auto``. The caller sets them: nothing here changes ``drafter``."""
     if drafter.get("type") != AUTO:
-        return None
+        return {}
     choice = choose(drafter)
-    drafter["type"] = choice.type
-    drafter["type_reason"] = f"auto: {choice.why}"
-    return choice
+    return {"type": choice.type, "type_reason": f"auto: {choice.why}"}

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 
 from drafter_node.spec import DrafterSpec
+from shared.config import DEFAULT_DRAFTER_TYPE, DRAFTER_TYPE_NAMES
 
 DRAFTER_TYPES: dict[str, str] = {
     "assistant": "drafter_node.type_specs.assistant",
@@ -21,8 +22,9 @@ DRAFTER_TYPES: dict[str, str] = {
     "suffix": "drafter_node.type_specs.suffix",
     "gguf": "drafter_node.type_specs.gguf",
 }
-#: ``drafter.type`` when a config names none.
-DEFAULT_DRAFTER_TYPE = "assistant"
+if tuple(DRAFTER_TYPES) != DRAFTER_TYPE_NAMES:  # the verifier knows the names from shared/ alone
+    raise TypeError(f"shared.config.DRAFTER_TYPE_NAMES {DRAFTER_TYPE_NAMES} must list DRAFTER_TYPES' names in order")
+__all__ = ["DEFAULT_DRAFTER_TYPE", "DRAFTER_TYPES", "drafter_class", "drafter_spec", "drafter_specs"]
 
 
 def drafter_spec(name: str) -> DrafterSpec:

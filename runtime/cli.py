@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from drafter_node.types import DRAFTER_TYPES, drafter_spec, drafter_specs
-from runtime import launch
+from runtime import launch, launch_args
 from runtime.config import DEFAULT_CONFIG, ConfigError, load_config, parse_overrides
 
 PROG = "pipespec"
@@ -165,7 +165,8 @@ def flag_overrides(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, 
 def build_config(args: argparse.Namespace, serve: bool = False) -> dict[str, Any]:
     """The validated config of a ``serve`` / ``generate`` / ``node`` command line (order: module docstring)."""
     from_flags, origin = flag_overrides(args)
-    from_set = {**launch.ray_overrides(getattr(args, "ray", None)), **parse_overrides(args.set)}
+    from_set = {**launch_args.launcher_overrides(getattr(args, "launcher", None), getattr(args, "ray", None)),
+                **parse_overrides(args.set)}
     if "verifier.model" in from_flags and args.config is None \
             and not {"drafter.model", "drafter.type"} & {*from_flags, *from_set}:
         modelless = ", ".join(s.name for s in drafter_specs() if not s.needs_model or s.model_defaults_to_target)
@@ -233,7 +234,8 @@ def parser() -> argparse.ArgumentParser:
         s.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                        help="override any config key (repeatable; wins over the model flags)")
         if ray:
-            launch.add_ray_arg(s)
+            launch_args.add_launcher_arg(s)
+            launch_args.add_ray_arg(s)
 
     s = sub.add_parser("serve", help="start the nodes and serve the OpenAI-compatible HTTP API until Ctrl-C",
                        description="Start the verifier and drafter nodes and serve the OpenAI-compatible HTTP API "
@@ -241,15 +243,15 @@ def parser() -> argparse.ArgumentParser:
                        epilog=_EPILOG)
     config_args(s, ray=True)
     add_model_flags(s, serve=True)
-    launch.add_run_dir_arg(s)
+    launch_args.add_run_dir_arg(s)
 
     g = sub.add_parser("generate", help="start the nodes, run one generation, print it and stop",
                        description="Start the nodes, run one generation (text as it streams, or --json), stop.",
                        epilog=_EPILOG)
     config_args(g, ray=True)
     add_model_flags(g, serve=False)
-    launch.add_generation_args(g, required=True)
-    launch.add_run_dir_arg(g)
+    launch_args.add_generation_args(g, required=True)
+    launch_args.add_run_dir_arg(g)
 
     n = sub.add_parser("node", help="run one node in this process (multi-host setups)",
                        description="Run one node in this process: the verifier (drafters and clients connect to "
@@ -257,7 +259,7 @@ def parser() -> argparse.ArgumentParser:
     n.add_argument("role", choices=["verifier", "drafter"])
     config_args(n)
     add_model_flags(n, serve=False)
-    launch.add_run_dir_arg(n)
+    launch_args.add_run_dir_arg(n)
 
     c = sub.add_parser("scale", help="add or remove drafters of a pipespec running on a Ray cluster",
                        description="Run N drafters in the pipespec run on a Ray cluster (`pipespec serve --ray`): "

@@ -157,10 +157,12 @@ class AsyncClient:
     be missing (no verifier to connect to at the first request) or unanswered at the ZeroMQ level before requests
     fail with ``verifier_gone``. A long verification round does not count: ZeroMQ answers heartbeats meanwhile.
     ``curve``: the keys to connect with when the verifier's client socket runs CURVE
-    (``runtime.keys.client_keys(KEYS_DIR, NAME)``); without an allowed key such a verifier never answers."""
+    (``runtime.keys.client_keys(KEYS_DIR, NAME)``); without an allowed key such a verifier never answers.
+    ``context``: a ZeroMQ context to share (an ``inproc://`` verifier is reached only from its own context; the
+    client then leaves it open), None: a context of the client's own."""
 
     def __init__(self, address: str, timeout_s: float = 600.0, curve: ClientKeys | None = None,
-                 heartbeat_s: float = 0.5, gone_after_s: float = 1.5):
+                 heartbeat_s: float = 0.5, gone_after_s: float = 1.5, context: zmq.Context | None = None):
         if not 0 < heartbeat_s < gone_after_s:
             raise ValueError(f"need 0 < heartbeat_s < gone_after_s, got {heartbeat_s} and {gone_after_s}")
         self.address = address
@@ -180,10 +182,12 @@ class AsyncClient:
         #: The verifier's cap on one message, from its pong (None: not asked yet, or the verifier changed).
         self.max_message_bytes: int | None = None
         self._ctx: zmq.asyncio.Context | None = None
+        self._shared_ctx = context
         self._sock = None
 
     async def __aenter__(self) -> AsyncClient:
-        self._ctx = zmq.asyncio.Context()
+        self._ctx = (zmq.asyncio.Context() if self._shared_ctx is None
+                     else zmq.asyncio.Context.shadow(self._shared_ctx.underlying))
         self._sock = make_dealer(self._ctx, self.curve,
                                  heartbeat_ms=(int(1000 * self.heartbeat_s), int(1000 * self.gone_after_s)))
         self._connected = asyncio.Event()
@@ -191,6 +195,7 @@ class AsyncClient:
         monitor = self._sock.get_monitor_socket(
             zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
         self._sock.connect(self.address)
+        self._connected_without_handshake()
         self._monitor_task = asyncio.create_task(self._watch_connection(monitor))
         self._reader = asyncio.create_task(self._read())
         return self
@@ -218,7 +223,8 @@ class AsyncClient:
             self._sock.close(linger=500 if cancelled else 0)
             self._sock = None
         if self._ctx is not None:
-            self._ctx.term()
+            if self._shared_ctx is None:  # a shared context is its owner's to end
+                self._ctx.term()
             self._ctx = None
 
     async def retarget(self, address: str) -> None:
@@ -233,6 +239,12 @@ class AsyncClient:
         self._fail_all(f"the launcher moved it to {address}")
         self.address = address
         self._sock.connect(address)
+        self._connected_without_handshake()
+
+    def _connected_without_handshake(self) -> None:
+        """An ``inproc://`` link has no handshake (and no connection events): it is up once connected."""
+        if self.address.startswith("inproc://"):
+            self._connected.set()
 
     async def _read(self) -> None:
         while True:
@@ -405,6 +417,7 @@ class AsyncClient:
 
     async def _run(self, prompt, token_ids, messages, params: dict[str, Any], drafter_type: str | None = None,
                    cancel: asyncio.Event | None = None, tenant: str | None = None):
+        """One request: its chunks, then its :class:`GenerationResult` (an error reply raises)."""
         unknown = sorted(set(params) - set(_PARAM_NAMES) - set(_CONSTRAINT_NAMES))
         if unknown:
             raise TypeError(f"unknown generation parameter(s): {', '.join(unknown)}")
@@ -412,58 +425,23 @@ class AsyncClient:
         if self._sock is None:
             raise RuntimeError("use the client inside 'async with AsyncClient(address) as client:'")
         if self.max_message_bytes is None:  # first request (or first since the verifier went): learn its cap
-            await self._await_connection()
-            try:  # connected: a verifier busy with a long round answers after it, so wait as long as for a reply
-                await self._ping(self.timeout_s, fail_on_drop=True)
-            except TimeoutError:
-                raise PipespecError(f"no pong from the verifier at {self.address} within {self.timeout_s} s",
-                                    "verifier_gone") from None
+            await self._learn_limits()
         rid = next(self._ids)
-        try:
-            frames = encode(Generate(
-                request_id=rid, params={k: v for k, v in params.items() if v is not None}, token_ids=token_ids,
-                prompt=prompt, messages=messages, drafter_type=drafter_type, tenant=tenant,
-            ))
-        except UnicodeEncodeError as exc:  # a lone surrogate (JSON "\ud800"): no UTF-8 for it, so no message
-            raise PipespecError(f"the request's text is not valid Unicode: {exc.object[exc.start]!r} at character "
-                                f"{exc.start} of a string (a lone surrogate); send UTF-8 text", "bad_request") from None
-        size = sum(len(f) if isinstance(f, bytes) else f.nbytes for f in frames)
-        limit = self.max_message_bytes or DEFAULT_MAX_MESSAGE_BYTES
-        if size > limit or len(frames[0]) > MAX_HEADER_BYTES:
-            # Refused here: the verifier could not tell which request an over-size message belonged to.
-            raise PipespecError(
-                f"request of {size} bytes exceeds the verifier's limit ({limit} bytes per message, "
-                f"{MAX_HEADER_BYTES} per header): send a shorter prompt", "too_large")
+        frames = self._request_frames(Generate(
+            request_id=rid, params={k: v for k, v in params.items() if v is not None}, token_ids=token_ids,
+            prompt=prompt, messages=messages, drafter_type=drafter_type, tenant=tenant,
+        ))
         queue = _Inbox()  # bounded: the reader task never waits for a slow consumer
         self._track(rid, queue)
         finished = False
-        cancel_sent = False
         try:
             await self._sock.send_multipart(frames)
-            while True:
-                if cancel is not None and cancel.is_set() and not cancel_sent:
-                    await self._sock.send_multipart(encode(Cancel(request_id=rid)))
-                    cancel_sent = True
-                wait_s = min(self.timeout_s, CANCEL_WAIT_S) if cancel_sent else self.timeout_s
-                try:
-                    msg = await asyncio.wait_for(queue.get(), wait_s)
-                except asyncio.TimeoutError:
-                    raise TimeoutError(
-                        f"no reply from the verifier at {self.address} for {wait_s} s (request {rid})"
-                        f"{self._hint()}"
-                    ) from None
-                if isinstance(msg, ChunkMessage):
-                    if not cancel_sent:  # chunks already on their way when the cancel left are dropped
-                        yield Chunk(msg.token_ids, msg.text)
-                elif isinstance(msg, Done):
-                    finished = True
-                    yield GenerationResult(msg.text, msg.token_ids, msg.metrics, msg.finish_reason)
-                    return
-                elif isinstance(msg, Error):
-                    finished = True
-                    raise PipespecError(msg.message, msg.code)
-                elif isinstance(msg, _LocalFailure):
-                    raise PipespecError(msg.message, msg.code)
+            async for item in self._replies(rid, queue, cancel):
+                finished = isinstance(item, GenerationResult)
+                yield item
+        except PipespecError as exc:
+            finished = getattr(exc, "verifier_ended", False)  # an error reply ended the request there
+            raise
         finally:
             self._queues.pop(rid, None)
             if not finished and self._sock is not None:
@@ -471,3 +449,53 @@ class AsyncClient:
                 # verifier that comes back at the address gets it with anything else queued, and ignores it).
                 with contextlib.suppress(zmq.ZMQError):
                     await self._sock.send_multipart(encode(Cancel(request_id=rid)))
+
+    async def _learn_limits(self) -> None:
+        """Wait for the connection and the verifier's pong (its message cap)."""
+        await self._await_connection()
+        try:  # connected: a verifier busy with a long round answers after it, so wait as long as for a reply
+            await self._ping(self.timeout_s, fail_on_drop=True)
+        except TimeoutError:
+            raise PipespecError(f"no pong from the verifier at {self.address} within {self.timeout_s} s",
+                                "verifier_gone") from None
+
+    def _request_frames(self, msg: Generate) -> list:
+        """``msg`` encoded, or ``bad_request`` / ``too_large`` said here (the verifier could not tell which request
+        an over-size message belonged to)."""
+        try:
+            frames = encode(msg)
+        except UnicodeEncodeError as exc:  # a lone surrogate (JSON "\ud800"): no UTF-8 for it, so no message
+            raise PipespecError(f"the request's text is not valid Unicode: {exc.object[exc.start]!r} at character "
+                                f"{exc.start} of a string (a lone surrogate); send UTF-8 text", "bad_request") from None
+        size = sum(len(f) if isinstance(f, bytes) else f.nbytes for f in frames)
+        limit = self.max_message_bytes or DEFAULT_MAX_MESSAGE_BYTES
+        if size > limit or len(frames[0]) > MAX_HEADER_BYTES:
+            raise PipespecError(
+                f"request of {size} bytes exceeds the verifier's limit ({limit} bytes per message, "
+                f"{MAX_HEADER_BYTES} per header): send a shorter prompt", "too_large")
+        return frames
+
+    async def _replies(self, rid: int, queue: _Inbox, cancel: asyncio.Event | None):
+        """Request ``rid``'s chunks, then its result; a cancel is sent once when ``cancel`` is set."""
+        cancel_sent = False
+        while True:
+            if cancel is not None and cancel.is_set() and not cancel_sent:
+                await self._sock.send_multipart(encode(Cancel(request_id=rid)))
+                cancel_sent = True
+            wait_s = min(self.timeout_s, CANCEL_WAIT_S) if cancel_sent else self.timeout_s
+            try:
+                msg = await asyncio.wait_for(queue.get(), wait_s)
+            except asyncio.TimeoutError:
+                raise TimeoutError(
+                    f"no reply from the verifier at {self.address} for {wait_s} s (request {rid}){self._hint()}"
+                ) from None
+            if isinstance(msg, ChunkMessage):
+                if not cancel_sent:  # chunks already on their way when the cancel left are dropped
+                    yield Chunk(msg.token_ids, msg.text)
+            elif isinstance(msg, Done):
+                yield GenerationResult(msg.text, msg.token_ids, msg.metrics, msg.finish_reason)
+                return
+            elif isinstance(msg, (Error, _LocalFailure)):
+                error = PipespecError(msg.message, msg.code)
+                error.verifier_ended = isinstance(msg, Error)  # type: ignore[attr-defined]  # no cancel needed
+                raise error

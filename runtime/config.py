@@ -18,7 +18,9 @@ import importlib.util
 import ipaddress
 import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import yaml
@@ -113,7 +115,7 @@ def load_config(
     config = merge_defaults(raw)
     for key, value in parse_overrides(overrides).items():
         set_key(config, key, value)
-    type_choice.resolve(config)  # drafter.type auto: before anything reads the type
+    config["drafter"].update(type_choice.resolve(config["drafter"]))  # drafter.type auto: before anything reads it
     validate(config)
     return config
 
@@ -229,7 +231,7 @@ def validate(config: dict[str, Any]) -> None:
         if d["target_model"] is None:
             d["target_model"] = v["model"]
         _check_model(config, "drafter.target_model")
-    _run_hook(spec.check, config)
+    d.update(_run_hook(spec.check, read_only(config)) or {})
     check_model_dependent(config)
     _check_device("drafter.device", d["device"], hint)
     _curve_from_yaml_bool(config["security"])
@@ -262,7 +264,7 @@ def _check_launch(config: dict[str, Any]) -> None:
         except PlacementError as exc:
             raise ConfigError(str(exc)) from None
     launch = config["launch"]
-    if launch["backend"] == "process" and launch["link_delay_ms"]:
+    if launch["backend"] != "ray" and launch["link_delay_ms"]:
         raise ConfigError("launch.link_delay_ms: only the ray backend adds link delay (launch.backend: ray); on one "
                           "machine use python -m runtime.delay_proxy (docs/deployment.md)")
 
@@ -434,7 +436,7 @@ def check_model_dependent(config: dict[str, Any]) -> None:
         folder = Path(model_dir(name) if is_named_model(name) else Path(name).expanduser())
         return folder if (folder / "config.json").exists() else None
 
-    _run_hook(drafter_spec(config["drafter"]["type"]).check_model, config, local)
+    _run_hook(drafter_spec(config["drafter"]["type"]).check_model, read_only(config), local)
 
 
 def _check_requires(spec: DrafterSpec) -> None:
@@ -458,10 +460,17 @@ def _fill_type_keys(d: dict[str, Any], spec: DrafterSpec) -> None:
     d.update(copy.deepcopy(filled))
 
 
-def _run_hook(hook, *args: Any) -> None:
-    """A drafter type's check; its ValueError (the message names the key) becomes a :class:`ConfigError`."""
+def read_only(config: dict[str, Any]) -> Mapping[str, Mapping[str, Any]]:
+    """A view of ``config`` a drafter type's hook reads but cannot change (its sections too): a hook returns what it
+    normalised instead (:data:`drafter_node.spec.Normalised`)."""
+    return MappingProxyType({name: MappingProxyType(section) for name, section in config.items()})
+
+
+def _run_hook(hook, *args: Any) -> Any:
+    """A drafter type's check and what it returns; its ValueError (the message names the key) becomes a
+    :class:`ConfigError`."""
     try:
-        hook(*args)
+        return hook(*args)
     except ConfigError:
         raise
     except ValueError as exc:

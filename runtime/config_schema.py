@@ -2,16 +2,16 @@
 
 ``runtime/config.py`` derives its ``DEFAULTS`` and ``DRAFTER_COMMON`` from these classes and validates loaded YAML
 against them; :func:`runtime.config.typed` turns a validated config dict into a :class:`Config`, the object the
-nodes take. The classes are declared below ``runtime/``, where the nodes may import them (tests/test_layers.py): the
-``drafter`` section's common keys and :class:`Config` beside the drafter node (``drafter_node/settings.py``), the
-other sections in ``shared/config_sections.py``, the keys both nodes have in ``shared/node_keys.py``, and a drafter
-type's own keys in its spec (``drafter_node/type_specs/<name>.py``). This module lists them in the reference's
-order. The reference in ``docs/configuration.md`` is generated from here (``python -m runtime.config_doc``).
+nodes take. The classes are declared below ``runtime/``, where the nodes may import them (tests/test_layers.py):
+the ``drafter`` section's common keys and :class:`Config` in ``shared/config.py``, the other sections in
+``shared/config_sections.py``, the keys both nodes have in ``shared/node_keys.py``, and a drafter type's own keys
+in its spec (``drafter_node/type_specs/<name>.py``). This module lists them in the reference's order. The
+reference in ``docs/configuration.md`` is generated from here (``python -m runtime.config_doc``).
 """
 
 from __future__ import annotations
 
-from drafter_node.settings import Config, DrafterConfig
+from shared.config import Config, DrafterConfig
 from shared.config_sections import (
     LAUNCH_BACKENDS,
     MAX_LAUNCHED_DRAFTERS,

@@ -1,8 +1,8 @@
 """What every launch backend does for a node, wherever it runs: the node's environment and log level, installing
 named models before it loads them, and the error a launcher raises when a node cannot start.
 
-``runtime.launch`` (processes on this machine) and ``runtime.ray_launch`` / ``runtime.ray_node`` (actors on a Ray
-cluster) both use these; ``runtime.launch`` re-exports them under their old names.
+Every launcher (``runtime/launchers/``: processes, threads of this process, Ray actors) uses these; the launcher
+protocol itself is :class:`runtime.launchers.base.Launcher`.
 """
 
 from __future__ import annotations
@@ -13,50 +13,16 @@ import os
 import sys
 import time
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from runtime.client import AsyncClient
-    from shared.transport import ClientKeys
 
 from runtime.config import check_model_dependent
 
 
 class LaunchError(RuntimeError):
     """A node failed to start; the message carries the end of its log."""
-
-
-class Launcher(Protocol):
-    """What ``runtime.launch`` needs of a launch backend: :class:`runtime.launch.Cluster` (child processes) and
-    :class:`runtime.ray_launch.RayCluster` (Ray actors). Names of nodes: ``verifier``, ``drafter``, ``drafter2``, …"""
-
-    config: dict[str, Any]  # the config the nodes run (endpoints filled in)
-    run_dir: str  # this launcher's private folder (logs or keys)
-
-    @property
-    def client_address(self) -> str: ...  # where the verifier takes clients now
-
-    @property
-    def drafter_count(self) -> int: ...  # drafters this launcher starts
-
-    @property
-    def processes(self) -> dict[str, Any]: ...  # node name -> its process (or state)
-
-    def client_keys(self) -> ClientKeys | None: ...  # the keys a client connects with (None: no CURVE)
-
-    def start(self) -> None: ...  # start every node (blocking; from async code call it in a thread)
-
-    async def wait_ready(self, client: AsyncClient) -> dict[str, Any]: ...  # until the verifier and drafters serve
-
-    def check_alive(self, roles: list[str] | None = None) -> None: ...  # LaunchError for a node that failed
-
-    def log_tail(self, name: str, lines: int = 25) -> str: ...
-
-    def node_hardware(self) -> dict[str, dict[str, Any]]: ...  # node name -> {ip, host, cpu, cores, gpu}
-
-    async def follow(self, client: AsyncClient) -> None: ...  # point the client at a verifier that moved
-
-    def stop(self, timeout_s: float = 10.0, keep_logs: bool = False) -> None: ...
 
 
 def node_names(drafters: int, start: int = 0) -> list[str]:

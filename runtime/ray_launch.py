@@ -14,9 +14,9 @@ Who does what:
   after Ray restarts its actor (``launch.max_restarts``): a drafter rejoins the pool, a verifier binds its old
   ports where it can (drafters and clients reconnect by themselves) and otherwise the drafters are pointed at its
   new address. ``scale(n)`` adds or removes drafters.
-- :class:`RayCluster`, in the launching process: the same launcher interface as the process backend's
-  :class:`runtime.launch.Cluster` (start, wait until ready, check alive, log tail, stop), and :meth:`follow`,
-  which points the client at a verifier that came back elsewhere.
+- :class:`RayCluster`, in the launching process: the ``ray`` launcher of the registry (``runtime/launchers/``):
+  start, wait until ready, check alive, log tail, stop, and the client address now (a verifier that came back
+  elsewhere has a new one: :func:`runtime.launchers.following` moves the client there).
 
 Ray is an optional dependency (``pip install 'pipespec[ray]'``); nothing else imports this module.
 """
@@ -35,7 +35,8 @@ from pathlib import Path
 from typing import Any
 
 from runtime import keys as keyfiles
-from runtime.config import ConfigError
+from runtime.config import ConfigError, typed
+from runtime.launchers.base import LaunchOptions, NodeState, Started, drafter_count, make_run_dir
 from runtime.node_setup import LaunchError, node_names, wait_until_serving
 from runtime.placement import Placement, parse_placement
 
@@ -250,7 +251,8 @@ class Controller:
             self.config["verifier"]["endpoint"] = f"tcp://{ip}:{self.verifier_ports[0]}"
             self.config["client"]["endpoint"] = f"tcp://{ip}:{self.verifier_ports[1]}"
             self.config["drafter"]["verifier_endpoint"] = None
-        node.serving = node.actor.serve.remote(node.role, copy.deepcopy(self.config),
+        # the node's typed config, built here once; Ray pickles it into the call
+        node.serving = node.actor.serve.remote(node.role, typed(self.config),
                                                key_material(self.keys_dir, node.role),
                                                self.config["launch"]["link_delay_ms"] if node.role == "drafter" else 0)
         node.state = "serving"
@@ -428,12 +430,15 @@ def node_env() -> dict[str, str]:
 
 
 class RayCluster:
-    """The launcher interface of :class:`runtime.launch.Cluster`, over a :class:`Controller` actor."""
+    """The ``ray`` launcher (:class:`runtime.launchers.base.Launcher`), over a :class:`Controller` actor."""
 
-    def __init__(self, config: dict[str, Any], run_dir: str, env: dict[str, str] | None = None):
+    def __init__(self, config: dict[str, Any], options: LaunchOptions | None = None):
+        options = options or LaunchOptions()
+        options.refuse_process_options("ray", "starts nodes as Ray actors")
+        options.refuse_hooks("ray")
         self.config = config
-        self.run_dir = run_dir
-        self.env = {**node_env(), **(env or {})}
+        self.run_dir = make_run_dir(options.run_dir)
+        self.env = {**node_env(), **(options.env or {})}
         self.ray = connect(config["launch"]["ray_address"])
         self.controller: Any = None
         self.last_status: dict[str, Any] = {}
@@ -441,23 +446,17 @@ class RayCluster:
 
     @property
     def drafter_count(self) -> int:
-        return self.config["launch"]["drafters"] if self.config["launch"]["start_drafter"] else 0
+        return drafter_count(self.config)
 
-    @property
-    def client_address(self) -> str:
-        return self.last_status["client_address"]
+    async def start(self) -> Started:
+        """Place and start the nodes (blocking on Ray, so in a worker thread)."""
+        await asyncio.to_thread(self._start)
+        return Started(client_address=self.last_status["client_address"],
+                       client_keys=keyfiles.client_keys(Path(self.run_dir) / "keys"), drafters=self.drafter_count,
+                       config=self.config, run_dir=self.run_dir, verifier_may_move=True)
 
-    @property
-    def processes(self) -> dict[str, Any]:
-        """The node names (the process backend maps them to processes; here the status of each)."""
-        return dict(self.last_status.get("nodes", {}))
-
-    def client_keys(self) -> Any:
-        return keyfiles.client_keys(Path(self.run_dir) / "keys")
-
-    def start(self) -> None:
-        """Create the controller on this host and have it place and start the nodes (blocking: call it from a
-        thread in async code)."""
+    def _start(self) -> None:
+        """Create the controller on this host and have it place and start the nodes."""
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         from runtime.ray_node import write_keys
@@ -494,10 +493,15 @@ class RayCluster:
     def log_tail(self, name: str, lines: int = 25) -> str:
         return self.ray.get(self.controller.log_tail.remote(name, lines), timeout=CALL_TIMEOUT_S)
 
+    def nodes(self) -> dict[str, NodeState]:
+        """Each node's role, state and host (address, name, CPU, cores, GPU), as the controller knows them now."""
+        keys = ("ip", "host", "cpu", "cores", "gpu")
+        return {name: NodeState(name, n["role"], n["state"], {k: n.get(k) for k in keys})
+                for name, n in self.status()["nodes"].items()}
+
     def node_hardware(self) -> dict[str, dict[str, Any]]:
         """Each node's host: address, name, CPU, cores, GPU."""
-        keys = ("ip", "host", "cpu", "cores", "gpu")
-        return {name: {k: n.get(k) for k in keys} for name, n in self.status()["nodes"].items()}
+        return {name: dict(node.host) for name, node in self.nodes().items()}
 
     def scale(self, drafters: int) -> dict[str, Any]:
         """Run ``drafters`` drafters (:meth:`Controller.scale`); returns the new status."""
@@ -517,12 +521,9 @@ class RayCluster:
         await asyncio.to_thread(self.status)  # where each node runs now
         return pong
 
-    async def follow(self, client: Any) -> None:
-        """Point ``client`` at the verifier's address when a restart moved it."""
-        status = await asyncio.to_thread(self.status)
-        if status["client_address"] != client.address:
-            log.warning("the verifier moved to %s; the client follows", status["client_address"])
-            await client.retarget(status["client_address"])
+    async def client_address(self) -> str:
+        """Where the verifier takes clients now (a restart may have moved it to another host)."""
+        return (await asyncio.to_thread(self.status))["client_address"]
 
     def stop(self, timeout_s: float = 30.0, keep_logs: bool = False) -> None:
         import shutil

@@ -7,7 +7,7 @@ process. Nothing here imports Ray at module level: the class is wrapped with ``r
 
 What a node gets, as call arguments (nothing through files or the environment):
 
-- its config (a plain dict, endpoints filled in by the launcher);
+- its typed config (a :class:`shared.config.Config`, endpoints filled in by the launcher, pickled by Ray);
 - the CURVE key files it needs (the launcher generated them for this run), written here into a private folder of
   this host; every link of a Ray launch runs CURVE (:func:`runtime.ray_launch.ray_config`);
 - for a drafter with ``launch.link_delay_ms``: the verifier's address, which it reaches through a
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import logging
 import os
 import shutil
@@ -29,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from runtime import security
+from shared.config import Config
 
 #: Log lines each actor keeps for :meth:`NodeHost.log_tail` (its stdout also goes to Ray's log files on its host).
 LOG_LINES = 2000
@@ -156,10 +158,11 @@ class NodeHost:
 
         return free_ports(ray.util.get_node_ip_address(), count, preferred)
 
-    def serve(self, role: str, config: dict[str, Any], keys: dict[str, bytes], link_delay_ms: float = 0.0) -> int:
+    def serve(self, role: str, config: Config, keys: dict[str, bytes], link_delay_ms: float = 0.0) -> int:
         """Run the node until :meth:`stop` (returns 0) or until it fails (raises :class:`NodeFailed` with the end
         of its log)."""
-        from runtime.node_setup import node_log_level, prepare_models
+        from runtime.launchers.node import build_node, install_models, links_for
+        from runtime.node_setup import node_log_level
         from weights.progress import quiet_library_bars
 
         root = logging.getLogger()
@@ -170,17 +173,10 @@ class NodeHost:
         self.stopping.clear()
         proxy = None
         try:
-            keys_dir = self.work_dir / "keys"
-            shutil.rmtree(keys_dir, ignore_errors=True)
-            write_keys(keys_dir, keys)
-            config = {**config, "security": {**config["security"], "keys_dir": str(keys_dir)}}
-            if role == "drafter" and link_delay_ms > 0:
-                host, port = security.drafter_link(config).removeprefix("tcp://").rsplit(":", 1)
-                proxy = _DelayProxy((host.strip("[]"), int(port)), link_delay_ms)
-                config = {**config, "drafter": {**config["drafter"],
-                                                "verifier_endpoint": f"tcp://127.0.0.1:{proxy.port}"}}
-            prepare_models({**config, "launch": {**config["launch"], "start_drafter": role == "drafter"}})
-            self.node = self._build(role, config)
+            config, proxy = self._on_this_host(role, config, keys, link_delay_ms)
+            install_models(config, role)
+            # every link runs CURVE, so no run secret is asked or shown
+            self.node = build_node(role, config, links_for(role, config, None))
             if self.stopping.is_set():  # stop() came while the model loaded
                 return 0
             code = self.node.serve()
@@ -193,18 +189,20 @@ class NodeHost:
             if proxy is not None:
                 proxy.close()
 
-    @staticmethod
-    def _build(role: str, config: dict[str, Any]) -> Any:
-        """The node, from its typed config; every link runs CURVE, so no run secret is asked or shown."""
-        from runtime.config import typed
-
-        if role == "verifier":
-            from verifier_node.server import VerifierServer
-
-            return VerifierServer.from_config(typed(config), links=security.verifier_links(config))
-        from drafter_node.node import DrafterNode
-
-        return DrafterNode.from_config(typed(config), links=security.drafter_links(config))
+    def _on_this_host(self, role: str, config: Config, keys: dict[str, bytes],
+                      link_delay_ms: float) -> tuple[Config, _DelayProxy | None]:
+        """``config`` with this host's keys folder (the key files written there), and for a drafter with a link
+        delay its verifier address through a :class:`_DelayProxy` started here."""
+        keys_dir = self.work_dir / "keys"
+        shutil.rmtree(keys_dir, ignore_errors=True)
+        write_keys(keys_dir, keys)
+        config = dataclasses.replace(config, security=dataclasses.replace(config.security, keys_dir=str(keys_dir)))
+        if role != "drafter" or link_delay_ms <= 0:
+            return config, None
+        host, port = security.drafter_link(config.as_dict()).removeprefix("tcp://").rsplit(":", 1)
+        proxy = _DelayProxy((host.strip("[]"), int(port)), link_delay_ms)
+        drafter = dataclasses.replace(config.drafter, verifier_endpoint=f"tcp://127.0.0.1:{proxy.port}")
+        return dataclasses.replace(config, drafter=drafter), proxy
 
     def stop(self) -> None:
         """Ask the node to stop (its :meth:`serve` call then returns)."""

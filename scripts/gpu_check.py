@@ -4,7 +4,7 @@
 Everything is built on the spot (no downloads, no real weights) and the run prints one table:
 
 - ``a`` greedy identity: tiny Llama and Qwen2 targets (``testkit/tiny_models.py``) with an identical and a random
-  drafter, in float32 and bfloat16. Each runs as a real cluster (``runtime.launch.cluster``, both nodes on
+  drafter, in float32 and bfloat16. Each runs as a real cluster (``runtime.launchers.cluster``, both nodes on
   ``--device``) and is compared token by token with transformers ``generate(do_sample=False)`` of the target alone on
   the same device and dtype. float32 must match everywhere (else the exit code is 1); bfloat16 is reported only,
   since a batched verification forward and one-token forwards may round differently.
@@ -319,7 +319,7 @@ async def run_generations(config: dict[str, Any], requests: list[dict[str, Any]]
             return [await client.generate(**request) for request in requests]
         except Exception as exc:
             tails = "\n".join(f"--- end of {role} log ---\n{client.cluster.log_tail(role)}"
-                              for role in client.processes)
+                              for role in client.cluster.nodes())
             raise RuntimeError(f"{type(exc).__name__}: {exc}\n{tails}") from exc
 
 

@@ -3,7 +3,7 @@
 key's default, bounds and one-line doc, declared once).
 
 They live down here, not in ``runtime/``, because the nodes take the whole typed config
-(:class:`drafter_node.settings.Config`) and a node may not import ``runtime/`` (tests/test_layers.py). The drafter
+(:class:`shared.config.Config`) and a node may not import ``runtime/`` (tests/test_layers.py). The drafter
 reads the ``verifier`` section too (its endpoint, message limit, model and device), so that section is not the
 verifier node's alone. ``runtime/config_schema.py`` lists every section in the reference's order.
 """
@@ -30,8 +30,9 @@ from shared.sampling import MAX_NEW_TOKENS
 from shared.settings import setting
 from shared.transport import CURVE_MODES
 
-#: ``launch.backend``: child processes of the launcher, or actors on a Ray cluster (runtime/ray_launch.py).
-LAUNCH_BACKENDS = ("process", "ray")
+#: ``launch.backend``: child processes of the launcher, threads of the launcher's process (tests), or actors on a Ray
+#: cluster (the registry: runtime/launchers/__init__.py).
+LAUNCH_BACKENDS = ("process", "inproc", "ray")
 #: ``launch.placement_strategy``: Ray's placement group strategies.
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
@@ -191,7 +192,8 @@ class LaunchConfig:
     )
     backend: str = setting(
         "process",
-        "process: the nodes are child processes of this one; ray: actors on a Ray cluster (docs/ray.md).",
+        "process: the nodes are child processes of this one; inproc: threads of this process (tests, debugging); "
+        "ray: actors on a Ray cluster (docs/ray.md).",
         kind="str",
         choices=LAUNCH_BACKENDS,
     )

@@ -64,7 +64,7 @@ def node_zygote(request, tmp_path_factory):
     from node_entry import restore, route_nodes_here
     from node_zygote import ZYGOTE_ENV, zygote_env_value
 
-    from runtime import launch
+    from runtime.launchers import process as launch
 
     starts_nodes = any(item.get_closest_marker(tier) for item in request.session.items for tier in NODE_TIERS)
     if not starts_nodes or os.environ.get("PIPESPEC_TEST_NO_ZYGOTE", "") not in ("", "0"):

@@ -596,3 +596,39 @@ def test_every_registered_block_length_key_is_capped():
         assert spec.fixed_k is None or spec.block_length_key is None
     assert keyed == {"prompt_lookup": MAX_DRAFT_TOKENS, "suffix": MAX_DRAFT_TOKENS}
     assert [name for name in DRAFTER_TYPES if drafter_spec(name).fixed_k] == ["mtp"]
+
+
+def test_a_type_hook_returns_what_it_normalised_and_cannot_change_the_config(monkeypatch, tmp_path):
+    """A spec's ``check`` sees a read-only view; the keys it returns are what the loader sets (e.g. a path made
+    absolute), and a hook that tries to write is a bug said as such, not a silent change."""
+    (tmp_path / "config.json").write_text("{}")
+
+    def normalise(config):
+        return {"toy_path": str(Path(config["drafter"]["toy_path"]).expanduser().resolve())}
+
+    def writes(config):
+        config["drafter"]["toy_path"] = "elsewhere"
+        return {}
+
+    spec = DrafterSpec(name="toy", cls="toy_type_toy:ToyDrafter", title="toy drafting", sends_q=False,
+                       keys={"toy_path": "."}, check=normalise)
+    _register(monkeypatch, spec)
+    toy = {"drafter.type": "toy", "drafter.model": str(tmp_path)}
+    monkeypatch.chdir(tmp_path)
+    assert load_config("cpu.yaml", toy)["drafter"]["toy_path"] == str(tmp_path.resolve())
+    _register(monkeypatch, DrafterSpec(name="toy", cls="toy_type_toy:ToyDrafter", title="toy drafting",
+                                       sends_q=False, keys={"toy_path": "."}, check=writes))
+    with pytest.raises(TypeError):
+        load_config("cpu.yaml", toy)
+
+
+def test_the_gguf_check_returns_the_absolute_path(tmp_path, monkeypatch):
+    from drafter_node.type_specs.gguf import SPEC
+
+    (tmp_path / "d.gguf").write_bytes(b"GGUF" + b"\0" * 16)
+    monkeypatch.chdir(tmp_path)
+    view = {"drafter": {"model": "d.gguf", "device": "cpu"}}
+    assert SPEC.check(view) == {"model": str(tmp_path / "d.gguf")}
+    assert view["drafter"]["model"] == "d.gguf"  # the view it read is untouched
+    named = next(iter(named_models.NAMED_MODELS))
+    assert SPEC.check({"drafter": {"model": named, "device": "cpu"}}) == {}  # a named model stays a name

@@ -95,7 +95,7 @@ def test_drafter_killed_mid_request_still_completes(tiny):
                                             include_result=True):
                 if isinstance(item, Chunk):
                     if not got:
-                        client.processes["drafter"].kill()
+                        client.cluster.processes["drafter"].kill()
                     got += item.token_ids
                 else:
                     result = item

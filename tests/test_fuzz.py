@@ -273,7 +273,7 @@ def test_fuzz_both_sockets(tiny):
                 generate_client(client_ep, Mutator(SEED + 13, MAX_BYTES), tally),
             )
             elapsed = time.monotonic() - t0
-            alive = {role: p.poll() is None for role, p in client.processes.items()}
+            alive = {role: p.poll() is None for role, p in client.cluster.processes.items()}
             await wait_for_drafter(client)  # a live drafter (the real one) after the fake one fell silent
             pong = await client.ping()
             after = await asyncio.wait_for(client.generate(token_ids=PROMPT, max_new_tokens=16, eos_token_ids=[]),

@@ -329,7 +329,9 @@ def test_hybrid_target_rolls_back_with_the_grammar(model_dir, tokenizer_dir):
 
 
 def test_generate_flags_become_the_clients_constraint(tmp_path):
-    from runtime.launch import ConfigError, _constraint, _parser
+    from runtime.config import ConfigError
+    from runtime.launch import _parser
+    from runtime.launch_args import constraint as _constraint
 
     schema = tmp_path / "s.json"
     schema.write_text('{"type": "object"}')

@@ -81,7 +81,7 @@ def test_nodes_started_through_a_test_entry_behave_the_same(tiny):
 
     async def main():
         async with cluster(config, entry=entry) as client:
-            cmdlines = [" ".join(p.args) for p in client.processes.values()]
+            cmdlines = [" ".join(p.args) for p in client.cluster.processes.values()]
             return cmdlines, await client.generate(token_ids=PROMPTS[0], max_new_tokens=20, eos_token_ids=[])
 
     cmdlines, result = asyncio.run(main())

@@ -1,8 +1,13 @@
-"""Layers run one way: shared/ (bottom) -> verifier_node/, drafter_node/ -> runtime/, http_server/, weights/ (top).
+"""Layers run one way: shared/ (bottom) -> verifier_node/, drafter_node/, weights/ -> runtime/ -> http_server/ ->
+benchmarks/ -> the commands (top).
 
 Every ``.py`` under the layered packages is parsed with ``ast`` and every import, including those inside functions
 (a lazy import still ties the modules together), becomes an edge of the module graph. The tests assert that no edge
-goes from a lower layer to a higher one and that the graph has no cycle, naming the offending modules.
+goes from a lower layer to a higher one, that packages of one layer do not import each other (the verifier node and
+the drafter node meet only in shared/), and that the graph has no cycle, naming the offending modules.
+
+The commands (:data:`COMMANDS`: ``pipespec``, ``python -m runtime.launch``, ``python -m runtime.config_doc``) are
+the composition root: they may start the HTTP server and the benchmarks, and nothing in the packages imports them.
 """
 
 from __future__ import annotations
@@ -17,17 +22,21 @@ pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parent.parent
 
-#: Layer of each top-level package; an import may only go to the same or a lower number. runtime/ starts the HTTP
-#: server (runtime/launch.py), so runtime/ and http_server/ form one top layer. weights/ (the named models'
-#: installer) is up there too: the launcher installs, the nodes and shared/ only look a model's folder up.
+#: Layer of each top-level package; an import may only go to the same package or a lower layer. weights/ (the named
+#: models' installer) sits beside the nodes: the launcher installs, the nodes and shared/ only look a folder up.
+#: http_server/ is a client of runtime/ (runtime.client), and the benchmarks drive both.
 LAYERS: dict[str, int] = {
     "shared": 0,
     "verifier_node": 1,
     "drafter_node": 1,
+    "weights": 1,
     "runtime": 2,
-    "http_server": 2,
-    "weights": 2,
+    "http_server": 3,
+    "benchmarks": 4,
 }
+#: The command modules: the top layer (they compose every package; nothing but another command imports them).
+COMMANDS: frozenset[str] = frozenset({"runtime.cli", "runtime.launch", "runtime.config_doc"})
+TOP = max(LAYERS.values()) + 1
 
 
 def _module_name(path: Path, root: Path) -> str:
@@ -77,12 +86,19 @@ def import_graph(root: Path = ROOT, packages: Iterable[str] = LAYERS) -> dict[st
     return graph
 
 
-def upward_edges(graph: Mapping[str, Iterable[str]], layers: Mapping[str, int] = LAYERS) -> list[tuple[str, str]]:
-    """Imports from a module to one in a higher layer."""
+def upward_edges(graph: Mapping[str, Iterable[str]], layers: Mapping[str, int] = LAYERS,
+                 commands: frozenset[str] = COMMANDS) -> list[tuple[str, str]]:
+    """Imports from a module to one in a higher layer, or to another package of its own layer."""
     def layer(module: str) -> int:
-        return layers[module.split(".")[0]]
+        return TOP if module in commands else layers[module.split(".")[0]]
 
-    return sorted((a, b) for a, targets in graph.items() for b in targets if layer(b) > layer(a))
+    def package(module: str) -> str:
+        return module.split(".")[0]
+
+    def wrong(a: str, b: str) -> bool:
+        return layer(b) > layer(a) or (layer(b) == layer(a) < TOP and package(a) != package(b))
+
+    return sorted((a, b) for a, targets in graph.items() for b in targets if wrong(a, b))
 
 
 def cycles(graph: Mapping[str, Iterable[str]]) -> list[list[str]]:
@@ -131,7 +147,9 @@ def cycles(graph: Mapping[str, Iterable[str]]) -> list[list[str]]:
 
 
 def test_no_upward_import() -> None:
-    bad = upward_edges(import_graph())
+    graph = import_graph()
+    assert set(graph) >= COMMANDS, f"a command module was renamed: {sorted(COMMANDS - set(graph))}"
+    bad = upward_edges(graph)
     assert not bad, "imports from a lower layer to a higher one:\n" + "\n".join(f"  {a} -> {b}" for a, b in bad)
 
 
@@ -159,4 +177,25 @@ def test_checker_fails_on_a_cycle_and_an_upward_edge() -> None:
     assert cycles(graph) == [["shared.x", "shared.y"]]
     assert upward_edges(graph) == [("verifier_node.v", "runtime.r")]
     assert cycles({"a": {"b"}, "b": {"c"}, "c": set()}) == []
-    assert upward_edges({"runtime.r": {"shared.s", "http_server.h"}, "shared.s": set(), "http_server.h": set()}) == []
+    assert upward_edges({"http_server.h": {"runtime.r", "shared.s"}, "runtime.r": set(), "shared.s": set()}) == []
+
+
+@pytest.mark.parametrize(("edge", "why"), [
+    (("runtime.launchers", "http_server.serve"), "the runtime library starts no HTTP server"),
+    (("runtime.ray_launch", "benchmarks.bench"), "the runtime library runs no benchmark"),
+    (("verifier_node.server", "drafter_node.settings"), "the nodes meet in shared/ only"),
+    (("drafter_node.node", "verifier_node.rounds"), "the nodes meet in shared/ only"),
+    (("http_server.app", "benchmarks.load"), "the HTTP server runs no benchmark"),
+    (("benchmarks.sweep", "runtime.launch"), "nothing in the packages imports a command"),
+])
+def test_checker_catches_each_stray_edge(edge, why) -> None:
+    a, b = edge
+    assert upward_edges({a: {b}, b: set()}) == [edge], why
+
+
+def test_commands_compose_everything() -> None:
+    """A command may import any layer; another command too (the docs generator reads the CLI's flags)."""
+    graph = {"runtime.launch": {"http_server.serve", "runtime.launchers"}, "runtime.cli": {"benchmarks.bench",
+             "runtime.launch"}, "runtime.config_doc": {"runtime.cli"}, "http_server.serve": set(),
+             "runtime.launchers": set(), "benchmarks.bench": set()}
+    assert upward_edges(graph) == []

@@ -63,7 +63,7 @@ def test_two_drafters_share_sessions_and_a_killed_one_hands_them_over(tiny):
                 return len([d for d in live_drafters(pong) if d["sessions"] > 0]) == 2 and pong
 
             busy = await until(both_busy, "both drafters to hold sessions")
-            client.processes["drafter2"].kill()
+            client.cluster.processes["drafter2"].kill()
             results = await asyncio.gather(*tasks, return_exceptions=True)
 
             async def one_dead():

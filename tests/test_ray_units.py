@@ -12,7 +12,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from runtime import cli, keys, launch
+from runtime import cli, keys, launch, launch_args
 from runtime.client import AsyncClient
 from runtime.config import ConfigError, load_config
 from runtime.node_setup import node_names
@@ -48,7 +48,7 @@ def test_the_config_checks_placements_and_the_ray_only_keys() -> None:
         load_config("cpu.yaml", {"drafter.placement": {"resources": {"CPU": 1}}})
     with pytest.raises(ConfigError, match=r"launch.link_delay_ms: only the ray backend"):
         load_config("cpu.yaml", {"launch.link_delay_ms": 5})
-    with pytest.raises(ConfigError, match=r"launch.backend: must be one of process, ray"):
+    with pytest.raises(ConfigError, match=r"launch.backend: must be one of process, inproc, ray"):
         load_config("cpu.yaml", {"launch.backend": "ssh"})
     config = load_config("cpu.yaml", {"launch.backend": "ray", "launch.link_delay_ms": 5})
     assert ray_config(config)["security"]["curve"] == "on", "every link of a Ray launch runs CURVE"
@@ -115,7 +115,8 @@ def test_ray_flags_set_the_backend_and_are_refused_where_they_mean_nothing() -> 
     args = cli.parser().parse_args(["serve", "--ray"])
     config = cli.build_config(args, serve=True)
     assert config["launch"]["backend"] == "ray" and config["launch"]["ray_address"] is None
-    assert launch.ray_overrides(None) == {}
+    assert launch_args.ray_overrides(None) == {}
+    assert launch_args.launcher_overrides("ray", "h:1") == {"launch.backend": "ray", "launch.ray_address": "h:1"}
     assert launch.main(["--role", "verifier", "--ray"]) == 2
 
 
@@ -160,3 +161,57 @@ async def test_a_client_follows_the_verifier_to_its_new_address(tmp_path) -> Non
         old.close(0)
         new.close(0)
         ctx.term()
+
+
+def test_a_node_host_serves_the_typed_config_it_was_handed(tiny, tmp_path) -> None:
+    """What a Ray actor runs, without Ray: the controller's typed config, pickled as Ray pickles a call argument,
+    and the run's key files; the host writes its keys, builds the node with the one ``build_node`` and serves. A
+    verifier and a drafter host on loopback over CURVE give transformers' greedy output."""
+    import pickle
+    import threading
+
+    from conftest import tiny_config
+
+    from runtime.config import typed
+    from runtime.ray_node import NodeHost
+    from testkit.tiny_models import reference_greedy
+
+    target = tiny("llama", "target")
+    ports = free_ports("127.0.0.1", 2)
+    config = ray_config(load_config(tiny_config(target, target), {
+        "verifier.endpoint": f"tcp://127.0.0.1:{ports[0]}", "client.endpoint": f"tcp://127.0.0.1:{ports[1]}"}))
+    keys.init(tmp_path / "keys", clients=["client"], drafters=["drafter"])
+    shipped = pickle.loads(pickle.dumps(typed(config)))  # what Ray hands the actor
+    hosts = {role: NodeHost(role) for role in ("verifier", "drafter")}
+    done: dict[str, object] = {}
+
+    def serve(role: str) -> None:
+        try:
+            done[role] = hosts[role].serve(role, shipped, key_material(tmp_path / "keys", role))
+        except Exception as exc:  # reported below
+            done[role] = exc
+
+    threads = [threading.Thread(target=serve, args=(role,), daemon=True) for role in hosts]
+    for t in threads:
+        t.start()
+    write_keys(tmp_path / "client", key_material(tmp_path / "keys", "client"))
+
+    async def main():
+        async with AsyncClient(config["client"]["endpoint"], timeout_s=60,
+                               curve=keys.client_keys(tmp_path / "client")) as client:
+            for _ in range(300):
+                if len((await client.ping(timeout_s=5.0)).get("drafters") or []) >= 1:
+                    break
+                await asyncio.sleep(0.2)
+            return await client.generate(token_ids=[5, 17, 33], max_new_tokens=8, eos_token_ids=[])
+
+    try:
+        result = asyncio.run(main())
+    finally:
+        for host in hosts.values():
+            host.stop()
+        for t in threads:
+            t.join(30)
+    assert result.token_ids == reference_greedy(target, [5, 17, 33], 8)
+    assert result.metrics["drafts"] > 0
+    assert done == {"verifier": 0, "drafter": 0}, done

@@ -49,7 +49,7 @@ POISON = 150  # the token whose embedding is NaN in the poisoned model
 
 
 def alive(client) -> bool:
-    return all(p.poll() is None for p in client.processes.values())
+    return all(p.poll() is None for p in client.cluster.processes.values())
 
 
 async def expect_error(coro, code: str) -> PipespecError:

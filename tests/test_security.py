@@ -25,6 +25,7 @@ from runtime.config import ConfigError, check_security, load_config, typed
 from runtime.delay_proxy import serve as serve_proxy
 from runtime.keys import add, client_keys, init, peer_keys, server_keys
 from runtime.launch import Cluster, LaunchError, cluster
+from runtime.launchers import LaunchOptions
 from shared.models import load_tokenizer, tokenizer_id
 from shared.protocol import Capabilities, Generate, Hello, decode, encode
 from shared.transport import Authenticator, ClientKeys, bind_router, connect_dealer
@@ -325,7 +326,7 @@ def test_ipc_hello_without_the_run_secret_is_refused(tiny):
             nodes = client.cluster
             out["mode"] = stat.S_IMODE(os.stat(nodes.run_dir).st_mode)
             out["secret"] = secret = nodes.run_secret
-            pid = client.processes["verifier"].pid
+            pid = client.cluster.processes["verifier"].pid
             out["argv"] = Path(f"/proc/{pid}/cmdline").read_bytes()
             out["environ"] = Path(f"/proc/{pid}/environ").read_bytes()
             end = client.config["verifier"]["endpoint"]
@@ -358,10 +359,10 @@ def test_a_run_folder_others_can_open_is_refused(tiny, tmp_path):
     shared_dir.mkdir(mode=0o755)
     os.chmod(shared_dir, 0o755)
     with pytest.raises(LaunchError, match="open to other users"):
-        Cluster(config, run_dir=str(shared_dir))
+        Cluster(config, LaunchOptions(run_dir=str(shared_dir)))
     assert security.private_run_dir(shared_dir, make_private=True) == str(shared_dir)  # the launcher's default
     assert stat.S_IMODE(os.stat(shared_dir).st_mode) == 0o700
-    fresh = Cluster(config, run_dir=str(tmp_path / "new" / "run"))  # made 0700
+    fresh = Cluster(config, LaunchOptions(run_dir=str(tmp_path / "new" / "run")))  # made 0700
     assert stat.S_IMODE(os.stat(fresh.run_dir).st_mode) == 0o700
     assert fresh.run_secret and not fresh.processes
     kept = Path(fresh.run_dir) / security.SECRET_FILE  # for a --role drafter --run-dir joining this run later

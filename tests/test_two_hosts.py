@@ -105,7 +105,7 @@ def test_two_namespaces_over_curve_tcp(tiny, tmp_path, net):
     async def main():
         out = {}
         async with cluster(config, prefix={"verifier": net.exec("a"), "drafter": net.exec("b")}) as client:
-            out["ns"] = {role: netns_of(proc.pid) for role, proc in client.processes.items()}
+            out["ns"] = {role: netns_of(proc.pid) for role, proc in client.cluster.processes.items()}
             out["results"] = await asyncio.gather(*(
                 client.generate(token_ids=p, max_new_tokens=24, eos_token_ids=[]) for p in PROMPTS))
             direct = f"tcp://{net.a}:{VERIFIER_PORT}"

@@ -35,9 +35,8 @@ from typing import Any
 import torch
 import zmq
 
-from drafter_node.settings import Config
-from drafter_node.types import DRAFTER_TYPES
 from shared.backend import DynamicBackend, TargetBackend, make_backend
+from shared.config import DRAFTER_TYPE_NAMES, Config
 from shared.config_sections import VerifierConfig
 from shared.cores import CoreLeases, leases_for
 from shared.costs.cache import CurveCheck
@@ -742,7 +741,7 @@ class VerifierServer:
         A known type with no live drafter is not an error: the request takes plain steps until one joins."""
         if value is None:
             return None
-        known = set(DRAFTER_TYPES) | self.pool.types()
+        known = set(DRAFTER_TYPE_NAMES) | self.pool.types()
         if value not in known:
             raise ParamError(f"drafter_type must be one of {', '.join(sorted(known))}, got {value!r}")
         return value

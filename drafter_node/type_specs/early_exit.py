@@ -18,7 +18,7 @@ class EarlyExitSettings:
                                         kind="int", bounds=(1, None))
 
 
-def _check_model(config: dict[str, Any], local: LocalFolder) -> None:
+def _check_model(config: Mapping[str, Mapping[str, Any]], local: LocalFolder) -> None:
     folder = local(config["drafter"]["model"])
     if folder is None:
         return

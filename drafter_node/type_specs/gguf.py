@@ -7,9 +7,10 @@ The type needs llama-cpp-python, which ``make setup`` builds for the machine's C
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from typing import Any
 
-from drafter_node.spec import DrafterSpec, SpecError
+from drafter_node.spec import DrafterSpec, Normalised, SpecError
 
 
 def gguf_file_problem(path: str) -> str | None:
@@ -23,8 +24,8 @@ def gguf_file_problem(path: str) -> str | None:
     return None if magic == b"GGUF" else "it is not a GGUF file (it does not start with 'GGUF')"
 
 
-def _check(config: dict[str, Any]) -> None:
-    """``drafter.model``: a named model or a readable file that starts with the GGUF magic (made absolute: the
+def _check(config: Mapping[str, Mapping[str, Any]]) -> Normalised:
+    """``drafter.model``: a named model or a readable file that starts with the GGUF magic (returned absolute: the
     node runs in another directory); ``drafter.device``: cpu (llama.cpp's CPU build)."""
     from shared.named_models import NAMED_MODELS
 
@@ -32,14 +33,15 @@ def _check(config: dict[str, Any]) -> None:
     value = drafter["model"]
     if not value or not isinstance(value, str):
         raise SpecError("drafter.model: missing model (a .gguf file or a named model)")
-    if value not in NAMED_MODELS:
-        problem = gguf_file_problem(value)
-        if problem is not None:
-            raise SpecError(f"drafter.model: {value!r} is not a GGUF file or a named model "
-                            f"({', '.join(NAMED_MODELS)}): {problem}")
-        drafter["model"] = os.path.abspath(os.path.expanduser(value))
     if drafter["device"] != "cpu":
         raise SpecError(f"drafter.device: the gguf type runs llama.cpp's CPU build, got {drafter['device']!r}")
+    if value in NAMED_MODELS:
+        return {}
+    problem = gguf_file_problem(value)
+    if problem is not None:
+        raise SpecError(f"drafter.model: {value!r} is not a GGUF file or a named model "
+                        f"({', '.join(NAMED_MODELS)}): {problem}")
+    return {"model": os.path.abspath(os.path.expanduser(value))}
 
 
 SPEC = DrafterSpec(

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from drafter_node.spec import DrafterSpec, LocalFolder
 
 
-def _check_model(config: dict[str, Any], local: LocalFolder) -> None:
+def _check_model(config: Mapping[str, Mapping[str, Any]], local: LocalFolder) -> None:
     folder = local(config["drafter"]["model"])
     if folder is None:
         return

@@ -73,8 +73,31 @@ def resolve_auto_dtype(load: Callable[[str], Any], model_path: str, device: str,
         profile.candidates = {gpu_dtype: score(profile, sizes)}
         return model, profile
 
-    if load_probe is not None:
+    probe = load_probe is not None
+    if probe:
         load, variant = load_probe, f"{variant}|probe"
+    profiles = _cached_profiles(model_path, device, threads, sizes, variant, fresh, progress)
+    held = _measure_missing(profiles, load, model_path, device, threads, sizes, budget_s / 2, progress, variant, fresh)
+    scores = {dtype: score(p, sizes) for dtype, p in profiles.items() if p is not None}
+    winner = min(scores, key=lambda d: (scores[d], d != "bfloat16"))  # a tie goes to the smaller footprint
+    if held is not None and held[0] == winner and not probe:
+        model = held[1]
+    else:  # the probes were cut models: the winner is loaded whole, after the last one held is freed
+        held = None
+        _collect()
+        model = full_load(winner)
+    profile = profiles[winner]
+    assert profile is not None
+    profile.candidates = scores
+    if progress:
+        listed = ", ".join(f"{d} {s * 1e3:.1f} ms" for d, s in scores.items())
+        progress(f"dtype auto for {Path(model_path).name}: {winner} (score {listed})")
+    return model, profile
+
+
+def _cached_profiles(model_path: str, device: str, threads: list[int], sizes: list[int], variant: str, fresh: bool,
+                     progress: ProgressFn | None) -> dict[str, NodeProfile | None]:
+    """Each CPU candidate's cached profile (None: to be measured; all None with ``fresh``)."""
     profiles: dict[str, NodeProfile | None] = {}
     for dtype in AUTO_CPU_DTYPES:
         cached = None
@@ -83,6 +106,14 @@ def resolve_auto_dtype(load: Callable[[str], Any], model_path: str, device: str,
             if cached is not None and progress:
                 progress(f"profile of {Path(model_path).name} {dtype} on {device}: cached")
         profiles[dtype] = cached
+    return profiles
+
+
+def _measure_missing(profiles: dict[str, NodeProfile | None], load: Callable[[str], Any], model_path: str,
+                     device: str, threads: list[int], sizes: list[int], budget_s: float, progress: ProgressFn | None,
+                     variant: str, fresh: bool) -> tuple[str, Any] | None:
+    """Measure the candidates without a profile (into ``profiles``), one model in memory at a time; returns the
+    last one measured, ``(dtype, model)``, still loaded (None when all were cached)."""
     # Measure the likelier loser first, so the model in memory at the end is most often the winner.
     flags = hardware_flags()
     native_bf16 = flags["avx512_bf16"] or flags["amx"]
@@ -95,28 +126,11 @@ def resolve_auto_dtype(load: Callable[[str], Any], model_path: str, device: str,
             held = None
             _collect()
         model = load(dtype)
-        profiles[dtype] = load_or_measure(model, model_path, device, dtype, threads, sizes, budget_s / 2, progress,
+        profiles[dtype] = load_or_measure(model, model_path, device, dtype, threads, sizes, budget_s, progress,
                                           variant=variant, fresh=fresh)
         held = (dtype, model)
         del model
-    scores = {dtype: score(p, sizes) for dtype, p in profiles.items() if p is not None}
-    winner = min(scores, key=lambda d: (scores[d], d != "bfloat16"))  # a tie goes to the smaller footprint
-    if load_probe is not None:  # the probes were cut models: the winner is loaded whole, after the last probe is freed
-        load = full_load
-    if held is not None and held[0] == winner and load_probe is None:
-        model = held[1]
-        held = None
-    else:
-        held = None
-        _collect()
-        model = load(winner)
-    profile = profiles[winner]
-    assert profile is not None
-    profile.candidates = scores
-    if progress:
-        listed = ", ".join(f"{d} {s * 1e3:.1f} ms" for d, s in scores.items())
-        progress(f"dtype auto for {Path(model_path).name}: {winner} (score {listed})")
-    return model, profile
+    return held
 
 
 def dtype_reason(profile: NodeProfile) -> str:
