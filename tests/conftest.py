@@ -22,8 +22,8 @@ torch.set_num_threads(1)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-#: The tiers of pyproject.toml's markers; every test carries at least one (a file's ``pytestmark`` or its own).
-TIERS = ("unit", "compile", "cluster", "statistical", "netns", "ci", "slow", "ray")
+#: The tiers of pyproject.toml's markers; every test carries at least one: its own, or else its file's ``pytestmark``.
+TIERS = ("unit", "process", "compile", "cluster", "statistical", "netns", "ci", "slow", "ray")
 #: The tiers whose tests start node processes.
 NODE_TIERS = ("cluster", "statistical", "netns", "ci", "slow")
 
@@ -32,13 +32,29 @@ def _tiers(item) -> list[str]:
     return [tier for tier in TIERS if item.get_closest_marker(tier)]
 
 
+def _file_tier_is_the_default(items) -> None:
+    """A file's ``pytestmark`` tier is the tier of its tests that name none of their own: a test (or a parameter)
+    marked with another tier is in that tier only (a probe in a child process among unit tests: ``process``)."""
+    modules = {item.getparent(pytest.Module) for item in items} - {None}
+    defaults = {}
+    for module in modules:
+        defaults[module] = [mark for mark in module.own_markers if mark.name in TIERS]
+        module.own_markers[:] = [mark for mark in module.own_markers if mark.name not in TIERS]
+    for item in items:
+        if not any(mark.name in TIERS for mark in item.iter_markers()):
+            for mark in defaults.get(item.getparent(pytest.Module), []):
+                item.add_marker(mark.name)  # tier marks take no arguments
+
+
 def _refuse(what: str, nodeids: list[str], fix: str) -> None:
     if nodeids:
         more = " …" if len(nodeids) > 10 else ""
         raise pytest.UsageError(f"{what}: {', '.join(nodeids[:10])}{more}; {fix}")
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m` selects: the tiers it reads are settled here
 def pytest_collection_modifyitems(config, items):
+    _file_tier_is_the_default(items)
     _refuse(f"tests without a tier marker ({', '.join(TIERS)})", [i.nodeid for i in items if not _tiers(i)],
             "add `pytestmark = pytest.mark.<tier>` to the file")
     # `make test-fast` (-m unit) must stay under a minute: a test in another tier too (a compile warm-up, nodes)
@@ -139,16 +155,40 @@ def sharp_pair(tmp_path_factory):
 
 
 
-def start_cluster(config: dict, hooks: Mapping[str, str] | None = None, **kwargs):
+#: How :func:`start_cluster` starts nodes when a test does not say: ``inproc`` (threads of the test process: one
+#: sampling check of 800 requests took 7.7 s of CPU against 21 s as processes, busy 2-core machine) or ``process``
+#: (each node a process forked from the session's zygote). ``PIPESPEC_TEST_LAUNCHER`` overrides it for every test
+#: that leaves the choice open (to compare, or to rule one out). Tests that start clusters with
+#: ``runtime.launch.cluster`` itself keep real node processes.
+DEFAULT_LAUNCHER = "inproc"
+LAUNCHERS = ("process", "inproc")
+
+
+def launcher_for(choice: str | None = None) -> str:
+    """The launcher a test's cluster starts with: the test's own ``choice``, else ``PIPESPEC_TEST_LAUNCHER``, else
+    :data:`DEFAULT_LAUNCHER`."""
+    name = choice or os.environ.get("PIPESPEC_TEST_LAUNCHER") or DEFAULT_LAUNCHER
+    if name not in LAUNCHERS:
+        raise ValueError(f"test launcher {name!r}: one of {', '.join(LAUNCHERS)}")
+    return name
+
+
+def start_cluster(config: dict, hooks: Mapping[str, str] | None = None, launcher: str | None = None, **kwargs):
     """``runtime.launch.cluster`` for a test: ``async with start_cluster(config) as client``. The one place that
-    chooses how a test's nodes start. ``hooks``: role → a tests/node_entry.py hook (``"accept_all"``, or
-    ``"name=argument"``) the node runs with; the process launcher gets it as the node's entry script (forked from the
-    session's zygote like every test node). ``kwargs`` go to ``cluster``."""
-    from node_entry import node_entry
+    chooses how a test's nodes start (:func:`launcher_for`). ``hooks``: role → a tests/node_entry.py hook
+    (``"accept_all"``, or ``"name=argument"``) the node runs with: the process launcher gets it as the node's entry
+    script (forked from the session's zygote like every test node), the in-process one as the objects the hook
+    builds. ``kwargs`` go to ``cluster``."""
+    from node_entry import HOOKS, node_entry
 
-    from runtime.launch import cluster
+    from runtime.launchers import LaunchOptions, cluster
 
-    entry = {role: node_entry(*hook.split("=", 1)) for role, hook in (hooks or {}).items()}
+    parsed = {role: hook.split("=", 1) for role, hook in (hooks or {}).items()}
+    if launcher_for(launcher) == "inproc":
+        objects = {role: HOOKS[name](arg[0] if arg else None) for role, (name, *arg) in parsed.items()}
+        config = {**config, "launch": {**config.get("launch", {}), "backend": "inproc"}}
+        return cluster(config, options=LaunchOptions(hooks=objects), **kwargs)
+    entry = {role: node_entry(*hook) for role, hook in parsed.items()}
     return cluster(config, entry=entry or None, **kwargs)
 
 

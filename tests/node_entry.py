@@ -167,15 +167,12 @@ def python_command(*args: str) -> list[str]:
 def route_nodes_here(entry: list[str] | None = None) -> dict[Any, list[str]]:
     """Every node a cluster of this process starts runs ``entry`` (default: this script, so that it is forked from
     the zygote too); returns what it replaced, to give back to this function's ``restore``."""
-    import importlib
+    import runtime.launch  # noqa: F401 - imports the module a launcher reads it from, whichever that is
 
     replaced = {}
     for name in ("runtime.launch", "runtime.launchers.process"):  # where a launcher reads it (either layout)
-        try:
-            module = importlib.import_module(name)
-        except ImportError:
-            continue
-        if hasattr(module, "NODE_ENTRY"):
+        module = sys.modules.get(name)
+        if module is not None and hasattr(module, "NODE_ENTRY"):
             replaced[module] = module.NODE_ENTRY
             module.NODE_ENTRY = entry or node_entry("plain")
     return replaced

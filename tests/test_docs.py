@@ -93,7 +93,7 @@ def test_ci_runs_every_tier_make_test_runs_and_the_ci_tier() -> None:
     assert targets["test-fast"] == "$(PY) -m pytest -q -m unit"
     test_ci = re.fullmatch(r"\$\(PY\) -m pytest -q -m '([^']+)'", targets["test-ci"]).group(1)
     in_test = {tier for tier in TIERS if _selects(addopts, tier)}
-    assert in_test == {"unit", "compile", "cluster", "statistical", "netns"}
+    assert in_test == {"unit", "process", "compile", "cluster", "statistical", "netns"}
     assert {tier for tier in TIERS if _selects(test_ci, tier)} == in_test | {"ci"}
 
 
