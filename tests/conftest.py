@@ -239,10 +239,11 @@ async def wait_for_drafter(client, tries: int = 100) -> None:
         await asyncio.sleep(0.05)
 
 
-def greedy_outputs(config: dict, prompts: list[list[int]], max_new_tokens: int) -> list:
-    """Every prompt sent at once to a cluster of ``config`` (greedy, end tokens off); the results in prompt order."""
+def greedy_outputs(config: dict, prompts: list[list[int]], max_new_tokens: int, launcher: str | None = None) -> list:
+    """Every prompt sent at once to a cluster of ``config`` (greedy, end tokens off); the results in prompt order.
+    ``launcher``: see :func:`start_cluster`."""
     async def main():
-        async with start_cluster(config) as client:
+        async with start_cluster(config, launcher=launcher) as client:
             return await asyncio.gather(*(client.generate(token_ids=p, max_new_tokens=max_new_tokens,
                                                           eos_token_ids=[]) for p in prompts))
 
