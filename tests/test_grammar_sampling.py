@@ -32,7 +32,7 @@ def masked_joint(exact):
     return m1[:, None] * m2
 
 
-def test_sampling_under_a_regex_and_negative_control(sharp_pair):
+def test_sampling_under_a_regex_is_the_masked_targets(sharp_pair):
     target, drafter = sharp_pair
     unmasked = exact_joint(target)
     exact = masked_joint(unmasked)

@@ -14,7 +14,7 @@ from testkit.tiny_models import build_small_vocab_tokenizer
 pytestmark = pytest.mark.ci  # CI runs it beside make test's one sampling check per kind of draft
 
 
-def test_hybrid_sampling_distribution_and_negative_control(tmp_path_factory):
+def test_hybrid_sampling_distribution_is_the_targets(tmp_path_factory):
     root = tmp_path_factory.mktemp("hybrid-sampling")
     build_small_vocab_tokenizer(root / "tok")
     target = build_hybrid(root / "target", "lfm2", root / "tok", seed=11, sharpen=1.5)
