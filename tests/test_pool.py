@@ -9,6 +9,7 @@ import asyncio
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -203,9 +204,11 @@ def test_drafter_rejoins_after_the_verifier_restarts(tiny, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
 
     def start(role: str) -> subprocess.Popen:
+        # interpreters of their own: the killed verifier must be gone, its port free, before the new one binds (a
+        # node forked from the zygote dies after its killed proxy, a moment later)
         with open(tmp_path / f"{role}.log", "ab") as log:
-            return subprocess.Popen(node_command("--config", str(cfg), "--role", role), cwd=REPO_ROOT, stdout=log,
-                                    stderr=subprocess.STDOUT, env=env)
+            return subprocess.Popen([sys.executable, "-m", "runtime.launch", "--config", str(cfg), "--role", role],
+                                    cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
 
     procs = {"drafter": start("drafter"), "verifier": start("verifier")}
     expected = reference_greedy(target, PROMPTS[0], 15)
