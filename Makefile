@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PROMPT ?= Write a Python function is_prime(n) that returns True when n is a prime number.
 
-.PHONY: setup setup-gguf models run test test-fast lint bench test-slow test-ray
+.PHONY: setup setup-gguf models run test test-fast test-ci lint bench test-slow test-ray help
 
 setup: $(VENV)/.installed $(VENV)/.gguf-installed
 
@@ -44,12 +44,19 @@ run: $(VENV)/.installed
 	$(MAKE) --no-print-directory -j2 $(VENV)/.gguf-installed models
 	$(VENV)/bin/pipespec generate --config cpu.yaml --max-new-tokens 64 --chat --prompt "$(PROMPT)"
 
+# The tiers (docs/development.md, "Tests"): unit, process, compile, cluster, statistical, netns in `make test`
+# (pyproject.toml's addopts: every tier but ci, slow and ray); the aim is under 10 minutes on 2 cores.
 test: setup
 	$(PY) -m pytest -q
 
-# The unit tier: no node processes, under 2 minutes on 2 cores.
+# The unit tier: one process, no nodes, no child interpreters, no torch.compile.
 test-fast: setup
 	$(PY) -m pytest -q -m unit
+
+# What CI runs (.ci/run): `make test` and the ci tier (the docs' run blocks, the installed wheel, the sampling check
+# of every drafter type and target path beside make test's one per kind of draft) in one session.
+test-ci: setup
+	$(PY) -m pytest -q -m 'not slow and not ray'
 
 test-slow: setup
 	$(PY) -m pytest -q -m slow
@@ -64,3 +71,14 @@ lint: setup
 
 bench: setup
 	$(PY) scripts/bench.py
+
+help:
+	@echo "make run        one generation on the default config (sets up, builds llama.cpp, installs the models)"
+	@echo "make test       the suite on tiny models: tiers unit, process, compile, cluster, statistical, netns"
+	@echo "make test-fast  the unit tier: one process, no nodes, no child interpreters, no torch.compile"
+	@echo "make test-ci    what CI runs: make test and the ci tier (docs run blocks, installed wheel, sampling)"
+	@echo "make test-slow  the real Qwen pair (slow tier)"
+	@echo "make test-ray   a multi-node Ray cluster on this machine (ray tier; installs pipespec[ray])"
+	@echo "make lint       ruff"
+	@echo "make bench      the benchmark (scripts/bench.py)"
+	@echo "tiers: docs/development.md, Tests"

@@ -7,6 +7,7 @@ import contextlib
 import os
 import subprocess
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
@@ -21,18 +22,46 @@ torch.set_num_threads(1)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-#: The tiers of pyproject.toml's markers; every test carries at least one (a file's ``pytestmark`` or its own).
-TIERS = ("unit", "cluster", "statistical", "netns", "slow", "ray")
+#: The tiers of pyproject.toml's markers; every test carries at least one: its own, or else its file's ``pytestmark``.
+TIERS = ("unit", "process", "compile", "cluster", "statistical", "netns", "ci", "slow", "ray")
 #: The tiers whose tests start node processes.
-NODE_TIERS = ("cluster", "statistical", "netns", "slow")
+NODE_TIERS = ("cluster", "statistical", "netns", "ci", "slow")
 
 
+def _tiers(item) -> list[str]:
+    return [tier for tier in TIERS if item.get_closest_marker(tier)]
+
+
+def _file_tier_is_the_default(items) -> None:
+    """A file's ``pytestmark`` tier is the tier of its tests that name none of their own: a test (or a parameter)
+    marked with another tier is in that tier only (a probe in a child process among unit tests: ``process``)."""
+    modules = {item.getparent(pytest.Module) for item in items} - {None}
+    defaults = {}
+    for module in modules:
+        defaults[module] = [mark for mark in module.own_markers if mark.name in TIERS]
+        module.own_markers[:] = [mark for mark in module.own_markers if mark.name not in TIERS]
+    for item in items:
+        if not any(mark.name in TIERS for mark in item.iter_markers()):
+            for mark in defaults.get(item.getparent(pytest.Module), []):
+                item.add_marker(mark.name)  # tier marks take no arguments
+
+
+def _refuse(what: str, nodeids: list[str], fix: str) -> None:
+    if nodeids:
+        more = " …" if len(nodeids) > 10 else ""
+        raise pytest.UsageError(f"{what}: {', '.join(nodeids[:10])}{more}; {fix}")
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` selects: the tiers it reads are settled here
 def pytest_collection_modifyitems(config, items):
-    untiered = [item.nodeid for item in items if not any(item.get_closest_marker(t) for t in TIERS)]
-    if untiered:
-        more = " …" if len(untiered) > 10 else ""
-        raise pytest.UsageError(f"tests without a tier marker ({', '.join(TIERS)}): {', '.join(untiered[:10])}{more}; "
-                                "add `pytestmark = pytest.mark.<tier>` to the file")
+    _file_tier_is_the_default(items)
+    _refuse(f"tests without a tier marker ({', '.join(TIERS)})", [i.nodeid for i in items if not _tiers(i)],
+            "add `pytestmark = pytest.mark.<tier>` to the file")
+    # `make test-fast` (-m unit) must stay under a minute: a test in another tier too (a compile warm-up, nodes)
+    # is not a unit test; give the parameter its own marks (pytest.param(..., marks=...)) instead
+    _refuse("unit tests that carry another tier too", [i.nodeid for i in items if "unit" in _tiers(i)
+                                                       and len(_tiers(i)) > 1],
+            "a test is `unit` or in another tier, not both")
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -48,7 +77,7 @@ def node_zygote(request, tmp_path_factory):
     forked from, and every node a test starts without an entry of its own goes through tests/node_entry.py so that
     it is forked too. Saves the import of torch and transformers in each node (seconds per cluster).
     ``PIPESPEC_TEST_NO_ZYGOTE=1`` starts every node in a fresh interpreter instead (to compare, or to rule it out)."""
-    from node_entry import node_entry
+    from node_entry import restore, route_nodes_here
     from node_zygote import ZYGOTE_ENV, zygote_env_value
 
     from runtime.launchers import process as launch
@@ -66,9 +95,9 @@ def node_zygote(request, tmp_path_factory):
                             preexec_fn=launch._die_with_parent)
     log.close()
     os.environ[ZYGOTE_ENV] = zygote_env_value(path)
-    default_entry, launch.NODE_ENTRY = launch.NODE_ENTRY, node_entry("plain")
+    replaced = route_nodes_here()
     yield proc
-    launch.NODE_ENTRY = default_entry
+    restore(replaced)
     os.environ.pop(ZYGOTE_ENV, None)
     launch.stop_process(proc, grace_s=5)
 
@@ -126,6 +155,43 @@ def sharp_pair(tmp_path_factory):
 
 
 
+#: How :func:`start_cluster` starts nodes when a test does not say: ``inproc`` (threads of the test process: one
+#: sampling check of 800 requests took 7.7 s of CPU against 21 s as processes, busy 2-core machine) or ``process``
+#: (each node a process forked from the session's zygote). ``PIPESPEC_TEST_LAUNCHER`` overrides it for every test
+#: that leaves the choice open (to compare, or to rule one out). Tests that start clusters with
+#: ``runtime.launch.cluster`` itself keep real node processes.
+DEFAULT_LAUNCHER = "inproc"
+LAUNCHERS = ("process", "inproc")
+
+
+def launcher_for(choice: str | None = None) -> str:
+    """The launcher a test's cluster starts with: the test's own ``choice``, else ``PIPESPEC_TEST_LAUNCHER``, else
+    :data:`DEFAULT_LAUNCHER`."""
+    name = choice or os.environ.get("PIPESPEC_TEST_LAUNCHER") or DEFAULT_LAUNCHER
+    if name not in LAUNCHERS:
+        raise ValueError(f"test launcher {name!r}: one of {', '.join(LAUNCHERS)}")
+    return name
+
+
+def start_cluster(config: dict, hooks: Mapping[str, str] | None = None, launcher: str | None = None, **kwargs):
+    """``runtime.launch.cluster`` for a test: ``async with start_cluster(config) as client``. The one place that
+    chooses how a test's nodes start (:func:`launcher_for`). ``hooks``: role → a tests/node_entry.py hook
+    (``"accept_all"``, or ``"name=argument"``) the node runs with: the process launcher gets it as the node's entry
+    script (forked from the session's zygote like every test node), the in-process one as the objects the hook
+    builds. ``kwargs`` go to ``cluster``."""
+    from node_entry import HOOKS, node_entry
+
+    from runtime.launchers import LaunchOptions, cluster
+
+    parsed = {role: hook.split("=", 1) for role, hook in (hooks or {}).items()}
+    if launcher_for(launcher) == "inproc":
+        objects = {role: HOOKS[name](arg[0] if arg else None) for role, (name, *arg) in parsed.items()}
+        config = {**config, "launch": {**config.get("launch", {}), "backend": "inproc"}}
+        return cluster(config, options=LaunchOptions(hooks=objects), **kwargs)
+    entry = {role: node_entry(*hook) for role, hook in parsed.items()}
+    return cluster(config, entry=entry or None, **kwargs)
+
+
 @contextlib.asynccontextmanager
 async def peer_socket(endpoint: str):
     """A raw DEALER socket to a node, for tests that play a (hostile) peer by hand."""
@@ -173,12 +239,11 @@ async def wait_for_drafter(client, tries: int = 100) -> None:
         await asyncio.sleep(0.05)
 
 
-def greedy_outputs(config: dict, prompts: list[list[int]], max_new_tokens: int) -> list:
-    """Every prompt sent at once to a cluster of ``config`` (greedy, end tokens off); the results in prompt order."""
-    from runtime.launch import cluster
-
+def greedy_outputs(config: dict, prompts: list[list[int]], max_new_tokens: int, launcher: str | None = None) -> list:
+    """Every prompt sent at once to a cluster of ``config`` (greedy, end tokens off); the results in prompt order.
+    ``launcher``: see :func:`start_cluster`."""
     async def main():
-        async with cluster(config) as client:
+        async with start_cluster(config, launcher=launcher) as client:
             return await asyncio.gather(*(client.generate(token_ids=p, max_new_tokens=max_new_tokens,
                                                           eos_token_ids=[]) for p in prompts))
 

@@ -1,5 +1,5 @@
 """The docs check's machinery: the fenced blocks of README.md and docs/*.md, their markers, and how each command is
-parsed (unit tier, tests/test_docs.py) or run on tiny models (cluster tier, tests/test_docs_run.py).
+parsed (unit tier, tests/test_docs.py) or run on tiny models (ci tier, tests/test_docs_run.py).
 
 A ``bash``/``python``/``yaml`` block is preceded by ``<!-- docs-check: KIND[: REASON] -->`` (docs/development.md,
 "Docs"): ``run``, ``parse-only: REASON``, ``compile-only: REASON`` (python) or ``config`` (yaml).

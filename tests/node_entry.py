@@ -16,6 +16,9 @@ from typing import TYPE_CHECKING, Any
 
 # torch and the node packages are imported where they are used: the script's first job may be to hand the node to
 # the session's warm zygote (tests/node_zygote.py), which a light start keeps fast.
+# Run as a script, the repository's packages must be importable without an install (as ``-m`` from its root is).
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
+
 if TYPE_CHECKING:
     import torch
 
@@ -144,8 +147,62 @@ def costs_entry(spec_json: str) -> dict[str, list[str]]:
     return {"drafter": node_entry("costs", spec_json)}
 
 
+#: ``node_entry.py python ARGS``: not a node but any Python command line (``-m MODULE ...`` or ``SCRIPT ...``), run in
+#: the session's zygote like a node (:func:`python_command`).
+PYTHON = "python"
+
+
+def node_command(*args: str, hook: str = "plain") -> list[str]:
+    """The command line of a node process a test starts by hand (``--config X --role R``, or a one-shot launcher's
+    ``--config X --prompt P``): what ``python -m runtime.launch ARGS`` does, forked from the session's zygote."""
+    return [sys.executable, *node_entry(hook), *args]
+
+
+def python_command(*args: str) -> list[str]:
+    """``python ARGS`` (``-m MODULE ...`` or ``SCRIPT ...``) forked from the session's zygote, with every cluster it
+    starts forked too: a test that runs a script or a CLI that starts nodes pays for no fresh interpreter."""
+    return [sys.executable, str(Path(__file__).resolve()), PYTHON, *args]
+
+
+def route_nodes_here(entry: list[str] | None = None) -> dict[Any, list[str]]:
+    """Every node a cluster of this process starts runs ``entry`` (default: this script, so that it is forked from
+    the zygote too); returns what it replaced, to give back to this function's ``restore``."""
+    import runtime.launch  # noqa: F401 - imports the module a launcher reads it from, whichever that is
+
+    replaced = {}
+    for name in ("runtime.launch", "runtime.launchers.process"):  # where a launcher reads it (either layout)
+        module = sys.modules.get(name)
+        if module is not None and hasattr(module, "NODE_ENTRY"):
+            replaced[module] = module.NODE_ENTRY
+            module.NODE_ENTRY = entry or node_entry("plain")
+    return replaced
+
+
+def restore(replaced: dict[Any, list[str]]) -> None:
+    """Undo :func:`route_nodes_here`."""
+    for module, entry in replaced.items():
+        module.NODE_ENTRY = entry
+
+
+def _run_python(args: list[str]) -> int:
+    """``python ARGS`` in this process: ``-m MODULE`` through runpy, else a script (its folder first on the path)."""
+    import runpy
+
+    if args[0] == "-m":
+        sys.argv = [args[1], *args[2:]]
+        runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = list(args)
+        sys.path.insert(0, str(Path(args[0]).resolve().parent))
+        runpy.run_path(args[0], run_name="__main__")
+    return 0
+
+
 def run_here(argv: list[str]) -> int:
     """Run the node ``argv`` (this script's command line) in this process."""
+    route_nodes_here()
+    if argv[1] == PYTHON:
+        return _run_python(argv[2:])
     from runtime.launch import main as launch_main
 
     hook, _, arg = argv[1].partition("=")

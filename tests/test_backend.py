@@ -10,7 +10,6 @@ import logging
 
 import pytest
 import torch
-from conftest import greedy_outputs, tiny_config
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from shared.backend import DynamicBackend, SlotOverflow, StaticBackend, StaticHandle, make_backend, static_problem
@@ -271,15 +270,3 @@ def test_hybrid_targets_fall_back_to_dynamic_caches(tmp_path, caplog):
     with pytest.raises(ValueError, match="cannot serve this model"):
         StaticBackend(model, 2, 16)
 
-
-@pytest.mark.cluster
-def test_cluster_on_static_slots_matches_transformers(tiny):
-    """A running cluster with ``verifier.backend: static`` and two slots for three concurrent requests (one in a
-    dynamic cache, mixed batches): every greedy output equals ``generate``."""
-    target = tiny("llama")
-    config = tiny_config(target, tiny("llama", "random"), num_draft_tokens=4)
-    config["verifier"].update(backend="static", kv_slots=2, kv_slot_tokens=64)
-    prompts = [[5, 17, 33, 2, 60], [100, 101, 7], [42] * 12 + [9, 8]]
-    expected = [reference_greedy(target, p, 20) for p in prompts]
-    results = greedy_outputs(config, prompts, 20)
-    assert [r.token_ids for r in results] == expected

@@ -6,10 +6,10 @@ from __future__ import annotations
 import json
 import statistics
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from node_entry import python_command
 
 pytestmark = pytest.mark.cluster
 
@@ -17,8 +17,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_bench_http_tiny_smoke(tmp_path):
-    out = subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "bench_http.py"), "--tiny", "--reps", "2",
-                          "--max-tokens", "6", "--out", str(tmp_path)], cwd=REPO_ROOT, capture_output=True,
+    out = subprocess.run(python_command(str(REPO_ROOT / "scripts" / "bench_http.py"), "--tiny", "--reps", "2",
+                          "--max-tokens", "6", "--out", str(tmp_path)), cwd=REPO_ROOT, capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     report = json.loads((tmp_path / "http_overhead.json").read_text())

@@ -184,7 +184,7 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_another_sessions_rounds(ta
 
     async def main():
         async with cluster(config, entry={"verifier": node_entry("forward_delay", "0.05")}) as client:
-            return await asyncio.to_thread(_interleaved, client.cluster.client_address, new_tokens)
+            return await asyncio.to_thread(_interleaved, client.started.client_address, new_tokens)
 
     seen, pong = asyncio.run(main())
     chunks = math.ceil((len(LONG) - 1) / CHUNK)

@@ -185,6 +185,7 @@ def test_every_subcommand_help_says_pipespec(command, capsys):
     assert "python -m runtime.launch" not in out
 
 
+@pytest.mark.process
 def test_top_level_help_and_launch_help_unchanged(capsys):
     with pytest.raises(SystemExit):
         cli.main(["--help"])
@@ -197,6 +198,7 @@ def test_top_level_help_and_launch_help_unchanged(capsys):
     assert "--http HOST:PORT" in proc.stdout and "--role" in proc.stdout
 
 
+@pytest.mark.process
 def test_argparse_errors_exit_2_without_a_traceback():
     proc = subprocess.run([sys.executable, "-m", "runtime.cli", "generate", "--prompt", "x", "--draft-type", "nope"],
                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)

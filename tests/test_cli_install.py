@@ -28,7 +28,7 @@ from transformers import AutoTokenizer
 from benchmarks.http_overhead import free_port
 from testkit.tiny_models import reference_greedy
 
-pytestmark = pytest.mark.cluster
+pytestmark = pytest.mark.ci  # run by CI beside make test (make test-ci): minutes of interpreter starts
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 #: What a copy of the checkout leaves out: VCS data, build outputs, caches, results.

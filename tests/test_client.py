@@ -7,12 +7,12 @@ import asyncio
 import json
 import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 from conftest import tiny_config
+from node_entry import node_command
 
 from runtime.client import AsyncClient, Chunk, PipespecError
 from runtime.launch import REPO_ROOT, cluster
@@ -99,8 +99,8 @@ def test_cli_one_shot_json(tiny, tmp_path):
     target = tiny("qwen2")
     cfg = _write_config(tmp_path / "tiny.yaml", tiny_config(target, tiny("qwen2", "random")))
     out = subprocess.run(
-        [sys.executable, "-m", "runtime.launch", "--config", str(cfg), "--prompt", "for i in", "--json",
-         "--max-new-tokens", "9", "--set", "drafter.num_draft_tokens=2"],
+        node_command("--config", str(cfg), "--prompt", "for i in", "--json", "--max-new-tokens", "9", "--set",
+                     "drafter.num_draft_tokens=2"),
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=180,
     )
     assert out.returncode == 0, out.stderr
@@ -113,8 +113,7 @@ def test_cli_one_shot_json(tiny, tmp_path):
     messages = [{"role": "user", "content": "print hello"}]
     (tmp_path / "chat.json").write_text(json.dumps(messages))
     out = subprocess.run(
-        [sys.executable, "-m", "runtime.launch", "--config", str(cfg), "--messages", str(tmp_path / "chat.json"),
-         "--max-new-tokens", "6"],
+        node_command("--config", str(cfg), "--messages", str(tmp_path / "chat.json"), "--max-new-tokens", "6"),
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=180,
     )
     assert out.returncode == 0, out.stderr
@@ -141,8 +140,8 @@ def test_roles_started_separately_over_tcp(tiny, tmp_path):
     config["drafter"]["verifier_endpoint"] = config["verifier"]["endpoint"]
     cfg = _write_config(tmp_path / "multi.yaml", config)
     procs = [
-        subprocess.Popen([sys.executable, "-m", "runtime.launch", "--config", str(cfg), "--role", role],
-                         cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        subprocess.Popen(node_command("--config", str(cfg), "--role", role), cwd=REPO_ROOT,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         for role in ("drafter", "verifier")  # the drafter first: it must wait for the verifier by itself
     ]
 
@@ -174,8 +173,8 @@ def test_serve_mode_prints_the_address_serves_and_stops_cleanly(tiny, tmp_path):
 
     target = tiny("llama")
     cfg = _write_config(tmp_path / "serve.yaml", tiny_config(target, tiny("llama", "random")))
-    proc = subprocess.Popen([sys.executable, "-m", "runtime.launch", "--config", str(cfg)], cwd=REPO_ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(node_command("--config", str(cfg)), cwd=REPO_ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
     try:
         address = None
         for _ in range(20):  # the launcher prints three lines once both nodes are ready

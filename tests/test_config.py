@@ -392,6 +392,7 @@ def test_cli_main_returns_2_on_config_error(capsys):
     assert err.startswith("pipespec: error: ") and "drafter.type" in err
 
 
+@pytest.mark.process
 def test_cli_subprocess_config_error_is_one_line_and_exit_2():
     start = time.monotonic()
     argv = ["--config", "cpu.yaml", "--set", "drafter.type=nope", "--prompt", "hi"]
@@ -511,6 +512,7 @@ def test_config_module_names_no_drafter_type():
     assert [name for name in sorted(names) if name in text] == []
 
 
+@pytest.mark.process
 def test_loading_a_config_imports_no_model_code():
     """The config loader imports every type's spec module, never a type's implementation or transformers (slow to
     import: the type modules pull it in through drafter_node.base)."""

@@ -4,14 +4,18 @@ registry line and that one declaration; a type that declares none fails here wit
 
 - greedy (``cluster``): through real node processes the output is token-identical to transformers' own
   ``generate`` on the target alone, and the type really drafted: some drafted tokens accepted, some rejected;
-- sampling (``statistical``): the joint distribution of the first two sampled tokens is within the bound of the
-  target's exact one, and the accept-all negative control on the same config is not (``tests/sampling_check.py``);
+- sampling: the joint distribution of the first two sampled tokens is within the bound of the target's exact one,
+  with drafts accepted and rejected (``tests/sampling_check.py``). ``make test`` (``statistical``) runs it for one
+  type per kind of draft distribution, :data:`KINDS` (one-hot, sparse, dense, hidden-state), and the accept-all
+  negative control once, on the dense setup; CI (``ci``, ``make test-ci``) runs it for every other type too. Every
+  model-based type draws its tokens and q through the same ``drafter_node.lm_drafter.choose``, whose q the
+  in-process check of the acceptance rule uses (tests/test_sampling.py);
 - refusals (``unit``): the setup's config loads, and the config errors every type must give name their key: an
   unknown ``drafter`` key, a block longer than the protocol takes, a missing model, a missing target checkpoint,
   ensemble verification without q.
 
-One cluster per type runs every greedy prompt (the greedy checks share its results); the sampling check starts
-its own two (its sharpened 12-token target, then the control).
+One cluster per type runs every greedy prompt (the greedy checks share its results); a sampling check starts its
+own (its sharpened 12-token target).
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from typing import Any
 
 import pytest
 from conftest import greedy_outputs, tiny_config
-from sampling_check import check_lossless_sampling, exact_joint
+from sampling_check import check_lossless_sampling, check_negative_control, exact_joint, point_joint
 
 from drafter_node.types import DRAFTER_TYPES, drafter_spec
 from runtime.config import ConfigError, load_config
@@ -110,12 +114,73 @@ def test_greedy_drafts_are_accepted_and_rejected(kind, setups, greedy):
 # ---------------------------------------------------------------------------------------------- sampling
 
 
+#: Kind of draft distribution → the type whose sampling check ``make test`` runs for it (``sparse``: the dense type
+#: with ``drafter.q_top_k`` below the 12-token vocabulary, :data:`SPARSE_TOP_K`).
+KINDS = {"one-hot": "prompt_lookup", "sparse": "assistant", "dense": "assistant", "hidden-state": "mtp"}
+SPARSE_TOP_K = 4
+#: Every type's sampling check runs in CI; the types of :data:`KINDS` in ``make test`` too.
+SAMPLING_TYPES = [pytest.param(name, marks=pytest.mark.statistical if name in KINDS.values() else pytest.mark.ci)
+                  for name in TYPES]
+#: What accepting every draft gives on prompt_lookup's repeating prompt 2 5 7 2 5 7 2 5: the lookup's 7, 2.
+LOOKUP_CONTINUATION = (7, 2)
+
+
+def sampling_config(setup: ConformanceSetup, **drafter) -> dict:
+    sampling = setup.sampling
+    return config_for(sampling.target, {**sampling.drafter, **drafter}, sampling.verifier)
+
+
+def wrong_joints(kind: str, setup: ConformanceSetup, top_k: int = 0) -> dict:
+    """What accepting every draft of the type's sampling setup would give, where a test can compute it: the
+    drafter's own joint (a model over the target's vocabulary), or the lookup's continuation."""
+    sampling = setup.sampling
+    if kind == "assistant":
+        return {"the drafter's joint": exact_joint(Path(sampling.drafter["model"]), sampling.prompt, top_k=top_k)}
+    if kind == "prompt_lookup":
+        return {"the lookup's continuation": point_joint(*LOOKUP_CONTINUATION)}
+    return {}
+
+
+@pytest.mark.parametrize("kind", SAMPLING_TYPES)
+def test_sampling_is_lossless(kind, setups):
+    setup = setups(kind)
+    sampling = setup.sampling
+    check_lossless_sampling(sampling_config(setup), exact_joint(sampling.target, sampling.prompt), sampling.prompt,
+                            wrong=wrong_joints(kind, setup))
+
+
 @pytest.mark.statistical
-@pytest.mark.parametrize("kind", TYPES)
-def test_sampling_is_lossless_and_the_control_is_caught(kind, setups):
-    sampling = setups(kind).sampling
-    config = config_for(sampling.target, sampling.drafter, sampling.verifier)
-    check_lossless_sampling(config, exact_joint(sampling.target, sampling.prompt), sampling.prompt)
+def test_sampling_with_a_sparse_q_is_lossless(setups):
+    """The dense type's setup with q sent as its top-m entries (m below the vocabulary): the verifier rebuilds q
+    from (q_idx, q_prob) and the drafter draws from the same renormalised top-m."""
+    kind = KINDS["sparse"]
+    setup = setups(kind)
+    sampling = setup.sampling
+    assert drafter_spec(kind).sends_q
+    check_lossless_sampling(sampling_config(setup, q_top_k=SPARSE_TOP_K),
+                            exact_joint(sampling.target, sampling.prompt), sampling.prompt,
+                            wrong=wrong_joints(kind, setup, top_k=SPARSE_TOP_K))
+
+
+@pytest.mark.statistical
+def test_the_negative_control_is_caught(setups):
+    """The suite's one end-to-end negative control: on the dense setup, a verifier that accepts every draft
+    (tests/node_entry.py) lands far outside the bound the checks above use (tests/test_sampling.py runs the same
+    control in-process, for full and one-hot q)."""
+    sampling = setups(KINDS["dense"]).sampling
+    check_negative_control(config_for(sampling.target, sampling.drafter, sampling.verifier),
+                           exact_joint(sampling.target, sampling.prompt), sampling.prompt)
+
+
+@pytest.mark.unit
+def test_the_kinds_name_types_of_their_kind(setups):
+    """The one-hot type sends no q, the others do (the dense one in full: its setup sets q_top_k 0); the
+    hidden-state type drafts from the target's hidden states with the target checkpoint's own MTP layers."""
+    assert not drafter_spec(KINDS["one-hot"]).sends_q
+    assert all(drafter_spec(KINDS[kind]).sends_q for kind in ("sparse", "dense", "hidden-state"))
+    assert drafter_spec(KINDS["hidden-state"]).model_defaults_to_target
+    assert setups(KINDS["dense"]).sampling.drafter["q_top_k"] == 0
+    assert SPARSE_TOP_K < 12  # below build_small_vocab_tokenizer's vocabulary, or q would go whole
 
 
 # ---------------------------------------------------------------------------------------------- refusals

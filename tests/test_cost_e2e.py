@@ -94,11 +94,13 @@ def test_linear_verify_costs_switch_drafting_off_even_for_a_perfect_drafter(tiny
     assert m["solo_rounds"] >= 30 and m["plans"]["solo"] > 0
 
 
+@pytest.mark.ci  # a sampling check beside the one per kind of draft in make test (tests/test_conformance.py)
 def test_sampling_stays_exact_with_the_cost_schedule(sharp_pair):
     target, drafter = sharp_pair
     config = tiny_config(target, drafter, num_draft_tokens=3, q_top_k=0, draft_schedule="cost")
     # FLAT_TO_1024: its 50 requests at once start planned at batch 50
-    check_lossless_sampling(config, exact_joint(target), entry=costs(FLAT_TO_1024))
+    check_lossless_sampling(config, exact_joint(target), wrong={"the drafter's joint": exact_joint(drafter)},
+                            hooks={"drafter": f"costs={FLAT_TO_1024}"})
 
 
 BAD_IDLE = [-1, "many", 5000, True, 2.5]

@@ -388,6 +388,7 @@ def _cli(*args: str, cache: Path) -> subprocess.CompletedProcess:
                           env=env, cwd=REPO, timeout=300)
 
 
+@pytest.mark.process
 def test_cli_profiles_both_nodes_and_writes_json_and_png(tiny, tmp_path):
     config = _write_config(tmp_path, tiny("llama"), tiny("llama", "random"), threads="auto", dtype="auto")
     out = tmp_path / "out"
@@ -409,6 +410,7 @@ def test_cli_profiles_both_nodes_and_writes_json_and_png(tiny, tmp_path):
     assert sorted(verifier.curves) == sorted({max(1, cores // 2), cores})  # threads: auto: its share and every core
 
 
+@pytest.mark.process
 def test_cli_bad_config_exits_2_with_one_line(tmp_path):
     config = _write_config(tmp_path, tmp_path / "missing-model", None)
     result = _cli("--config", str(config), "--out", str(tmp_path / "out"), cache=tmp_path / "cache")

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import TIERS
 from docs_check import (
     CHAT_JSON,
     CHECKED_LANGS,
@@ -68,11 +69,32 @@ def test_unmarked_blocks_hold_no_commands() -> None:
 
 
 def test_readme_starts_with_the_two_commands_ci_runs() -> None:
-    """`make run` and `make test` come first, and .ci/run runs the README's test command."""
+    """`make run` and `make test` come first, and .ci/run runs `make test-ci`: the README's test command and the ci
+    tier, which the README's line names."""
     first = next(b for b in BLOCKS if b.path.name == "README.md")
     assert commands(first.text) == [["make", "run"], ["make", "test"]]
+    assert "make test-ci" in first.text
     ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
-    assert "make test" in ci.splitlines()[-1]
+    assert ci.splitlines()[-1] == "make test-ci"
+
+
+def _selects(expression: str, tier: str) -> bool:
+    """Whether pytest's ``-m`` expression (names joined by and / or / not) selects a test of ``tier`` alone."""
+    return bool(eval(expression, {"__builtins__": {}}, {name: name == tier for name in TIERS}))
+
+
+def test_ci_runs_every_tier_make_test_runs_and_the_ci_tier() -> None:
+    """`make test` is pytest with pyproject.toml's addopts; `make test-ci` runs the same tiers and ci besides, in one
+    session; `make test-fast` is the unit tier alone."""
+    addopts = re.search(r"^addopts = \"-m '([^']+)'\"$", (ROOT / "pyproject.toml").read_text(), re.M).group(1)
+    makefile = (ROOT / "Makefile").read_text()
+    targets = {name: recipe for name, recipe in re.findall(r"^([a-z-]+): setup\n\t([^\n]+)", makefile, re.M)}
+    assert targets["test"] == "$(PY) -m pytest -q"
+    assert targets["test-fast"] == "$(PY) -m pytest -q -m unit"
+    test_ci = re.fullmatch(r"\$\(PY\) -m pytest -q -m '([^']+)'", targets["test-ci"]).group(1)
+    in_test = {tier for tier in TIERS if _selects(addopts, tier)}
+    assert in_test == {"unit", "process", "compile", "cluster", "statistical", "netns"}
+    assert {tier for tier in TIERS if _selects(test_ci, tier)} == in_test | {"ci"}
 
 
 def test_readme_is_a_front_page() -> None:

@@ -32,7 +32,7 @@ from docs_check import (
     substitute_models,
 )
 
-pytestmark = pytest.mark.cluster
+pytestmark = pytest.mark.ci  # run by CI beside make test (make test-ci): minutes of interpreter starts
 
 RUN_BLOCKS = [b for b in checked_blocks() if b.kind == "run"]
 #: how `pipespec` runs: the console script pyproject.toml declares, from the checkout

@@ -63,9 +63,10 @@ def unpredicted(session: LMDraftSession, r: int) -> list[int]:
     return [*session.chain_tokens[:r], next(t for t in range(3, 200) if t not in guessed)]
 
 
-@pytest.mark.unit
-@pytest.mark.parametrize(("arch", "kind"), [("llama", "static"), ("qwen2", "static"), ("gpt2", "static"),
-                                            ("llama", "compiled")])
+@pytest.mark.parametrize(("arch", "kind"), [
+    *(pytest.param(arch, "static", marks=pytest.mark.unit) for arch in ("llama", "qwen2", "gpt2")),
+    pytest.param("llama", "compiled", marks=pytest.mark.compile),  # a torch.compile warm-up: not the unit tier
+])
 def test_a_session_on_slots_drafts_what_a_dynamic_one_does(tiny, arch, kind):
     model = load(tiny(arch))
     if kind == "compiled":  # the drafter's chain steps through the compiled step (1 token: bucket 1; catch-ups: 2)

@@ -15,7 +15,7 @@ import pytest
 import torch
 import zmq
 import zmq.asyncio
-from conftest import tiny_config
+from conftest import start_cluster, tiny_config
 from sampling_check import PROMPT, VOCAB, exact_joint, tv
 
 from drafter_node.lm_drafter import choose
@@ -208,7 +208,7 @@ def test_sampling_distribution_end_to_end_is_v_not_p(sharp_pair):
         counts = torch.zeros(VOCAB, VOCAB)
         slowest = 0.0
         drafts = 0
-        async with cluster(config) as client:
+        async with start_cluster(config) as client:  # the inproc launcher: 800 requests
             for start in range(0, N_E2E, 50):
                 results = await asyncio.gather(*(
                     client.generate(token_ids=PROMPT, max_new_tokens=3, do_sample=True, seed=seed, eos_token_ids=[])

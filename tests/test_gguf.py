@@ -183,7 +183,7 @@ def test_the_start_up_profile_measures_llama_cpp_and_is_cached(gguf_pair, monkey
         drafter.engine.close()
 
 
-@pytest.mark.unit
+@pytest.mark.process
 def test_a_crashing_llama_cpp_build_is_caught(gguf_pair):
     """The installed llama.cpp runs a forward in a child process: a build whose CPU code this machine cannot run
     (a native AMX build on a KVM guest died with a general protection fault) fails here, not in a drafter node."""

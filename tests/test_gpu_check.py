@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from node_entry import python_command
 
 pytestmark = pytest.mark.cluster
 
@@ -20,9 +21,12 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = REPO_ROOT / "scripts" / "gpu_check.py"
 
 
-def run_script(*args: str, pythonpath: str = str(REPO_ROOT)) -> subprocess.CompletedProcess:
+def run_script(*args: str, pythonpath: str = str(REPO_ROOT), fresh: bool = False) -> subprocess.CompletedProcess:
+    """The script, forked from the session's zygote with the clusters it starts (tests/node_entry.py), or where the
+    test changes what it can import (``fresh``) in an interpreter of its own."""
     env = {**os.environ, "PYTHONPATH": pythonpath, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=REPO_ROOT, env=env, capture_output=True,
+    command = [sys.executable, str(SCRIPT), *args] if fresh else python_command(str(SCRIPT), *args)
+    return subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True,
                           text=True, timeout=600, stdin=subprocess.DEVNULL)
 
 
@@ -66,7 +70,8 @@ def test_missing_package_is_named_with_the_wheel_advice(tmp_path):
     shadow = tmp_path / "zmq"  # a zmq that cannot be imported, ahead of the real one
     shadow.mkdir()
     (shadow / "__init__.py").write_text("raise ImportError('no zmq on this machine')\n")
-    proc = run_script("--device", "cpu", "--smoke", pythonpath=os.pathsep.join([str(tmp_path), str(REPO_ROOT)]))
+    proc = run_script("--device", "cpu", "--smoke", pythonpath=os.pathsep.join([str(tmp_path), str(REPO_ROOT)]),
+                      fresh=True)
     assert proc.returncode == 2
     assert "missing Python packages: zmq (pip package pyzmq" in proc.stderr
     assert "--install-wheels" in proc.stderr and "Traceback" not in proc.stderr

@@ -1,6 +1,8 @@
 """Greedy output of the running cluster is token-identical to transformers' ``generate`` on the target alone.
 
-Real node processes, real ZeroMQ sockets, tiny models loaded with ``from_pretrained``. The matrix covers Llama,
+Real nodes over real ZeroMQ sockets, tiny models loaded with ``from_pretrained``: the matrix on the in-process
+launcher (tests/conftest.py ``start_cluster``: both nodes as threads, ``inproc://``), the entry and static-slot
+checks below as node processes. The matrix covers Llama,
 Qwen2 and GPT-2 style models, draft lengths 1..8, an identical drafter (everything accepted) and a random one
 (mostly rejected), overlap on and off, EOS inside a block and max_new_tokens cutting a block.
 """
@@ -10,7 +12,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from conftest import tiny_config
+from conftest import greedy_outputs, start_cluster, tiny_config
 
 from runtime.launch import cluster
 from testkit.tiny_models import reference_greedy
@@ -54,7 +56,7 @@ def test_greedy_matches_transformers(tiny, arch, drafter, overlap, k):
     config = tiny_config(target, draft_model, num_draft_tokens=k, overlap=overlap)
 
     async def main():
-        async with cluster(config) as client:
+        async with start_cluster(config) as client:
             results = await asyncio.gather(
                 *(client.generate(token_ids=prompt, **params) for prompt, params, _ in cases)
             )
@@ -87,3 +89,15 @@ def test_nodes_started_through_a_test_entry_behave_the_same(tiny):
     cmdlines, result = asyncio.run(main())
     assert all("node_entry.py none" in line for line in cmdlines)
     assert result.token_ids == reference_greedy(target, PROMPTS[0], 20)
+
+
+def test_cluster_on_static_slots_matches_transformers(tiny):
+    """A running cluster with ``verifier.backend: static`` and two slots for three concurrent requests (one in a
+    dynamic cache, mixed batches): every greedy output equals ``generate``."""
+    target = tiny("llama")
+    config = tiny_config(target, tiny("llama", "random"), num_draft_tokens=4)
+    config["verifier"].update(backend="static", kv_slots=2, kv_slot_tokens=64)
+    prompts = [[5, 17, 33, 2, 60], [100, 101, 7], [42] * 12 + [9, 8]]
+    expected = [reference_greedy(target, p, 20) for p in prompts]
+    results = greedy_outputs(config, prompts, 20, launcher="process")
+    assert [r.token_ids for r in results] == expected

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import peer_socket, tiny_config
-from node_entry import node_entry
+from node_entry import node_command, node_entry
 
 from runtime.client import AsyncClient, Chunk, PipespecError
 from runtime.launch import REPO_ROOT, cluster
@@ -28,9 +28,12 @@ PROMPT = [5, 17, 33, 2, 60]
 LONG = 480  # new tokens: far more than any test lets a request run (the tiny models hold 512 positions)
 
 
-def _start_verifier(cfg: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "runtime.launch", "--config", str(cfg), "--role", "verifier"],
-                            cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+def _start_verifier(cfg: Path, fresh: bool = False) -> subprocess.Popen:
+    """A verifier process forked from the session's zygote (tests/node_entry.py), or ``fresh``: an interpreter of its
+    own, where the test signals the node itself (SIGSTOP stops the zygote's proxy, not the node it forked)."""
+    command = ["-m", "runtime.launch", "--config", str(cfg), "--role", "verifier"]
+    return subprocess.Popen([sys.executable, *command] if fresh else node_command(*command[2:]), cwd=REPO_ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 async def _until_answers(client: AsyncClient, limit_s: float = 90.0) -> float:
@@ -276,7 +279,7 @@ def test_a_verifier_gone_silent_fails_requests_within_gone_after_s(tiny, tmp_pat
     config["client"]["endpoint"] = f"ipc://{tmp_path}/c.ipc"
     cfg = tmp_path / "verifier.yaml"
     cfg.write_text(yaml.safe_dump(config))
-    proc = _start_verifier(cfg)
+    proc = _start_verifier(cfg, fresh=True)
 
     async def main():
         async with AsyncClient(config["client"]["endpoint"], timeout_s=60, gone_after_s=1.5) as client:

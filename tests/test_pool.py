@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import peer_socket, tiny_config
+from node_entry import node_command
 from test_client import _free_port
 
 from runtime.client import AsyncClient, PipespecError
@@ -116,8 +117,8 @@ async def silent_drafter(endpoint: str, tok_id: str, stop: asyncio.Event, seen: 
 def _start_drafter(config_path: Path, log_path: Path) -> subprocess.Popen:
     """A drafter started on its own (``--role drafter``) against a verifier that is already running."""
     with open(log_path, "ab") as log:
-        return subprocess.Popen([sys.executable, "-m", "runtime.launch", "--config", str(config_path), "--role",
-                                 "drafter"], cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
+        return subprocess.Popen(node_command("--config", str(config_path), "--role", "drafter"), cwd=REPO_ROOT,
+                                stdout=log, stderr=subprocess.STDOUT)
 
 
 def test_silent_drafter_costs_no_fixed_stall_and_a_second_hello_joins(tiny, tmp_path):
@@ -203,6 +204,8 @@ def test_drafter_rejoins_after_the_verifier_restarts(tiny, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
 
     def start(role: str) -> subprocess.Popen:
+        # interpreters of their own: the killed verifier must be gone, its port free, before the new one binds (a
+        # node forked from the zygote dies after its killed proxy, a moment later)
         with open(tmp_path / f"{role}.log", "ab") as log:
             return subprocess.Popen([sys.executable, "-m", "runtime.launch", "--config", str(cfg), "--role", role],
                                     cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)

@@ -61,6 +61,7 @@ def test_schema_bounds_refuse_deep_or_huge_schemas_before_compiling():
     check_schema_bounds(GrammarSpec("regex", "(" * 100 + ")" * 100))  # not a schema: the engine judges it
 
 
+@pytest.mark.process
 def test_grammar_child_compiles_and_is_killed_past_its_time_limit(tiny):
     tokenizer = AutoTokenizer.from_pretrained(tiny("llama"))
     local = GrammarCompiler(tokenizer, len(tokenizer), [EOS])

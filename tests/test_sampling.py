@@ -146,6 +146,7 @@ def tv_to_exact(log_p, log_q, k, rule, q_mode, n=6000) -> float:
 TV_BOUND = 0.06
 
 
+@pytest.mark.statistical
 @pytest.mark.parametrize(("k", "q_mode"), [(1, "full"), (3, "topm"), (2, "onehot")])
 def test_sampling_rule_is_lossless(k, q_mode):
     log_p, log_q = markov(1, 2.0), markov(2, 2.0)
@@ -153,6 +154,7 @@ def test_sampling_rule_is_lossless(k, q_mode):
     assert tv_to_exact(log_p, log_q, k, accept_sampling, q_mode) < TV_BOUND
 
 
+@pytest.mark.statistical
 @pytest.mark.parametrize(("k", "q_mode"), [(3, "full"), (2, "onehot")])
 def test_negative_control_accept_everything_is_caught(k, q_mode):
     log_p, log_q = markov(1, 2.0), markov(2, 2.0)

@@ -321,6 +321,7 @@ def noisy_copy(model, scale: float, seed: int):
     return other
 
 
+@pytest.mark.statistical
 def test_sampling_tree_is_lossless_and_the_control_is_caught(sharp_pair):
     target = load(sharp_pair[0])
     drafter = noisy_copy(target, 1.0, seed=5)

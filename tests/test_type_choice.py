@@ -25,6 +25,7 @@ def cache(tmp_path, monkeypatch):
     return tmp_path / "cache"
 
 
+@pytest.mark.process
 def test_a_real_llama_cpp_that_runs_is_chosen_and_its_probe_remembered(cache, monkeypatch):
     choice = type_choice.choose({"device": "cpu", "model": NAMED})
     assert choice.type == "gguf", choice.why
@@ -46,6 +47,7 @@ def test_without_llama_cpp_the_torch_assistant_drafts_and_says_why(cache, monkey
     assert "not installed" in choice.why and "make setup-gguf" in choice.why
 
 
+@pytest.mark.process
 def test_a_crashing_llama_cpp_build_falls_back_to_torch(cache, tmp_path, monkeypatch):
     """A build this CPU cannot run: the probe's child dies with SIGSEGV (as a native AMX build did on a KVM guest);
     the choice is the assistant, the signal is named, and the failure is remembered for this install."""
