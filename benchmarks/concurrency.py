@@ -50,7 +50,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from benchmarks.machine import machine_info, memory_budget_gib, peak_rss_gib
+from benchmarks.machine import machine_info, memory_budget_gib, node_pids, peak_rss_gib
 from benchmarks.models import build_random_pair, cluster_models, model_gib
 from benchmarks.passes import ClusterSetup, HFSetup, Row, plan_passes, plan_text, rotated, select_rows
 from benchmarks.progress import log, utc_now
@@ -526,7 +526,7 @@ class Bench:
                     self.meta["end"] = utc_now()
                     self.save()
             for skey, handle in handles.items():  # memory high-water marks, to check the planner's estimates
-                pids = [handle.proc.pid] if isinstance(handle, Worker) else [q.pid for q in handle.processes.values()]
+                pids = [handle.proc.pid] if isinstance(handle, Worker) else node_pids(handle)
                 self.meta["peak_rss_gib"][skey] = sum(peak_rss_gib(pid) or 0.0 for pid in pids)
 
     async def open(self, skey: str, stack: contextlib.AsyncExitStack, keys: list[str]) -> Any:

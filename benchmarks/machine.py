@@ -11,6 +11,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+from runtime.launchers.inproc import InprocLauncher
 from shared.costs.hardware import cpu_model_name, hardware_flags
 
 
@@ -59,6 +60,16 @@ def peak_rss_gib(pid: int) -> float | None:
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) / 2**20
     return None
+
+
+def node_pids(client: Any) -> list[int]:
+    """The node processes' ids of a client from ``runtime.launchers.cluster`` (the process launcher's children; this
+    process for ``inproc``; none for Ray, whose actors run elsewhere)."""
+    launcher = getattr(client, "cluster", None)
+    processes = getattr(launcher, "processes", None)
+    if processes is not None:
+        return [proc.pid for proc in processes.values()]
+    return [os.getpid()] if isinstance(launcher, InprocLauncher) else []
 
 
 def cpu_topology() -> dict[str, int | None]:

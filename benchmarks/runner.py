@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.llama_server import LlamaServer
-from benchmarks.machine import peak_rss_gib
+from benchmarks.machine import node_pids, peak_rss_gib
 from benchmarks.ov_genai import OVWorker
 from benchmarks.passes import HFSetup, LlamaSetup, OVSetup, Pass, Row, Setup, rotated
 from benchmarks.progress import log, utc_now
@@ -135,8 +135,7 @@ class Runner:
                         f"in {result['time_s']:.2f} s ({result['new_tokens'] / result['time_s']:.2f} tok/s){extra}")
                 self._update()
             for skey, handle in handles.items():  # memory high-water marks, to check the planner's estimates
-                pids = [handle.proc.pid] if isinstance(handle, (Worker, LlamaServer, OVWorker)) else [
-                    q.pid for q in handle.processes.values()]
+                pids = [handle.proc.pid] if isinstance(handle, (Worker, LlamaServer, OVWorker)) else node_pids(handle)
                 peaks = [peak_rss_gib(pid) or 0.0 for pid in pids]
                 info = self.setup_info.setdefault(skey, {})
                 info["peak_rss_gib"] = max(info.get("peak_rss_gib", 0.0), sum(peaks))
