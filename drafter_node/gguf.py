@@ -63,7 +63,6 @@ class LlamaSequence(SequenceCache):
 
     recurrent = False
     batchable = True  # rows of one llama_decode with other sequences (LlamaBackend.feed_rows)
-    _sliding = False
 
     def __init__(self, engine: LlamaEngine, seq: int, vocab_size: int):
         super().__init__(engine)  # the model a batch groups by (BatchStep.model) is the engine

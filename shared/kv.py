@@ -116,8 +116,8 @@ class StateSnapshot:
 
 class SequenceCache:
     """What every one-sequence cache keeps besides its memory: how many tokens it holds and was fed, and the rule
-    for what to feed next. :class:`CachedLM` (torch) and ``drafter_node.gguf.LlamaSequence`` (llama.cpp) build on
-    it; a subclass gives ``feed`` and ``crop``."""
+    for what to feed next. :class:`CachedLM` (torch), ``drafter_node.gguf.LlamaSequence`` and
+    ``shared.llama_target.LlamaHandle`` (llama.cpp) build on it; a subclass gives ``feed`` and ``crop``."""
 
     def __init__(self, model):
         self.model = model

@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from shared.kv import SequenceCache
 from shared.llama_engine import (
     LlamaDecodeError,
     LlamaEngine,
@@ -76,29 +77,22 @@ class _Tree:
     borrowed: list[int] = field(default_factory=list)
 
 
-class LlamaHandle:
-    """One sequence of the target in llama.cpp's KV memory (a :class:`~shared.target.SequenceHandle`)."""
+class LlamaHandle(SequenceCache):
+    """One sequence of the target in llama.cpp's KV memory (a :class:`~shared.target.SequenceHandle`). The length,
+    the counters, ``uncached`` / ``next_logits`` and ``grew`` are :class:`~shared.kv.SequenceCache`'s; no
+    ``capacity``: the pool is shared, so a full one fails the forward instead. Handles of one engine share forwards
+    (``batch_key``: the engine)."""
 
     recurrent = False
     batchable = True
     trees = True
 
     def __init__(self, backend: LlamaTargetBackend, seq: int):
+        super().__init__(backend.engine)
         self.backend = backend
         self.engine = backend.engine
         self.seq: int | None = seq
-        self.length = 0
-        self.last_fed = self.fed_total = self.refed_total = 0
-        self.capacity: int | None = None  # the pool is shared: no bound of its own, a full one fails the forward
         self.tree: _Tree | None = None
-
-    @property
-    def batch_key(self) -> Any:
-        return self.engine
-
-    @property
-    def room(self) -> int | None:
-        return None
 
     def feed(self, token_ids: list[int], want_hidden: bool = False,
              last_logits_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -107,20 +101,6 @@ class LlamaHandle:
             raise ValueError("the llama_cpp backend gives no hidden states")
         out = self.backend.forward([Row(self, list(token_ids))], "last" if last_logits_only else "all")[0].logits
         return out, None
-
-    def grew(self, count: int) -> None:
-        self.length += count
-        self.last_fed = count
-        self.fed_total += count
-
-    def uncached(self, ids: list[int]) -> list[int]:
-        if self.length >= len(ids):
-            self.crop(len(ids) - 1)  # need at least the last token's forward to get its logits
-        return ids[self.length :]
-
-    def next_logits(self, ids: list[int]) -> torch.Tensor:
-        logits, _ = self.feed(self.uncached(ids), last_logits_only=True)
-        return logits[-1]
 
     def crop(self, keep: int) -> None:
         """Hold only the first ``keep`` positions (after a tree forward: they must be a path from its root)."""
@@ -180,9 +160,6 @@ class LlamaHandle:
         if self.seq is None:
             raise ValueError("the sequence was closed")
         return self.seq
-
-    def anchor(self) -> None:
-        """No recurrent state to mark: attention caches crop."""
 
     def close(self) -> None:
         if self.seq is not None:
