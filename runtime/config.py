@@ -215,7 +215,7 @@ def _check_device(dotted: str, value: Any, config_hint: str) -> None:
 def validate(config: dict[str, Any]) -> None:
     v, d = config["verifier"], config["drafter"]
     hint = "on a machine without GPUs use configs/cpu.yaml (--config cpu.yaml)"
-    llama_target = v["backend"] == "llama_cpp"  # shared/llama_target.py checks its model file
+    llama_target = v["backend"] == "llama_cpp"  # shared/llama_target_check.py checks its model file
     if not llama_target:
         _check_model(config, "verifier.model")
     _check_device("verifier.device", v["device"], hint)
@@ -223,7 +223,7 @@ def validate(config: dict[str, Any]) -> None:
         known = ", ".join((type_choice.AUTO, *DRAFTER_TYPES))
         raise ConfigError(f"drafter.type: unknown drafter type {d['type']!r} (known: {known})")
     spec = drafter_spec(d["type"])
-    from shared.llama_target import check_config as check_llama_cpp
+    from shared.llama_target_check import check_config as check_llama_cpp
 
     _run_hook(check_llama_cpp, config, spec.target_states)
     _check_requires(spec)

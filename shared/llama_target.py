@@ -8,8 +8,7 @@ The whole backend is this module (plus its line in :data:`shared.target.BACKEND_
   admission's budget from the KV pool (``capacity_tokens``), token trees and keeping a tree path.
 * :func:`load_llama_target` — ``verifier.model`` (a named model's GGUF or a ``.gguf`` path) loaded into a
   :class:`~shared.llama_engine.LlamaEngine`, its tokenizer (:func:`gguf_tokenizer`), end tokens and cost profile.
-* :func:`check_config` — the config-time checks (the model is a GGUF, the drafter type does not need the target's
-  torch forward, the device is one llama.cpp runs on).
+* its config-time checks live in :mod:`shared.llama_target_check` (light: the config loader imports it).
 
 Token trees, the way llama.cpp's speculative example verifies one: llama.cpp has no attention mask of its own; a
 token attends to the cached cells of its (first) sequence id at positions up to its own. So a tree round gives every
@@ -29,7 +28,6 @@ tells such a step by its logit margin), docs/backends.md.
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,12 +40,12 @@ from shared.llama_engine import (
     LlamaDecodeError,
     LlamaEngine,
     Token,
-    gguf_file_problem,
     gguf_path,
     gpu_offload_problem,
     import_llama_cpp,
     llama_profile,
 )
+from shared.llama_target_check import NAME
 from shared.models import ModelLoadError, vocab_fingerprint, vocab_prefix_matches, vocab_tokens
 from shared.target import (
     KVRowsError,
@@ -62,8 +60,6 @@ from shared.target import (
 
 log = logging.getLogger("pipespec.llama")
 
-#: The backend's ``verifier.backend`` name.
-NAME = "llama_cpp"
 
 
 @dataclass
@@ -413,38 +409,3 @@ def load_llama_target(verifier: Any, options: TargetOptions) -> Target:
                   dtype=engine.file_type(), device=verifier.device, name=verifier.model,
                   max_positions=engine.n_ctx_train, profile=profile, kind="llama.cpp",
                   extras={"gguf": str(path)})
-
-
-# ---------------------------------------------------------------------------------------------------- config
-def check_config(config: dict[str, Any], target_states: str) -> None:
-    """Config-time checks (ValueError naming the key): ``drafter.backend`` is not ``llama_cpp`` (a target backend);
-    with ``verifier.backend: llama_cpp``, ``verifier.model`` is a named model or a GGUF file (made absolute),
-    ``verifier.device`` is cpu or cuda, llama-cpp-python is installed and the drafter type does not need the
-    target's torch forward (``target_states``: its spec's reason why it does, or "")."""
-    import importlib.util
-
-    from shared.named_models import NAMED_MODELS
-
-    v, d = config["verifier"], config["drafter"]
-    if d.get("backend") == NAME:
-        raise ValueError("drafter.backend: llama_cpp is a target backend (verifier.backend); a llama.cpp drafter is "
-                         "drafter.type: gguf")
-    if v["backend"] != NAME:
-        return
-    model = v["model"]
-    if not model or not isinstance(model, str):
-        raise ValueError("verifier.model: missing model (backend llama_cpp: a .gguf file or a named model)")
-    if model not in NAMED_MODELS:
-        problem = gguf_file_problem(model)
-        if problem is not None:
-            raise ValueError(f"verifier.model: backend llama_cpp loads a GGUF file or a named model "
-                             f"({', '.join(NAMED_MODELS)}); {model!r}: {problem}")
-        v["model"] = os.path.abspath(os.path.expanduser(model))
-    if not isinstance(v["device"], str) or not (v["device"] == "cpu" or v["device"].startswith("cuda")):
-        raise ValueError(f"verifier.device: backend llama_cpp runs on cpu or cuda, got {v['device']!r}")
-    if importlib.util.find_spec("llama_cpp") is None:
-        raise ValueError("verifier.backend: llama_cpp needs llama-cpp-python, which is not installed: make setup-gguf")
-    if target_states:
-        raise ValueError(f"drafter.type: {d['type']} cannot draft for a llama_cpp target: {target_states}; "
-                         "llama.cpp runs the target with no torch forward to share: no hidden states, K/V rows or "
-                         "layers (use gguf, assistant, prompt_lookup, suffix or universal)")
