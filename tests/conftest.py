@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers.utils import logging as transformers_logging
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -20,6 +21,9 @@ from testkit.tiny_models import build_model, build_small_vocab_tokenizer, build_
 
 torch.set_num_threads(1)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# A tiny model is built the first time a test asks for it, which may be inside a test that reads its own stderr
+# (with pytest-xdist the order differs run to run): no "Writing model shards" bar there.
+transformers_logging.disable_progress_bar()
 
 
 #: The tiers of pyproject.toml's markers; every test carries at least one: its own, or else its file's ``pytestmark``.
