@@ -46,17 +46,20 @@ run: $(VENV)/.installed
 
 # The tiers (docs/development.md, "Tests"): unit, process, compile, cluster, statistical, netns in `make test`
 # (pyproject.toml's addopts: every tier but ci, slow and ray); the aim is under 10 minutes on 2 cores.
+# pytest-xdist runs them on TEST_WORKERS processes (auto: one per core); work stealing evens out the long tests.
+TEST_WORKERS ?= auto
+XDIST = -n $(TEST_WORKERS) --dist worksteal
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q $(XDIST)
 
 # The unit tier: one process, no nodes, no child interpreters, no torch.compile.
 test-fast: setup
-	$(PY) -m pytest -q -m unit
+	$(PY) -m pytest -q $(XDIST) -m unit
 
 # What CI runs (.ci/run): `make test` and the ci tier (the docs' run blocks, the installed wheel, the sampling check
 # of every drafter type and target path beside make test's one per kind of draft) in one session.
 test-ci: setup
-	$(PY) -m pytest -q -m 'not slow and not ray'
+	$(PY) -m pytest -q $(XDIST) -m 'not slow and not ray'
 
 test-slow: setup
 	$(PY) -m pytest -q -m slow

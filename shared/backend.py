@@ -456,7 +456,9 @@ class CompiledBackend(StaticBackend):
         return super().describe().replace("static (", "compiled static (", 1) + f", compiled step: {state}"
 
     def _fail(self, exc: BaseException) -> None:
-        self.failure = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+        # inductor's first line is only "backend='inductor' raised:"; the cause is on the next one
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()][:2]
+        self.failure = f"{type(exc).__name__}: {' '.join(lines)}"
         log.warning("compiled KV backend: torch.compile failed, every forward takes the eager static path (%s)",
                     self.failure)
 

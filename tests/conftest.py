@@ -7,6 +7,7 @@ import contextlib
 import os
 import subprocess
 import sys
+import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -24,6 +25,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # A tiny model is built the first time a test asks for it, which may be inside a test that reads its own stderr
 # (with pytest-xdist the order differs run to run): no "Writing model shards" bar there.
 transformers_logging.disable_progress_bar()
+# Under pytest-xdist each worker compiles into a cache folder of its own: a compile failed once while two workers
+# shared the default one (the compiled backend fell back to eager and its test failed); separate folders rule out
+# a race between them.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(
+        tempfile.gettempdir(), f"torchinductor-{os.getuid()}-{os.environ['PYTEST_XDIST_WORKER']}"))
 
 
 #: The tiers of pyproject.toml's markers; every test carries at least one: its own, or else its file's ``pytestmark``.

@@ -25,6 +25,7 @@ def _setup(key: str, target: Path, **kw) -> HFSetup:
     return HFSetup(key, "float32", 1, "cpu", str(target), 0.01, **kw)
 
 
+@pytest.mark.ci  # the benchmark script end to end: CI runs it (make test-ci)
 def test_worker_generates_like_transformers_and_survives_a_bad_request(tiny):
     target, drafter = tiny("llama"), tiny("llama", "random")
     worker = Worker(_setup("w", target))
@@ -71,6 +72,7 @@ def test_rotated():
     assert rotated([], 2) == []
 
 
+@pytest.mark.ci  # the benchmark script end to end: CI runs it (make test-ci)
 def test_runner_interleaves_prompt_by_prompt_and_keeps_partial_results(tiny):
     target, drafter = tiny("llama"), tiny("llama", "random")
     setups = {"w1": _setup("w1", target, curves=[("target", "target", [1, 2])]), "w2": _setup("w2", target),

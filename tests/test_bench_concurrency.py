@@ -137,6 +137,7 @@ def test_the_headline_pair_shares_a_pass_when_the_setups_do_not_all_fit():
         ["pipespec-batched", "hf-batched", "pipespec-unbatched", "hf-assisted"]]
 
 
+@pytest.mark.ci  # the benchmark script end to end: CI runs it (make test-ci)
 def test_end_to_end_random_pair(tmp_path):
     out = tmp_path / "results"
     code = bc.main(["--random", "--concurrency", "1,2", "--max-new-tokens", "4", "--out", str(out),

@@ -16,6 +16,7 @@ pytestmark = pytest.mark.cluster
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.ci  # the benchmark script end to end: CI runs it (make test-ci)
 def test_bench_http_tiny_smoke(tmp_path):
     out = subprocess.run(python_command(str(REPO_ROOT / "scripts" / "bench_http.py"), "--tiny", "--reps", "2",
                           "--max-tokens", "6", "--out", str(tmp_path)), cwd=REPO_ROOT, capture_output=True,

@@ -119,7 +119,7 @@ def test_a_missing_binary_or_gguf_is_a_clear_error(tmp_path):
         LlamaServer(setup).prepare()
 
 
-@pytest.mark.cluster
+@pytest.mark.ci  # the benchmark script end to end: CI runs it (make test-ci)
 def test_a_row_whose_llama_server_is_missing_fails_alone(tiny, tmp_path):
     """The missing binary fails its row with the reason; the transformers row beside it runs every prompt."""
     target = tiny("llama")

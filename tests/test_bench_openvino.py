@@ -253,7 +253,7 @@ def _fake_worker(monkeypatch, tmp_path: Path, answers: dict[str, list[int]]) -> 
     monkeypatch.setattr(ov_genai.OVWorker, "prepare", prepare)
 
 
-@pytest.mark.cluster
+@pytest.mark.ci  # the benchmark script end to end: CI runs it (make test-ci)
 def test_the_runner_drives_an_openvino_worker_and_a_failed_environment_fails_only_its_row(tiny, tmp_path,
                                                                                           monkeypatch):
     """ov-speculative (a stand-in worker) decodes every prompt, its curve and precision recorded; ov-target, whose

@@ -53,7 +53,7 @@ def test_summary_per_request_and_cross_request(tmp_path):
     assert "α on its request 1 0.25, on requests 2–3 (mean) 0.38, on the last 0.00" in text
 
 
-@pytest.mark.cluster
+@pytest.mark.ci  # the benchmark script end to end: CI runs it (make test-ci)
 def test_smoke_run_on_tiny_models(tmp_path):
     code = bs.main(["--tiny", "--requests", "2", "--rows", "suffix", "--max-new-tokens", "8", "--out",
                     str(tmp_path)])

@@ -169,7 +169,7 @@ def test_bench_hands_sweep_flags_over_and_ray_needs_ray(tmp_path, capsys, monkey
     assert caught.value.code == 2
 
 
-@pytest.mark.cluster
+@pytest.mark.ci  # the benchmark script end to end: CI runs it (make test-ci)
 def test_a_two_point_sweep_on_tiny_models_writes_table_json_and_plot(tiny, tmp_path):
     from benchmarks.prompts import chat_prompts
     from shared.models import load_tokenizer

@@ -89,9 +89,9 @@ def test_ci_runs_every_tier_make_test_runs_and_the_ci_tier() -> None:
     addopts = re.search(r"^addopts = \"-m '([^']+)'\"$", (ROOT / "pyproject.toml").read_text(), re.M).group(1)
     makefile = (ROOT / "Makefile").read_text()
     targets = {name: recipe for name, recipe in re.findall(r"^([a-z-]+): setup\n\t([^\n]+)", makefile, re.M)}
-    assert targets["test"] == "$(PY) -m pytest -q"
-    assert targets["test-fast"] == "$(PY) -m pytest -q -m unit"
-    test_ci = re.fullmatch(r"\$\(PY\) -m pytest -q -m '([^']+)'", targets["test-ci"]).group(1)
+    assert targets["test"] == "$(PY) -m pytest -q $(XDIST)"
+    assert targets["test-fast"] == "$(PY) -m pytest -q $(XDIST) -m unit"
+    test_ci = re.fullmatch(r"\$\(PY\) -m pytest -q \$\(XDIST\) -m '([^']+)'", targets["test-ci"]).group(1)
     in_test = {tier for tier in TIERS if _selects(addopts, tier)}
     assert in_test == {"unit", "process", "compile", "cluster", "statistical", "netns"}
     assert {tier for tier in TIERS if _selects(test_ci, tier)} == in_test | {"ci"}

@@ -30,6 +30,7 @@ def run_script(*args: str, pythonpath: str = str(REPO_ROOT), fresh: bool = False
                           text=True, timeout=600, stdin=subprocess.DEVNULL)
 
 
+@pytest.mark.ci  # the benchmark script end to end: CI runs it (make test-ci)
 def test_gpu_check_smoke_on_cpu(tmp_path):
     # the budget only bounds a badly overloaded machine: every part must run here
     proc = run_script("--device", "cpu", "--smoke", "--budget", "400", "--out", str(tmp_path))
