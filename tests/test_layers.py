@@ -13,6 +13,7 @@ the composition root: they may start the HTTP server and the benchmarks, and not
 from __future__ import annotations
 
 import ast
+import functools
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
@@ -146,15 +147,21 @@ def cycles(graph: Mapping[str, Iterable[str]]) -> list[list[str]]:
     return sorted(out)
 
 
+@functools.cache
+def _repo_graph() -> dict[str, set[str]]:
+    """The repository's graph, parsed once for the tests that read it (every source file's AST: seconds)."""
+    return import_graph()
+
+
 def test_no_upward_import() -> None:
-    graph = import_graph()
+    graph = _repo_graph()
     assert set(graph) >= COMMANDS, f"a command module was renamed: {sorted(COMMANDS - set(graph))}"
     bad = upward_edges(graph)
     assert not bad, "imports from a lower layer to a higher one:\n" + "\n".join(f"  {a} -> {b}" for a, b in bad)
 
 
 def test_no_import_cycle() -> None:
-    found = cycles(import_graph())
+    found = cycles(_repo_graph())
     assert not found, "import cycles (lazy imports included):\n" + "\n".join("  " + " <-> ".join(c) for c in found)
 
 
