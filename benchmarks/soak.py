@@ -433,12 +433,36 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
             "outcomes": [o.as_dict() for o in load.outcomes], "_outcomes": load.outcomes, **raw}
 
 
+def compact(result: dict[str, Any]) -> dict[str, Any]:
+    """The result file's form: every request that did not complete (or was not cancelled) in full, each stream's
+    (start, end, longest gap), the memory samples per process name as (t, pid, MiB) rows: the counts are in the
+    summary, and a 30-minute soak's every request would be megabytes."""
+    out = dict(result)
+    if isinstance(out.get("outcomes"), list):
+        rows = out.pop("outcomes")
+        out["requests_not_completed"] = [o for o in rows if o["result"] not in ("completed", "cancelled")]
+        out["stream_stalls"] = [[o["start"], o["end"], o["max_gap_s"]] for o in rows
+                                if o["kind"] == "stream" and o["max_gap_s"] is not None]
+    if isinstance(out.get("memory_samples"), list):
+        by_name: dict[str, list[list[float]]] = {}
+        for x in out.pop("memory_samples"):
+            by_name.setdefault(x["name"], []).append([x["t"], x["pid"], x["mib"]])
+        out["memory_samples"] = by_name
+    return out
+
+
 def write(out: Path, result: dict[str, Any]) -> None:
     from benchmarks.results import write_result
-    from benchmarks.soak_books import report_lines
 
     out.mkdir(parents=True, exist_ok=True)
-    write_result(out / "soak.json", result)
+    write_result(out / "soak.json", compact(result))
+    write_report(out, result)
+
+
+def write_report(out: Path, result: dict[str, Any]) -> None:
+    """``soak.md`` of a result (also from a saved ``soak.json``: ``--report-from``)."""
+    from benchmarks.soak_books import report_lines
+
     m = result["meta"]
     a = result["summary"]["aims"]
     both = "both tenants"
@@ -483,7 +507,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--target", help="target model (default: a tiny random model built here)")
     p.add_argument("--drafter", help="draft model (with --target)")
     p.add_argument("--out", type=Path, default=Path("results/soak"))
+    p.add_argument("--report-from", type=Path, metavar="SOAK_JSON",
+                   help="only write soak.md (into --out) again from a saved soak.json (compacting the file too)")
     args = p.parse_args(argv)
+    if args.report_from:
+        saved = json.loads(args.report_from.read_text(encoding="utf-8"))
+        write(args.out, saved)  # compact() leaves a compacted file as it is
+        return 0
     if args.duration_s <= 0 or args.fault_every_s <= 0 or bool(args.target) != bool(args.drafter):
         p.error("--duration-s and --fault-every-s must be > 0; give --target and --drafter together")
     start = utc_now()

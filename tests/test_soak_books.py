@@ -139,3 +139,30 @@ def test_the_aims_and_the_report():
     lost = summarise([*outcomes, Outcome("stream", "alpha", "lost")], [], samples, warmup_s=0, fault_window_s=5,
                      max_slope_mib_per_h=50)
     assert lost["aims"]["lost"] == 1 and lost["aims"]["held"] is False
+
+
+def test_only_lives_long_enough_and_real_processes_are_judged():
+    short_leak = _samples("drafter", 31, 0, 10, lambda i: 100 + 5 * i)  # 90 s of samples: too short to judge
+    summed = _samples("other ray processes (sum)", 0, 0, 60, lambda i: 100 + 9 * i)  # idle workers come and go
+    long_flat = _samples("verifier", 32, 0, 60, lambda i: 300.0)
+    result = summarise([], [], short_leak + summed + long_flat, warmup_s=0, fault_window_s=5,
+                       max_slope_mib_per_h=50, min_steady_s=300)
+    assert result["flat"] == {"drafter": None, "other ray processes (sum)": None, "verifier": True}
+    assert result["aims"]["memory_flat"] is True
+    assert "| drafter | 1 |" in "\n".join(report_lines({"summary": result, "faults": []}))
+    assert "not judged" in "\n".join(report_lines({"summary": result, "faults": []}))
+
+
+def test_the_result_file_keeps_every_request_that_did_not_complete():
+    from benchmarks.soak import compact
+
+    rows = [Outcome("stream", "alpha", "completed", 200, "stop", 1, 2, [0.1, 0.4]).as_dict(),
+            Outcome("plain", "beta", "failed", 503, "503 verifier_gone", 3, 4).as_dict(),
+            Outcome("cancel", "beta", "cancelled", 200, "after 3 events", 5, 6).as_dict(),
+            Outcome("plain", "alpha", "lost", None, "no answer", 7, 157).as_dict()]
+    samples = _samples("verifier", 5, 0, 3, lambda i: 10.0 + i)
+    small = compact({"outcomes": rows, "memory_samples": samples, "summary": {}})
+    assert [o["result"] for o in small["requests_not_completed"]] == ["failed", "lost"]
+    assert small["stream_stalls"] == [[1, 2, 0.4]]
+    assert small["memory_samples"] == {"verifier": [[0, 5, 10.0], [10, 5, 11.0], [20, 5, 12.0]]}
+    assert compact(small) == small
