@@ -322,10 +322,16 @@ class Faults:
                 "back_after_s": None if back is None else round(back, 1)}
 
 
-def served_again(outcomes: list[Outcome], fault: dict[str, Any]) -> float | None:
-    """Seconds from a fault until the first request begun after it completed."""
-    ends = [o.end for o in outcomes if o.result == "completed" and o.start >= fault["at_s"]]
-    return round(min(ends) - fault["at_s"], 1) if ends else None
+def after_fault(outcomes: list[dict[str, Any]], fault: dict[str, Any]) -> dict[str, float | None]:
+    """From a fault (``outcomes``: :meth:`Outcome.as_dict` rows): seconds until the first request begun after it
+    completed, and until the last request that failed began before that."""
+    at = fault["at_s"]
+    ends = [o["end"] for o in outcomes if o["result"] == "completed" and o["start"] >= at]
+    served = min(ends) - at if ends else None
+    failed = [o["start"] - at for o in outcomes if o["result"] == "failed" and o["start"] >= at
+              and (served is None or o["start"] - at <= served)]
+    return {"served_again_after_s": None if served is None else round(served, 1),
+            "last_failure_begun_s": round(max(failed), 1) if failed else None}
 
 
 def keys_file(folder: Path) -> tuple[Path, dict[str, str]]:
@@ -395,8 +401,9 @@ def soak(args: argparse.Namespace, load: Load, faults: Faults, launcher_pid: int
     events = []
     with contextlib.suppress(Exception):
         events = faults.status()["events"]
+    rows = [o.as_dict() for o in load.outcomes]
     for fault in fault_log:
-        fault["served_again_after_s"] = served_again(load.outcomes, fault)
+        fault.update(after_fault(rows, fault))
     return {"faults": fault_log, "memory_samples": samples, "events": events, "stuck_clients": stuck}
 
 
@@ -512,6 +519,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.report_from:
         saved = json.loads(args.report_from.read_text(encoding="utf-8"))
+        for fault in saved["faults"] if isinstance(saved.get("outcomes"), list) else []:
+            fault.update(after_fault(saved["outcomes"], fault))  # a file written before after_fault existed
         write(args.out, saved)  # compact() leaves a compacted file as it is
         return 0
     if args.duration_s <= 0 or args.fault_every_s <= 0 or bool(args.target) != bool(args.drafter):

@@ -249,10 +249,13 @@ def report_lines(result: dict[str, Any]) -> list[str]:
         lines += ["Why requests failed (the error each got):", "",
                   *[f"- {n} × {reason}" for reason, n in s["reasons"]], ""]
     lines += ["Faults (SIGKILL of the node's actor process; Ray restarts it, the controller serves it again):", "",
-              *md_table(["at s", "node", "killed pid", "serving again after s", "new pid",
-                         "first new request completed after s"],
-                        [[_f(f["at_s"]), f["node"], str(f["killed_pid"]), _f(f["back_after_s"]), str(f["new_pid"]),
-                          _f(f.get("served_again_after_s"))] for f in result["faults"]], "rlrrrr"), ""]
+              *md_table(["at s", "node", "killed pid", "new pid", "serve call restarted after s",
+                         "last failed request begun after s", "first new request completed after s"],
+                        [[_f(f["at_s"]), f["node"], str(f["killed_pid"]), str(f["new_pid"]), _f(f["back_after_s"]),
+                          _f(f.get("last_failure_begun_s")), _f(f.get("served_again_after_s"))]
+                         for f in result["faults"]], "rlrrrrr"),
+              "", "(The controller restarts a node's serve call before the new process has loaded its model and "
+              "bound its sockets: the outage a client sees is the last two columns.)", ""]
     lines += ["Stall per stream (its longest gap between SSE events), streams overlapping a fault apart:", "",
               *md_table(["streams", "count", "p50 s", "p99 s", "max s"],
                         [[k, str(v["streams"]), _f(v["p50_s"], 3), _f(v["p99_s"], 3), _f(v["max_s"], 3)]

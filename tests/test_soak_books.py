@@ -135,7 +135,7 @@ def test_the_aims_and_the_report():
     assert summary["aims"] == {"lost": 0, "unclear": 0, "memory_flat": True, "held": True}
     assert summary["reasons"] == [("failed: 503 verifier_gone", 1)]
     text = "\n".join(report_lines({"summary": summary, "faults": faults}))
-    assert "| all | 1 | 1 | 0 | 0 | 0 |" in text and "| 2.5 | verifier | 5 | 9.0 | 6 | — |" in text
+    assert "| all | 1 | 1 | 0 | 0 | 0 |" in text and "| 2.5 | verifier | 5 | 6 | 9.0 | — | — |" in text
     lost = summarise([*outcomes, Outcome("stream", "alpha", "lost")], [], samples, warmup_s=0, fault_window_s=5,
                      max_slope_mib_per_h=50)
     assert lost["aims"]["lost"] == 1 and lost["aims"]["held"] is False
@@ -166,3 +166,15 @@ def test_the_result_file_keeps_every_request_that_did_not_complete():
     assert small["stream_stalls"] == [[1, 2, 0.4]]
     assert small["memory_samples"] == {"verifier": [[0, 5, 10.0], [10, 5, 11.0], [20, 5, 12.0]]}
     assert compact(small) == small
+
+
+def test_after_a_fault_the_outage_is_read_from_the_requests():
+    from benchmarks.soak import after_fault
+
+    rows = [Outcome("plain", "alpha", "completed", 200, start=95, end=101).as_dict(),  # begun before the fault
+            Outcome("plain", "alpha", "failed", 503, start=100.5, end=100.6).as_dict(),
+            Outcome("plain", "beta", "failed", 503, start=112, end=112.1).as_dict(),
+            Outcome("plain", "beta", "completed", 200, start=113, end=115).as_dict(),
+            Outcome("plain", "beta", "failed", 503, start=190, end=190.1).as_dict()]  # a later, other failure
+    assert after_fault(rows, {"at_s": 100.0}) == {"served_again_after_s": 15.0, "last_failure_begun_s": 12.0}
+    assert after_fault(rows[:3], {"at_s": 100.0}) == {"served_again_after_s": None, "last_failure_begun_s": 12.0}
