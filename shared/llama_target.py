@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from shared.gguf_vet import vet_gguf
 from shared.kv import SequenceCache
 from shared.llama_engine import (
     LlamaDecodeError,
@@ -387,6 +388,10 @@ def load_llama_target(verifier: Any, options: TargetOptions) -> Target:
     from shared.node_keys import kv_slots
 
     path = gguf_path(verifier.model, "verifier.model")
+    try:  # untrusted input: the header's bounds and a probe in a limited child before this process loads it
+        vet_gguf(path)
+    except ValueError as exc:
+        raise ModelLoadError(f"verifier.model: {exc}") from None
     problem = gpu_offload_problem(verifier.device)
     if problem is not None:
         raise ModelLoadError(f"verifier.device: {problem}")

@@ -1,6 +1,7 @@
 """``gguf``: a GGUF model run by llama.cpp drafts for a torch target (``drafter_node/gguf.py``).
 
-``drafter.model`` is a ``.gguf`` file or a named model (whose GGUF file is installed as it is, not converted).
+``drafter.model`` is a ``.gguf`` file or a named model (whose GGUF file is installed as it is, not converted);
+``drafter.gguf_sha256`` pins the file's hash. A GGUF file is as dangerous as code (docs/security.md).
 The type needs llama-cpp-python, which ``make setup`` builds for the machine's CPU (``make setup-gguf``).
 """
 
@@ -8,10 +9,25 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from drafter_node.spec import DrafterSpec, Normalised, SpecError
+from shared.gguf_vet import sha256_problem
 from shared.llama_engine import gguf_file_problem
+from shared.settings import setting
+
+
+@dataclass(frozen=True)
+class GGUFSettings:
+    """``gguf``'s own ``drafter`` keys."""
+
+    gguf_sha256: Any = setting(
+        None, "SHA-256 (hex) the GGUF file must have; checked before llama.cpp reads it (null: not checked).",
+        kind="str")
+    gguf_sequence_tokens: Any = setting(
+        None, "Most positions one session may hold in the shared llama.cpp KV memory (null: a quarter of it, at "
+        "least kv_slot_tokens); a longer session is not drafted for.", kind="int", bounds=(1, None))
 
 
 def _check(config: Mapping[str, Mapping[str, Any]]) -> Normalised:
@@ -23,6 +39,8 @@ def _check(config: Mapping[str, Mapping[str, Any]]) -> Normalised:
     value = drafter["model"]
     if not value or not isinstance(value, str):
         raise SpecError("drafter.model: missing model (a .gguf file or a named model)")
+    if drafter.get("gguf_sha256") is not None and sha256_problem(drafter["gguf_sha256"]):
+        raise SpecError(f"drafter.gguf_sha256: {sha256_problem(drafter['gguf_sha256'])}")
     if drafter["device"] != "cpu":
         raise SpecError(f"drafter.device: the gguf type runs llama.cpp's CPU build, got {drafter['device']!r}")
     if value in NAMED_MODELS:
@@ -39,6 +57,7 @@ SPEC = DrafterSpec(
     cls="drafter_node.gguf:GGUFDrafter",
     title="a GGUF model in llama.cpp",
     model_file=True,
+    settings=GGUFSettings,
     check=_check,
     requires=(("llama_cpp", "make setup-gguf (builds llama-cpp-python for this CPU; pip install 'pipespec[gguf]' "
                             "with the flags of scripts/build_llama_cpp.py --print-flags)"),),
