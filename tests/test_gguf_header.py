@@ -293,3 +293,29 @@ def test_a_hostile_vocabulary_claim_is_a_mismatch_not_an_error():
     finally:
         models.vocab_fingerprint = real
     assert calls == [29]  # the whole list's and the 30-token prefix's were remembered
+
+
+@pytest.mark.unit
+def test_the_config_refuses_a_hostile_gguf_before_any_node_starts(tmp_path):
+    """``drafter.type: gguf`` with a header declaring 1000 layers: the config loader names the declaration."""
+    from runtime.config import load_config
+
+    path = write(tmp_path / "deep.gguf", good_kvs(blocks=1000), good_tensors())
+    with pytest.raises(ValueError, match=r"llama\.block_count is 1000"):
+        load_config(overrides={"drafter.type": "gguf", "drafter.model": str(path)})
+
+
+@pytest.mark.process
+def test_a_drafter_process_refuses_a_hostile_gguf_with_the_reason(tmp_path):
+    """A process building the gguf drafter (as a node does, the config check skipped, as on another host) from a
+    GGUF with a 10⁹-element token array exits with the reason, and llama.cpp never loaded it."""
+    import subprocess
+    import sys
+
+    path = write(tmp_path / "huge.gguf", [*good_kvs()[:2], kv_strings("tokenizer.ggml.tokens", [], 10**9)],
+                 good_tensors())
+    code = ("import sys; from drafter_node.gguf import GGUFDrafter; from drafter_node.settings import DrafterConfig;"
+            f"GGUFDrafter(DrafterConfig(type='gguf', model={str(path)!r}))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert "1,000,000,000 elements" in done.stderr and "llama_model_load" not in done.stderr

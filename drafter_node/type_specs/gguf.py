@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from drafter_node.spec import DrafterSpec, Normalised, SpecError
+from shared.gguf_header import GGUFHeaderError, check_gguf_header
 from shared.gguf_vet import sha256_problem
 from shared.llama_engine import gguf_file_problem
 from shared.settings import setting
@@ -49,6 +50,10 @@ def _check(config: Mapping[str, Mapping[str, Any]]) -> Normalised:
     if problem is not None:
         raise SpecError(f"drafter.model: {value!r} is not a GGUF file or a named model "
                         f"({', '.join(NAMED_MODELS)}): {problem}")
+    try:  # the header's bounds, early (the node reads it again before its llama.cpp does: it may be another host)
+        check_gguf_header(value)
+    except GGUFHeaderError as exc:
+        raise SpecError(f"drafter.model: {value!r} is refused: {exc}") from None
     return {"model": os.path.abspath(os.path.expanduser(value))}
 
 
