@@ -319,3 +319,22 @@ def test_a_drafter_process_refuses_a_hostile_gguf_with_the_reason(tmp_path):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode != 0
     assert "1,000,000,000 elements" in done.stderr and "llama_model_load" not in done.stderr
+
+
+@pytest.mark.unit
+def test_the_config_refuses_a_vocabulary_larger_than_the_targets_plus_slack(tiny, tmp_path):
+    """A target folder's config.json gives its vocabulary: a drafter GGUF up to it + VOCAB_SLACK passes, one past
+    it is refused when the config loads, with both sizes named."""
+    import json
+
+    from runtime.config import load_config
+    from shared.gguf_header import VOCAB_SLACK
+
+    target = tiny("qwen2", "target")
+    size = json.loads((target / "config.json").read_text())["vocab_size"]
+    base = {"verifier.model": str(target), "drafter.type": "gguf"}
+    fits = write(tmp_path / "fits.gguf", good_kvs(vocab=size + VOCAB_SLACK), good_tensors())
+    assert load_config(overrides={**base, "drafter.model": str(fits)})["drafter"]["model"] == str(fits)
+    wide = write(tmp_path / "wide.gguf", good_kvs(vocab=size + VOCAB_SLACK + 1), good_tensors())
+    with pytest.raises(ValueError, match=rf"vocabulary larger than .*target's vocabulary: {size:,} tokens"):
+        load_config(overrides={**base, "drafter.model": str(wide)})

@@ -7,13 +7,14 @@ The type needs llama-cpp-python, which ``make setup`` builds for the machine's C
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from drafter_node.spec import DrafterSpec, Normalised, SpecError
-from shared.gguf_header import GGUFHeaderError, check_gguf_header
+from shared.gguf_header import VOCAB_SLACK, GGUFHeaderError, check_gguf_header
 from shared.gguf_vet import sha256_problem
 from shared.llama_engine import gguf_file_problem
 from shared.settings import setting
@@ -29,6 +30,25 @@ class GGUFSettings:
     gguf_sequence_tokens: Any = setting(
         None, "Most positions one session may hold in the shared llama.cpp KV memory (null: a quarter of it, at "
         "least kv_slot_tokens); a longer session is not drafted for.", kind="int", bounds=(1, None))
+
+
+def target_vocab(verifier: Mapping[str, Any]) -> int | None:
+    """The target's vocabulary size where the config loader can read it cheaply: a GGUF target's header, or a local
+    model folder's ``config.json`` (``vocab_size``, or its ``text_config``'s); None otherwise (a hub id or a named
+    model not installed yet: the verifier still refuses a longer vocabulary at connect)."""
+    model = verifier.get("model")
+    if not isinstance(model, str) or not model:
+        return None
+    path = os.path.expanduser(model)
+    try:
+        if os.path.isfile(path):
+            return check_gguf_header(path).vocab_size
+        with open(os.path.join(path, "config.json"), encoding="utf-8") as fh:
+            facts = json.load(fh)
+    except (OSError, ValueError):
+        return None
+    size = facts.get("vocab_size") or (facts.get("text_config") or {}).get("vocab_size")
+    return size if isinstance(size, int) and size > 0 else None
 
 
 def _check(config: Mapping[str, Mapping[str, Any]]) -> Normalised:
@@ -50,10 +70,12 @@ def _check(config: Mapping[str, Mapping[str, Any]]) -> Normalised:
     if problem is not None:
         raise SpecError(f"drafter.model: {value!r} is not a GGUF file or a named model "
                         f"({', '.join(NAMED_MODELS)}): {problem}")
+    target = target_vocab(config.get("verifier", {}))
     try:  # the header's bounds, early (the node reads it again before its llama.cpp does: it may be another host)
-        check_gguf_header(value)
+        check_gguf_header(value, None if target is None else target + VOCAB_SLACK)
     except GGUFHeaderError as exc:
-        raise SpecError(f"drafter.model: {value!r} is refused: {exc}") from None
+        where = "" if target is None else f" (the target's vocabulary: {target:,} tokens, + {VOCAB_SLACK} slack)"
+        raise SpecError(f"drafter.model: {value!r} is refused: {exc}{where}") from None
     return {"model": os.path.abspath(os.path.expanduser(value))}
 
 
