@@ -55,6 +55,7 @@ from shared.llama_engine import (  # noqa: F401 (re-exported: the engine lived h
     llama_profile,
 )
 from shared.models import ModelLoadError, ProfileSpec, vocab_fingerprint
+from shared.named_models import is_named_model
 from shared.node_keys import kv_slots
 from shared.sampling import GenerationParams
 
@@ -179,9 +180,10 @@ class GGUFDrafter(Drafter):
     def __init__(self, settings: DrafterConfig, own: Any = None, profile: ProfileSpec | None = None):
         self.path = gguf_path(settings.model)
         # The file is untrusted input: its hash (where pinned), its header's bounds and a probe in a limited child
-        # process come before this process's llama.cpp reads it (shared/gguf_vet.py)
+        # process come before this process's llama.cpp reads it (shared/gguf_vet.py); a named model's GGUF, whose
+        # SHA-256 is pinned in code and checked when installed, skips the probe (seconds at each start)
         try:
-            vet_gguf(self.path, sha256=getattr(own, "gguf_sha256", None))
+            vet_gguf(self.path, sha256=getattr(own, "gguf_sha256", None), probe=not is_named_model(settings.model))
         except ValueError as exc:
             raise ModelLoadError(f"drafter.model: {exc}") from None
         # The KV memory is one pool (kv_slots × kv_slot_tokens positions) shared by as many sequences as llama.cpp
