@@ -8,8 +8,8 @@ whose declarations are out of bounds, with the reason:
 * the key-value and tensor counts (:data:`MAX_KV`, :data:`MAX_TENSORS`), each key's and string's length, each
   array's length (:data:`MAX_ARRAY`; nested arrays and unknown value types refused) — every length also against the
   bytes the file really has, so nothing is read or allocated for what is not there;
-* ``{arch}.block_count`` (:data:`MAX_BLOCKS`; no ``blk.N`` tensor past it), the vocabulary (``tokenizer.ggml.*``
-  arrays no longer than ``max_vocab``), ``general.alignment`` (a power of two);
+* ``{arch}.block_count`` (:data:`MAX_BLOCKS`; no ``blk.N`` tensor past it), the vocabulary (the per-token
+  :data:`VOCAB_ARRAYS` no longer than ``max_vocab``), ``general.alignment`` (a power of two);
 * each tensor's name, rank (1-4), dimensions, type (a ggml type, from the ``gguf`` package's constants) and data
   (its bytes aligned and inside the file).
 
@@ -65,6 +65,8 @@ _SCALARS: dict[int, struct.Struct] = {
     GGUFValueType.FLOAT64: struct.Struct("<d"),
 }
 _U32, _U64 = struct.Struct("<I"), struct.Struct("<Q")
+#: The arrays with one entry per token (merges and a T5 tokenizer's byte map are bounded by MAX_ARRAY alone).
+VOCAB_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type")
 _ARCH = re.compile(r"[a-z0-9_\-]{1,64}")
 _BLOCK = re.compile(r"blk\.(\d+)\.")
 
@@ -250,9 +252,9 @@ def _check(header: GGUFHeader, tensors: list[tuple[str, int, int, int]], end: in
     if blocks is not None and (not isinstance(blocks, int) or isinstance(blocks, bool)
                                or not 1 <= blocks <= MAX_BLOCKS):
         raise GGUFHeaderError(f"{arch}.block_count is {blocks!r} (1 to {MAX_BLOCKS})")
-    for key, value in header.values.items():
-        if (key.startswith("tokenizer.ggml.") and key != "tokenizer.ggml.merges" and isinstance(value, ArrayInfo)
-                and value.length > max_vocab):
+    for key in VOCAB_ARRAYS:
+        value = header.values.get(key)
+        if isinstance(value, ArrayInfo) and value.length > max_vocab:
             raise GGUFHeaderError(f"{key} has {value.length:,} entries: a vocabulary larger than the "
                                   f"{max_vocab:,} tokens allowed here")
     align = header.values.get("general.alignment", 32)
