@@ -9,7 +9,8 @@ batches sessions. What this module adds is a llama.cpp stand-in for the torch mo
 
 * :class:`~shared.llama_engine.LlamaEngine` (shared with the llama.cpp target backend) — one model and one
   llama.cpp context whose KV memory (one pool of ``kv_slots × kv_slot_tokens`` positions) holds up to 256
-  sequences; a batched forward of many sessions is one ``llama_decode`` over their sequences;
+  sequences, each of at most ``drafter.gguf_sequence_tokens`` positions (default a quarter of the pool); a batched
+  forward of many sessions is one ``llama_decode`` over their sequences;
 * :class:`LlamaSequence` — one session's sequence, with the part of :class:`shared.kv.CachedLM`'s interface the
   session uses (``feed``, ``uncached``, ``crop``, ``length``, ...); cropping is ``llama_memory_seq_rm``;
 * :class:`LlamaBackend` — the node's KV backend over the engine (``open`` a sequence, ``feed_rows`` batched).
@@ -17,6 +18,9 @@ batches sessions. What this module adds is a llama.cpp stand-in for the torch mo
 Vocabulary: the drafter sends a fingerprint of its GGUF token list (:func:`shared.models.vocab_fingerprint`); the
 verifier compares it with its tokenizer's, so a GGUF whose ids do not map onto the target's is refused at connect
 with the reason (``universal`` covers different tokenizers).
+
+The file is untrusted input (:mod:`shared.gguf_vet`): its SHA-256 where ``drafter.gguf_sha256`` pins it, its
+header's bounds and a probe in a limited child process come before this process's llama.cpp reads it.
 
 Threads follow the node's thread policy: before each forward the engine takes torch's current count (what the
 node's ``ThreadShare`` sets) as llama.cpp's.
@@ -39,6 +43,7 @@ from drafter_node.settings import DrafterConfig
 from shared.backend import TargetBackend
 from shared.batch import Row, RowOutput
 from shared.costs.curve import NodeProfile
+from shared.gguf_vet import vet_gguf
 from shared.kv import SequenceCache
 from shared.llama_engine import (  # noqa: F401 (re-exported: the engine lived here before shared/llama_engine.py)
     INSTALL_HINT,
@@ -49,7 +54,8 @@ from shared.llama_engine import (  # noqa: F401 (re-exported: the engine lived h
     import_llama_cpp,
     llama_profile,
 )
-from shared.models import ProfileSpec, vocab_fingerprint
+from shared.models import ModelLoadError, ProfileSpec, vocab_fingerprint
+from shared.named_models import is_named_model
 from shared.node_keys import kv_slots
 from shared.sampling import GenerationParams
 
@@ -58,8 +64,9 @@ log = logging.getLogger("pipespec.drafter")
 class LlamaSequence(SequenceCache):
     """One session's sequence in the engine's KV memory: the part of :class:`shared.kv.CachedLM` that
     :class:`~drafter_node.lm_drafter.LMDraftSession` uses (the shared bookkeeping of :class:`SequenceCache`, a
-    ``feed`` through llama.cpp and a ``crop`` by ``llama_memory_seq_rm``). No ``capacity``: the shared memory has
-    no per-sequence bound; a full one fails the forward instead."""
+    ``feed`` through llama.cpp and a ``crop`` by ``llama_memory_seq_rm``). No ``capacity``: the drafter refuses a
+    session that could outgrow the engine's per-sequence cap at open (it is not drafted for), and the engine fails
+    a forward past it, as it fails one that does not fit the full memory."""
 
     recurrent = False
     batchable = True  # rows of one llama_decode with other sequences (LlamaBackend.feed_rows)
@@ -159,21 +166,37 @@ class IdleDraftSession(DraftSession):
         return 0
 
 
+def sequence_cap(n_ctx: int, slot_tokens: int, configured: int | None) -> int:
+    """The most positions one session may hold in a pool of ``n_ctx``: ``configured`` (``drafter.
+    gguf_sequence_tokens``), else a quarter of the pool but at least one slot; never more than the pool."""
+    cap = configured if configured is not None else max(slot_tokens, n_ctx // 4)
+    return max(1, min(int(cap), n_ctx))
+
+
 class GGUFDrafter(Drafter):
     type_name = "gguf"
     tokenizer_hint = "the GGUF's vocabulary must be the target's, id for id (universal drafts across tokenizers)"
 
     def __init__(self, settings: DrafterConfig, own: Any = None, profile: ProfileSpec | None = None):
         self.path = gguf_path(settings.model)
+        # The file is untrusted input: its hash (where pinned), its header's bounds and a probe in a limited child
+        # process come before this process's llama.cpp reads it (shared/gguf_vet.py); a named model's GGUF, whose
+        # SHA-256 is pinned in code and checked when installed, skips the probe (seconds at each start)
+        try:
+            vet_gguf(self.path, sha256=getattr(own, "gguf_sha256", None), probe=not is_named_model(settings.model))
+        except ValueError as exc:
+            raise ModelLoadError(f"drafter.model: {exc}") from None
         # The KV memory is one pool (kv_slots × kv_slot_tokens positions) shared by as many sequences as llama.cpp
-        # allows (256): a session costs only the positions it holds, so sessions beyond kv_slots still draft.
+        # allows (256): a session costs only the positions it holds, so sessions beyond kv_slots still draft; one
+        # session holds at most seq_cap of them, so one long prompt cannot take the pool from every other.
         n_ctx = max(settings.kv_slot_tokens, 256) * kv_slots(settings.kv_slots, settings.max_batch_sessions)
+        self.seq_cap = sequence_cap(n_ctx, settings.kv_slot_tokens, getattr(own, "gguf_sequence_tokens", None))
         slots = int(import_llama_cpp().llama_max_parallel_sequences())
         threads = profile.threads[0] if profile and profile.threads else max(1, torch.get_num_threads())
         started = time.perf_counter()
-        self.engine = LlamaEngine(self.path, n_ctx, slots, threads)
-        log.info("loaded %s in llama.cpp in %.1f s (%d positions, %d sequences)", self.path.name,
-                 time.perf_counter() - started, self.engine.n_ctx, slots)
+        self.engine = LlamaEngine(self.path, n_ctx, slots, threads, max_seq_tokens=self.seq_cap)
+        log.info("loaded %s in llama.cpp in %.1f s (%d positions, %d sequences of at most %d)", self.path.name,
+                 time.perf_counter() - started, self.engine.n_ctx, slots, self.seq_cap)
         self.tokenizer_id = vocab_fingerprint(self.engine.token_texts())
         self.target_vocab_size = self.engine.n_vocab  # replaced by the verifier's at connect time
         self.backend = LlamaBackend(self.engine, self.engine.n_vocab)
@@ -186,6 +209,11 @@ class GGUFDrafter(Drafter):
         self, token_ids: list[int], prompt_len: int, params: GenerationParams, extras: dict[str, torch.Tensor]
     ) -> DraftSession:
         self.backend.vocab_size = self.target_vocab_size
+        need = len(token_ids) + params.max_new_tokens + self.max_draft_tokens + 2  # the chain runs a block ahead
+        if need > self.seq_cap:
+            log.info("a session of up to %d positions is over the %d one llama.cpp sequence may hold: it is not "
+                     "drafted for", need, self.seq_cap)
+            return IdleDraftSession(token_ids, prompt_len, params)
         try:
             return GGUFDraftSession(self.backend, token_ids, prompt_len, params, self.q_top_m,
                                     self.target_vocab_size, max_draft_tokens=self.max_draft_tokens)

@@ -10,6 +10,11 @@ Why explicit flags and not `GGML_NATIVE`: on the AMX host a native build died wi
 `GGML_NATIVE=OFF`, AVX2 / AVX-512 / AVX-512-bf16 on and AMX off ran. So AMX stays off everywhere, and every other
 extension is turned on only when this CPU reports it (an AVX-512 build would die with SIGILL on the AVX2-only host).
 
+The source is pinned by its SHA-256 (:data:`SDIST_SHA256`: the sdist is downloaded into a temporary folder and
+checked before pip builds from that file), a built wheel's SHA-256 is stored beside it (``<wheel>.sha256``) and
+checked before it is installed again, and a cache folder that another user owns or that is writable by group or
+others is refused (whoever could write there could swap the wheel this script installs).
+
     python scripts/build_llama_cpp.py            # build (or reuse) and install into this interpreter's env
     python scripts/build_llama_cpp.py --print-flags
     python scripts/build_llama_cpp.py --tools    # also llama-server / llama-speculative (benchmarks), into
@@ -19,15 +24,20 @@ extension is turned on only when this CPU reports it (an AVX-512 build would die
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
+import stat
 import subprocess
 import sys
 import tarfile
+import tempfile
 import time
 from pathlib import Path
 
 VERSION = "0.3.36"
 PACKAGE = f"llama-cpp-python=={VERSION}"
+#: SHA-256 of llama_cpp_python-0.3.36.tar.gz as the package index serves it (computed from a download, 2026-12-07).
+SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
 
 # ggml's x86 options and the /proc/cpuinfo flags each needs (all of them). AMX is deliberately absent.
 GGML_OPTIONS: dict[str, tuple[str, ...]] = {
@@ -94,14 +104,73 @@ def run(cmd: list[str], env: dict[str, str] | None = None) -> None:
     subprocess.run(cmd, check=True, env=env)
 
 
+def sha256_of(path: Path) -> str:
+    with open(path, "rb") as fh:
+        return hashlib.file_digest(fh, "sha256").hexdigest()
+
+
+def private_dir_problem(path: Path) -> str | None:
+    """Why ``path`` (a folder) may not hold what this script installs: owned by another user, or writable by group
+    or others; None where it is this user's alone."""
+    st = path.stat()
+    if st.st_uid != os.geteuid():
+        return f"{path} is owned by another user (uid {st.st_uid})"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"{path} is writable by group or others (mode {stat.S_IMODE(st.st_mode):o}): chmod go-w {path}"
+    return None
+
+
+def private_dir(path: Path) -> Path:
+    """``path`` made (mode 0700) where missing, or a SystemExit where it or the folder above is not private."""
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    for folder in (path.parent, path):
+        problem = private_dir_problem(folder)
+        if problem is not None:
+            raise SystemExit(f"error: refusing the build cache: {problem}")
+    return path
+
+
+def fetch_sdist(into: Path) -> Path:
+    """llama-cpp-python's sdist downloaded into ``into`` and checked against :data:`SDIST_SHA256` (a SystemExit where
+    it differs: the package index served another file under this version)."""
+    run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-d", str(into), PACKAGE])
+    sdist = next(into.glob("llama_cpp_python-*.tar.gz"))
+    got = sha256_of(sdist)
+    if got != SDIST_SHA256:
+        raise SystemExit(f"error: {sdist.name} has SHA-256 {got}, not the pinned {SDIST_SHA256}: refusing to build it")
+    print(f"{sdist.name}: SHA-256 matches the pin", flush=True)
+    return sdist
+
+
+def record_wheel(wheel: Path) -> None:
+    """Store ``wheel``'s SHA-256 beside it (``<wheel>.sha256``), checked before each later install."""
+    wheel.with_name(wheel.name + ".sha256").write_text(f"{sha256_of(wheel)}  {wheel.name}\n")
+
+
+def trusted_wheel(wheel: Path) -> bool:
+    """Whether ``wheel`` is the file this script built: its SHA-256 is the one stored beside it. A missing record
+    is False (built elsewhere or before records: rebuilt); a record that differs is a SystemExit (altered)."""
+    record = wheel.with_name(wheel.name + ".sha256")
+    if not record.exists():
+        return False
+    expected = record.read_text().split()[0] if record.read_text().split() else ""
+    if sha256_of(wheel) != expected:
+        raise SystemExit(f"error: {wheel} does not match the SHA-256 stored beside it ({record.name}): it was "
+                         f"altered after it was built; remove {wheel.parent} and build again")
+    return True
+
+
 def build_wheel(options: dict[str, bool]) -> Path:
-    """The cached wheel for these options, built first when missing."""
-    target = cache_dir() / f"llama-cpp-python-{VERSION}-{flag_tag(options)}"
+    """The cached wheel for these options (its stored SHA-256 checked), built from the pinned sdist when missing."""
+    private_dir(cache_dir())
+    target = private_dir(cache_dir() / f"llama-cpp-python-{VERSION}-{flag_tag(options)}")
     wheels = sorted(target.glob("llama_cpp_python-*.whl"))
-    if wheels:
-        print(f"llama-cpp-python {VERSION}: cached wheel {wheels[-1]}", flush=True)
+    if wheels and trusted_wheel(wheels[-1]):
+        print(f"llama-cpp-python {VERSION}: cached wheel {wheels[-1]} (SHA-256 checked)", flush=True)
         return wheels[-1]
-    target.mkdir(parents=True, exist_ok=True)
+    for stale in wheels:  # no record of its hash: not known to be ours, built again
+        print(f"{stale.name} has no stored SHA-256: building it again", flush=True)
+        stale.unlink()
     env = dict(os.environ, CMAKE_ARGS=cmake_args(options), CMAKE_BUILD_PARALLEL_LEVEL=str(os.cpu_count() or 2))
     print(
         f"building llama-cpp-python {VERSION} from source ({flag_tag(options)}); "
@@ -109,12 +178,16 @@ def build_wheel(options: dict[str, bool]) -> Path:
         flush=True,
     )
     start = time.monotonic()
-    # --no-cache-dir: pip's own wheel cache is keyed by the source, not by CMAKE_ARGS, and would hand back a wheel
-    # built earlier with other flags (a native build, say) instead of building this one
-    run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-cache-dir", "--no-binary", "llama-cpp-python",
-         "-w", str(target), PACKAGE], env=env)
+    with tempfile.TemporaryDirectory(prefix="pipespec-llama-sdist-") as tmp:
+        sdist = fetch_sdist(Path(tmp))
+        # --no-cache-dir: pip's own wheel cache is keyed by the source, not by CMAKE_ARGS, and would hand back a
+        # wheel built earlier with other flags (a native build, say) instead of building this one
+        run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-cache-dir", "-w", str(target), str(sdist)],
+            env=env)
     print(f"built in {time.monotonic() - start:.0f} s", flush=True)
-    return sorted(target.glob("llama_cpp_python-*.whl"))[-1]
+    wheel = sorted(target.glob("llama_cpp_python-*.whl"))[-1]
+    record_wheel(wheel)
+    return wheel
 
 
 def build_tools(options: dict[str, bool], out: Path) -> None:
@@ -122,11 +195,10 @@ def build_tools(options: dict[str, bool], out: Path) -> None:
 
     Only the benchmarks need them (the CPU user's alternative, measured side by side); `make setup` does not.
     """
-    out.mkdir(parents=True, exist_ok=True)
+    private_dir(out)
     src_dir = out / "src"
     if not src_dir.exists():
-        run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-d", str(out), PACKAGE])
-        sdist = next(out.glob("llama_cpp_python-*.tar.gz"))
+        sdist = fetch_sdist(out)
         with tarfile.open(sdist) as tar:
             tar.extractall(out, filter="data")
         (out / sdist.name.removesuffix(".tar.gz") / "vendor" / "llama.cpp").rename(src_dir)
@@ -155,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     wheel = build_wheel(options)
     if not args.no_install:
+        trusted_wheel(wheel)  # checked again right before pip reads it
         run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--force-reinstall", str(wheel)])
         # llama-cpp-python's own light dependencies (numpy, typing-extensions, diskcache, jinja2)
         run([sys.executable, "-m", "pip", "install", "-q", "diskcache>=5.6.1", "jinja2>=2.11.3",

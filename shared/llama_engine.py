@@ -27,6 +27,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from shared.gguf_header import MAX_VOCAB, GGUFHeaderError, check_gguf_header
 from shared.models import ModelLoadError
 from shared.named_models import is_named_model
 
@@ -88,14 +89,22 @@ class Token(NamedTuple):
 
 class LlamaEngine:
     """One GGUF model in llama.cpp and one context with KV memory for ``n_seq`` sequences of up to ``n_ctx``
-    positions in all (the memory is shared: a long sequence may take what short ones leave). ``n_gpu_layers``
-    layers are offloaded to a GPU (0: CPU only; the caller checks :func:`gpu_offload_problem` first)."""
+    positions in all (the memory is shared: a long sequence may take what short ones leave, up to
+    ``max_seq_tokens`` positions each where given). ``n_gpu_layers`` layers are offloaded to a GPU (0: CPU only; the
+    caller checks :func:`gpu_offload_problem` first). The file's header is read with bounds before llama.cpp sees
+    it (:func:`shared.gguf_header.check_gguf_header`, a vocabulary of at most ``max_vocab`` tokens)."""
 
     def __init__(self, path: Path, n_ctx: int, n_seq: int, threads: int, batch_tokens: int = 512,
-                 n_gpu_layers: int = 0, main_gpu: int = 0):
+                 n_gpu_layers: int = 0, main_gpu: int = 0, max_vocab: int | None = None,
+                 max_seq_tokens: int | None = None):
+        try:
+            check_gguf_header(path, max_vocab)
+        except GGUFHeaderError as exc:
+            raise ModelLoadError(f"{path}: refused before llama.cpp read it: {exc}") from None
         lib = import_llama_cpp()
         self.lib = lib
         self.path = path
+        self.max_seq_tokens = max_seq_tokens
         lib.llama_backend_init()
         _quiet_logs(lib)
         mparams = lib.llama_model_default_params()
@@ -157,7 +166,11 @@ class LlamaEngine:
         self.lib.llama_memory_seq_cp(self.memory, src, dst, lo, hi)
 
     def token_texts(self) -> list[str]:
-        """Every token's text in id order (the GGUF's vocabulary, as the verifier's fingerprint reads it)."""
+        """Every token's text in id order (the GGUF's vocabulary, as the verifier's fingerprint reads it): at most
+        :data:`~shared.gguf_header.MAX_VOCAB` strings (the header check bounds it before the load; this is the
+        second lock on one string built per token)."""
+        if self.n_vocab > MAX_VOCAB:
+            raise ModelLoadError(f"{self.path}: a vocabulary of {self.n_vocab:,} tokens (at most {MAX_VOCAB:,})")
         get = self.lib.llama_vocab_get_text
         return [get(self.vocab, i).decode("utf-8", errors="surrogateescape") for i in range(self.n_vocab)]
 
@@ -192,7 +205,11 @@ class LlamaEngine:
     def decode_tokens(self, tokens: list[Token], undo: list[tuple[int, int]]) -> list[np.ndarray]:
         """One forward over ``tokens`` (a token in several sequences is computed once and cached for each): the
         float32 logits of the tokens that want them, in order. Batches larger than llama.cpp's batch are split
-        into several decodes. On failure every ``(seq, start)`` of ``undo`` is cropped back to ``start``."""
+        into several decodes. On failure every ``(seq, start)`` of ``undo`` is cropped back to ``start``. A token
+        at or past ``max_seq_tokens`` fails the forward before anything runs (one sequence never takes the pool)."""
+        cap = self.max_seq_tokens
+        if cap is not None and tokens and max(t.pos for t in tokens) >= cap:
+            raise LlamaDecodeError(f"a sequence would grow past its cap of {cap} positions in the shared KV memory")
         self._follow_torch_threads()
         out: list[np.ndarray] = []
         batch, n, pending = self._batch, 0, []

@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from shared.gguf_vet import vet_gguf
 from shared.kv import SequenceCache
 from shared.llama_engine import (
     LlamaDecodeError,
@@ -47,6 +48,7 @@ from shared.llama_engine import (
 )
 from shared.llama_target_check import NAME
 from shared.models import ModelLoadError, vocab_fingerprint, vocab_prefix_matches, vocab_tokens
+from shared.named_models import is_named_model
 from shared.target import (
     KVRowsError,
     Row,
@@ -387,6 +389,10 @@ def load_llama_target(verifier: Any, options: TargetOptions) -> Target:
     from shared.node_keys import kv_slots
 
     path = gguf_path(verifier.model, "verifier.model")
+    try:  # untrusted input: the header's bounds and a probe in a limited child (a named model's pinned GGUF: none)
+        vet_gguf(path, probe=not is_named_model(verifier.model))
+    except ValueError as exc:
+        raise ModelLoadError(f"verifier.model: {exc}") from None
     problem = gpu_offload_problem(verifier.device)
     if problem is not None:
         raise ModelLoadError(f"verifier.device: {problem}")

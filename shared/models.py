@@ -260,14 +260,50 @@ def vocab_tokens(tokenizer) -> list[str]:
     return [by_id.get(i, f"[PAD{i}]") for i in range(max(by_id, default=-1) + 1)]
 
 
-def vocab_prefix_matches(fingerprint: Any, tokens: list[str]) -> bool:
+def _claimed_count(fingerprint: Any, available: int) -> int | None:
+    """The token count a :func:`vocab_fingerprint` claims, where it is one of 1 .. ``available`` (ASCII digits only:
+    ``str.isdigit`` also takes ``²``, which ``int`` refuses), else None."""
+    if not isinstance(fingerprint, str) or not fingerprint.startswith("vocab:"):
+        return None
+    count = fingerprint.split(":", 2)[1]
+    if not (count.isascii() and count.isdigit()) or len(count) > 9 or not 0 < int(count) <= available:
+        return None
+    return int(count)
+
+
+def vocab_prefix_matches(fingerprint: Any, tokens: list[str] | VocabPrefixes) -> bool:
     """Whether a drafter's :func:`vocab_fingerprint` is that of the first n of ``tokens`` (the target's, in id
     order): every id the drafter can produce then means the target's token (a target with more tokens, such as
-    added special tokens, is fine; the drafter never proposes those)."""
-    if not isinstance(fingerprint, str) or not fingerprint.startswith("vocab:"):
-        return False
-    _, _, rest = fingerprint.partition(":")
-    count, _, _ = rest.partition(":")
-    if not count.isdigit() or len(count) > 9 or not 0 < int(count) <= len(tokens):
-        return False
-    return vocab_fingerprint(tokens[: int(count)]) == fingerprint
+    added special tokens, is fine; the drafter never proposes those). A :class:`VocabPrefixes` answers from the
+    fingerprints it computed before."""
+    if isinstance(tokens, VocabPrefixes):
+        return tokens.matches(fingerprint)
+    count = _claimed_count(fingerprint, len(tokens))
+    return count is not None and vocab_fingerprint(tokens[:count]) == fingerprint
+
+
+class VocabPrefixes:
+    """A target's token list with the fingerprints of its prefixes computed once each: the whole list's when made
+    (at start-up, off the event loop), and each other length a drafter claims the first time it is claimed (at most
+    ``keep`` remembered), so a hello does not hash the whole vocabulary on the loop again."""
+
+    def __init__(self, tokens: list[str], keep: int = 8):
+        self.tokens = tokens
+        self.keep = keep
+        whole = vocab_fingerprint(tokens)
+        self._known: dict[int, str] = {int(whole.split(":")[1]): whole}
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def matches(self, fingerprint: Any) -> bool:
+        count = _claimed_count(fingerprint, len(self.tokens))
+        if count is None:
+            return False
+        known = self._known.get(count)
+        if known is None:
+            known = vocab_fingerprint(self.tokens[:count])
+            if len(self._known) >= self.keep:
+                self._known.pop(next(iter(self._known)))
+            self._known[count] = known
+        return known == fingerprint

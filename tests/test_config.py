@@ -625,9 +625,13 @@ def test_a_type_hook_returns_what_it_normalised_and_cannot_change_the_config(mon
 
 
 def test_the_gguf_check_returns_the_absolute_path(tmp_path, monkeypatch):
+    import struct
+
     from drafter_node.type_specs.gguf import SPEC
 
-    (tmp_path / "d.gguf").write_bytes(b"GGUF" + b"\0" * 16)
+    arch = b"general.architecture"  # the smallest header the bounded reader passes: one key, no tensors
+    (tmp_path / "d.gguf").write_bytes(b"GGUF" + struct.pack("<IQQQ", 3, 0, 1, len(arch)) + arch
+                                      + struct.pack("<IQ", 8, 5) + b"llama")
     monkeypatch.chdir(tmp_path)
     view = {"drafter": {"model": "d.gguf", "device": "cpu"}}
     assert SPEC.check(view) == {"model": str(tmp_path / "d.gguf")}

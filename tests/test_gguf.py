@@ -242,7 +242,7 @@ def test_a_gguf_with_another_vocabulary_is_refused_at_connect(gguf_pair, tmp_pat
     wrong = write_qwen2_gguf(drafter, tmp_path / "wrong.gguf", vocab_tokens=tokens)
     config = tiny_config(target, None, type="gguf")
     config["drafter"]["model"] = str(wrong)
-    config["launch"]["ready_timeout_s"] = 60
+    config["launch"]["ready_timeout_s"] = 180  # the node probes the GGUF in a child before loading it (busy host)
 
     async def main():
         async with cluster(config):

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from shared.costs.curve import NodeProfile
-from shared.models import vocab_prefix_matches
+from shared.models import VocabPrefixes, vocab_prefix_matches
 from shared.protocol import ANY_TOKENIZER, Hello, Message, ProtocolError, SessionEnd, encode
 from shared.sampling import GenerationParams
 from shared.target import KVRowsError, TargetBackend
@@ -54,6 +54,10 @@ class HelloCheck:
     draft_timeout: float
     run_secret: str | None = None
 
+    def __post_init__(self) -> None:
+        # the target's prefix fingerprints, computed here (at start-up) and remembered, not at every hello on the loop
+        object.__setattr__(self, "_prefixes", VocabPrefixes(self.vocab_tokens))
+
     def check(self, peer: bytes, msg: Hello) -> DrafterLink:
         """The link of the drafter ``peer`` that sent ``msg``, or a :class:`ProtocolError` saying why it may not
         join (``unauthorized``, ``tokenizer_mismatch``, ``ensemble_needs_q``, ``unsupported``, ``bad_message``)."""
@@ -62,7 +66,7 @@ class HelloCheck:
             raise ProtocolError("unauthorized: this verifier takes drafters of its own run only (a hello must carry "
                                 f"the run secret from ${SECRET_ENV})", code="unauthorized")
         if msg.tokenizer_id not in (self.tokenizer_id, ANY_TOKENIZER) and not vocab_prefix_matches(
-                msg.tokenizer_id, self.vocab_tokens):
+                msg.tokenizer_id, self._prefixes):
             log.error("refused drafter %r: tokenizer %s != target's %s", msg.drafter_type, msg.tokenizer_id,
                       self.tokenizer_id)
             raise ProtocolError(
