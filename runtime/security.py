@@ -156,7 +156,6 @@ def verifier_links(config: dict[str, Any], run_secret: str | None = None,
     if curve["client"] and http_gateway and keys is not None:
         keys = dataclasses.replace(keys, extra={CLIENT_DOMAIN: frozenset({http_gateway.encode()})})
         gateways |= {http_gateway}
-    log_gateways(config, gateways, http_gateway if curve["client"] else None)
     return VerifierLinks(curve_drafters=curve["verifier"], curve_clients=curve["client"],
                          keys=keys, run_secret=None if curve["verifier"] else run_secret, gateways=gateways)
 

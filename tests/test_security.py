@@ -542,6 +542,7 @@ def test_only_the_runs_own_http_key_and_named_keys_are_gateways(no_downloads, ke
     assert gateway is not None and gateway.server_public == server_keys(keys).public
     with caplog.at_level("INFO", logger="pipespec.security"):
         links = security.verifier_links(config, http_gateway=gateway.public.decode())
+        security.log_gateways(config, links.gateways, gateway.public.decode())
     assert links.gateways == {gateway.public.decode()}  # not security.client_key
     assert links.keys.extra == {security.CLIENT_DOMAIN: frozenset({gateway.public})}
     assert "the run's HTTP server" in caplog.text and gateway.public.decode()[:8] in caplog.text

@@ -66,7 +66,10 @@ def links_for(role: str, config: Config | dict[str, Any], secret: str | None) ->
     """The node's CURVE keys and run secret (what hello shows where a link has no CURVE)."""
     plain = config.as_dict() if isinstance(config, Config) else config
     if role == "verifier":  # with the run's HTTP gateway key, where a process launcher gave one
-        return security.verifier_links(plain, secret, security.run_gateway())
+        gateway = security.run_gateway()
+        links = security.verifier_links(plain, secret, gateway)
+        security.log_gateways(plain, links.gateways, gateway)  # who may name tenants, said once at start
+        return links
     return security.drafter_links(plain, secret)
 
 
