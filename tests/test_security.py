@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import os
 import shutil
 import socket
@@ -14,6 +15,7 @@ import sys
 import threading
 from pathlib import Path
 
+import openai
 import pytest
 import zmq
 import zmq.asyncio
@@ -24,7 +26,7 @@ from runtime.client import AsyncClient, PipespecError
 from runtime.config import ConfigError, check_security, load_config, typed
 from runtime.delay_proxy import serve as serve_proxy
 from runtime.keys import add, client_keys, init, peer_keys, server_keys
-from runtime.launch import Cluster, LaunchError, cluster
+from runtime.launch import Cluster, LaunchError, cluster, serve_http
 from runtime.launchers import LaunchOptions
 from shared.models import load_tokenizer, tokenizer_id
 from shared.protocol import Capabilities, Generate, Hello, decode, encode
@@ -267,6 +269,9 @@ def test_curve_cluster_over_tcp_is_exact_and_admits_only_its_keys(tiny, keys):
     config["client"]["endpoint"] = f"tcp://127.0.0.1:{free_port()}"
     config["security"] = {"curve": "on", "keys_dir": str(keys)}
     add(keys, "client", "other")  # an allowed client that is not a gateway
+    api_keys = keys.parent / "api-keys"
+    api_keys.write_text("alice:alice-" + "k" * 20 + "\n")
+    api_keys.chmod(0o600)
     drafter_end, client_end = config["verifier"]["endpoint"], config["client"]["endpoint"]
 
     async def main():
@@ -304,6 +309,13 @@ def test_curve_cluster_over_tcp_is_exact_and_admits_only_its_keys(tiny, keys):
             for name, curve in (("client key", client_keys(keys)), ("unknown key", stranger(keys)),
                                 ("no CURVE", None)):
                 out[f"hello {name}"] = await hello_reply(drafter_end, curve, 1000)
+            # the run's HTTP server talks to the verifier with the gateway key: a tenant's API key is served
+            served = copy.deepcopy(client.config)
+            served["http"].update(host="127.0.0.1", port=free_port(), api_keys_file=str(api_keys))
+            async with serve_http(client, served) as http, openai.AsyncOpenAI(
+                    base_url=f"{http.url}/v1", api_key="alice-" + "k" * 20, max_retries=0, timeout=60) as oai:
+                out["http alice"] = await oai.completions.create(model=http.model_name, prompt=PROMPT,
+                                                                 max_tokens=4, temperature=0)
             out["after"] = await client.generate(token_ids=PROMPT, max_new_tokens=24, eos_token_ids=[])
             out["pong"] = await client.ping()
             out["log"] = client.cluster.log_tail("verifier", 400)
@@ -313,6 +325,7 @@ def test_curve_cluster_over_tcp_is_exact_and_admits_only_its_keys(tiny, keys):
     assert out["result"].token_ids == expected == out["after"].token_ids
     assert out["result"].metrics["drafts"] > 0 and out["after"].metrics["drafts"] > 0
     assert out["no keys"] == out["unknown key"] == out["drafter key"] == "nothing"
+    assert out["http alice"].usage.completion_tokens == 4
     for refused in (out["other names a tenant"], out["client key names a tenant"]):
         assert refused.code == "unauthorized" and "gateway" in str(refused)
     assert len(out["other as itself"].token_ids) == 2
