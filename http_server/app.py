@@ -5,7 +5,6 @@ body (``{"error": {"message", "type", "param", "code"}}``), never as a traceback
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import secrets
 import time
@@ -18,11 +17,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from http_server.errors import OpenAIError, error_body, from_pipespec
+from http_server.gate import KeyRing, RequestGate, bearer_token
 from http_server.generation import Generation
 from http_server.guard import ClientStalled, HostCheck
 from http_server.metrics import CONTENT_TYPE, HttpMetrics
 from http_server.schemas import ChatRequest, CompletionRequest, check_supported
-from http_server.sse import BodyLimit, sse
+from http_server.sse import sse
 from runtime.client import AsyncClient, PipespecError, live_drafters
 from runtime.config_schema import HttpConfig
 from runtime.keys import DEFAULT_TENANT
@@ -85,24 +85,29 @@ def create_app(client: AsyncClient, model_name: str, *, api_key: str | None = No
                max_body_bytes: int = HttpConfig.max_body_bytes,
                scrape_timeout_s: float = HttpConfig.scrape_timeout_s,
                allowed_hosts: frozenset[str] | None = None,
-               request_metrics: bool = HttpConfig.request_metrics) -> FastAPI:
+               request_metrics: bool = HttpConfig.request_metrics, admin_key: str | None = None,
+               body_timeout_s: float = HttpConfig.body_timeout_s) -> FastAPI:
     """The app. ``model_name``: the id ``/v1/models`` lists and requests may name; ``api_key``: when set, ``/v1/*``
-    and ``/metrics`` need ``Authorization: Bearer <api_key>`` (``/health`` stays open, with its details for
-    authorized callers only), and the caller is tenant ``default``; ``api_keys``: more keys, key → tenant
-    (``http.api_keys_file``). A request's tenant goes to the verifier with it (docs/security.md).
+    needs ``Authorization: Bearer <api_key>``, checked before the body is read, and the caller is tenant
+    ``default``; ``api_keys``: more keys, key → tenant (``http.api_keys_file``). A request's tenant goes to the
+    verifier with it (docs/security.md). ``admin_key``: the key of ``/metrics`` and ``/health``'s details
+    (null: :meth:`~http_server.gate.KeyRing.is_admin` says who). ``body_timeout_s``: the whole body's deadline.
     ``allowed_hosts``: when given, a request whose Host header is neither a loopback name nor one of these is
     refused (:class:`~http_server.guard.HostCheck`). ``request_metrics``: each response carries its request's
     speculative metrics (off: a client could read from them how well another tenant's text predicts its own)."""
     app = FastAPI(title="pipespec", docs_url=None, redoc_url=None, openapi_url=None)
-    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    tenants = list((api_keys or {}).items())
+    if api_key:
+        tenants.append((api_key, DEFAULT_TENANT))
+    if admin_key is None and api_key and not api_keys:
+        admin_key = api_key  # one key, one user: the operator, who may see the load
+    keys = KeyRing(tenants, admin_key)
+    app.add_middleware(RequestGate, keys=keys, max_bytes=max_body_bytes, body_timeout_s=body_timeout_s)
     if allowed_hosts is not None:
         app.add_middleware(HostCheck, allowed=frozenset(allowed_hosts))  # added last: runs first
     metrics = HttpMetrics()
     app.state.metrics = metrics
-    tenants = list((api_keys or {}).items())
-    if api_key:
-        tenants.append((api_key, DEFAULT_TENANT))
-    authorize = Authorize(tenants)
+    authorize = Authorize(keys)
     _add_error_handlers(app)
     _add_generation_routes(app, authorize, Completions(client, model_name, metrics, default_max_tokens,
                                                        request_metrics))
@@ -111,26 +116,18 @@ def create_app(client: AsyncClient, model_name: str, *, api_key: str | None = No
 
 
 class Authorize:
-    """The ``Depends`` that finds the caller's tenant by its API key (``tenants``: (key, tenant) pairs, the first
-    match wins; none: no key needed, the tenant is None)."""
+    """The ``Depends`` that finds the caller's tenant by its API key (None: an open server, no key needed). The
+    :class:`~http_server.gate.RequestGate` has already refused a wrong key before the body; this names the tenant
+    (and stands on its own where the app runs without the gate)."""
 
-    def __init__(self, tenants: list[tuple[str, str]]):
-        self.keys = [(key.encode(), tenant) for key, tenant in tenants]
+    def __init__(self, keys: KeyRing):
+        self.keys = keys
 
     async def __call__(self, request: Request) -> str | None:
-        if not self.keys:
-            return None
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        given = token.strip().encode()
-        found = None
-        for key, tenant in self.keys:  # every key compared, so the time taken does not say which one matched
-            # compare_digest: the time taken says nothing about how much of a key matched
-            if hmac.compare_digest(given, key) and found is None:
-                found = tenant
-        if scheme.lower() != "bearer" or found is None:
-            raise OpenAIError(401, "Incorrect API key provided: send Authorization: Bearer <your API key>",
-                              code="invalid_api_key")
-        return found
+        return self.keys.check_tenant(request.headers)
+
+    async def admin(self, request: Request) -> None:
+        self.keys.check_admin(request.headers)
 
 
 # ------------------------------------------------------------------------------------------ errors
@@ -205,14 +202,13 @@ def _add_service_routes(app: FastAPI, authorize: Authorize, client: AsyncClient,
             pong = await asyncio.wait_for(client.ping(timeout_s=scrape_timeout_s), scrape_timeout_s + 0.5)
         except Exception:  # a health check answers, whatever the verifier does
             return JSONResponse({"status": "unavailable", "verifier": False}, status_code=503)
-        try:  # the load (sessions, drafters) only to callers with the key; without a key, to the loopback callers
-            await authorize(request)
-        except OpenAIError:
+        # the load (sessions, drafters) only to the admin (on a server without keys: every, loopback, caller)
+        if not authorize.keys.is_admin(bearer_token(request.headers)):
             return JSONResponse({"status": "ok", "verifier": True})
         live = len(live_drafters(pong))
         return JSONResponse({"status": "ok", "verifier": True, "drafters": live, "sessions": pong.get("sessions")})
 
-    @app.get("/metrics", dependencies=guarded)
+    @app.get("/metrics", dependencies=[Depends(authorize.admin)])
     async def prometheus() -> Response:
         return Response(await metrics.render(client, scrape_timeout_s), media_type=CONTENT_TYPE)
 

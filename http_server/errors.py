@@ -65,4 +65,17 @@ def from_pipespec(exc: PipespecError | TimeoutError) -> OpenAIError:
         return OpenAIError(504, f"the verifier did not answer in time: {exc}", type="server_error", code="timeout")
     status, kind = _STATUS_BY_CODE.get(exc.code, (500, "server_error"))
     headers = {"Retry-After": "1"} if status in (429, 503) else None
-    return OpenAIError(status, str(exc), type=kind, code=exc.code, headers=headers)
+    message = busy_message(str(exc)) if exc.code == "busy" else str(exc)
+    return OpenAIError(status, message, type=kind, code=exc.code, headers=headers)
+
+
+#: What a ``busy`` refusal says over HTTP: which limit, never how much of it others hold (the verifier's own text
+#: counts sessions, requests and KV tokens of every tenant, a view of the others' load).
+BUSY_OWN_CAP = "your tenant is at its limit of sessions (verifier.max_sessions_per_tenant): retry later"
+BUSY_SERVER = ("the server is at capacity (verifier.max_sessions, verifier.max_pending_requests or "
+               "verifier.max_kv_tokens): retry later")
+
+
+def busy_message(verifier_text: str) -> str:
+    """The HTTP text of a verifier's ``busy``: its own tenant's cap named, every other limit said in one line."""
+    return BUSY_OWN_CAP if "max_sessions_per_tenant" in verifier_text else BUSY_SERVER

@@ -9,8 +9,11 @@ import socket
 from typing import Any
 
 import uvicorn
+from uvicorn.config import HTTP_PROTOCOLS
+from uvicorn.importer import import_from_string
 
 from http_server.app import create_app
+from http_server.gate import limited_protocol
 from http_server.guard import SendGuard
 from runtime.client import AsyncClient
 from runtime.config_schema import HttpConfig
@@ -55,11 +58,17 @@ class HttpServer:
         self.app = create_app(client, self.model_name, api_key=http.api_key, api_keys=api_keys,
                               default_max_tokens=http.default_max_tokens, max_body_bytes=http.max_body_bytes,
                               scrape_timeout_s=http.scrape_timeout_s, allowed_hosts=hosts,
-                              request_metrics=http.request_metrics)
-        self._config = uvicorn.Config(SendGuard(self.app, http.send_timeout_s),
+                              request_metrics=http.request_metrics, admin_key=http.admin_key,
+                              body_timeout_s=http.body_timeout_s)
+        limit = max(64, CONNECTIONS_PER_SESSION * max_sessions + 16)
+        #: Connections one client address may hold: by default half of uvicorn's limit, so no one address takes it
+        self.per_client = http.max_connections_per_client or max(1, limit // 2)
+        protocol = limited_protocol(import_from_string(HTTP_PROTOCOLS["auto"]), self.per_client,
+                                    http.header_timeout_s)
+        self._config = uvicorn.Config(SendGuard(self.app, http.send_timeout_s), http=protocol,
                                       loop="none", lifespan="off", log_level="warning", access_log=False,
                                       timeout_keep_alive=5, timeout_graceful_shutdown=STOP_TIMEOUT_S / 2,
-                                      limit_concurrency=max(64, CONNECTIONS_PER_SESSION * max_sessions + 16))
+                                      limit_concurrency=limit)
         self._server = _EmbeddedServer(self._config)
         self._task: asyncio.Task | None = None
         self._sock: socket.socket | None = None

@@ -74,8 +74,10 @@ DEFAULTS: dict[str, dict[str, Any]] = {
 
 #: Read when ``http.api_key`` is null: a key kept out of config files and argv (``ps`` shows argv to everyone).
 HTTP_API_KEY_ENV = "PIPESPEC_HTTP_API_KEY"
+#: Read when ``http.admin_key`` is null: the key of ``/metrics`` and ``/health``'s details, out of files and argv.
+HTTP_ADMIN_KEY_ENV = "PIPESPEC_HTTP_ADMIN_KEY"
 #: Keys whose values are secrets, and the environment variable that carries each instead of argv (``--set``).
-SECRET_KEYS = {"http.api_key": HTTP_API_KEY_ENV}
+SECRET_KEYS = {"http.api_key": HTTP_API_KEY_ENV, "http.admin_key": HTTP_ADMIN_KEY_ENV}
 
 
 class ConfigError(ValueError):
@@ -256,6 +258,10 @@ def validate(config: dict[str, Any]) -> None:
     _check_security(config)
     _check_http(config)
     _check_launch(config)
+    from runtime.security import tenant_link_problem
+
+    if problem := tenant_link_problem(config):
+        raise ConfigError(problem)
 
 
 def _check_launch(config: dict[str, Any]) -> None:
@@ -336,13 +342,14 @@ def _check_http(config: dict[str, Any]) -> None:
     token) and ``http.allow_remote: true`` — the same rule as the nodes' ``allow_remote``, plus the key, since HTTP
     has no CURVE."""
     h = config["http"]
-    if h["api_key"] is None and os.environ.get(HTTP_API_KEY_ENV):
-        h["api_key"] = os.environ[HTTP_API_KEY_ENV]
-    if h["api_key"] is not None:
-        try:  # the same rule as every key of http.api_keys_file
-            check_api_key(h["api_key"], "http.api_key")
-        except KeysError as exc:
-            raise ConfigError(f"{exc}, or null") from None
+    for key, env in (("api_key", HTTP_API_KEY_ENV), ("admin_key", HTTP_ADMIN_KEY_ENV)):
+        if h[key] is None and os.environ.get(env):
+            h[key] = os.environ[env]
+        if h[key] is not None:
+            try:  # the same rule as every key of http.api_keys_file
+                check_api_key(h[key], f"http.{key}")
+            except KeysError as exc:
+                raise ConfigError(f"{exc}, or null") from None
     if h["api_keys_file"] is not None:
         try:  # read here too, so a bad file stops the start with its line, not the first request
             read_api_keys(h["api_keys_file"])

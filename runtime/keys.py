@@ -79,6 +79,11 @@ def _server_public(folder: Path) -> bytes:
     return _load(pair_file if pair_file.is_file() and not public_file.is_file() else public_file, folder, False)[0]
 
 
+def server_public_key(keys_dir: str | os.PathLike) -> bytes:
+    """The verifier's public key (z85 text) of a keys folder."""
+    return _server_public(_folder(keys_dir))
+
+
 def server_keys(keys_dir: str | os.PathLike) -> ServerKeys:
     """The verifier's key pair and its two allow-lists (``drafters/`` and ``clients/``)."""
     folder = _folder(keys_dir)

@@ -47,6 +47,7 @@ from runtime.node_setup import NODE_ENV, LaunchError
 from runtime.node_setup import progress as _progress
 from shared.models import ModelLoadError
 from shared.named_models import RegistryError
+from shared.transport import ClientKeys
 
 #: The process launcher under its old name (tests start one with ``entry=`` / ``prefix=``).
 Cluster = ProcessLauncher
@@ -144,7 +145,8 @@ async def _serve(config: dict[str, Any], run_dir: str | None) -> int:
             async with contextlib.AsyncExitStack() as stack:
                 await stack.enter_async_context(following(launcher, started, client))
                 if config["http"]["host"] is not None:
-                    server = await stack.enter_async_context(serve_http(client, config, pong))
+                    server = await stack.enter_async_context(serve_http(client, config, pong,
+                                                                        gateway=started.gateway_keys))
                     _progress(f"serving OpenAI-compatible HTTP on {server.url} (model {server.model_name})")
                 print(f"logs: {started.run_dir}  (Ctrl-C to stop)", flush=True)
                 while not stop.is_set():
@@ -170,19 +172,27 @@ def _ready_lines(pong: dict[str, Any], started: Any) -> None:
 
 
 @contextlib.asynccontextmanager
-async def serve_http(client: AsyncClient, config: dict[str, Any], pong: dict[str, Any] | None = None):
+async def serve_http(client: AsyncClient, config: dict[str, Any], pong: dict[str, Any] | None = None,
+                     gateway: ClientKeys | None = None):
     """Serve ``config["http"]`` (host and port set) over ``client`` until the block ends; yields the
     :class:`http_server.serve.HttpServer` (``.url``, ``.model_name``). The model's id is ``http.model_name`` or the
-    target's name from the verifier's pong."""
+    target's name from the verifier's pong. ``gateway``: the run's own HTTP gateway keys (default: those of the
+    :func:`~runtime.launchers.cluster` that made ``client``): the server then talks to the verifier on a client of
+    its own with them, the one key that may name tenants under CURVE."""
     from http_server.serve import HttpServer, HttpStartError
 
     pong = pong or await client.ping()
+    gateway = gateway or getattr(getattr(client, "started", None), "gateway_keys", None)
     try:
         sections = typed(config)
-        server = HttpServer(client, sections.http, model_name=str(pong.get("target") or sections.verifier.model),
-                            max_sessions=sections.verifier.max_sessions)
-        async with server:
-            yield server
+        async with contextlib.AsyncExitStack() as stack:
+            if gateway is not None:
+                client = await stack.enter_async_context(AsyncClient(client.address, timeout_s=client.timeout_s,
+                                                                     curve=gateway))
+            server = HttpServer(client, sections.http, model_name=str(pong.get("target") or sections.verifier.model),
+                                max_sessions=sections.verifier.max_sessions)
+            async with server:
+                yield server
     except HttpStartError as exc:
         raise LaunchError(str(exc)) from None
 

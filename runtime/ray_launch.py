@@ -95,6 +95,8 @@ def ray_config(config: dict[str, Any]) -> dict[str, Any]:
                           "hosts: set verifier.allow_remote: true to mean it, or leave security.curve at auto")
     if cfg["security"]["curve"] == "auto":
         cfg["security"]["curve"] = "on"
+    if cfg["security"]["gateway_clients"] is None:  # the controller draws the "client" pair per run and returns it
+        cfg["security"]["gateway_clients"] = "client"  # to this launcher, whose HTTP server names tenants with it
     return cfg
 
 

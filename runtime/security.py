@@ -9,13 +9,17 @@ See docs/deployment.md, "Security", for the setup and the threat model.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import os
 import secrets
 import stat
 from pathlib import Path
 from typing import Any
 
-from runtime.keys import KeysError, peer_keys, public_key, server_keys
+import zmq
+
+from runtime.keys import KeysError, peer_keys, public_key, server_keys, server_public_key
 
 # SECRET_ENV travels in the environment, not argv: ``ps`` shows every user a process's arguments, while
 # ``/proc/PID/environ`` is readable by its own user only. The constants live in shared/ because the nodes name them.
@@ -32,6 +36,12 @@ from shared.transport import (
 )
 
 __all__ = ["CLIENT_DOMAIN", "DRAFTER_DOMAIN", "SECRET_ENV", "KeysError", "secret_matches"]
+
+log = logging.getLogger("pipespec.security")
+
+#: The z85 public key of the run's own HTTP gateway, given to the verifier process in its environment: the launcher
+#: draws the pair per run (:func:`new_gateway`) and keeps the secret half in its own memory.
+GATEWAY_ENV = "PIPESPEC_HTTP_GATEWAY"
 
 
 class RunDirError(ValueError):
@@ -134,25 +144,69 @@ def run_secret() -> str | None:
     return os.environ.get(SECRET_ENV) or None
 
 
-def verifier_links(config: dict[str, Any], run_secret: str | None = None) -> VerifierLinks:
+def verifier_links(config: dict[str, Any], run_secret: str | None = None,
+                   http_gateway: str | None = None) -> VerifierLinks:
     """Everything the verifier needs to keep strangers out, resolved here so the node reads no keys or env;
-    ``run_secret``: the launcher's, asked of drafters on a link without CURVE (None: none is asked)."""
+    ``run_secret``: the launcher's, asked of drafters on a link without CURVE (None: none is asked);
+    ``http_gateway``: the z85 public key of the run's HTTP gateway (:func:`new_gateway`), let in on the client link
+    and allowed to name tenants there."""
     curve = curve_links(config)
+    keys = verifier_keys(config)
+    gateways = gateway_keys(config) if curve["client"] else frozenset()
+    if curve["client"] and http_gateway and keys is not None:
+        keys = dataclasses.replace(keys, extra={CLIENT_DOMAIN: frozenset({http_gateway.encode()})})
+        gateways |= {http_gateway}
     return VerifierLinks(curve_drafters=curve["verifier"], curve_clients=curve["client"],
-                         keys=verifier_keys(config), run_secret=None if curve["verifier"] else run_secret,
-                         gateways=gateway_keys(config) if curve["client"] else frozenset())
+                         keys=keys, run_secret=None if curve["verifier"] else run_secret, gateways=gateways)
+
+
+def new_gateway(config: dict[str, Any]) -> ClientKeys | None:
+    """A CURVE key pair drawn for this run's HTTP server, where the client link runs CURVE (None: it does not): the
+    verifier lets its public key in and lets it name tenants (:data:`GATEWAY_ENV`); the secret never leaves this
+    process. So the client key an operator hands out (``security.client_key``) names no tenant but its own."""
+    if not curve_links(config)["client"]:
+        return None
+    public, secret = zmq.curve_keypair()
+    return ClientKeys(server_public_key(_keys_dir(config)), public, secret)
+
+
+def run_gateway() -> str | None:
+    """The run's HTTP gateway public key this (verifier) process was given (``$PIPESPEC_HTTP_GATEWAY``), or None;
+    read by the process entry point only."""
+    return os.environ.get(GATEWAY_ENV) or None
+
+
+def tenant_link_problem(config: dict[str, Any]) -> str | None:
+    """Why ``config``'s tenants would not be kept apart (None: they are): an ``http.api_keys_file`` (several
+    tenants) with a client link on tcp without CURVE, where every local user who reaches the port is a trusted
+    client that may name any tenant in ``generate.tenant``, past every API key."""
+    endpoint = str(config["client"]["endpoint"])
+    if not config["http"]["api_keys_file"] or not endpoint.startswith("tcp://") or curve_links(config)["client"]:
+        return None
+    return (f"http.api_keys_file: the client link client.endpoint {endpoint!r} runs without CURVE, so every local "
+            "user who reaches it may run requests as any tenant, past the API keys: use an ipc:// client endpoint "
+            "(the default, in the private run folder), or security.curve: on with security.keys_dir "
+            "(docs/security.md)")
+
+
+def log_gateways(config: dict[str, Any], gateways: frozenset[str], http_gateway: str | None = None) -> None:
+    """Say at start who may name a request's tenant on the client link: everyone (no CURVE), or which keys."""
+    if not curve_links(config)["client"]:
+        log.info("client link without CURVE: every client that reaches it may name a request's tenant")
+        return
+    named = [f"{n.strip()} ({public_key(_keys_dir(config), 'client', n.strip()).decode()[:8]}…)"
+             for n in (config["security"]["gateway_clients"] or "").split(",") if n.strip()]
+    if http_gateway:
+        named.append(f"the run's HTTP server (a key of this run, {http_gateway[:8]}…)")
+    log.info("gateway clients, which may name a request's tenant: %s", ", ".join(named) or "none")
 
 
 def gateway_keys(config: dict[str, Any]) -> frozenset[str]:
-    """The z85 public keys of ``security.gateway_clients`` (null: the run's own ``security.client_key``, skipped
-    when the allow-list lacks it), the clients that may name a request's tenant under CURVE."""
-    sec = config["security"]
-    names = sec["gateway_clients"]
-    if names is None:
-        try:
-            return frozenset({public_key(_keys_dir(config), "client", sec["client_key"]).decode()})
-        except KeysError:
-            return frozenset()  # this verifier's allow-list has no key of that name: no gateway
+    """The z85 public keys of ``security.gateway_clients`` (null: none), the clients besides the run's own HTTP
+    server that may name a request's tenant under CURVE."""
+    names = config["security"]["gateway_clients"]
+    if not names:  # the run's own HTTP server has a key of its own (verifier_links): no other client is one
+        return frozenset()
     return frozenset(public_key(_keys_dir(config), "client", n.strip()).decode()  # z85 text, as ZAP's User-Id
                      for n in names.split(",") if n.strip())
 

@@ -235,8 +235,9 @@ class SecurityConfig:
     drafter_key: str = setting("drafter", "The drafter's key pair: keys_dir/drafters/NAME.key_secret.", kind="str")
     client_key: str = setting("client", "The launcher's client key pair: keys_dir/clients/NAME.key_secret.", kind="str")
     gateway_clients: Any = setting(
-        None, "Client keys (names in keys_dir/clients, comma-separated) that may name a request's tenant under CURVE "
-        "(null: client_key, the run's own HTTP server); docs/security.md.", kind="str")
+        None, "Client keys (names in keys_dir/clients, comma-separated) that may name a request's tenant under CURVE, "
+        "besides the run's own HTTP server, which gets a key of its own each run (null: none); docs/security.md.",
+        kind="str")
 
 
 @dataclass(frozen=True)
@@ -279,4 +280,31 @@ class HttpConfig:
         (),
         "Host names accepted besides loopback and http.host when api_key is null (DNS-rebinding guard).",
         kind="any",
+    )
+    # what a client may cost the others before it is authorized (issue 43)
+    admin_key: Any = setting(
+        None, "Bearer token for /metrics and /health's details (null: PIPESPEC_HTTP_ADMIN_KEY; else api_key when no "
+        "api_keys_file is set, else no one; with no key at all: every loopback caller).", kind="str")
+    body_timeout_s: float = setting(
+        30.0,
+        "Seconds a request's whole body may take to arrive after its head; then a 408 and the connection closed.",
+        kind="number",
+        bounds=(0, 3600),
+        open_low=True,
+        unit="seconds",
+    )
+    header_timeout_s: float = setting(
+        10.0,
+        "Seconds a new connection may take to send its first complete request head; then it is closed.",
+        kind="number",
+        bounds=(0, 3600),
+        open_low=True,
+        unit="seconds",
+    )
+    max_connections_per_client: Any = setting(
+        None,
+        "Open connections one client address may hold (null: half the server's connection limit); more get a 503 "
+        "and are closed. Behind a proxy every client has its address: raise it there.",
+        kind="int",
+        bounds=(1, None),
     )

@@ -11,7 +11,7 @@ from __future__ import annotations
 import hmac
 import ipaddress
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -39,6 +39,8 @@ class ServerKeys:
     public: bytes
     secret: bytes
     allow: dict[str, Path]
+    #: Public keys (z85) let in on a domain beyond its folder's: the run's own HTTP gateway, made per run.
+    extra: dict[str, frozenset[bytes]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -179,6 +181,16 @@ class _ZapLog:
         return getattr(self._log, name)
 
 
+class _AllowList:
+    """A ZAP domain's allowed public keys (z85), as pyzmq's ``configure_curve_callback`` asks for them."""
+
+    def __init__(self, keys: set[bytes]):
+        self.keys = frozenset(keys)
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        return key in self.keys
+
+
 class Authenticator:
     """The ZAP handler of one context: one thread, one CURVE allow-list per domain. Start it before binding (a
     CURVE socket without a ZAP handler would accept any key) and :meth:`close` it after the sockets."""
@@ -190,7 +202,10 @@ class Authenticator:
         self._auth.start()
         try:
             for domain, folder in keys.allow.items():
-                self._auth.configure_curve(domain=domain, location=str(folder))
+                # the folder's keys, read now (as configure_curve would), plus the domain's extra keys; a callback
+                # for every domain, since pyzmq asks only the callbacks once one is set
+                allowed = set(zmq.auth.load_certificates(str(folder))) | set(keys.extra.get(domain, ()))
+                self._auth.configure_curve_callback(domain=domain, credentials_provider=_AllowList(allowed))
         except BaseException:
             self.close()
             raise

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import os
 import shutil
 import socket
@@ -14,6 +15,7 @@ import sys
 import threading
 from pathlib import Path
 
+import openai
 import pytest
 import zmq
 import zmq.asyncio
@@ -24,7 +26,7 @@ from runtime.client import AsyncClient, PipespecError
 from runtime.config import ConfigError, check_security, load_config, typed
 from runtime.delay_proxy import serve as serve_proxy
 from runtime.keys import add, client_keys, init, peer_keys, server_keys
-from runtime.launch import Cluster, LaunchError, cluster
+from runtime.launch import Cluster, LaunchError, cluster, serve_http
 from runtime.launchers import LaunchOptions
 from shared.models import load_tokenizer, tokenizer_id
 from shared.protocol import Capabilities, Generate, Hello, decode, encode
@@ -267,15 +269,26 @@ def test_curve_cluster_over_tcp_is_exact_and_admits_only_its_keys(tiny, keys):
     config["client"]["endpoint"] = f"tcp://127.0.0.1:{free_port()}"
     config["security"] = {"curve": "on", "keys_dir": str(keys)}
     add(keys, "client", "other")  # an allowed client that is not a gateway
+    api_keys = keys.parent / "api-keys"
+    api_keys.write_text("alice:alice-" + "k" * 20 + "\n")
+    api_keys.chmod(0o600)
     drafter_end, client_end = config["verifier"]["endpoint"], config["client"]["endpoint"]
 
     async def main():
         out = {}
         async with cluster(config) as client:
             assert client.curve == client_keys(keys)
-            # the run's own client key is a gateway: it may name the tenant; another client key may not
-            out["result"] = await client.generate(token_ids=PROMPT, max_new_tokens=24, eos_token_ids=[],
+            # only the run's own HTTP gateway key, drawn for this run, may name the tenant: not the client key an
+            # operator hands out, nor another client key
+            gateway = client.started.gateway_keys
+            assert gateway is not None and gateway.public not in {client_keys(keys).public}
+            async with AsyncClient(client_end, timeout_s=30, curve=gateway) as gw:
+                out["result"] = await gw.generate(token_ids=PROMPT, max_new_tokens=24, eos_token_ids=[],
                                                   tenant="alice")
+            try:
+                await client.generate(token_ids=PROMPT, max_new_tokens=2, tenant="alice")
+            except PipespecError as exc:
+                out["client key names a tenant"] = exc
             async with AsyncClient(client_end, timeout_s=30, curve=peer_keys(keys, "client", "other")) as other:
                 try:
                     await other.generate(token_ids=PROMPT, max_new_tokens=2, tenant="alice")
@@ -296,22 +309,33 @@ def test_curve_cluster_over_tcp_is_exact_and_admits_only_its_keys(tiny, keys):
             for name, curve in (("client key", client_keys(keys)), ("unknown key", stranger(keys)),
                                 ("no CURVE", None)):
                 out[f"hello {name}"] = await hello_reply(drafter_end, curve, 1000)
+            # the run's HTTP server talks to the verifier with the gateway key: a tenant's API key is served
+            served = copy.deepcopy(client.config)
+            served["http"].update(host="127.0.0.1", port=free_port(), api_keys_file=str(api_keys))
+            async with serve_http(client, served) as http, openai.AsyncOpenAI(
+                    base_url=f"{http.url}/v1", api_key="alice-" + "k" * 20, max_retries=0, timeout=60) as oai:
+                out["http alice"] = await oai.completions.create(model=http.model_name, prompt=PROMPT,
+                                                                 max_tokens=4, temperature=0)
             out["after"] = await client.generate(token_ids=PROMPT, max_new_tokens=24, eos_token_ids=[])
             out["pong"] = await client.ping()
             out["log"] = client.cluster.log_tail("verifier", 400)
-        return out
+        return out, gateway
 
-    out = asyncio.run(main())
+    out, gateway = asyncio.run(main())
     assert out["result"].token_ids == expected == out["after"].token_ids
     assert out["result"].metrics["drafts"] > 0 and out["after"].metrics["drafts"] > 0
     assert out["no keys"] == out["unknown key"] == out["drafter key"] == "nothing"
-    refused = out["other names a tenant"]
-    assert refused.code == "unauthorized" and "gateway" in str(refused)
+    assert out["http alice"].usage.completion_tokens == 4
+    for refused in (out["other names a tenant"], out["client key names a tenant"]):
+        assert refused.code == "unauthorized" and "gateway" in str(refused)
     assert len(out["other as itself"].token_ids) == 2
     assert out["hello drafter key"] is not None and out["hello drafter key"]["code"] == "tokenizer_mismatch"
     assert out["hello client key"] is out["hello unknown key"] is out["hello no CURVE"] is None
     assert out["pong"]["drafter_connected"], "the real drafter must still be connected"
     assert "refused a peer" in out["log"] and security.DRAFTER_DOMAIN in out["log"]
+    # which keys are gateways is said at start: the run's HTTP server's only
+    said = [line for line in out["log"].splitlines() if "gateway clients" in line]
+    assert len(said) == 1 and "the run's HTTP server" in said[0] and gateway.public.decode()[:8] in said[0]
 
 
 def test_ipc_hello_without_the_run_secret_is_refused(tiny):
@@ -491,3 +515,76 @@ def test_check_security_refuses_a_cluster_whose_ends_disagree(no_downloads, keys
         check_security(config)
     check_security(config, ("verifier",))  # each end alone is fine
 
+
+
+# ------------------------------------------------------------------------------------------ tenants (issue 43)
+def test_a_keys_file_with_a_plain_tcp_client_link_is_refused(no_downloads, keys, tmp_path):
+    keys_file = tmp_path / "api-keys"
+    keys_file.write_text("alice:" + "a" * 20 + "\nbob:" + "b" * 20 + "\n")
+    keys_file.chmod(0o600)
+    tcp = {"http.api_keys_file": str(keys_file), "client.endpoint": f"tcp://127.0.0.1:{free_port()}"}
+    for curve in ("off", "auto"):  # auto runs no CURVE on loopback
+        message = config_error({**tcp, "security.curve": curve})
+        assert "client.endpoint" in message and "without CURVE" in message and "ipc://" in message, message
+    load_config("cpu.yaml", {"http.api_keys_file": str(keys_file)})  # ipc in the private run folder: fine
+    load_config("cpu.yaml", {**tcp, "security.curve": "on", "security.keys_dir": str(keys)})  # CURVE: fine
+    load_config("cpu.yaml", {"client.endpoint": tcp["client.endpoint"]})  # no keys file: one user, fine
+
+
+def test_tenant_ids_are_keyed_hashes_drawn_per_verifier():
+    import hashlib
+
+    from shared.protocol import Generate
+    from verifier_node.tenancy import TenantRule
+
+    msg = Generate(request_id=1, params={}, prompt="x", tenant="alice")
+    one, two = TenantRule(), TenantRule()
+    assert one.tenant_of(msg, None) == one.tenant_of(msg, None)  # stable within a run
+    assert one.tenant_of(msg, None) != two.tenant_of(msg, None)  # another run, another key
+    # not the unsalted hash anyone could recompute from a guessed name
+    assert one.tenant_of(msg, None) != hashlib.sha256(b"name:alice").hexdigest()[:32]
+    assert len(one.tenant_of(msg, None)) == 32
+
+
+def test_only_the_runs_own_http_key_and_named_keys_are_gateways(no_downloads, keys, caplog):
+    add(keys, "client", "partner")
+    curve = {"client.endpoint": f"tcp://127.0.0.1:{free_port()}", "security.curve": "on",
+             "security.keys_dir": str(keys)}
+    config = load_config("cpu.yaml", curve)
+    gateway = security.new_gateway(config)
+    assert gateway is not None and gateway.server_public == server_keys(keys).public
+    with caplog.at_level("INFO", logger="pipespec.security"):
+        links = security.verifier_links(config, http_gateway=gateway.public.decode())
+        security.log_gateways(config, links.gateways, gateway.public.decode())
+    assert links.gateways == {gateway.public.decode()}  # not security.client_key
+    assert links.keys.extra == {security.CLIENT_DOMAIN: frozenset({gateway.public})}
+    assert "the run's HTTP server" in caplog.text and gateway.public.decode()[:8] in caplog.text
+    named = security.verifier_links(load_config("cpu.yaml", {**curve, "security.gateway_clients": "partner"}))
+    assert named.gateways == {peer_keys(keys, "client", "partner").public.decode()}
+    assert security.new_gateway(load_config("cpu.yaml")) is None  # ipc: no CURVE, no gateway key to draw
+
+
+def test_the_authenticator_lets_the_gateway_key_in_and_no_other_stranger(keys):
+    """The verifier's client socket with the run's gateway key as an extra key: that key is answered, a stranger
+    is not, and the folder's own client keys still are."""
+    import dataclasses
+
+    gateway_public, gateway_secret = zmq.curve_keypair()
+    server = dataclasses.replace(server_keys(keys), extra={security.CLIENT_DOMAIN: frozenset({gateway_public})})
+    ctx = zmq.Context()
+    auth = Authenticator(ctx, server)
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    router = bind_router(ctx, endpoint, auth=auth, domain=security.CLIENT_DOMAIN)
+    heard = {}
+    try:
+        for name, curve in (("gateway", ClientKeys(server.public, gateway_public, gateway_secret)),
+                            ("client", client_keys(keys)), ("stranger", stranger(keys))):
+            dealer = connect_dealer(ctx, endpoint, curve=curve)
+            dealer.send(name.encode())
+            heard[name] = router.poll(3000 if name != "stranger" else 1000) and router.recv_multipart()[-1]
+            dealer.close(linger=0)
+    finally:
+        router.close(linger=0)
+        auth.close()
+        ctx.destroy(linger=0)
+    assert heard == {"gateway": b"gateway", "client": b"client", "stranger": 0}

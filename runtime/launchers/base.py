@@ -66,6 +66,9 @@ class Started:
     verifier_may_move: bool = False
     #: The ZeroMQ context a client must share (``inproc://`` endpoints live in one context); None: its own.
     context: Any = None
+    #: The keys of the run's own HTTP gateway, drawn per run (``runtime.security.new_gateway``): the one client
+    #: that may name tenants under CURVE. None: the client link runs no CURVE, or this launcher draws none.
+    gateway_keys: Any = None
 
 
 @dataclass(frozen=True)

@@ -65,7 +65,12 @@ def build_node(role: str, config: Config, links: Any, **hooks: Any) -> Node:
 def links_for(role: str, config: Config | dict[str, Any], secret: str | None) -> Any:
     """The node's CURVE keys and run secret (what hello shows where a link has no CURVE)."""
     plain = config.as_dict() if isinstance(config, Config) else config
-    return security.verifier_links(plain, secret) if role == "verifier" else security.drafter_links(plain, secret)
+    if role == "verifier":  # with the run's HTTP gateway key, where a process launcher gave one
+        gateway = security.run_gateway()
+        links = security.verifier_links(plain, secret, gateway)
+        security.log_gateways(plain, links.gateways, gateway)  # who may name tenants, said once at start
+        return links
+    return security.drafter_links(plain, secret)
 
 
 def run_node_process(config: dict[str, Any], role: str, run_dir: str | None,

@@ -80,6 +80,8 @@ class ProcessLauncher:
             security.new_secret() if self.config["launch"]["start_drafter"] else None)
         if self.run_secret:
             security.write_secret(self.run_dir, self.run_secret)
+        # the run's HTTP server names tenants with a key of its own, drawn now: its secret stays in this process
+        self.gateway = security.new_gateway(self.config)
         #: Node name -> its process (this launcher's own; not part of the launcher protocol).
         self.processes: dict[str, subprocess.Popen] = {}
         self.config_path = Path(self.run_dir) / "config.json"
@@ -98,7 +100,7 @@ class ProcessLauncher:
             self.start_node("drafter", name)
         return Started(client_address=self.config["client"]["endpoint"],
                        client_keys=security.client_keys_for(self.config), drafters=self.drafter_count,
-                       config=self.config, run_dir=self.run_dir)
+                       config=self.config, run_dir=self.run_dir, gateway_keys=self.gateway)
 
     def log_path(self, name: str) -> Path:
         return Path(self.run_dir) / f"{name}.log"
@@ -110,6 +112,8 @@ class ProcessLauncher:
         env["PYTHONPATH"] = node_pythonpath(env.get("PYTHONPATH"))
         if self.run_secret:
             env[security.SECRET_ENV] = self.run_secret  # the environment, not argv: ps shows argv to everyone
+        if role == "verifier" and self.gateway is not None:
+            env[security.GATEWAY_ENV] = self.gateway.public.decode()  # public: the verifier lets it in
         log = open(self.log_path(name), "ab")  # noqa: SIM115 - the child keeps it
         proc = subprocess.Popen(
             [*self.prefix.get(role, []), sys.executable, *self.entry.get(role, NODE_ENTRY), "--config",
