@@ -107,7 +107,7 @@ class MaskWorkers:
         ``wait_s`` for them: (the rounds ready now, (session, error) of those that failed). The rest stay
         :attr:`pending`."""
         for r in rounds:
-            r.session.grammar.job = self._submit(r.make_plan)
+            r.session.grammar.job = self._submit(self._after_peek(r.session.grammar, r.make_plan))
         done, _ = wait([r.session.grammar.job for r in rounds], timeout=max(0.0, wait_s))
         ready, failed = [], []
         for r in rounds:
@@ -119,6 +119,18 @@ class MaskWorkers:
             else:
                 self.pending[r.session.sid] = r
         return ready, failed
+
+    @staticmethod
+    def _after_peek(g: Any, make_plan: Callable[[], Any]) -> Callable[[], Any]:
+        """The plan, run once the committed text's peek is done (submitted before it, so never queued behind it):
+        the plan starts from the peeked mask, and no fill of the committed text lands while the matcher is advanced."""
+        peek = g.peek
+
+        def run() -> Any:
+            if peek is not None:
+                peek.exception()  # waits; its error, if any, the plan meets again on its own fill
+            return make_plan()
+        return run
 
     def take(self, s: Any) -> Any:
         """The round of ``s`` whose plan finished since its batch ran (None: none waits); raises where the plan
