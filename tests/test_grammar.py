@@ -504,6 +504,7 @@ def test_a_shrunk_session_through_the_runner_equals_generate(target, compiler):
         runner.masks.close()
     assert not out.failed and out.done
     assert s.grammar.budget.shrunk >= 1
+    assert s.summary()["grammar_mask_ms"] >= 4 * len(s.grammar.matcher.fills)
     assert s.generated == _reference(target, PROMPTS[0], spec)
 
 
