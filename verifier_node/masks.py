@@ -102,12 +102,13 @@ class MaskWorkers:
             self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="pipespec-masks")
         return self._pool.submit(fn)
 
-    def plan(self, rounds: list[Any], wait_s: float) -> tuple[list[Any], list[tuple[Any, Exception]]]:
-        """Start the plans of ``rounds`` (PendingRounds whose ``make_plan`` fills their masks) and wait up to
-        ``wait_s`` for them: (the rounds ready now, (session, error) of those that failed). The rest stay
-        :attr:`pending`."""
-        for r in rounds:
-            r.session.grammar.job = self._submit(self._after_peek(r.session.grammar, r.make_plan))
+    def start(self, r: Any) -> None:
+        """Start the plan of ``r`` (a PendingRound whose ``make_plan`` fills its masks) on a worker."""
+        r.session.grammar.job = self._submit(self._after_peek(r.session.grammar, r.make_plan))
+
+    def collect(self, rounds: list[Any], wait_s: float) -> tuple[list[Any], list[tuple[Any, Exception]]]:
+        """Wait up to ``wait_s`` for the started plans of ``rounds``: (the rounds ready now, (session, error) of
+        those that failed). The rest stay :attr:`pending`."""
         done, _ = wait([r.session.grammar.job for r in rounds], timeout=max(0.0, wait_s))
         ready, failed = [], []
         for r in rounds:

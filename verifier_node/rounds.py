@@ -294,12 +294,16 @@ class RoundRunner:
             try:
                 held = self.masks.take(s)
                 r = held if held is not None else self.begin_round(s)
-                (rounds if r.plan is not None else planning).append(r)
+                if r.plan is None:
+                    self.masks.start(r)  # fills while the other rows begin
+                    planning.append(r)
+                else:
+                    rounds.append(r)
             except Exception as exc:
                 self.out.round_failed(s, exc)
         if planning:
             alone = not rounds and len(self.scheduler.sessions) == len(planning)
-            ready, failed = self.masks.plan(
+            ready, failed = self.masks.collect(
                 planning, self.masks.budget_s if alone else self.masks.grace_s(self.counts.forward_s_ema))
             rounds.extend(ready)
             for s, exc in failed:
