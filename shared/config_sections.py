@@ -116,6 +116,15 @@ class VerifierConfig:
         kind="int",
         bounds=(0, None),
     )
+    grammar_mask_budget_ms: float = setting(
+        100.0,
+        "A structured-output session's share of a round for filling its grammar masks (off the loop); a session "
+        "over it verifies fewer positions a round, and fails if one position a round stays over; docs/security.md.",
+        kind="number",
+        bounds=(0, None),
+        open_low=True,
+        unit="milliseconds",
+    )
     max_model_len: Any = setting(
         None,
         "Most prompt + max_new_tokens of one request (null: the target's max_position_embeddings, or 32768 for a "

@@ -114,6 +114,39 @@ def trace_drafter(arg: str) -> dict[str, Any]:
     return {}
 
 
+def slow_masks(arg: str) -> dict[str, Any]:
+    """Verifier: every JSON-schema session's masks take ``delay`` seconds each (a slow-mask schema injected: sleeping
+    frees Python's lock as xgrammar's fill does; other kinds stay fast), its target forwards ``forward`` seconds
+    more; ``"delay,forward"``."""
+    import time
+
+    from verifier_node.grammar import GrammarCompiler
+
+    delay, forward = (float(x) for x in arg.split(","))
+
+    class SlowMatcher:
+        def __init__(self, inner: Any):
+            self.inner = inner
+
+        def fill_next_token_bitmask(self, bitmask: Any, index: int = 0) -> Any:
+            time.sleep(delay)
+            return self.inner.fill_next_token_bitmask(bitmask, index)
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.inner, name)
+
+    session = GrammarCompiler.session
+
+    def slowed(self, spec: Any, *args: Any, **kwargs: Any) -> Any:
+        grammar = session(self, spec, *args, **kwargs)
+        if spec.kind == "json_schema":
+            grammar.matcher = SlowMatcher(grammar.matcher)  # after the start's own fill: the rounds' masks are slow
+        return grammar
+
+    GrammarCompiler.session = slowed
+    return {"forward_delay_s": forward}
+
+
 #: Hook name -> a function building the node's ``run`` keyword arguments from the hook's argument (a string or None).
 HOOKS: dict[str, Callable[[str | None], dict[str, Any]]] = {
     "none": lambda arg: {},
@@ -132,6 +165,8 @@ HOOKS: dict[str, Callable[[str | None], dict[str, Any]]] = {
     "trace_verifier": lambda arg: trace_verifier(arg or ""),
     # drafter: its model's forwards timed into a file, its prompt caught up in chunks of the given size
     "trace_drafter": lambda arg: trace_drafter(arg or ""),
+    # verifier: every grammar session's masks slowed (tests/test_grammar_e2e.py, masks within a budget)
+    "slow_masks": lambda arg: slow_masks(arg or "0.25,0.02"),
 }
 
 

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import json
 import random
+import statistics
 import sys
+import time
 
 import jsonschema
+import numpy
 import pytest
 import torch
 import xgrammar as xgr
@@ -19,8 +22,13 @@ from xgrammar.contrib.hf import LogitsProcessor
 
 from shared.backend import DynamicBackend
 from shared.batch import Row, feed_rows
+from shared.costs.cache import CurveCheck
+from shared.models import ThreadPlan
 from shared.sampling import MAX_GRAMMAR_CHARS, GenerationParams, GrammarSpec, ParamError, structured_output
 from verifier_node.grammar import GrammarCompiler, GrammarUnavailable, engine_message
+from verifier_node.masks import MASK_STRIKES, GrammarTooSlow, MaskBudget
+from verifier_node.rounds import RoundRunner, ThreadSwitch
+from verifier_node.scheduler import BatchLimits, Scheduler
 from verifier_node.session import Session
 
 pytestmark = pytest.mark.unit
@@ -363,3 +371,174 @@ def test_the_scheduler_does_not_wait_for_a_draft_where_the_grammar_forces_the_ne
                     GenerationParams.from_dict({"eos_token_ids": [EOS]}), b"c", 9)
     plain.prefilled, plain.announced, plain.drafter = True, True, s.drafter
     assert Scheduler.may_wait(plain, 0.0)
+
+
+# ------------------------------------------------------------------------------------------ masks within a budget
+def test_mask_budget_shrinks_to_what_fits_then_grows_back():
+    b = MaskBudget(0.010)
+    assert b.record(0.004, 8) == "ok" and b.positions is None
+    assert b.record(0.040, 8) == "shrunk"  # 5 ms a mask: one mask plus the bonus row's fits 10 ms
+    assert b.positions == 1 and b.shrunk == 1
+    assert b.record(0.012, 2) == "shrunk" and b.positions == 0  # always fewer than the round used
+    assert b.record(0.004, 1) == "grown" and b.positions == 1  # well under: doubles (+1)
+    assert b.record(0.008, 2) == "ok" and b.positions == 1  # under, not well under: stays
+    for _ in range(6):
+        b.record(0.001, 2)
+    assert b.positions is None  # past GROW_LIMIT: no cap
+
+
+def test_mask_budget_fails_only_after_strikes_in_a_row_at_one_mask():
+    b = MaskBudget(0.010)
+    verdicts = [b.record(0.050, 1) for _ in range(MASK_STRIKES - 1)]
+    assert verdicts == ["over"] * (MASK_STRIKES - 1)
+    assert b.record(0.001, 1) == "ok" and b.strikes == 0  # a round under the budget clears the strikes
+    verdicts = [b.record(0.050, 1) for _ in range(MASK_STRIKES)]
+    assert verdicts[-1] == "failed" and verdicts[:-1] == ["over"] * (MASK_STRIKES - 1)
+
+
+def test_capped_positions_keep_greedy_rounds_exact(target, compiler):
+    """A shrunk session (one position a round) commits exactly what ``generate`` does with the grammar."""
+    spec = GrammarSpec("json_schema", json.dumps(SCHEMA))
+    for prompt in PROMPTS[:2]:
+        ref = _reference(target, prompt, spec)
+        s = _session(target, compiler, prompt, spec)
+        s.grammar.positions = 1
+        while not s.finished:
+            n = len(s.generated)
+            r = s.verify(ref[n: n + 4], None)
+            assert r.drafted <= 1 and len(r.tokens) <= 2
+        assert s.generated == ref
+
+
+class _SlowMatcher:
+    """A matcher whose masks take ``delay_s`` each (an injected slow-mask schema); sleeping frees Python's lock as
+    xgrammar's fill does."""
+
+    def __init__(self, inner, delay_s: float):
+        self.inner, self.delay_s = inner, delay_s
+        self.fills: list[tuple[float, float]] = []  # (start, end) of each fill
+
+    def fill_next_token_bitmask(self, bitmask, index: int = 0):
+        start = time.monotonic()
+        time.sleep(self.delay_s)
+        out = self.inner.fill_next_token_bitmask(bitmask, index)
+        self.fills.append((start, time.monotonic()))
+        return out
+
+    def longest_run(self) -> tuple[float, float]:
+        """(start, end) of the longest run of back-to-back fills: a round's plan."""
+        runs = [list(self.fills[:1])]
+        for fill in self.fills[1:]:
+            if fill[0] - runs[-1][-1][1] < 0.05:
+                runs[-1].append(fill)
+            else:
+                runs.append([fill])
+        run = max(runs, key=len)
+        return run[0][0], run[-1][1]
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+class _Out:
+    """The server's side of the rounds, recorded: publish times, finishes, failures."""
+
+    def __init__(self, scheduler):
+        self.scheduler, self.times, self.failed, self.done = scheduler, {}, {}, {}
+
+    def announce(self, s, hidden=None, kv=None):
+        pass
+
+    def publish(self, s, result, decoding):
+        self.times.setdefault(s.sid, []).append(time.monotonic())
+
+    def finish(self, s, reason):
+        self.scheduler.remove(s)
+        self.done[s.sid] = reason
+
+    def round_failed(self, s, exc):
+        self.scheduler.remove(s)
+        self.failed[s.sid] = exc
+
+    def demoted(self, s):
+        pass
+
+
+def _run(runner, scheduler, deadline_s: float = 60.0) -> None:
+    end = time.monotonic() + deadline_s
+    while scheduler.sessions and time.monotonic() < end:
+        work = scheduler.next_work()
+        if work:
+            runner.run_batch(work)
+        else:
+            time.sleep(0.001)  # a plan on a mask worker
+    assert not scheduler.sessions, "sessions left at the deadline"
+
+
+def _runner(model, budget_s: float, delay_s: float = 0.0):
+    scheduler = Scheduler(BatchLimits(True, 8, 1024, 512))
+    out = _Out(scheduler)
+    runner = RoundRunner(DynamicBackend(model), scheduler, out, ThreadSwitch(ThreadPlan(1, 1), apply=lambda n: None),
+                         CurveCheck(None), forward_delay_s=delay_s, mask_budget_s=budget_s)
+    return scheduler, out, runner
+
+
+def _plain(target, sid: int, max_new: int) -> Session:
+    _, model, tokenizer = target
+    s = Session(sid, DynamicBackend(model), tokenizer, PROMPTS[1],
+                GenerationParams.from_dict({"eos_token_ids": [], "max_new_tokens": max_new}), b"c", 100 + sid)
+    s.prefill()
+    return s
+
+
+def test_a_shrunk_session_through_the_runner_equals_generate(target, compiler):
+    """Masks of 4 ms against a 10 ms share: the session is shrunk, not failed, and its output is exact."""
+    spec = GrammarSpec("json_schema", json.dumps(SCHEMA))
+    scheduler, out, runner = _runner(target[1], budget_s=0.010)
+    s = _session(target, compiler, PROMPTS[0], spec)
+    s.grammar.matcher = _SlowMatcher(s.grammar.matcher, 0.004)
+    scheduler.add(s)
+    try:
+        _run(runner, scheduler)
+    finally:
+        runner.masks.close()
+    assert not out.failed and out.done
+    assert s.grammar.budget.shrunk >= 1
+    assert s.summary()["grammar_mask_ms"] >= 4 * len(s.grammar.matcher.fills)
+    assert s.generated == _reference(target, PROMPTS[0], spec)
+
+
+def test_a_slow_mask_session_is_shrunk_then_failed_while_a_plain_one_keeps_its_pace(target, compiler):
+    """Masks of 250 ms against a 50 ms share: the session is shrunk, then fails with an error naming its request;
+    a plain session beside it on the same runner keeps (within generous margins) the round gaps it has alone, and
+    its output is unchanged. Filled on the loop, the slow session's first round (several masks, over a second)
+    would have stalled the plain one as long: here the plain one runs rounds all through it."""
+    spec = GrammarSpec("json_schema", json.dumps(SCHEMA))
+    scheduler, out, runner = _runner(target[1], budget_s=0.050, delay_s=0.02)
+    try:
+        alone = _plain(target, 1, 60)
+        scheduler.add(alone)
+        _run(runner, scheduler)
+        base = statistics.median(numpy.diff(out.times[1]))
+        slow = _session(target, compiler, PROMPTS[0], spec, sid=2)
+        slow.grammar.matcher = matcher = _SlowMatcher(slow.grammar.matcher, 0.250)
+        beside = _plain(target, 3, 60)
+        scheduler.add(slow)
+        scheduler.add(beside)
+        started = time.monotonic()
+        _run(runner, scheduler)
+    finally:
+        runner.masks.close()
+    exc = out.failed.get(2)
+    assert isinstance(exc, GrammarTooSlow), out.failed
+    assert f"request {slow.request_id}:" in str(exc) and "grammar_mask_budget_ms" in str(exc)
+    budget = slow.grammar.budget
+    assert budget.shrunk >= 1 and budget.positions == 0
+    assert budget.worst_s >= 0.75  # its first round filled several masks (the forced '{"id":')
+    assert beside.generated == alone.generated and out.done[3] == "length"
+    gaps = numpy.diff([started, *out.times[3]])  # from the start: its first round waits for nobody's masks either
+    assert statistics.median(gaps) < 2 * base + 0.010, (base, statistics.median(gaps))
+    start, end = matcher.longest_run()
+    assert end - start >= 0.75  # the first round's plan: several masks back to back
+    during = sum(1 for t in out.times[3] if start < t < end)
+    assert during >= 5, (during, end - start)  # filled on the loop: none

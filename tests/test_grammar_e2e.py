@@ -7,9 +7,13 @@ package and ``curl``, with the engine's message, and the node keeps serving."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
+import re
 import shutil
+import statistics
 import subprocess
+import time
 import types
 
 import jsonschema
@@ -236,3 +240,43 @@ def test_constraints_keep_their_word_or_refuse_over_http(server):
             client.chat.completions.create(model=server.model, max_tokens=4, **extra,
                                            messages=[{"role": "user", "content": "x"}])
         assert info.value.status_code == 400
+
+
+# ------------------------------------------------------------------------------------------ masks within a budget
+async def _stream_gaps(client, prompt: list[int], max_new: int) -> tuple[list[float], list[int]]:
+    """Seconds between a plain greedy stream's chunks (from its start), and its tokens."""
+    times, tokens = [time.monotonic()], []
+    async for chunk in client.stream(token_ids=prompt, max_new_tokens=max_new, eos_token_ids=[]):
+        times.append(time.monotonic())
+        tokens.extend(chunk.token_ids)
+    return [b - a for a, b in itertools.pairwise(times)], tokens
+
+
+def test_a_slow_mask_request_fails_named_while_a_plain_stream_keeps_its_pace(tiny):
+    """Over the real ZeroMQ link: a verifier whose JSON-schema masks take 0.6 s each (injected) against a 50 ms share.
+    The structured request is shrunk, then fails with ``bad_request`` naming its request and the setting; a plain
+    stream beside it keeps its median chunk gap within 2x its gap alone (measured first, same verifier) and never
+    waits out a slow plan (its first round's masks: about two seconds or more), and its tokens are unchanged."""
+    config = tiny_config(tiny("llama"), None, type="prompt_lookup", num_draft_tokens=3, prompt_lookup_num_tokens=3,
+                         max_matching_ngram_size=3)
+    config["verifier"]["grammar_mask_budget_ms"] = 50
+
+    async def main():
+        async with cluster(config, entry={"verifier": node_entry("slow_masks", "0.6,0.02")}) as client:
+            # a fast grammar first: the compile child is up, so the slow one starts beside the plain stream
+            await client.generate(token_ids=PROMPTS[0], regex="(yes|no)", max_new_tokens=4, eos_token_ids=[EOS])
+            alone, alone_tokens = await _stream_gaps(client, PROMPTS[1], 60)
+            slow = asyncio.create_task(client.generate(token_ids=PROMPTS[0], json_schema=SCHEMA, max_new_tokens=40,
+                                                       eos_token_ids=[EOS]))
+            beside, beside_tokens = await _stream_gaps(client, PROMPTS[1], 60)
+            with pytest.raises(PipespecError) as failed:
+                await slow
+            return failed.value, alone, alone_tokens, beside, beside_tokens
+
+    exc, alone, alone_tokens, beside, beside_tokens = asyncio.run(main())
+    assert exc.code == "bad_request"
+    assert re.match(r"request \d+: its grammar's token masks took", str(exc)), str(exc)
+    assert "verifier.grammar_mask_budget_ms = 50 ms" in str(exc)
+    assert beside_tokens == alone_tokens
+    assert statistics.median(beside) < 2 * statistics.median(alone) + 0.02, (alone, beside)
+    assert max(beside) < 1.5, beside  # filled on the loop: the slow request's first round (1.8 s or more) at once

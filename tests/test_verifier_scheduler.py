@@ -60,7 +60,7 @@ def test_prefill_batches_take_prompts_of_like_length_within_the_budget():
     their own tokens and rows × longest within max_prefill_tokens; a one-token prompt (nothing to cache) always
     joins. (Moved from tests/test_batch.py, where it built a VerifierServer with object.__new__.)"""
     lengths = {1: 50, 2: 130, 3: 55, 4: 0, 5: 60, 6: 120, 7: 52}
-    sched = _scheduler(*(SimpleNamespace(sid=sid, prefilled=False, drafter=None, prompt_to_cache=[7] * n)
+    sched = _scheduler(*(SimpleNamespace(sid=sid, prefilled=False, drafter=None, prompt_to_cache=[7] * n, grammar=None)
                          for sid, n in lengths.items()),
                        limits=replace(LIMITS, batching=True, max_batch_sessions=64, max_prefill_tokens=2048))
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -159,8 +160,9 @@ class GrammarCompiler:
         compiled = self.compile(spec, scope)
         matcher = self.xgr.GrammarMatcher(compiled, override_stop_tokens=sorted(end_token_ids) or None)
         grammar = SessionGrammar(self.xgr, matcher, self.vocab_size, end_token_ids)
-        if not grammar.mask().any():
+        if not grammar.first_mask().any():
             raise ParamError(f"{spec.kind}: the grammar allows no token at all (an impossible schema or grammar)")
+        grammar.take_mask_time()  # the start's fill is preparation's, not a round's
         return grammar
 
 
@@ -224,7 +226,12 @@ class GrammarPlan:
 class SessionGrammar:
     """One request's matcher. Between rounds it sits at the committed text; :meth:`plan` advances it through a
     draft to build the masks, :meth:`commit` rolls it back to the committed length and accepts the round's
-    outcome."""
+    outcome.
+
+    Mask work is timed (:meth:`take_mask_time`) and may run on a worker thread (:mod:`verifier_node.masks`): the
+    matcher is only touched under ``lock``; ``job`` is the plan in work there (the scheduler skips the session until
+    it is done), ``peek`` the fill of the committed text's mask after a commit. ``positions``: the most tokens a
+    round may verify (drafted or forced), None: no cap beyond the budget's (set by its mask budget)."""
 
     def __init__(self, xgr: Any, matcher: Any, vocab_size: int, end_token_ids: set[int]):
         self.xgr = xgr
@@ -234,22 +241,60 @@ class SessionGrammar:
         self.bitmask = xgr.allocate_token_bitmask(1, vocab_size)
         self.forced_tokens = 0  # over the session (metrics)
         self._forced_next: bool | None = None  # the committed text's next token is forced (cached until it moves)
+        self._first: torch.Tensor | None = None  # the committed text's mask (cached until it moves)
+        self.lock = threading.Lock()
+        self.job: Any = None  # a Future: its plan in work on a mask worker
+        self.peek: Any = None  # a Future: the committed text's mask being filled on a mask worker
+        self.positions: int | None = None
+        self.budget: Any = None  # its MaskBudget (verifier_node.masks), from its first round on
+        self.mask_s = 0.0  # mask time since the last take_mask_time()
+        self.fills = 0
+        self.mask_s_total = 0.0  # over the session (metrics)
+
+    @property
+    def planning(self) -> bool:
+        """Its plan is in work on a mask worker: the session's round waits for it."""
+        return self.job is not None and not self.job.done()
+
+    def take_mask_time(self) -> tuple[float, int]:
+        """(seconds, fills) of mask work since the last call (a round's, :class:`verifier_node.masks.MaskBudget`)."""
+        out = (self.mask_s, self.fills)
+        self.mask_s, self.fills = 0.0, 0
+        return out
 
     def next_is_forced(self) -> bool:
         """The grammar allows one token only after the committed text: the next round needs no draft to start (the
-        scheduler does not wait for the drafter; the round drafts that token, and any forced after it, for free)."""
+        scheduler does not wait for the drafter; the round drafts that token, and any forced after it, for free).
+        While the committed text's mask is being filled on a worker: False (the answer comes with the peek)."""
         if self._forced_next is None:
-            self._forced_next = not self.matcher.is_terminated() and int(self.mask().sum()) == 1
-        return self._forced_next
+            if (self.peek is not None and not self.peek.done()) or self.planning:
+                return False  # never wait on the loop for a mask
+            self.first_mask()
+        return bool(self._forced_next)
+
+    def first_mask(self) -> torch.Tensor:
+        """The committed text's mask (filled once per committed state; what the next round's plan starts with)."""
+        with self.lock:
+            if self._first is None:
+                self._first = self.mask()
+                self._forced_next = not self.matcher.is_terminated() and int(self._first.sum()) == 1
+            return self._first
 
     def mask(self) -> torch.Tensor:
-        """Bool [vocab]: the tokens allowed after the matcher's current state."""
+        """Bool [vocab]: the tokens allowed after the matcher's current state (timed: mask work of the round)."""
+        t0 = time.perf_counter()
         self.matcher.fill_next_token_bitmask(self.bitmask, 0)
-        return unpack_bitmask(self.bitmask, self.vocab_size)[0]
+        out = unpack_bitmask(self.bitmask, self.vocab_size)[0]
+        seconds = time.perf_counter() - t0
+        self.mask_s += seconds
+        self.mask_s_total += seconds
+        self.fills += 1
+        return out
 
     def plan(self, draft: list[int], q: torch.Tensor | None, limit: int) -> GrammarPlan:
-        """Masks for ``draft`` (at most ``limit`` tokens verified), forced tokens appended or swapped in (at most
-        :data:`MAX_FORCED_PER_ROUND` past the drafter's own).
+        """Masks for ``draft`` (at most ``limit`` tokens verified, and at most ``positions`` where the mask budget
+        shrank the session), forced tokens appended or swapped in (at most :data:`MAX_FORCED_PER_ROUND` past the
+        drafter's own). Fewer positions never change the output: the tokens left out come in later rounds.
 
         * A draft token the grammar allows is kept and the matcher steps over it.
         * Where the mask allows one token only, that token is the target's choice whatever the scores (greedy: the
@@ -260,14 +305,19 @@ class SessionGrammar:
           and draws the correction from the residual, exactly as for any rejected draft; dropping it instead would
           bias the correction towards p. Its following row is never read (acceptance stops there): all True.
         """
-        self._forced_next = None
+        with self.lock:
+            return self._plan(draft, q, limit if self.positions is None else min(limit, self.positions))
+
+    def _plan(self, draft: list[int], q: torch.Tensor | None, limit: int) -> GrammarPlan:
+        first = self._first if self._first is not None else self.mask()  # the committed text's (maybe peeked)
+        self._first = None  # the matcher moves: the next round's comes after the commit
         kept: list[int] = []
         q_rows: list[torch.Tensor | None] = []
         masks: list[torch.Tensor] = []
         advanced = forced = 0
         on_draft = True  # the drafter's tokens still continue what was kept
         while True:
-            allowed = self.mask()
+            allowed = self.mask() if masks else first
             masks.append(allowed)
             i = len(kept)
             if i >= limit or self.matcher.is_terminated():
@@ -320,9 +370,10 @@ class SessionGrammar:
 
     def commit(self, plan: GrammarPlan, out: list[int], accepted: int) -> None:
         """After acceptance: back to the committed prefix (the accepted drafts), then the target's own token."""
-        self._forced_next = None
-        self.matcher.rollback(plan.advanced - accepted)
-        if out and len(out) > accepted and not self.matcher.is_terminated():
-            token = out[accepted]
-            if not self.matcher.accept_token(token):
-                raise RuntimeError(f"grammar matcher refused the committed token {token}")
+        with self.lock:
+            self._forced_next = self._first = None
+            self.matcher.rollback(plan.advanced - accepted)
+            if out and len(out) > accepted and not self.matcher.is_terminated():
+                token = out[accepted]
+                if not self.matcher.accept_token(token):
+                    raise RuntimeError(f"grammar matcher refused the committed token {token}")

@@ -17,16 +17,20 @@ from typing import Any, Protocol
 
 import torch
 
+from shared.config_sections import VerifierConfig
 from shared.cores import CoreLeases
 from shared.costs.cache import CurveCheck
 from shared.models import ThreadPlan, set_threads
 from shared.target import Row, SequenceHandle, TargetBackend
+from verifier_node.masks import MaskWorkers
 from verifier_node.pending_draft import NO_DRAFT
 from verifier_node.scheduler import Scheduler
 from verifier_node.session import RoundPlan, RoundResult, Session
 from verifier_node.tree import tree_row
 
 log = logging.getLogger("pipespec.verifier")
+#: ``verifier.grammar_mask_budget_ms``' default (declared there), in seconds.
+DEFAULT_MASK_BUDGET_S: float = VerifierConfig.grammar_mask_budget_ms / 1000
 
 
 @contextlib.contextmanager
@@ -68,7 +72,7 @@ class PendingRound:
     """One session's part of a verification round between taking its draft and the target forward."""
 
     session: Session
-    plan: RoundPlan
+    plan: RoundPlan | None  # None while a grammar session's plan is in work (verifier_node.masks)
     solo: bool  # a round the drafter's k = 0 plan gave to the verifier alone
     demoted: bool  # its drafter missed once too often: move the session after this round
     drafter_busy: bool  # its drafter pre-drafts while this round runs (the verifier keeps its thread share)
@@ -76,6 +80,7 @@ class PendingRound:
     kv_layers: list[int]
     timed_from: float = 0.0  # when the session's previous round was published (the round's wall time starts)
     draft_wait_s: float = 0.0  # of that, waiting for its drafter's block
+    make_plan: Callable[[], RoundPlan] | None = None  # a grammar session's plan, run on a mask worker
 
 
 @dataclass
@@ -135,7 +140,8 @@ class RoundRunner:
     target forward, a target slow enough that other work gets ahead."""
 
     def __init__(self, backend: TargetBackend, scheduler: Scheduler, out: RoundOutput, threads: ThreadSwitch,
-                 curve_check: CurveCheck, forward_delay_s: float = 0.0, cores: CoreLeases | None = None):
+                 curve_check: CurveCheck, forward_delay_s: float = 0.0, cores: CoreLeases | None = None,
+                 mask_budget_s: float = DEFAULT_MASK_BUDGET_S):
         self.backend = backend  # the target's: every forward of the verifier runs through it (shared.target)
         self.scheduler = scheduler
         self.out = out
@@ -144,6 +150,7 @@ class RoundRunner:
         self.forward_delay_s = forward_delay_s
         self.cores = cores  # each forward's lease on the CPU cores (shared.cores); None: threads as planned
         self.counts = ForwardCounts()
+        self.masks = MaskWorkers(mask_budget_s)  # grammar sessions' masks: off the loop, within a budget
 
     @contextlib.contextmanager
     def computing(self) -> Iterator[int]:
@@ -269,19 +276,45 @@ class RoundRunner:
         drafter_busy = bool(draft.tokens and draft.overlap and d is not None and d.alive() and not solo)
         gap = max(0.0, now - s.timed_from)
         draft_wait = min(gap, max(0.0, waited)) if could_use else 0.0
-        return PendingRound(s, s.plan_round(draft.tokens, draft.q, draft.parents), solo, demoted, drafter_busy,
-                            bool(d and d.needs_hidden), list(d.kv_layers) if d else [], s.timed_from, draft_wait)
+        r = PendingRound(s, None, solo, demoted, drafter_busy, bool(d and d.needs_hidden),
+                         list(d.kv_layers) if d else [], s.timed_from, draft_wait)
+        if s.grammar is not None:  # its masks are filled on a mask worker (verifier_node.masks)
+            r.make_plan = lambda: s.plan_round(draft.tokens, draft.q, draft.parents)
+        else:
+            r.plan = s.plan_round(draft.tokens, draft.q, draft.parents)
+        return r
+
+    def _begin_rounds(self, batch: list[Session]) -> list[PendingRound]:
+        """The rounds of ``batch`` ready for the forward: plain ones at once, grammar ones whose plans are ready
+        (one held over from an earlier batch, or one done within a short wait: the whole budget only when no other
+        session could use the loop meanwhile). A grammar session whose plan is still in work joins a later batch."""
+        rounds, planning = [], []
+        self.masks.forget(set(self.scheduler.sessions))
+        for s in batch:
+            try:
+                held = self.masks.take(s)
+                r = held if held is not None else self.begin_round(s)
+                if r.plan is None:
+                    self.masks.start(r)  # fills while the other rows begin
+                    planning.append(r)
+                else:
+                    rounds.append(r)
+            except Exception as exc:
+                self.out.round_failed(s, exc)
+        if planning:
+            alone = not rounds and len(self.scheduler.sessions) == len(planning)
+            ready, failed = self.masks.collect(
+                planning, self.masks.budget_s if alone else self.masks.grace_s(self.counts.forward_s_ema))
+            rounds.extend(ready)
+            for s, exc in failed:
+                self.out.round_failed(s, exc)
+        return rounds
 
     def run_batch(self, batch: list[Session]) -> None:
         """One verification round for every session of ``batch``: one target forward over all of them (batched
         verification), each row accepted, committed and published on its own. A failure in one row ends that
         session only."""
-        rounds = []
-        for s in batch:
-            try:
-                rounds.append(self.begin_round(s))
-            except Exception as exc:
-                self.out.round_failed(s, exc)
+        rounds = self._begin_rounds(batch)
         if not rounds:
             return
         # Every core while the drafters idle (k = 0, synchronous blocks, no drafter); the share while one pre-drafts
@@ -315,6 +348,8 @@ class RoundRunner:
                 s.timed_from = done = time.monotonic()
                 s.metrics.timing.add(done - r.timed_from, r.draft_wait_s, forward_s, t_publish - t_accept,
                                      done - t_publish)
+                if s.grammar is not None and not s.finished:
+                    self.masks.peek(s)  # the next round's first mask, off the loop
                 if s.finished:
                     self.out.finish(s, s.finished)
                 elif r.demoted:

@@ -20,6 +20,8 @@ from verifier_node.session import Session
 PREFILL_PADDING = 0.25
 #: Longest poll timeout while no session can run (the loop also reaps drafters and sweeps clients that often).
 IDLE_POLL_MAX_MS = 200
+#: The loop's poll while a grammar session's plan is in work on a mask worker (it wakes to run that round).
+PLANNING_POLL_MS = 2
 
 
 @dataclass
@@ -75,7 +77,10 @@ class Scheduler:
                 and d.alive(now) and not (s.grammar is not None and s.grammar.next_is_forced()))
 
     def runnable(self, s: Session, now: float) -> bool:
-        """Its next step can run now: nothing to wait for, or it has waited as long as its wait allows."""
+        """Its next step can run now: nothing to wait for, or it has waited as long as its wait allows; never while
+        its grammar's plan is in work on a mask worker (:mod:`verifier_node.masks`)."""
+        if s.grammar is not None and s.grammar.planning:
+            return False
         return not self.may_wait(s, now) or now - s.ready_since >= s.wait.limit_s()
 
     def any_runnable(self, now: float) -> bool:
@@ -89,6 +94,8 @@ class Scheduler:
     def idle_timeout_ms(self) -> int:
         """How long the loop may block on its sockets while no session can run: until the first wait runs out."""
         now = self.now()
+        if any(s.grammar is not None and s.grammar.planning for s in self.sessions.values()):
+            return PLANNING_POLL_MS  # a plan on a mask worker: its round runs as soon as it is done
         waits = [s.ready_since + s.wait.limit_s() - now for s in self.sessions.values()]
         if not waits:
             return IDLE_POLL_MAX_MS

@@ -80,6 +80,7 @@ from verifier_node.drafter_out import DrafterOut
 from verifier_node.drafters import DrafterLink, DrafterPool
 from verifier_node.gather import Gather
 from verifier_node.intake import RequestIntake
+from verifier_node.masks import GrammarTooSlow
 from verifier_node.pending_draft import PendingDraft
 from verifier_node.pool_policy import HelloCheck, PoolPolicy
 from verifier_node.request_prep import PrepJob
@@ -158,7 +159,7 @@ class VerifierServer:
             self.poller.register(sock, zmq.POLLIN)
         switch = ThreadSwitch(threads) if cores is None else ThreadSwitch(threads, apply=lambda n: None)
         self.rounds = RoundRunner(self.backend, self.scheduler, self, switch, CurveCheck(self.profile),
-                                  forward_delay_s, cores)
+                                  forward_delay_s, cores, settings.grammar_mask_budget_ms / 1000)
         self.gather = Gather(self.scheduler, self.drafter_sock, self.client_sock,  # waits before a forward
                              drain_drafters=lambda: self._drain(self.drafter_sock, self._on_drafter_message),
                              drain_clients=lambda: self._drain(self.client_sock, self._on_client_message))
@@ -244,6 +245,7 @@ class VerifierServer:
         self.running = False
 
     def close(self) -> None:
+        self.rounds.masks.close()
         self.intake.close()
         self.sockets.close()
 
@@ -424,6 +426,9 @@ class VerifierServer:
         if isinstance(exc, NumericalError):
             log.error("session %d failed: %s", s.sid, exc)
             self._fail(s, "numerical_error", str(exc))
+        elif isinstance(exc, GrammarTooSlow):  # the request's own grammar: its client's error, not the node's
+            log.warning("session %d failed: %s", s.sid, exc)
+            self._fail(s, "bad_request", str(exc))
         else:
             log.error("session %d failed in a round", s.sid, exc_info=exc)
             self._fail(s, "internal_error", f"the verifier failed on this request: {exc!r:.300}")

@@ -488,6 +488,8 @@ class Session:
             "seed": self.params.seed,
             # structured output: tokens the grammar forced, drafted for free (not in the draft/accept counts)
             "grammar_forced_tokens": self.grammar.forced_tokens if self.grammar is not None else 0,
+            # its masks' fill time over the request (verifier_node.masks: each round's share is budgeted)
+            "grammar_mask_ms": round(1000 * self.grammar.mask_s_total, 3) if self.grammar is not None else 0.0,
             "ensemble_weight": self.ensemble_weight,  # not None: lossy by design (output distribution w·p + (1−w)·q)
         }
 

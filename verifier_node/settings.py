@@ -35,6 +35,7 @@ class VerifierSettings:
     max_pending_requests: int = VerifierConfig.max_pending_requests
     grammar_compile_timeout_s: float = VerifierConfig.grammar_compile_timeout_s
     grammar_cache_bytes: int = VerifierConfig.grammar_cache_bytes
+    grammar_mask_budget_ms: float = VerifierConfig.grammar_mask_budget_ms
     max_model_len: int | None = None
     max_kv_tokens: int | None = None
     max_sessions_per_tenant: int | None = None  # None: no cap beyond max_sessions
@@ -48,7 +49,8 @@ class VerifierSettings:
                    max_message_bytes=v.max_message_bytes, client_timeout_s=float(config.client.heartbeat_timeout_s),
                    ensemble_weight=weight, drafter_endpoint=v.endpoint, client_endpoint=config.client.endpoint,
                    max_pending_requests=v.max_pending_requests, grammar_compile_timeout_s=v.grammar_compile_timeout_s,
-                   grammar_cache_bytes=v.grammar_cache_bytes, max_model_len=v.max_model_len,
+                   grammar_cache_bytes=v.grammar_cache_bytes, grammar_mask_budget_ms=v.grammar_mask_budget_ms,
+                   max_model_len=v.max_model_len,
                    max_kv_tokens=v.max_kv_tokens, max_sessions_per_tenant=v.max_sessions_per_tenant)
 
 
