@@ -157,8 +157,11 @@ class GrammarChild:
         assert proc is not None
         try:
             _write(proc.stdin, {"kind": spec.kind, "value": spec.value, "strict": spec.strict})
-            reply = _read_raw(proc.stdout.fileno(), time.monotonic() + self.timeout_s, self.max_reply_bytes + 1)
-        except (OSError, EOFError, ValueError) as exc:  # crashed on this spec, or too long a reply: this request
+            reply = _read_raw(proc.stdout.fileno(), time.monotonic() + self.timeout_s, self.max_reply_bytes)
+        except ValueError as exc:  # too long a reply: this request (the rest of it is never read)
+            self.close()
+            raise ParamError(f"{spec.kind}: its compiled grammar is too large ({exc}); simplify it") from None
+        except (OSError, EOFError) as exc:  # crashed on this spec: this request
             self.close()
             raise ParamError(f"{spec.kind}: the grammar engine failed on it ({exc})") from None
         if reply is None:
