@@ -239,6 +239,8 @@ class CompilerProcesses:
             return taken.result(timeout=2 * CHILD_START_TIMEOUT_S)
         except concurrent.futures.TimeoutError:
             raise ParamError("structured output could not start its compiler process in time") from None
+        except concurrent.futures.CancelledError:  # the verifier is stopping (close cancelled the start)
+            raise ParamError("the verifier is stopping") from None
 
     def spare_ready(self, timeout_s: float) -> bool:
         """Whether a warm spare is started (waiting at most ``timeout_s`` for it). For tests."""
