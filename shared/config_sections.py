@@ -104,7 +104,8 @@ class VerifierConfig:
     )
     grammar_compile_timeout_s: float = setting(
         5.0,
-        "A grammar compile running longer fails its request (400); the compiler process is killed and restarted.",
+        "A grammar compile running longer fails its request (400), and the same spec from that tenant is refused at "
+        "once for 300 s; the compiler process is killed and replaced by a warm spare.",
         kind="number",
         bounds=(0, None),
         open_low=True,
@@ -112,7 +113,7 @@ class VerifierConfig:
     )
     grammar_cache_bytes: int = setting(
         64 * 1024 * 1024,
-        "Bytes of compiled grammars kept (xgrammar's cache and pipespec's, each).",
+        "Bytes of compiled grammars kept in pipespec's per-tenant cache (xgrammar's own cache is off).",
         kind="int",
         bounds=(0, None),
     )

@@ -1,14 +1,23 @@
-"""Request preparation off the verifier's loop (verifier_node/request_prep.py) and admission by memory
-(verifier_node/admission.py): the grammar compiler's child process and its time limit, the schema bounds, the caches'
-byte bounds, and a verifier built from parts (real sockets, a tiny target) whose loop keeps serving while a request
-is being prepared, with the pending request cancelled, dropped with its silent client, or refused past the queue."""
+"""Request preparation off the verifier's loop (verifier_node/request_prep.py, verifier_node/grammar_child.py) and
+admission by memory (verifier_node/admission.py): the grammar compiler's child process (its time limit, scrubbed
+environment, memory limit, bounded reply, no shared xgrammar cache) and its warm spare, the spec bounds (nesting,
+size, repeat counts), the fair queues (round robin per tenant, one in work each, cancelled jobs dropped), timed-out
+specs refused at once, the caches' byte bounds, and a verifier built from parts (real sockets, a tiny target) whose
+loop keeps serving while a request is being prepared, with the pending request cancelled, dropped with its silent
+client, or refused past the queue; one tenant's slow compiles do not hold up another tenant's requests, and a spec
+another tenant compiled costs what a new one costs (no timing oracle)."""
 
 from __future__ import annotations
 
+import gc
 import itertools
 import json
+import random
+import string
 import threading
 import time
+import weakref
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -17,11 +26,21 @@ import zmq
 from transformers import AutoTokenizer
 
 from shared.protocol import Cancel, Chunk, Done, Error, Generate, Ping, Pong, ProtocolError, decode, encode
-from shared.sampling import GrammarSpec, ParamError
+from shared.sampling import GenerationParams, GrammarSpec, ParamError
 from testkit.inproc_verifier import verifier_from_parts
 from verifier_node.admission import DEFAULT_KV_TOKENS, DEFAULT_MAX_MODEL_LEN, MemoryAdmission
 from verifier_node.grammar import COMPILED_CACHE, GrammarCompiler
-from verifier_node.request_prep import MAX_SCHEMA_DEPTH, MAX_SCHEMA_NODES, GrammarChild, check_schema_bounds
+from verifier_node.grammar_child import CompilerProcesses, GrammarChild
+from verifier_node.request_prep import (
+    MAX_SCHEMA_DEPTH,
+    MAX_SCHEMA_NODES,
+    FairQueue,
+    PrepJob,
+    RequestPrep,
+    TimedOutSpecs,
+    check_schema_bounds,
+)
+from verifier_node.schema_check import MAX_REPEAT_COUNT, check_spec_bounds
 from verifier_node.server import VerifierServer
 
 pytestmark = pytest.mark.unit
@@ -30,11 +49,12 @@ EOS = 0
 _names = itertools.count()
 
 
-def _nested_any_of(levels: int) -> str:
-    """A schema whose compile time grows super-exponentially with ``levels`` (8: tens of seconds on a tiny vocab)."""
+def _nested_any_of(levels: int, names: tuple[str, str] = ("a", "b")) -> str:
+    """A schema whose compile time grows super-exponentially with ``levels`` (6: about 0.5 s on the tiny vocabulary,
+    8: tens of seconds); other ``names``, another schema of the same cost."""
     schema: dict = {"type": "string"}
     for _ in range(levels):
-        schema = {"anyOf": [{"type": "object", "properties": {"a": schema, "b": schema}},
+        schema = {"anyOf": [{"type": "object", "properties": {names[0]: schema, names[1]: schema}},
                             {"type": "array", "items": schema}]}
     return json.dumps(schema)
 
@@ -61,11 +81,44 @@ def test_schema_bounds_refuse_deep_or_huge_schemas_before_compiling():
     check_schema_bounds(GrammarSpec("regex", "(" * 100 + ")" * 100))  # not a schema: the engine judges it
 
 
+def _refused(spec: GrammarSpec, *fragments: str) -> None:
+    with pytest.raises(ParamError) as info:
+        check_spec_bounds(spec)
+    for fragment in fragments:
+        assert fragment in str(info.value), str(info.value)
+
+
+def test_huge_repeat_counts_are_refused_before_compiling():
+    limit = MAX_REPEAT_COUNT
+
+    def schema(**kw) -> GrammarSpec:
+        return GrammarSpec("json_schema", json.dumps({"type": "object", "properties": {"x": kw}}))
+
+    for keyword in ("maxLength", "minLength", "minItems", "maxItems", "maxProperties"):
+        check_spec_bounds(schema(**{keyword: limit}))  # the bound itself is accepted
+        _refused(schema(**{keyword: limit + 1}), f"{keyword!r} at /properties/x/{keyword}", str(limit))
+    _refused(schema(maxItems=1e30), "1e+30")
+    # a count under const / enum / default is data, not a schema keyword
+    check_spec_bounds(GrammarSpec("json_schema", json.dumps({"const": {"maxLength": 10**9}})))
+    _refused(schema(type="string", pattern="^[a-z]{1,100000}$"), "pattern at /properties/x/pattern", "{1,100000}")
+    _refused(GrammarSpec("json_schema", json.dumps({"type": "object", "patternProperties": {"^a{70000}$": {}}})),
+             "patternProperties")
+    check_spec_bounds(GrammarSpec("regex", f"[a-z]{{1,{limit}}}x{{{limit}}}(ab){{2,}}"))
+    _refused(GrammarSpec("regex", "a{1,65537}"), "regex", "'{1,65537}'")
+    _refused(GrammarSpec("regex", "x{" + "9" * 5000 + "}"), "regex")  # never handed to int()
+    _refused(GrammarSpec("regex", "((a{1,300}b){300}){2}"), "with the groups around it")  # 300 * 300 * 2
+    check_spec_bounds(GrammarSpec("regex", "(a{1,300}b){200}c{300}"))  # 60,000: nested counts multiply, siblings not
+    # escaped braces and braces in a class are characters, not counts
+    check_spec_bounds(GrammarSpec("regex", r"\{99999999\}[{99999999}]"))
+    _refused(GrammarSpec("grammar", 'root ::= ("ab"{1,300}){300}'), "grammar")
+    check_spec_bounds(GrammarSpec("grammar", 'root ::= "{99999999}" [{] # {99999999}\n  "a"{1,300}'))
+
+
 @pytest.mark.process
 def test_grammar_child_compiles_and_is_killed_past_its_time_limit(tiny):
     tokenizer = AutoTokenizer.from_pretrained(tiny("llama"))
     local = GrammarCompiler(tokenizer, len(tokenizer), [EOS])
-    child = GrammarChild(local.xgr, local.info, len(tokenizer), 1 << 20, timeout_s=1.0)
+    child = GrammarChild(local.xgr, local.info, len(tokenizer), timeout_s=1.0)
     try:
         spec = GrammarSpec("json_schema", json.dumps({"type": "object", "properties": {"n": {"type": "integer"}},
                                                       "required": ["n"]}))
@@ -123,6 +176,113 @@ def test_cache_key_has_a_scope():
     compiler.compile(spec, "tenant-a")
     compiler.compile(spec, "tenant-b")
     assert compiled == ["a+", "a+"] and compiler.cached == (2, 2 * (10 + 2))
+
+
+# -------------------------------------------------------------------------------------- the fair preparation
+def _job(rid: int, tenant: str | None, peer: bytes = b"c", grammar: dict | None = None, prompt: str = "x") -> PrepJob:
+    params = GenerationParams.from_dict({"max_new_tokens": 4, "eos_token_ids": [EOS],
+                                         **({"grammar": grammar} if grammar else {})})
+    return PrepJob(peer, Generate(request_id=rid, prompt=prompt, params={}), params, None, scope=tenant)
+
+
+def test_fair_queue_serves_tenants_round_robin_one_in_work_each():
+    queue = FairQueue()
+    for rid, tenant in enumerate(["A", "A", "A", "B", "B", None], start=1):
+        queue.put(_job(rid, tenant))
+    first = [queue.take() for _ in range(3)]  # one of each tenant, then none may be taken: all three in work
+    assert [(j.scope, j.msg.request_id) for j in first] == [("A", 1), ("B", 4), (None, 6)]
+    taken: list = []
+    waiter = threading.Thread(target=lambda: taken.append(queue.take()))
+    waiter.start()
+    waiter.join(0.3)
+    assert waiter.is_alive() and not taken  # A and B have a job in work: their next ones wait
+    queue.done(first[1])  # B's finishes: B's next is given, though A queued first
+    waiter.join(5)
+    assert [j.msg.request_id for j in taken] == [5]
+    queue.done(first[0])
+    assert queue.take().msg.request_id == 2
+    assert queue.remove(_job(3, "A")) is False  # another job object with the same key is not this one
+    assert len(queue) == 1
+    queue.close()
+    assert queue.take() is None
+
+
+def test_cancelled_jobs_leave_the_queues_with_their_payloads():
+    gate, entered = threading.Event(), threading.Event()
+
+    def hold(job: PrepJob) -> None:
+        if job.msg.request_id == 1:
+            entered.set()
+            assert gate.wait(30)
+
+    prep = RequestPrep(lambda job: setattr(job, "prompt", [5]), lambda job: None, 8, hook=hold)
+    try:
+        prep.submit(_job(1, "A"))
+        assert entered.wait(30)
+        payload = _job(2, "A", prompt="p" * (1 << 20))  # waits: its tenant has one in work
+        ref = weakref.ref(payload.msg)
+        prep.submit(payload)
+        assert prep.cancel(payload.key) is payload and prep.cancel(payload.key) is None
+        del payload
+        gc.collect()
+        assert ref() is None, "a cancelled job's payload is still held"
+        prep.submit(_job(3, "B"))  # another tenant's request is prepared while A's first is held
+        deadline = time.monotonic() + 30
+        done: list[PrepJob] = []
+        while not done:
+            assert time.monotonic() < deadline
+            prep.socket.poll(100)
+            done += prep.finished()
+        assert [j.msg.request_id for j in done] == [3]
+        gate.set()
+        while len(done) < 2:
+            assert time.monotonic() < deadline
+            prep.socket.poll(100)
+            done += prep.finished()
+        assert [j.msg.request_id for j in done] == [3, 1] and not prep.pending
+    finally:
+        gate.set()
+        prep.close()
+
+
+def test_one_tenant_holds_at_most_half_the_pending_places():
+    gate = threading.Event()
+    prep = RequestPrep(lambda job: gate.wait(30), lambda job: None, 4)
+    try:
+        prep.submit(_job(1, "A"))
+        prep.submit(_job(2, "A"))
+        with pytest.raises(ProtocolError) as busy:
+            prep.submit(_job(3, "A"))
+        assert busy.value.code == "busy" and busy.value.request_id == 3
+        assert "this tenant has 2 requests being prepared" in str(busy.value)
+        prep.submit(_job(4, "B"))
+        prep.submit(_job(5, None))
+        with pytest.raises(ProtocolError, match=r"max_pending_requests = 4\): retry later") as full:
+            prep.submit(_job(6, "C"))
+        assert "4 requests" not in str(full.value)  # the verifier's load is not told
+    finally:
+        gate.set()
+        prep.close()
+
+
+def test_timed_out_specs_are_refused_at_once_for_their_tenant_only(monkeypatch):
+    clock = [1000.0]
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+    specs = TimedOutSpecs(refuse_s=60, kept=2)
+    slow, other = GrammarSpec("regex", "a+b"), GrammarSpec("regex", "c+")
+    specs.add("A", slow, "regex: compiling it took longer than verifier.grammar_compile_timeout_s (5 s)")
+    clock[0] += 20
+    with pytest.raises(ParamError, match=r"took longer .* \(20 s ago; this spec is refused without compiling for 40 s"):
+        specs.check("A", slow)
+    specs.check("B", slow)  # another tenant: nothing told, nothing refused
+    clock[0] += 41
+    specs.check("A", slow)  # expired
+    specs.add("A", slow, "x")
+    specs.add("A", other, "x")
+    specs.add("B", other, "x")  # kept=2: A's first is forgotten
+    specs.check("A", slow)
+    with pytest.raises(ParamError):
+        specs.check("B", other)
 
 
 # ----------------------------------------------------------------------------------------------------- admission
@@ -280,4 +440,131 @@ def test_requests_are_admitted_by_their_tokens(tiny):
         assert len(client.last(6).token_ids) >= 1
     finally:
         client.close()
+        _stop(server, thread)
+
+
+# ---------------------------------------------------------------------- the compile child, confined and warm
+def _classes(seed: int, count: int = 40) -> str:
+    """A regex of ``count`` negated one-letter classes: compiling it costs several times its serialising (a cache
+    hit would show), about 0.5 s at 40 on the 8,000-token vocabulary; another ``seed``, another regex of that cost."""
+    rng = random.Random(seed)
+    return "".join(f"[^{rng.choice(string.ascii_lowercase)}]" for _ in range(count))
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory):
+    """A tiny Llama whose tokenizer has 8,000 tokens: compile times that dwarf a round trip to the child."""
+    from testkit.tiny_models import build_model, build_tokenizer
+
+    rng = random.Random(0)
+    words = ["".join(rng.choice(string.ascii_lowercase + string.digits + "_ ") for _ in range(rng.randint(2, 12)))
+             for _ in range(20_000)]
+    folder = tmp_path_factory.mktemp("wide")
+    build_tokenizer(folder / "tokenizer", vocab_size=8000, corpus=[" ".join(words[i:i + 50])
+                                                                   for i in range(0, len(words), 50)])
+    return build_model(folder / "llama", "llama", folder / "tokenizer", seed=1)
+
+
+def _timed(call) -> float:
+    start = time.perf_counter()
+    call()
+    return time.perf_counter() - start
+
+
+@pytest.mark.process
+def test_the_compile_child_is_confined_shares_no_cache_and_is_replaced_warm(wide, monkeypatch):
+    monkeypatch.setenv("PIPESPEC_RUN_SECRET", "run-secret-value")
+    monkeypatch.setenv("PIPESPEC_HTTP_API_KEY", "api-key-value")
+    tokenizer = AutoTokenizer.from_pretrained(wide)
+    local = GrammarCompiler(tokenizer, len(tokenizer), [EOS])  # xgrammar's cache on, as in any plain compiler
+    pool = CompilerProcesses(local.xgr, local.info, len(tokenizer), timeout_s=60)
+    try:
+        cold = _timed(lambda: pool.compile(GrammarSpec("regex", "[0-9]+")))  # the first one starts a child
+        child = pool._local.child
+        environ = Path(f"/proc/{child.proc.pid}/environ").read_bytes()
+        assert b"PYTHONPATH=" in environ and b"run-secret" not in environ and b"api-key" not in environ
+        assert b"PIPESPEC_" not in environ
+        limits = [line for line in Path(f"/proc/{child.proc.pid}/limits").read_text().splitlines()
+                  if line.startswith("Max address space")]
+        assert limits and limits[0].split()[3] != "unlimited"
+        # xgrammar's cache is off in the child: a spec compiled before costs a compile again
+        spec = GrammarSpec("regex", _classes(1))
+        first, again = _timed(lambda: pool.compile(spec)), _timed(lambda: pool.compile(spec))
+        in_process = _timed(lambda: local.compile_uncached(spec))
+        hit = _timed(lambda: local.compile_uncached(spec))  # the control: with the cache on, a repeat is a hit
+        assert hit < 0.2 * in_process, "the spec does not tell a cache hit from a compile"
+        assert again > 0.6 * first, f"the child answered a repeated spec in {again:.3f} s, a new one in {first:.3f} s"
+        # a reply past its bound fails its request, and the warm spare takes the child's place at once
+        assert pool.spare_ready(120)
+        child.max_reply_bytes = 1000
+        with pytest.raises(ParamError, match=r"compiled grammar is too large .* over the 1000-byte bound"):
+            pool.compile(GrammarSpec("regex", _classes(2)))
+        assert not child.alive and pool._local.child is not child
+        warm = _timed(lambda: pool.compile(GrammarSpec("regex", "[a-f]+")))
+        assert warm < cold / 3, f"a compile after a kill took {warm:.2f} s, the cold start {cold:.2f} s"
+        assert pool.starts == 3  # the first child, its spare, and the spare's replacement
+    finally:
+        pool.close()
+
+
+# ----------------------------------------------------------------------------- two tenants over real sockets
+def _ask(client: _Client, rid: int, tenant: str, grammar: dict | None = None, prompt: str = "def add(a, b):",
+         limit_s: float = 120.0) -> float:
+    """Send a one-token request of ``tenant`` and wait for its answer; the seconds it took."""
+    params = {"max_new_tokens": 1, **({"grammar": grammar} if grammar else {})}
+    start = time.perf_counter()
+    client.send(Generate(request_id=rid, prompt=prompt, params=params, tenant=tenant))
+    client.until(lambda: isinstance(client.last(rid), (Done, Error)), limit_s)
+    assert isinstance(client.last(rid), Done), client.last(rid)
+    return time.perf_counter() - start
+
+
+@pytest.mark.process
+def test_one_tenants_slow_compiles_neither_delay_nor_inform_another(wide):
+    server, endpoint = _server(wide, grammar_compile_timeout_s=4.0)
+    thread, a, b = _serving(server), _Client(endpoint), _Client(endpoint)
+    rids = itertools.count(1)
+    try:
+        _ask(b, next(rids), "B", {"kind": "regex", "value": "[0-9]+"})  # warm: the first child starts
+        assert server.intake.grammar_child.spare_ready(120)
+        # --- no oracle: a spec tenant A compiled costs tenant B what a new one costs
+        other, new, hit = [], [], []
+        for i in range(2):
+            seen, fresh = {"kind": "regex", "value": _classes(10 + i)}, {"kind": "regex", "value": _classes(20 + i)}
+            _ask(a, next(rids), "A", seen)
+            other.append(_ask(b, next(rids), "B", seen))
+            new.append(_ask(b, next(rids), "B", fresh))
+            hit.append(_ask(a, next(rids), "A", seen))  # A's own cache: what a shared cache would give B
+        assert sum(hit) < 0.3 * sum(new), f"no cache hit to compare with: {hit} against {new}"
+        assert sum(other) > 0.6 * sum(new), f"another tenant's spec took {other} s, a new one {new} s"
+        # --- fairness: A queues slow compiles; B's plain and grammar requests are prepared meanwhile
+        quiet = min(_ask(b, next(rids), "B", prompt=f"class Node{i}:") for i in range(3))
+        slow = [{"kind": "json_schema", "value": _nested_any_of(6, (f"a{i}", f"b{i}"))} for i in range(2)]
+        queued = [next(rids) for _ in slow]
+        sent = time.perf_counter()
+        for rid, grammar in zip(queued, slow, strict=True):
+            a.send(Generate(request_id=rid, prompt="x", params={"max_new_tokens": 1, "grammar": grammar},
+                            tenant="A"))
+        plain = _ask(b, next(rids), "B", prompt="class Tree:")
+        structured = _ask(b, next(rids), "B", {"kind": "regex", "value": "[a-f]{2,9}"})
+        b_done = time.perf_counter() - sent
+        a.send(Cancel(request_id=queued[1]))  # queued behind A's own compile: dropped, never compiled
+        a.until(lambda: all(isinstance(a.last(rid), (Done, Error)) for rid in queued))
+        a_done = time.perf_counter() - sent
+        assert plain < quiet + 2.0, f"B's plain request took {plain:.2f} s with A's compiles queued ({quiet:.2f} quiet)"
+        assert b_done < a_done / 2, f"B was served in {b_done:.2f} s, A's compile took {a_done:.2f} s"
+        assert structured < 3.0 and a_done >= 4.0  # B's compile did not wait for A's
+        assert a.last(queued[0]).code == "bad_request" and "grammar_compile_timeout_s" in a.last(queued[0]).message
+        assert a.last(queued[1]) == Done(request_id=queued[1], token_ids=[], text="", metrics={},
+                                         finish_reason="cancelled")
+        # --- a timed-out spec is refused at once for its tenant (tests above: for that tenant only)
+        rid = next(rids)
+        again = _timed(lambda: a.send(Generate(request_id=rid, prompt="x", tenant="A",
+                                               params={"max_new_tokens": 1, "grammar": slow[0]})) or
+                       a.until(lambda: rid in a.got))
+        assert a.last(rid).code == "bad_request" and "refused without compiling" in a.last(rid).message
+        assert again < 2.0
+    finally:
+        a.close()
+        b.close()
         _stop(server, thread)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import logging
 import secrets
+import threading
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
@@ -26,8 +27,9 @@ from shared.protocol import Generate, ProtocolError, error_frames
 from shared.sampling import GenerationParams, ParamError
 from verifier_node.admission import MemoryAdmission
 from verifier_node.grammar import GrammarCompiler
+from verifier_node.grammar_child import CompilerProcesses
 from verifier_node.pool_policy import PoolPolicy
-from verifier_node.request_prep import GrammarChild, PrepJob, RequestPrep, check_schema_bounds
+from verifier_node.request_prep import PrepJob, RequestPrep
 from verifier_node.session import Session
 from verifier_node.tenancy import TenantRule
 
@@ -68,7 +70,7 @@ class RequestIntake:
                  open_session: OpenSession, reply: Reply, prep_hook: Callable[[PrepJob], None] | None = None):
         self.settings = settings
         self.tokenizer = tokenizer
-        self._worker_tokenizer: Any = None  # the preparation worker's copy (made at its first text prompt)
+        self._worker_tokenizers = threading.local()  # each preparation thread's copy (made at its first prompt)
         self.vocab_size = vocab_size
         self.default_eos = default_eos
         self.admission = admission
@@ -79,9 +81,11 @@ class RequestIntake:
         self.open_session = open_session
         self.reply = reply
         self.grammars: GrammarCompiler | None = None  # built at the first request with a grammar (xgrammar optional)
-        self.grammar_child: GrammarChild | None = None  # where grammars compile (started with self.grammars)
-        # Tokenising and grammar compiles run off the loop; a finished one wakes it through prep.socket.
-        self.prep = RequestPrep(self.prepare, settings.max_pending_requests, hook=prep_hook)
+        self.grammar_child: CompilerProcesses | None = None  # where grammars compile (started with self.grammars)
+        self._grammar_lock = threading.Lock()  # the compile workers build self.grammars once
+        # Tokenising and grammar compiles run off the loop, fair per tenant; a finished one wakes it (prep.socket).
+        self.prep = RequestPrep(self.prepare_prompt, self.prepare_grammar, settings.max_pending_requests,
+                                hook=prep_hook)
 
     # ------------------------------------------------------------------ on the loop
     def receive(self, peer: bytes, msg: Generate, user_id: str | None = None) -> None:
@@ -188,28 +192,35 @@ class RequestIntake:
 
     # ------------------------------------------------------------------ in the preparation worker
     def prepare(self, job: PrepJob) -> None:
-        """Fill ``job``: the prompt's ids and the grammar's matcher (the preparation worker's thread, or the loop
-        for a request with nothing slow to prepare)."""
+        """Fill ``job``: the prompt's ids and the grammar's matcher (on the loop: a request with nothing slow to
+        prepare)."""
+        self.prepare_prompt(job)
+        self.prepare_grammar(job)
+
+    def prepare_prompt(self, job: PrepJob) -> None:
+        """The prompt's ids (a tokenising thread of :class:`RequestPrep`)."""
         job.prompt = self._prompt_ids(job.msg)
+
+    def prepare_grammar(self, job: PrepJob) -> None:
+        """The grammar's matcher (a compile worker of :class:`RequestPrep`)."""
         job.grammar = self._grammar(job.params, job.scope)
 
     def _grammar(self, params: GenerationParams, scope: str | None = None):
         """The request's grammar matcher (structured output), or None. Compiled in a child process (cached per
-        ``(scope, kind, value)``), from the preparation worker; a spec the engine refuses, one past the bounds, one
-        that compiles too long, or a verifier without xgrammar, is a ``ParamError`` (the client's 400)."""
+        ``(scope, kind, value)``), from a compile worker; a spec the engine refuses, one that compiles too long, or
+        a verifier without xgrammar, is a ``ParamError`` (the client's 400; the spec's bounds were checked before)."""
         spec = params.grammar_spec
         if spec is None:
             return None
-        check_schema_bounds(spec)
         try:
-            if self.grammars is None:
-                grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.default_eos,
-                                           cache_bytes=self.settings.grammar_cache_bytes)
-                self.grammar_child = GrammarChild(grammars.xgr, grammars.info, self.vocab_size,
-                                                  self.settings.grammar_cache_bytes,
-                                                  self.settings.grammar_compile_timeout_s)
-                grammars.compile_with = self.grammar_child.compile
-                self.grammars = grammars
+            with self._grammar_lock:
+                if self.grammars is None:
+                    grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.default_eos,
+                                               cache_bytes=self.settings.grammar_cache_bytes)
+                    self.grammar_child = CompilerProcesses(grammars.xgr, grammars.info, self.vocab_size,
+                                                           self.settings.grammar_compile_timeout_s)
+                    grammars.compile_with = self.grammar_child.compile
+                    self.grammars = grammars
             return self.grammars.session(spec, params.end_token_ids, scope)
         except ParamError:
             raise
@@ -218,15 +229,16 @@ class RequestIntake:
             raise ParamError(f"structured output could not start on this target: {exc!r:.300}") from None
 
     def _prompt_ids(self, msg: Generate) -> list[int]:
-        """The prompt's token ids. Runs in the preparation worker, with a copy of the tokenizer of its own: the loop
+        """The prompt's token ids. Runs in a tokenising thread, with a copy of the tokenizer of its own: the loop
         detokenises with ``self.tokenizer`` meanwhile, and a Rust tokenizer object is not meant to be shared."""
         # decode checked the types and that exactly one of token_ids, prompt and messages is given
         if msg.token_ids is not None:
             ids = msg.token_ids
         else:
-            if self._worker_tokenizer is None:
-                self._worker_tokenizer = copy.deepcopy(self.tokenizer)
-            ids = _encode(self._worker_tokenizer, msg)
+            mine = getattr(self._worker_tokenizers, "tokenizer", None)
+            if mine is None:
+                mine = self._worker_tokenizers.tokenizer = copy.deepcopy(self.tokenizer)
+            ids = _encode(mine, msg)
         if not ids:
             raise ParamError("the prompt is empty")
         if any(t < 0 or t >= self.vocab_size for t in ids):

@@ -1,4 +1,7 @@
-"""JSON-schema keywords the grammar engine (xgrammar 0.2.9) compiles without effect, refused before compiling.
+"""What a structured-output spec is checked for before it is compiled: keywords the engine ignores, size, repeat counts.
+
+**Keywords** (:func:`check_schema`): the JSON-schema keywords the grammar engine (xgrammar 0.2.9) compiles without
+effect, refused before compiling.
 
 xgrammar builds a grammar from the parts of a schema it knows and silently drops the rest, so a schema with ``not``
 or ``uniqueItems`` would compile to a grammar that lets through output the schema forbids — while the response
@@ -6,13 +9,34 @@ claims to follow the schema. :func:`check_schema` walks every subschema and rais
 first such keyword and its JSON pointer. Each entry below was established by experiment: a schema with the keyword
 compiled, and a JSON text violating it was accepted by the matcher (tests/test_structured.py repeats them, so an
 engine upgrade that starts enforcing one shows up). The list is documented in docs/http.md (structured output).
+
+**Bounds** (:func:`check_spec_bounds`, run off the loop before a spec waits for a compile): a JSON schema's nesting
+depth and size (xgrammar's compile time grows fast with nesting: nested anyOf super-exponentially), and every
+repeat count — ``minLength`` / ``maxLength`` / ``minItems`` / ``maxItems`` / ``minProperties`` / ``maxProperties``,
+and ``{n}`` / ``{n,}`` / ``{n,m}`` in a regex (``pattern``, ``patternProperties``, kind ``regex``) or an EBNF grammar,
+where counts nested in one expression multiply — at most :data:`MAX_REPEAT_COUNT`. xgrammar 0.2.9 compiles large
+counts as counters, in about the same time as small ones, but its masks slow down past 128 (xgrammar #805, #852),
+earlier versions unrolled them, and no response holds more: a bound keeps an engine change from becoming a way to
+stall the verifier.
 """
 
 from __future__ import annotations
 
+import json
+import re
 from typing import Any
 
-from shared.sampling import ParamError
+from shared.sampling import GrammarSpec, ParamError
+
+#: A JSON schema deeper than this many nested objects / arrays (of its JSON text), or with more values in all, is
+#: refused before compiling.
+MAX_SCHEMA_DEPTH = 32
+MAX_SCHEMA_NODES = 5000
+#: The largest repeat count a spec may state (a length, an item count, a regex or EBNF ``{n,m}``; nested counts of one
+#: expression multiplied).
+MAX_REPEAT_COUNT = 65_536
+#: Schema keywords that are repeat counts.
+COUNT_KEYWORDS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties")
 
 #: Keywords refused wherever they appear in a schema, with what to do instead.
 IGNORED_KEYWORDS: dict[str, str] = {
@@ -124,3 +148,164 @@ def check_schema(schema: Any, path: tuple[str, ...] = ()) -> None:
         if isinstance(schema.get(keyword), dict):
             for name, sub in schema[keyword].items():
                 check_schema(sub, (*path, keyword, str(name)))
+
+
+# ----------------------------------------------------------------------------------------------------- bounds
+def check_spec_bounds(spec: GrammarSpec, max_depth: int = MAX_SCHEMA_DEPTH, max_nodes: int = MAX_SCHEMA_NODES,
+                      max_repeat: int = MAX_REPEAT_COUNT) -> None:
+    """Refuse (:class:`ParamError`, the client's 400) a spec past the bounds of the module's docstring."""
+    if spec.kind == "json_schema":
+        schema = _bounded_schema(spec.value, max_depth, max_nodes)
+        _check_counts(schema, (), max_repeat)
+    elif spec.kind == "regex":
+        check_repeats(spec.value, "regex", max_repeat)
+    elif spec.kind == "grammar":
+        check_repeats(spec.value, "grammar", max_repeat, ebnf=True)
+
+
+def check_schema_bounds(spec: GrammarSpec, max_depth: int = MAX_SCHEMA_DEPTH,
+                        max_nodes: int = MAX_SCHEMA_NODES) -> None:
+    """Refuse a ``json_schema`` spec nested deeper than ``max_depth`` or with more than ``max_nodes`` JSON values."""
+    if spec.kind == "json_schema":
+        _bounded_schema(spec.value, max_depth, max_nodes)
+
+
+def _bounded_schema(text: str, max_depth: int, max_nodes: int) -> Any:
+    """``text`` parsed, once its depth (measured on the text: a deeply nested text would make ``json.loads``
+    recurse out of its stack) and its number of values are within bounds."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for ch in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in "]}":
+            depth -= 1
+    if deepest > max_depth:
+        raise ParamError(f"json_schema: nested {deepest} levels deep; at most {max_depth} levels (objects and "
+                         "arrays of its JSON text) are accepted")
+    try:
+        schema = json.loads(text)
+    except ValueError as exc:
+        raise ParamError(f"json_schema: not valid JSON: {exc}") from None
+    stack, nodes = [schema], 0
+    while stack:
+        node = stack.pop()
+        nodes += 1
+        if nodes > max_nodes:
+            raise ParamError(f"json_schema: more than {max_nodes} JSON values; at most {max_nodes} are accepted")
+        if isinstance(node, dict):
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return schema
+
+
+def _subschemas(schema: dict, path: tuple[str, ...]):
+    """``(subschema, its path)`` of every place a schema sits directly under ``schema``."""
+    for keyword in _SCHEMA:
+        if keyword in schema:
+            yield schema[keyword], (*path, keyword)
+    for keyword in _SCHEMA_LIST:
+        if isinstance(schema.get(keyword), list):
+            for i, sub in enumerate(schema[keyword]):
+                yield sub, (*path, keyword, str(i))
+    for keyword in _SCHEMA_MAP:
+        if isinstance(schema.get(keyword), dict):
+            for name, sub in schema[keyword].items():
+                yield sub, (*path, keyword, str(name))
+
+
+def _check_counts(schema: Any, path: tuple[str, ...], limit: int) -> None:
+    if not isinstance(schema, dict):
+        return
+    for keyword in COUNT_KEYWORDS:
+        value = schema.get(keyword)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > limit:
+            _refuse((*path, keyword), keyword, f"{value:g} is over the largest repeat count accepted, {limit} (leave "
+                    "it out for no bound: max_tokens bounds the output anyway)")
+    if isinstance(schema.get("pattern"), str):
+        check_repeats(schema["pattern"], f"json_schema: pattern at {_pointer((*path, 'pattern'))}", limit)
+    if isinstance(schema.get("patternProperties"), dict):
+        for name in schema["patternProperties"]:
+            check_repeats(str(name), f"json_schema: patternProperties key at {_pointer(path)}", limit)
+    for sub, where in _subschemas(schema, path):
+        _check_counts(sub, where, limit)
+
+
+_COUNT = re.compile(r"\{\s*(\d+)\s*(?:(,)\s*(\d*)\s*)?\}")
+
+
+def _count(match: re.Match) -> int:
+    """The count a ``{n}`` / ``{n,}`` / ``{n,m}`` stands for (its upper bound, or n when open); digits past nine
+    count as more than any bound (and are never handed to ``int``, whose text conversion is bounded)."""
+    digits = match[3] if match[3] else match[1]
+    return 10**10 if len(digits) > 9 else int(digits)
+
+
+def _class_end(text: str, i: int) -> int:
+    """The index past the ``]`` that closes the character class opening at ``text[i]``."""
+    j = i + 1
+    if j < len(text) and text[j] == "^":
+        j += 1
+    if j < len(text) and text[j] == "]":
+        j += 1  # a ] first in the class is literal
+    while j < len(text) and text[j] != "]":
+        j += 2 if text[j] == "\\" else 1
+    return j + 1
+
+
+def _string_end(text: str, i: int) -> int:
+    """The index past the quote that closes the string literal opening at ``text[i]`` (EBNF)."""
+    quote, j = text[i], i + 1
+    while j < len(text) and text[j] != quote:
+        j += 2 if text[j] == "\\" else 1
+    return j + 1
+
+
+def check_repeats(text: str, what: str, limit: int = MAX_REPEAT_COUNT, *, ebnf: bool = False) -> None:
+    """Refuse (:class:`ParamError`) a regex (or, with ``ebnf``, an EBNF grammar) whose counted repetition states
+    more than ``limit`` repeats, alone or multiplied by the counts of the groups around it. Escapes, character
+    classes (and, in EBNF, string literals and ``#`` comments) are skipped; ``*``, ``+`` and ``?`` count as one."""
+    heaviest = [1]  # per open group: the largest weight of an element in it so far
+    last, i = 1, 0  # ``last``: the weight of the element just read (a count multiplies it)
+    while i < len(text):
+        ch = text[i]
+        if ch == "{" and (match := _COUNT.match(text, i)):
+            last *= max(_count(match), 1)
+            if last > limit:
+                raise ParamError(f"{what}: repeats something {match[0]!r} times"
+                                 + (" (with the groups around it)" if last != _count(match) else "")
+                                 + f"; at most {limit} repeats are accepted")
+            heaviest[-1] = max(heaviest[-1], last)
+            i = match.end()
+            continue
+        if ch == "(":
+            heaviest.append(1)
+            i += 1
+            continue
+        if ch == ")":
+            last = heaviest.pop() if len(heaviest) > 1 else 1
+            heaviest[-1] = max(heaviest[-1], last)
+            i += 1
+            continue
+        if ebnf and ch == "#":
+            end = text.find("\n", i)
+            i = len(text) if end < 0 else end + 1
+            continue
+        if ch == "[":
+            i = _class_end(text, i)
+        elif ebnf and ch in "\"'":
+            i = _string_end(text, i)
+        else:
+            i += 2 if ch == "\\" else 1
+        last = 1
