@@ -285,8 +285,8 @@ def test_a_tenants_share_of_the_budget_and_busy_names_only_its_own_numbers(bench
     b.intake.receive(b"b", _tid(3, 22, "B"))  # B's share is its own
     b.intake.receive(b"c", _ids(4, [5] * 22))  # no tenant: a share of its own
     exc = b.refused(_tid(5, 22, "D"), peer=b"d")  # 90 + 30 > 100: the whole budget is taken
-    assert exc.code == "busy" and str(exc) == ("the verifier's KV budget is taken (your requests hold 0 tokens; "
-                                               "this request needs 30): retry later")
+    assert exc.code == "busy" and str(exc) == ("the verifier's KV budget (verifier.max_kv_tokens) is taken (your "
+                                               "requests hold 0 tokens; this request needs 30): retry later")
     assert "90" not in str(exc) and "100" not in str(exc)  # nothing of what the others hold, nor the total
     exc = b.refused(_tid(6, 50, "B"), peer=b"b")  # past one tenant's share on its own: never fits
     assert exc.code == "bad_request" and "verifier.max_kv_tokens_per_tenant (50)" in str(exc)

@@ -53,10 +53,11 @@ def test_suffix_cache_and_sessions_are_kept_per_tenant(tiny, tmp_path):
 
             # A, then B and no tenant (both on A's prompt, so A's response would predict theirs), then A again
             out["A1"], out["B"], out["none"], out["A2"] = [await run(t) for t in ("A", "B", None, "A")]
-            # one session per tenant: A holds one (a long stream), so an HTTP request with A's key is busy
-            stream = client.stream(token_ids=prompt, max_new_tokens=400, eos_token_ids=[], tenant="A")
-            await asyncio.wait_for(stream.__anext__(), 60)
+            # one session per tenant: A holds one (a long stream), so an HTTP request with A's key is busy (the
+            # server started first, so the stream still runs when the request comes)
             async with serve_http(client, config) as http:
+                stream = client.stream(token_ids=prompt, max_new_tokens=400, eos_token_ids=[], tenant="A")
+                await asyncio.wait_for(stream.__anext__(), 60)
                 for name, key in (("http A", KEY_A), ("http B", KEY_B), ("http default", KEY_DEFAULT)):
                     async with openai.AsyncOpenAI(base_url=f"{http.url}/v1", api_key=key, max_retries=0) as c:
                         try:

@@ -97,5 +97,5 @@ class MemoryAdmission:
             raise ProtocolError(f"your requests hold {own} of your {cap} tokens (verifier.max_kv_tokens_per_tenant); "
                                 f"this request needs {need}: retry later", "busy", request_id)
         if in_use + need > self.max_kv_tokens:
-            raise ProtocolError(f"the verifier's KV budget is taken (your requests hold {own} tokens; this request "
-                                f"needs {need}): retry later", "busy", request_id)
+            raise ProtocolError(f"the verifier's KV budget (verifier.max_kv_tokens) is taken (your requests hold "
+                                f"{own} tokens; this request needs {need}): retry later", "busy", request_id)

@@ -136,20 +136,28 @@ class RequestIntake:
             raise ParamError("structured output cannot be combined with static ensemble verification")
         job = PrepJob(peer, msg, params, wanted, scope=tenant)
         try:
-            self._start(job)
+            self._fits(job)
         except ProtocolError as exc:
             if exc.code != "busy":
                 raise
             self.waiting.add(job, False, exc, time.monotonic())  # waits for room (or raises its busy)
+            return
+        self._start(job)
 
-    def _start(self, job: PrepJob) -> None:
-        """The limits (``busy`` where ``job`` does not fit now), then its preparation, or its session at once."""
+    def _fits(self, job: PrepJob) -> None:
+        """``busy`` where ``job`` does not fit now: the session limit, its tenant's cap, the KV budget (its tenant's
+        share), checked with one prompt token before a text prompt is tokenised."""
         msg = job.msg
         if len(self.sessions) + len(self.prep) >= self.settings.max_sessions:
             raise ProtocolError(f"verifier is at its limit of {self.settings.max_sessions} sessions", "busy",
                                 msg.request_id)
         self._check_tenant_cap(job.scope, msg.request_id)
         self._admission_check(job, len(msg.token_ids) if msg.token_ids is not None else 1)  # before any work
+
+    def _start(self, job: PrepJob) -> None:
+        """A request that fits: to the preparation worker (its own ``busy`` where its queue is full), or its session
+        at once."""
+        msg = job.msg
         if msg.token_ids is None or job.params.grammar_spec is not None:
             self.prep.submit(job)
             return
@@ -237,7 +245,11 @@ class RequestIntake:
             if entry.prepared:
                 self._admit(entry.job)
             else:
-                self._start(entry.job)
+                self._fits(entry.job)  # busy: it waits on
+                try:
+                    self._start(entry.job)
+                except ProtocolError as exc:  # the preparation queue's busy too: answered, not waited on
+                    self._refuse(entry.job, exc.code, str(exc))
         except ProtocolError as exc:
             if exc.code == "busy":
                 raise

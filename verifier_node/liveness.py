@@ -73,13 +73,18 @@ class ClientLiveness:
             del self._fd[peer]
             self._closed[peer] = now
 
-    def gone(self, holding: set[bytes], now: float | None = None) -> dict[bytes, str]:
-        """Of the clients in ``holding`` (those with sessions or waiting requests), the gone ones and why (checked
-        at most every :data:`SWEEP_S`; else empty). Forgets gone clients that hold nothing."""
+    def due(self, now: float | None = None) -> bool:
+        """Whether it is time to look for gone clients (at most every :data:`SWEEP_S`)."""
         now = time.monotonic() if now is None else now
         if now < self._next_sweep:
-            return {}
+            return False
         self._next_sweep = now + SWEEP_S
+        return True
+
+    def gone(self, holding: set[bytes], now: float | None = None) -> dict[bytes, str]:
+        """Of the clients in ``holding`` (those with sessions or waiting requests), the gone ones and why. Forgets
+        gone clients that hold nothing."""
+        now = time.monotonic() if now is None else now
         out: dict[bytes, str] = {}
         for peer in holding:
             since = self._closed.get(peer)

@@ -19,7 +19,8 @@ Parts: :mod:`verifier_node.scheduler` (which sessions run next: prefill turns, r
 grammar start-up), :mod:`verifier_node.pool_policy` (who may join the pool; which drafter serves which session:
 assignment, failover, demotion; no sockets), :mod:`verifier_node.rounds` (prefills, batched forwards with the
 fallback per session, publishing through the server; the pong's forward counts), :mod:`verifier_node.drafter_out`
-(announcements and state tensors to drafters), :mod:`verifier_node.gather` (the short waits before a forward).
+(announcements and state tensors to drafters), :mod:`verifier_node.gather` (the short waits before a forward),
+:mod:`verifier_node.liveness` (which clients are gone: silent, or their connection closed).
 :class:`VerifierServer` is the I/O loop and the message handlers that tie them to the two sockets
 (:mod:`verifier_node.settings`); :meth:`VerifierServer.from_config` loads the target, measures its profile and binds.
 """
@@ -280,6 +281,8 @@ class VerifierServer:
     def _drop_silent_clients(self) -> None:
         """End what gone clients hold (silent for ``client_timeout``, or their connection closed:
         :mod:`verifier_node.liveness`): their sessions, their requests being prepared or waiting for room."""
+        if not self.liveness.due():
+            return
         holding = {s.client for s in self.sessions.values()} | self.intake.clients()
         for peer, why in self.liveness.gone(holding).items():
             for s in [s for s in self.sessions.values() if s.client == peer]:
