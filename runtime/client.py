@@ -471,7 +471,7 @@ class AsyncClient:
         limit = self.max_message_bytes or DEFAULT_MAX_MESSAGE_BYTES
         if size > limit or len(frames[0]) > MAX_HEADER_BYTES:
             raise PipespecError(
-                f"request of {size} bytes exceeds the verifier's limit ({limit} bytes per message, "
+                f"request {msg.request_id} of {size} bytes exceeds the verifier's limit ({limit} bytes per message, "
                 f"{MAX_HEADER_BYTES} per header): send a shorter prompt", "too_large")
         return frames
 

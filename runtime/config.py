@@ -352,9 +352,11 @@ def _check_http(config: dict[str, Any]) -> None:
                 raise ConfigError(f"{exc}, or null") from None
     if h["api_keys_file"] is not None:
         try:  # read here too, so a bad file stops the start with its line, not the first request
-            read_api_keys(h["api_keys_file"])
+            named = set(read_api_keys(h["api_keys_file"]).values())
         except KeysError as exc:
             raise ConfigError(f"http.api_keys_file: {exc}") from None
+        if config["verifier"].get("tenants") is None:  # the fair per-tenant defaults (verifier_node/admission.py)
+            config["verifier"]["tenants"] = len(named | ({"default"} if h["api_key"] is not None else set()))
     # allow_remote, port, default_max_tokens, max_body_bytes and scrape_timeout_s: checked against their declarations
     if h["model_name"] is not None and (not isinstance(h["model_name"], str) or not h["model_name"]
                                         or len(h["model_name"]) > 256):

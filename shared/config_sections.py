@@ -61,8 +61,23 @@ class VerifierConfig:
     )
     max_sessions: int = setting(64, "Concurrent requests; more get a busy error.", kind="int", bounds=(1, None))
     max_sessions_per_tenant: Any = setting(
-        None, "Concurrent requests of one tenant; more get a busy error (null: max_sessions only); docs/security.md.",
+        None, "Concurrent requests of one tenant; more wait, then get a busy error (null: a fair share of "
+        "max_sessions where tenants >= 2, else max_sessions only); docs/security.md.",
         kind="int", bounds=(1, None))
+    max_kv_tokens_per_tenant: Any = setting(
+        None, "Most of max_kv_tokens one tenant's requests may hold (null: a fair share where tenants >= 2, else "
+        "the whole budget); docs/security.md.", kind="int", bounds=(1, None))
+    tenants: Any = setting(
+        None, "How many tenants share this verifier, for the fair per-tenant defaults: 1/N of max_sessions and "
+        "max_kv_tokens each, at least 1/8 (null: the tenants named in http.api_keys_file, else 1).",
+        kind="int", bounds=(1, None))
+    admission_wait_s: float = setting(
+        10.0, "How long a request that does not fit now (sessions, KV budget, its tenant's share) waits for room "
+        "before its busy error (0: refused at once); longer than client.heartbeat_timeout_s, so the budget of clients "
+        "that vanished comes back to the waiting.", kind="number", bounds=(0, 600), unit="seconds")
+    max_waiting_requests: int = setting(
+        64, "Requests waiting for room at once (one tenant: at most its max_sessions_per_tenant); more get a busy "
+        "error.", kind="int", bounds=(1, None))
     batching: bool = setting(True, "Verify several sessions' drafts in one batched forward.", kind="bool")
     max_batch_sessions: int = setting(64, "Most sessions in one batched forward.", kind="int", bounds=(1, None))
     max_batch_tokens: int = setting(

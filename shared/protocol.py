@@ -815,7 +815,8 @@ def decode(frames: list[Any], max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Mes
         raise ProtocolError(f"message of {total} bytes exceeds the limit of {max_bytes}", code="too_large",
                             request_id=_peek_request_id(raw[0]))
     if raw[0].nbytes > MAX_HEADER_BYTES:
-        raise ProtocolError("header frame too large", code="too_large")
+        raise ProtocolError(f"header frame of {raw[0].nbytes} bytes exceeds the limit of {MAX_HEADER_BYTES}",
+                            code="too_large", request_id=_peek_request_id(raw[0]))
     try:
         header = msgpack.unpackb(raw[0], raw=False, strict_map_key=True)
     except Exception as exc:  # msgpack raises several unrelated exception types
@@ -854,16 +855,44 @@ def decode(frames: list[Any], max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Mes
     return msg
 
 
+#: Entries of an over-size header looked at for its ``request_id`` (encode puts it first).
+_PEEK_ENTRIES = 8
+
+
 def _peek_request_id(header_frame: memoryview) -> int | None:
-    """The ``request_id`` of an over-size message whose header is within its own cap, so the error reaches it."""
+    """The ``request_id`` of an over-size message, so the error reaches its request. A header past its own cap is
+    not unpacked: its first few entries are read with plain string keys, every value skipped without being built."""
     if header_frame.nbytes > MAX_HEADER_BYTES:
-        return None
+        return _scan_request_id(header_frame)
     try:
         header = msgpack.unpackb(header_frame, raw=False, strict_map_key=True)
     except Exception:  # any malformed header: nothing to recover
         return None
     rid = header.get("request_id") if isinstance(header, dict) else None
     return rid if type(rid) is int else None
+
+
+def _scan_request_id(header_frame: memoryview) -> int | None:
+    """``request_id`` among the first :data:`_PEEK_ENTRIES` entries of a header map too large to unpack (None: not
+    there, or not readable). Keys must be short strings (checked by their first byte before reading); values are
+    skipped, which builds no objects."""
+    data = header_frame.cast("B") if header_frame.format != "B" else header_frame
+    try:
+        unpacker = msgpack.Unpacker(raw=False, max_buffer_size=data.nbytes)
+        unpacker.feed(data)
+        for _ in range(min(unpacker.read_map_header(), _PEEK_ENTRIES)):
+            if not 0xA0 <= data[unpacker.tell()] <= 0xBF:  # a fixstr (at most 31 bytes), or give up
+                return None
+            if unpacker.unpack() == "request_id":
+                pos = unpacker.tell()
+                if data[pos] > 0x7F and data[pos] not in (0xCC, 0xCD, 0xCE, 0xCF, 0xD0, 0xD1, 0xD2, 0xD3):
+                    return None  # not an int: nothing to build
+                rid = unpacker.unpack()
+                return rid if type(rid) is int else None
+            unpacker.skip()
+    except Exception:  # any malformed header: nothing to recover
+        return None
+    return None
 
 
 def _decode_tensors(specs: Any, buffers: list[memoryview]) -> dict[str, torch.Tensor]:

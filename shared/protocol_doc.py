@@ -75,6 +75,11 @@ drops single frames over 512 MiB before they reach Python.
 
 The client raises two codes of its own: `verifier_gone` and `closed` (see [client.md](client.md), "Liveness").
 
+- Every error about a request names its `request_id`, so a client with several in flight knows which one failed.
+- A client that vanishes frees what it holds: a session (or a request waiting for room or being prepared) whose
+  client closed its connection ends within 1.25 s, one whose client sent nothing (no `ping`: clients ping every
+  0.5 s while requests are in flight) within `client.heartbeat_timeout_s` + 0.25 s (`verifier_node/liveness.py`;
+  docs/security.md, "Per-tenant shares and vanished clients").
 - A session that fails (prefill, verification, sampling, detokenisation, its metrics) gets an `error` with its
   `request_id` to its client and a `session_end` to the drafter, and is freed; every other session and the loop go
   on. Each handled message and each round run under a last-resort guard that turns any exception into such an
@@ -90,7 +95,9 @@ The client raises two codes of its own: `verifier_gone` and `closed` (see [clien
 
 #: The error codes a node sends: (codes, who sees it, what it ends).
 ERROR_CODES = (
-    ("bad_message, bad_version, unknown_type, too_large", "the peer that sent it", "that message (it is dropped)"),
+    ("bad_message, bad_version, unknown_type, too_large", "the peer that sent it (with the message's `request_id` "
+     "wherever it can be read: an over-size header's first entries are scanned for it)",
+     "that message (it is dropped)"),
     ("not_connected, unexpected", "a drafter that has not said hello / a peer sending another side's type",
      "that message"),
     ("unauthorized", "a drafter whose `hello` lacks the launcher's run secret; a client that sets `generate.tenant` "
@@ -98,8 +105,10 @@ ERROR_CODES = (
     ("bad_request", "the client (with its `request_id`)",
      "that request, before it starts: bad parameters or prompt, a chat template that raises, a prompt too long for "
      "the context"),
-    ("busy", "the client", "that request: the verifier already runs `verifier.max_sessions` sessions, or its "
-     "tenant `verifier.max_sessions_per_tenant`"),
+    ("busy", "the client (with its `request_id`)", "that request, after it waited `verifier.admission_wait_s` for "
+     "room: the verifier runs `verifier.max_sessions` sessions, its tenant `verifier.max_sessions_per_tenant`, or "
+     "the KV budget (`verifier.max_kv_tokens`, the tenant's `verifier.max_kv_tokens_per_tenant`) is taken; the "
+     "message names only the caller's own use and limits"),
     ("numerical_error", "the client",
      "that session: the target's scores came out NaN or infinite (a case the parameter bounds cannot foresee, e.g. "
      "a broken checkpoint)"),

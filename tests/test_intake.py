@@ -24,9 +24,10 @@ from shared.protocol import (
     decode,
 )
 from shared.target_torch import DynamicBackend
-from verifier_node.admission import MemoryAdmission
+from verifier_node.admission import MemoryAdmission, fair_share
 from verifier_node.drafters import DrafterLink, DrafterPool
 from verifier_node.intake import RequestIntake
+from verifier_node.liveness import CLOSED_GRACE_S, ClientLiveness
 from verifier_node.pool_policy import HelloCheck, PoolPolicy
 from verifier_node.request_prep import PrepJob
 from verifier_node.rounds import ForwardCounts
@@ -41,10 +42,11 @@ EOS = [0]
 class Bench:
     """A :class:`RequestIntake` over a plain session table, recording what it opens and what it replies."""
 
-    def __init__(self, tokenizer, *, ensemble_weight: float | None = None, max_kv_tokens: int = 1000, **settings):
+    def __init__(self, tokenizer, *, ensemble_weight: float | None = None, max_kv_tokens: int = 1000,
+                 per_tenant: int | None = None, **settings):
         fields = {"model_name": "tiny", "draft_timeout_s": 1.0, "max_sessions": 4, "max_message_bytes": 1 << 20,
                   "client_timeout_s": 60.0, "ensemble_weight": ensemble_weight, "drafter_endpoint": "inproc://d",
-                  "client_endpoint": "inproc://c", **settings}
+                  "client_endpoint": "inproc://c", "admission_wait_s": 0.0, **settings}
         self.sessions: dict[int, SimpleNamespace] = {}
         self.requests: dict[tuple[bytes, int], int] = {}
         self.opened: list[PrepJob] = []
@@ -53,7 +55,7 @@ class Bench:
         policy = PoolPolicy(self.pool, self.sessions, ensemble_weight, send=lambda link, frames: None,
                             announce=lambda s, kv: None)
         self.intake = RequestIntake(VerifierSettings(**fields), tokenizer, len(tokenizer), EOS,
-                                    admission=MemoryAdmission(200, max_kv_tokens), sessions=self.sessions,
+                                    admission=MemoryAdmission(200, max_kv_tokens, per_tenant), sessions=self.sessions,
                                     requests=self.requests, policy=policy, tenancy=TenantRule(),
                                     open_session=self.open, reply=self.reply)
 
@@ -155,8 +157,8 @@ def test_tenant_cap_counts_sessions_and_requests_being_prepared(bench):
     b.intake.prep.pending[(b"c", 2)] = PrepJob(b"c", _gen(2, prompt="x"), b.opened[0].params, None,
                                                scope=b.opened[0].scope)  # as if being prepared
     exc = b.refused(_gen(3, token_ids=[5], tenant="A"))
-    assert exc.code == "busy" and str(exc) == ("this tenant is at its limit of 2 sessions "
-                                               "(verifier.max_sessions_per_tenant)")
+    assert exc.code == "busy" and str(exc) == ("your requests hold 2 of your 2 sessions "
+                                               "(verifier.max_sessions_per_tenant): retry later")
     b.intake.receive(b"c", _gen(4, token_ids=[5], tenant="B"))  # another tenant's cap
     b.intake.receive(b"c", _gen(5, token_ids=[5]))  # no tenant: a scope of its own
     assert [job.msg.request_id for job in b.opened] == [1, 4, 5]
@@ -264,3 +266,93 @@ def test_pong_stats_are_the_forward_counts_means():
     counts.count_prefill(3)
     assert counts.pong_stats() == {"forwards": 2, "mean_batch_sessions": 1.5, "mean_batch_tokens": 7.0,
                                    "prefill_forwards": 1, "mean_prefill_sessions": 3.0}
+
+
+# ------------------------------------------------------------------ per-tenant shares and the wait for room (issue 43)
+
+
+def _tid(rid: int, n: int, tenant: str) -> Generate:
+    """Request ``rid`` of tenant ``tenant``: ``n`` prompt tokens and 8 new ones."""
+    return Generate(request_id=rid, token_ids=[5] * n, params={"max_new_tokens": 8}, tenant=tenant)
+
+
+def test_a_tenants_share_of_the_budget_and_busy_names_only_its_own_numbers(bench):
+    b = bench(max_kv_tokens=100, per_tenant=50)
+    b.intake.receive(b"a", _tid(1, 22, "A"))  # A holds 30 of its 50
+    exc = b.refused(_tid(2, 22, "A"), peer=b"a")  # 60 > A's 50: not now, though the budget has room
+    assert exc.code == "busy" and str(exc) == ("your requests hold 30 of your 50 tokens (verifier."
+                                               "max_kv_tokens_per_tenant); this request needs 30: retry later")
+    b.intake.receive(b"b", _tid(3, 22, "B"))  # B's share is its own
+    b.intake.receive(b"c", _ids(4, [5] * 22))  # no tenant: a share of its own
+    exc = b.refused(_tid(5, 22, "D"), peer=b"d")  # 90 + 30 > 100: the whole budget is taken
+    assert exc.code == "busy" and str(exc) == ("the verifier's KV budget (verifier.max_kv_tokens) is taken (your "
+                                               "requests hold 0 tokens; this request needs 30): retry later")
+    assert "90" not in str(exc) and "100" not in str(exc)  # nothing of what the others hold, nor the total
+    exc = b.refused(_tid(6, 50, "B"), peer=b"b")  # past one tenant's share on its own: never fits
+    assert exc.code == "bad_request" and "verifier.max_kv_tokens_per_tenant (50)" in str(exc)
+
+
+def test_fair_defaults_when_several_tenants_share_the_verifier():
+    assert MemoryAdmission.resolve(512, 4096, None, None).per_tenant is None  # one tenant: the whole budget
+    assert MemoryAdmission.resolve(512, 4096, None, None, tenants=2).per_tenant == 2048
+    assert MemoryAdmission.resolve(512, 4096, None, None, tenants=100).per_tenant == 512  # at least 1/8 each
+    assert MemoryAdmission.resolve(512, 4096, None, None, 9999, tenants=2).per_tenant == 4096  # set: kept (capped)
+    assert fair_share(64, 3) == 21 and fair_share(3, 8) == 1
+
+
+def test_a_request_that_does_not_fit_waits_for_room_then_is_admitted(bench):
+    b = bench(max_kv_tokens=40, admission_wait_s=30.0)
+    b.intake.receive(b"a", _ids(1, [5] * 22))  # holds 30 of 40
+    b.intake.receive(b"b", _ids(2, [5] * 22))  # does not fit now: waits, no reply yet
+    b.intake.receive(b"b", _gen(3, prompt="hello", params={"max_new_tokens": 30}))  # waits before its preparation
+    assert len(b.opened) == 1 and not b.replies and len(b.intake.waiting) == 2
+    exc = b.refused(_ids(2, [5]), peer=b"b")  # a waiting request id is in use
+    assert exc.code == "bad_request" and "already running" in str(exc)
+    b.intake.admit_prepared()  # nothing changed: both still wait
+    assert len(b.opened) == 1 and len(b.intake.waiting) == 2
+    b.sessions.clear()  # the first request ended
+    b.intake.admit_prepared()
+    assert [j.msg.request_id for j in b.opened] == [1, 2] and len(b.intake.waiting) == 1  # 3 still does not fit
+    assert b.intake.cancel((b"b", 3)) and not len(b.intake.waiting) and not b.replies
+
+
+def test_the_wait_is_bounded_in_time_and_in_places(bench):
+    b = bench(max_kv_tokens=40, admission_wait_s=0.2, max_waiting_requests=2, max_sessions_per_tenant=4)
+    b.intake.receive(b"a", _ids(1, [5] * 22))
+    b.intake.receive(b"b", _ids(2, [5] * 22))
+    b.intake.receive(b"b", _ids(3, [5] * 22))
+    exc = b.refused(_ids(4, [5] * 22), peer=b"b")  # no place left to wait: busy at once, and why
+    assert exc.code == "busy" and "verifier.max_waiting_requests" in str(exc)
+    t0 = time.monotonic()
+    while len(b.replies) < 2:
+        assert time.monotonic() - t0 < 10, "the waits did not end"
+        time.sleep(0.05)
+        b.intake.admit_prepared()
+    assert time.monotonic() - t0 >= 0.15
+    assert [(peer, e.code, e.request_id) for peer, e in b.replies] == [(b"b", "busy", 2), (b"b", "busy", 3)]
+    assert "after waiting 0.2 s for room" in b.replies[0][1].message
+    # one tenant cannot take every place: its session cap is its cap of places too
+    b = bench(max_kv_tokens=40, admission_wait_s=30.0, max_sessions_per_tenant=1)
+    b.intake.receive(b"a", _tid(1, 22, "A"))
+    b.intake.receive(b"a", _tid(2, 22, "A"))  # waits (A's one session)
+    exc = b.refused(_tid(3, 22, "A"), peer=b"a")
+    assert exc.code == "busy" and "1 of your requests already wait" in str(exc)
+    b.intake.receive(b"b", _tid(4, 22, "B"))  # B still finds a place
+    assert sorted(b.intake.drop_client(b"a")) == [2] and len(b.intake.waiting) == 1  # a vanished client's go
+
+
+def test_liveness_ends_silent_and_closed_clients_and_clears_a_reused_descriptor():
+    live = ClientLiveness(timeout_s=5.0)
+    live.heard(b"p1", now=0.0)
+    live.heard(b"p2", now=0.0)
+    live._fd.update({b"p1": 7, b"p2": 8})  # as the frames' descriptors would set them
+    live.closed(7, now=1.0)  # p1's connection closed
+    assert live.gone({b"p1", b"p2"}, now=1.5) == {}  # within the grace: p1 might be a reused descriptor's peer
+    assert live.gone({b"p1", b"p2"}, now=1.0 + CLOSED_GRACE_S + 0.1) == {b"p1": "its connection closed"}
+    live.closed(8, now=3.0)
+    live.heard(b"p2", now=3.2)  # it speaks: a new connection that got descriptor 8, not a gone one
+    assert live.gone({b"p2"}, now=4.5) == {}
+    gone = live.gone({b"p2"}, now=9.0)  # silent for 5.8 s
+    assert list(gone) == [b"p2"] and "nothing from it for 5.8 s" in gone[b"p2"]
+    live.gone(set(), now=20.0)
+    assert not live.seen  # peers that hold nothing are forgotten

@@ -118,6 +118,7 @@ def test_sessions_of_vanished_clients_are_cancelled(tiny):
     target = tiny("llama")
     config = tiny_config(target, tiny("llama", "random"))
     config["verifier"]["max_sessions"] = 8
+    config["verifier"]["admission_wait_s"] = 0  # refused at once while they hold every slot (no wait for room)
     config["client"]["heartbeat_timeout_s"] = 1.0
 
     async def vanish(endpoint: str, rid: int) -> None:

@@ -752,7 +752,14 @@ def test_errors_before_the_header_is_read_have_no_request_id():
     assert _error([b"\xc1"]).request_id is None
     # an over-size message whose header is within its own cap still names its request (the error reaches it)
     assert _error([_header(request_id=5), b"\x00" * 64], max_bytes=32).request_id == 5
-    assert _error([_header(request_id=5, pad="x" * MAX_HEADER_BYTES)], max_bytes=32).request_id is None
+    # a header past its own 1 MiB cap too, read without being unpacked (issue 43): too_large with its id
+    big = _error([_header(request_id=5, pad="x" * MAX_HEADER_BYTES)])
+    assert big.code == "too_large" and big.request_id == 5
+    assert _error([_header(request_id=5, pad="x" * MAX_HEADER_BYTES)], max_bytes=32).request_id == 5
+    # where the id comes after a huge value, or a key is not a short string, it stays unknown (never built)
+    assert _error([_pack({"pad": "x" * MAX_HEADER_BYTES, "v": 2, "type": "cancel", **{f"k{i}": i for i in range(8)},
+                          "request_id": 5})]).request_id is None
+    assert _error([_pack({b"x" * 40: 1, "request_id": 5, "pad": "x" * MAX_HEADER_BYTES})]).request_id is None
 
 
 # ------------------------------------------------------------- bugs: non-ProtocolError escapes from decode()

@@ -214,6 +214,7 @@ def test_busy_reaches_the_client_as_busy(tiny):
     expected = reference_greedy(target, PROMPT, 8)
     config = tiny_config(target, tiny("llama", "random"))
     config["verifier"]["max_sessions"] = 1
+    config["verifier"]["admission_wait_s"] = 0  # busy at once (the wait for room: tests/test_intake.py)
 
     async def main():
         async with cluster(config) as client:

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 
 import openai
 import pytest
-from conftest import tiny_config
+from conftest import start_cluster, tiny_config
 
 from benchmarks.http_overhead import free_port
+from runtime.client import PipespecError
 from runtime.config import ConfigError, load_config
 from runtime.keys import KeysError, read_api_keys
 from runtime.launch import cluster, serve_http
@@ -37,6 +39,7 @@ def test_suffix_cache_and_sessions_are_kept_per_tenant(tiny, tmp_path):
     config = tiny_config(target, None, type="suffix", suffix_num_draft_tokens=8)
     del config["drafter"]["model"]
     config["verifier"]["max_sessions_per_tenant"] = 1
+    config["verifier"]["admission_wait_s"] = 0  # busy at once, not after A's stream ends
     keys = _keys_file(tmp_path, f"# tenant:key\nA:{KEY_A}\nB\t{KEY_B}\n")
     config["http"] = {"host": "127.0.0.1", "port": free_port(), "api_keys_file": str(keys),
                       "api_key": KEY_DEFAULT, "request_metrics": True}
@@ -50,10 +53,11 @@ def test_suffix_cache_and_sessions_are_kept_per_tenant(tiny, tmp_path):
 
             # A, then B and no tenant (both on A's prompt, so A's response would predict theirs), then A again
             out["A1"], out["B"], out["none"], out["A2"] = [await run(t) for t in ("A", "B", None, "A")]
-            # one session per tenant: A holds one (a long stream), so an HTTP request with A's key is busy
-            stream = client.stream(token_ids=prompt, max_new_tokens=400, eos_token_ids=[], tenant="A")
-            await asyncio.wait_for(stream.__anext__(), 60)
+            # one session per tenant: A holds one (a long stream), so an HTTP request with A's key is busy (the
+            # server started first, so the stream still runs when the request comes)
             async with serve_http(client, config) as http:
+                stream = client.stream(token_ids=prompt, max_new_tokens=400, eos_token_ids=[], tenant="A")
+                await asyncio.wait_for(stream.__anext__(), 60)
                 for name, key in (("http A", KEY_A), ("http B", KEY_B), ("http default", KEY_DEFAULT)):
                     async with openai.AsyncOpenAI(base_url=f"{http.url}/v1", api_key=key, max_retries=0) as c:
                         try:
@@ -76,6 +80,46 @@ def test_suffix_cache_and_sessions_are_kept_per_tenant(tiny, tmp_path):
     for name in ("http B", "http default"):
         assert out[name].usage.completion_tokens >= 1
         assert out[name].model_extra["metrics"]["speculative_decoding"]["num_drafts"] is not None
+
+
+@pytest.mark.cluster
+def test_one_tenant_cannot_take_the_kv_budget_from_another(tiny, tmp_path):
+    """Issue 43, measured before over the ZeroMQ wire: with two tenants' keys, A's three long streams held 4,011 of
+    verifier.max_kv_tokens = 4096 and B's request was refused. A keys file naming A and B now gives each half the
+    budget by default: A's first stream runs, its next two wait (``admission_wait_s``) and get ``busy`` naming
+    only A's own numbers, and B is served at once while A's stream still runs."""
+    target = tiny("llama")
+    prompt = [(3 * i) % 200 + 5 for i in range(100)]
+    config = tiny_config(target, None)
+    config["launch"]["start_drafter"] = False
+    config["verifier"].update(max_kv_tokens=1200, admission_wait_s=1.0)  # 400 tokens a stream of A's: 3 fill it
+    config["http"] = {"api_keys_file": str(_keys_file(tmp_path, f"A:{KEY_A}\nB:{KEY_B}\n"))}
+    config = load_config(config)
+    assert config["verifier"]["tenants"] == 2  # from the keys file: fair shares (600 tokens each)
+
+    async def main():
+        async with start_cluster(config, hooks={"verifier": "forward_delay=0.02"}) as client:
+            first = client.stream(token_ids=prompt, max_new_tokens=300, eos_token_ids=[], tenant="A")
+            await asyncio.wait_for(first.__anext__(), 60)
+            more = [asyncio.create_task(client.generate(token_ids=prompt, max_new_tokens=300, eos_token_ids=[],
+                                                        tenant="A")) for _ in range(2)]
+            t0 = time.monotonic()
+            b = await client.generate(token_ids=prompt, max_new_tokens=8, eos_token_ids=[], tenant="B")
+            b_s = time.monotonic() - t0
+            refused = await asyncio.gather(*more, return_exceptions=True)
+            sessions = (await client.ping())["sessions"]  # A's first stream still runs
+            await first.aclose()
+            return b, b_s, refused, sessions
+
+    b, b_s, refused, sessions = asyncio.run(main())
+    print(f"\nB served in {b_s:.2f} s while A held its share (busy machine)")
+    assert b.token_ids == reference_greedy(target, prompt, 8)
+    assert b_s < 5.0 and sessions == 1
+    for exc in refused:
+        assert isinstance(exc, PipespecError) and exc.code == "busy", exc
+        assert str(exc).startswith("your requests hold 400 of your 600 tokens (verifier.max_kv_tokens_per_tenant); "
+                                   "this request needs 400: retry later (after waiting 1 s for room"), str(exc)
+        assert "1200" not in str(exc) and "108" not in str(exc)  # not the budget's total, nor what B holds
 
 
 @pytest.mark.unit

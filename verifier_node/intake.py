@@ -2,7 +2,9 @@
 
 On the verifier's loop, cheaply: the checks of a ``generate`` (a request id not already running, the session limit,
 the tenant's cap, the generation parameters, the drafter type it asks for, what ensemble verification needs) and a
-first admission check by memory (:mod:`verifier_node.admission`) before any work. Off the loop, in the preparation
+first admission check by memory (:mod:`verifier_node.admission`: the budget and the tenant's share of it) before any
+work. A request refused ``busy`` by those limits waits for room a bounded time first
+(:mod:`verifier_node.admission_wait`), before or after its preparation. Off the loop, in the preparation
 worker (:mod:`verifier_node.request_prep`): the prompt's tokenisation and the grammar's start-up (its compile in a
 child process). Once prepared, a request is admitted again by memory (its real prompt length) and handed to the
 server, which makes it a session. A request of token ids and no grammar has nothing slow to prepare: it is admitted
@@ -19,13 +21,15 @@ import copy
 import logging
 import secrets
 import threading
+import time
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from shared.config import DRAFTER_TYPE_NAMES
 from shared.protocol import Generate, ProtocolError, error_frames
 from shared.sampling import GenerationParams, ParamError
-from verifier_node.admission import MemoryAdmission
+from verifier_node.admission import MemoryAdmission, fair_share
+from verifier_node.admission_wait import RETRY_EVERY_S, AdmissionWait, Waiting
 from verifier_node.grammar import GrammarCompiler
 from verifier_node.grammar_child import CompilerProcesses
 from verifier_node.pool_policy import PoolPolicy
@@ -50,6 +54,12 @@ class IntakeSettings(Protocol):
     def max_sessions_per_tenant(self) -> int | None: ...
     @property
     def max_pending_requests(self) -> int: ...
+    @property
+    def tenants(self) -> int: ...
+    @property
+    def admission_wait_s(self) -> float: ...
+    @property
+    def max_waiting_requests(self) -> int: ...
     @property
     def ensemble_weight(self) -> float | None: ...
     @property
@@ -86,6 +96,17 @@ class RequestIntake:
         # Tokenising and grammar compiles run off the loop, fair per tenant; a finished one wakes it (prep.socket).
         self.prep = RequestPrep(self.prepare_prompt, self.prepare_grammar, settings.max_pending_requests,
                                 hook=prep_hook)
+        self.session_cap = settings.max_sessions_per_tenant  # a tenant's sessions (None: max_sessions only)
+        if self.session_cap is None and settings.tenants >= 2:
+            self.session_cap = fair_share(settings.max_sessions, settings.tenants)
+        self.waiting = AdmissionWait(settings.admission_wait_s, settings.max_waiting_requests, self.session_cap)
+        self._retry_at = 0.0
+        self._seen_sessions: tuple[int, ...] = ()
+        if self.session_cap is not None or admission.per_tenant is not None:
+            log.info("verifier: %d tenant(s) configured; each may hold %s sessions and %s of %d KV tokens "
+                     "(verifier.max_sessions_per_tenant, verifier.max_kv_tokens_per_tenant)", settings.tenants,
+                     self.session_cap or settings.max_sessions, admission.per_tenant or admission.max_kv_tokens,
+                     admission.max_kv_tokens)
 
     # ------------------------------------------------------------------ on the loop
     def receive(self, peer: bytes, msg: Generate, user_id: str | None = None) -> None:
@@ -104,12 +125,9 @@ class RequestIntake:
         worker (:mod:`verifier_node.request_prep`), after which :meth:`_admit` makes the session. A request of
         token ids and no grammar has nothing slow to prepare: it is admitted at once."""
         rid = msg.request_id
-        if (peer, rid) in self.requests or (peer, rid) in self.prep:
+        if (peer, rid) in self.requests or (peer, rid) in self.prep or (peer, rid) in self.waiting:
             raise ParamError(f"request_id {rid} is already running for this client")
-        if len(self.sessions) + len(self.prep) >= self.settings.max_sessions:
-            raise ProtocolError(f"verifier is at its limit of {self.settings.max_sessions} sessions", "busy", rid)
         tenant = self.tenancy.tenant_of(msg, user_id)  # (docs/security.md)
-        self._check_tenant_cap(tenant, rid)
         params = self._params(msg)
         wanted = self._wanted_type(msg.drafter_type)
         live = [d for d in self.policy.pool.live() if wanted is None or d.type == wanted]
@@ -121,21 +139,45 @@ class RequestIntake:
         if params.grammar_spec is not None and self.settings.ensemble_weight is not None:
             raise ParamError("structured output cannot be combined with static ensemble verification")
         job = PrepJob(peer, msg, params, wanted, scope=tenant)
+        try:
+            self._fits(job)
+        except ProtocolError as exc:
+            if exc.code != "busy":
+                raise
+            self.waiting.add(job, False, exc, time.monotonic())  # waits for room (or raises its busy)
+            return
+        self._start(job)
+
+    def _fits(self, job: PrepJob) -> None:
+        """``busy`` where ``job`` does not fit now: the session limit, its tenant's cap, the KV budget (its tenant's
+        share), checked with one prompt token before a text prompt is tokenised."""
+        msg = job.msg
+        if len(self.sessions) + len(self.prep) >= self.settings.max_sessions:
+            raise ProtocolError(f"verifier is at its limit of {self.settings.max_sessions} sessions", "busy",
+                                msg.request_id)
+        self._check_tenant_cap(job.scope, msg.request_id)
         self._admission_check(job, len(msg.token_ids) if msg.token_ids is not None else 1)  # before any work
-        if msg.token_ids is None or params.grammar_spec is not None:
+
+    def _start(self, job: PrepJob) -> None:
+        """A request that fits: to the preparation worker (its own ``busy`` where its queue is full), or its session
+        at once."""
+        msg = job.msg
+        if msg.token_ids is None or job.params.grammar_spec is not None:
             self.prep.submit(job)
             return
         self.prepare(job)
         self._admit(job)
 
     def _check_tenant_cap(self, tenant: str | None, rid: int) -> None:
-        """``busy`` where ``tenant`` holds ``verifier.max_sessions_per_tenant`` sessions (being prepared counts)."""
-        cap = self.settings.max_sessions_per_tenant
+        """``busy`` where ``tenant`` holds its cap of sessions (being prepared counts)."""
+        cap = self.session_cap
+        if cap is None:
+            return
         held = sum(1 for s in self.sessions.values() if s.tenant == tenant) + sum(
             1 for job in self.prep.pending.values() if job.scope == tenant)  # being prepared counts too
-        if cap is not None and held >= cap:
-            raise ProtocolError(f"this tenant is at its limit of {cap} sessions (verifier.max_sessions_per_tenant)",
-                                "busy", rid)
+        if held >= cap:
+            raise ProtocolError(f"your requests hold {held} of your {cap} sessions (verifier.max_sessions_per_tenant)"
+                                ": retry later", "busy", rid)
 
     def _params(self, msg: Generate) -> GenerationParams:
         """The request's generation parameters: the target's end tokens unless it names its own, a seed if none."""
@@ -157,20 +199,67 @@ class RequestIntake:
         return value
 
     def _admission_check(self, job: PrepJob, prompt_len: int) -> None:
-        in_use = sum(s.prompt_len + s.params.max_new_tokens for s in self.sessions.values())
-        self.admission.check(prompt_len, job.params.max_new_tokens, in_use, job.msg.request_id)
+        in_use = own = 0
+        for s in self.sessions.values():
+            held = s.prompt_len + s.params.max_new_tokens
+            in_use += held
+            if s.tenant == job.scope:
+                own += held
+        self.admission.check(prompt_len, job.params.max_new_tokens, in_use, job.msg.request_id, own)
 
     def admit_prepared(self) -> None:
-        """Admit the requests the preparation worker has finished (or send their errors); never blocks."""
+        """Admit the requests the preparation worker has finished and those waiting for room that fit now (or send
+        their errors); never blocks."""
         for job in self.prep.finished():
             try:
                 if job.error is not None:
                     raise job.error
-                self._admit(job)
+                try:
+                    self._admit(job)
+                except ProtocolError as exc:
+                    if exc.code != "busy":
+                        raise
+                    self.waiting.add(job, True, exc, time.monotonic())
             except ProtocolError as exc:
-                self.reply(job.peer, error_frames(str(exc), exc.code, request_id=job.msg.request_id))
+                self._refuse(job, exc.code, str(exc))
             except (ParamError, ValueError) as exc:
-                self.reply(job.peer, error_frames(str(exc), "bad_request", request_id=job.msg.request_id))
+                self._refuse(job, "bad_request", str(exc))
+        if len(self.waiting):
+            self._retry_waiting()
+
+    def _refuse(self, job: PrepJob, code: str, message: str) -> None:
+        self.reply(job.peer, error_frames(message, code, request_id=job.msg.request_id))
+
+    def _retry_waiting(self) -> None:
+        """The waiting requests whose wait ended get their ``busy``; the others are tried again where the sessions
+        changed since the last try, or :data:`RETRY_EVERY_S` passed."""
+        now = time.monotonic()
+        for entry in self.waiting.expired(now):
+            self._refuse(entry.job, "busy", f"{entry.refusal} (after waiting {self.waiting.wait_s:g} s for room, "
+                                            "verifier.admission_wait_s)")
+        seen = tuple(self.sessions)
+        if seen == self._seen_sessions and now < self._retry_at:
+            return
+        self._seen_sessions, self._retry_at = seen, now + RETRY_EVERY_S
+        self.waiting.retry(self._attempt)
+
+    def _attempt(self, entry: Waiting) -> None:
+        """Try a waiting request again: ``busy`` raised (it waits on); any other refusal is answered here."""
+        try:
+            if entry.prepared:
+                self._admit(entry.job)
+            else:
+                self._fits(entry.job)  # busy: it waits on
+                try:
+                    self._start(entry.job)
+                except ProtocolError as exc:  # the preparation queue's busy too: answered, not waited on
+                    self._refuse(entry.job, exc.code, str(exc))
+        except ProtocolError as exc:
+            if exc.code == "busy":
+                raise
+            self._refuse(entry.job, exc.code, str(exc))
+        except (ParamError, ValueError) as exc:
+            self._refuse(entry.job, "bad_request", str(exc))
 
     def _admit(self, job: PrepJob) -> None:
         """A prepared request becomes a session, if its tokens fit (:mod:`verifier_node.admission`)."""
@@ -179,8 +268,20 @@ class RequestIntake:
         self.open_session(job)
 
     def cancel(self, key: tuple[bytes, int]) -> bool:
-        """Drop the request ``key`` if it is being prepared (its result is thrown away); whether it was."""
-        return self.prep.cancel(key) is not None
+        """Drop the request ``key`` if it is being prepared (its result is thrown away) or waits for room; whether
+        it was."""
+        return self.prep.cancel(key) is not None or self.waiting.cancel(key) is not None
+
+    def clients(self) -> set[bytes]:
+        """The clients with requests being prepared or waiting for room (sessions aside)."""
+        return self.prep.clients() | self.waiting.clients()
+
+    def drop_client(self, peer: bytes) -> list[int]:
+        """Drop every request of client ``peer`` being prepared or waiting (it vanished); their request ids."""
+        keys = [k for k in (*self.prep.pending, *self.waiting.keys()) if k[0] == peer]
+        for key in keys:
+            self.cancel(key)
+        return [rid for _, rid in keys]
 
     def close(self) -> None:
         """Stop the preparation worker and the grammar child (a compile in work ends now)."""

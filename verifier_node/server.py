@@ -19,7 +19,8 @@ Parts: :mod:`verifier_node.scheduler` (which sessions run next: prefill turns, r
 grammar start-up), :mod:`verifier_node.pool_policy` (who may join the pool; which drafter serves which session:
 assignment, failover, demotion; no sockets), :mod:`verifier_node.rounds` (prefills, batched forwards with the
 fallback per session, publishing through the server; the pong's forward counts), :mod:`verifier_node.drafter_out`
-(announcements and state tensors to drafters), :mod:`verifier_node.gather` (the short waits before a forward).
+(announcements and state tensors to drafters), :mod:`verifier_node.gather` (the short waits before a forward),
+:mod:`verifier_node.liveness` (which clients are gone: silent, or their connection closed).
 :class:`VerifierServer` is the I/O loop and the message handlers that tie them to the two sockets
 (:mod:`verifier_node.settings`); :meth:`VerifierServer.from_config` loads the target, measures its profile and binds.
 """
@@ -80,6 +81,7 @@ from verifier_node.drafter_out import DrafterOut
 from verifier_node.drafters import DrafterLink, DrafterPool
 from verifier_node.gather import Gather
 from verifier_node.intake import RequestIntake
+from verifier_node.liveness import ClientLiveness
 from verifier_node.masks import GrammarTooSlow
 from verifier_node.pending_draft import PendingDraft
 from verifier_node.pool_policy import HelloCheck, PoolPolicy
@@ -99,6 +101,7 @@ class Receipt:
     nbytes: int
     decode_s: float
     user_id: str | None = None  # the sender's ZAP User-Id (under CURVE its public key, z85), None without CURVE
+    frame: Any = None  # its first frame (it knows the connection's descriptor: verifier_node.liveness)
 
 
 class VerifierServer:
@@ -124,8 +127,6 @@ class VerifierServer:
         self.model_name = settings.model_name
         self.ensemble_weight = settings.ensemble_weight
         self.accept_rule = accept
-        self.client_seen: dict[bytes, float] = {}
-        self._next_sweep = 0.0
         self.threads = threads
         self.target = target
         self.backend = target.backend
@@ -137,7 +138,8 @@ class VerifierServer:
         self.hello_check = HelloCheck(self.backend, target.kind, self.model_name, tokenizer_id(tokenizer),
                                       vocab_tokens(tokenizer), self.ensemble_weight, self.draft_timeout, run_secret)
         admission = MemoryAdmission.resolve(settings.max_model_len, settings.max_kv_tokens, target.max_positions,
-                                            self.backend.capacity_tokens())
+                                            self.backend.capacity_tokens(), settings.max_kv_tokens_per_tenant,
+                                            settings.tenants)
         self.sockets = sockets
         self.drafter_sock, self.client_sock = sockets.drafter, sockets.client
         self.drafter_out = DrafterOut(self.drafter_sock, self.max_bytes)
@@ -154,8 +156,9 @@ class VerifierServer:
                                     reply=lambda peer, frames: self.client_sock.send_multipart([peer, *frames]),
                                     prep_hook=prep_hook)
         self.prep = self.intake.prep  # a finished preparation wakes the loop through prep.socket
+        self.liveness = ClientLiveness(self.client_timeout, self.client_sock)  # clients gone: silent or closed
         self.poller = zmq.Poller()
-        for sock in (self.drafter_sock, self.client_sock, self.prep.socket):
+        for sock in (self.drafter_sock, self.client_sock, self.prep.socket, self.liveness.monitor):
             self.poller.register(sock, zmq.POLLIN)
         switch = ThreadSwitch(threads) if cores is None else ThreadSwitch(threads, apply=lambda n: None)
         self.rounds = RoundRunner(self.backend, self.scheduler, self, switch, CurveCheck(self.profile),
@@ -220,6 +223,8 @@ class VerifierServer:
                 busy = self.scheduler.any_runnable(now)
                 timeout_ms = 0 if busy else self.scheduler.idle_timeout_ms()
                 events = dict(self.poller.poll(timeout_ms))
+                if self.liveness.monitor in events:  # before the clients': a descriptor's new peer clears itself
+                    self.liveness.read_monitor()
                 if self.drafter_sock in events:
                     self._drain(self.drafter_sock, self._on_drafter_message)
                 if self.client_sock in events:
@@ -247,6 +252,7 @@ class VerifierServer:
     def close(self) -> None:
         self.rounds.masks.close()
         self.intake.close()
+        self.liveness.close()
         self.sockets.close()
 
     def _drain(self, sock: zmq.Socket, handler) -> None:
@@ -263,7 +269,7 @@ class VerifierServer:
                 log.warning("bad message from %s: %s", peer.hex(), exc)
                 sock.send_multipart([peer, *error_frames(str(exc), exc.code, request_id=exc.request_id)])
                 continue
-            receipt = Receipt(sum(len(f.buffer) for f in body), time.monotonic() - t0, peer_user_id(body[0]))
+            receipt = Receipt(sum(len(f.buffer) for f in body), time.monotonic() - t0, peer_user_id(body[0]), body[0])
             try:
                 handler(peer, msg, receipt)
             except ProtocolError as exc:
@@ -275,26 +281,19 @@ class VerifierServer:
                                                          request_id=getattr(msg, "request_id", None))])
 
     def _drop_silent_clients(self) -> None:
-        """Cancel the sessions of clients not heard from for ``client_timeout`` (checked at most every 0.25 s;
-        after the drains, so a long round never counts against a client whose pings were waiting)."""
-        now = time.monotonic()
-        if now < self._next_sweep:
+        """End what gone clients hold (silent for ``client_timeout``, or their connection closed:
+        :mod:`verifier_node.liveness`): their sessions, their requests being prepared or waiting for room."""
+        if not self.liveness.due():
             return
-        self._next_sweep = now + 0.25
-        for s in list(self.sessions.values()):
-            silent = now - self.client_seen.get(s.client, now)
-            if silent > self.client_timeout:
-                log.warning("session %d (request %d of client %s): cancelled, nothing from the client for %.1f s",
-                            s.sid, s.request_id, s.client.hex(), silent)
+        holding = {s.client for s in self.sessions.values()} | self.intake.clients()
+        for peer, why in self.liveness.gone(holding).items():
+            for s in [s for s in self.sessions.values() if s.client == peer]:
+                log.warning("session %d (request %d of client %s): cancelled, the client is gone (%s)", s.sid,
+                            s.request_id, peer.hex(), why)
                 self.finish(s, "client_gone")
-        for peer, rid in list(self.prep.pending):
-            if now - self.client_seen.get(peer, now) > self.client_timeout:
-                log.warning("request %d of client %s: dropped while being prepared, nothing from the client", rid,
-                            peer.hex())
-                self.prep.cancel((peer, rid))
-        live = {s.client for s in self.sessions.values()} | self.prep.clients()
-        for peer in [p for p in self.client_seen if p not in live and now - self.client_seen[p] > self.client_timeout]:
-            del self.client_seen[peer]  # bounded: forget peers that are gone and hold nothing
+            for rid in self.intake.drop_client(peer):
+                log.warning("request %d of client %s: dropped before its session, the client is gone (%s)", rid,
+                            peer.hex(), why)
 
     # -------------------------------------------------------------- drafter side
     def _on_drafter_message(self, peer: bytes, msg: Message, receipt: Receipt) -> None:
@@ -364,7 +363,7 @@ class VerifierServer:
 
     # --------------------------------------------------------------- client side
     def _on_client_message(self, peer: bytes, msg: Message, receipt: Receipt) -> None:
-        self.client_seen[peer] = time.monotonic()
+        self.liveness.heard(peer, receipt.frame)
         if isinstance(msg, Generate):
             self.intake.receive(peer, msg, receipt.user_id)
         elif isinstance(msg, Cancel):

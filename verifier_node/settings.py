@@ -38,7 +38,11 @@ class VerifierSettings:
     grammar_mask_budget_ms: float = VerifierConfig.grammar_mask_budget_ms
     max_model_len: int | None = None
     max_kv_tokens: int | None = None
-    max_sessions_per_tenant: int | None = None  # None: no cap beyond max_sessions
+    max_sessions_per_tenant: int | None = None  # None: no cap beyond max_sessions (see resolved_tenant_caps)
+    max_kv_tokens_per_tenant: int | None = None  # None: resolved by MemoryAdmission (a fair share, or none)
+    tenants: int = 1  # tenants sharing the verifier (>= 2: fair per-tenant defaults, verifier_node/admission.py)
+    admission_wait_s: float = VerifierConfig.admission_wait_s
+    max_waiting_requests: int = VerifierConfig.max_waiting_requests
 
     @classmethod
     def from_config(cls, config: Config) -> VerifierSettings:
@@ -51,7 +55,9 @@ class VerifierSettings:
                    max_pending_requests=v.max_pending_requests, grammar_compile_timeout_s=v.grammar_compile_timeout_s,
                    grammar_cache_bytes=v.grammar_cache_bytes, grammar_mask_budget_ms=v.grammar_mask_budget_ms,
                    max_model_len=v.max_model_len,
-                   max_kv_tokens=v.max_kv_tokens, max_sessions_per_tenant=v.max_sessions_per_tenant)
+                   max_kv_tokens=v.max_kv_tokens, max_sessions_per_tenant=v.max_sessions_per_tenant,
+                   max_kv_tokens_per_tenant=v.max_kv_tokens_per_tenant, tenants=v.tenants or 1,
+                   admission_wait_s=float(v.admission_wait_s), max_waiting_requests=v.max_waiting_requests)
 
 
 @dataclass
