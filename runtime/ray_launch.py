@@ -267,16 +267,19 @@ class Controller:
         """:meth:`_serve` (or only :meth:`_public_key`), with an actor that cannot start on its host said in
         words."""
         try:
-            self._public_key(node) if keys_only else self._serve(node)
+            if keys_only:  # the first call to a new actor also waits for its process to start on its host
+                self._public_key(node, self.config["launch"]["ready_timeout_s"])
+            else:
+                self._serve(node)
         except (self.ray.exceptions.RayActorError, self.ray.exceptions.GetTimeoutError) as exc:
             first = str(exc).strip().splitlines()[-1][:500] if str(exc).strip() else type(exc).__name__
             raise RayLaunchError(f"the {node.name} actor did not start on its host ({first}); every host needs the "
                                  "same Python, pipespec and Ray versions (pip install 'pipespec[ray]')") from None
 
-    def _public_key(self, node: _Node) -> bool:
+    def _public_key(self, node: _Node, timeout_s: float = CALL_TIMEOUT_S) -> bool:
         """Ask ``node`` for its public key (made on its host); a drafter's new key goes into the verifier's
         allow-list. Whether the key changed (an actor back on another host has a new pair)."""
-        public = self.ray.get(node.actor.public_key.remote(node.role), timeout=CALL_TIMEOUT_S)
+        public = self.ray.get(node.actor.public_key.remote(node.role), timeout=timeout_s)
         changed, node.public = public != node.public, public
         verifier = self.nodes.get("verifier")
         if changed and node.role == "drafter" and verifier is not None and verifier.state == "serving":
@@ -403,6 +406,7 @@ class Controller:
                 with self.lock:
                     self.nodes[name] = _Node(name, "drafter", self._actor(name, drafter_at, group, 0), drafter_at,
                                              group, 0)
+                    self._first_serve(self.nodes[name], keys_only=True)
                     self._first_serve(self.nodes[name])
         for node in sorted(current, key=lambda n: (len(n.name), n.name))[drafters:][::-1]:
             with self.lock:
