@@ -198,8 +198,8 @@ class LaunchConfig:
         choices=LAUNCH_BACKENDS,
     )
     ray_address: Any = setting(
-        None, "backend ray: the cluster to join (ray://HOST:PORT, HOST:PORT, or auto: the one `ray start` runs on "
-        "this host; null: a private local Ray of this process).", kind="str"
+        None, "backend ray: the cluster to join (ray://HOST:PORT, HOST:PORT, or auto: RAY_ADDRESS's, else the one "
+        "`ray start` runs on this host; null: a private local Ray of this process).", kind="str"
     )
     ray_insecure: bool = setting(
         False,

@@ -196,6 +196,28 @@ def test_no_secret_crosses_ray_and_the_keys_leave_with_the_nodes(hosts, tiny, mo
     assert not any(f.exists() for f in folders.values()), "a stopped node leaves no keys on its host"
 
 
+PRIVATE = """
+from runtime import ray_auth
+from runtime.ray_launch import connect
+ray = connect(None)
+probes = ray_auth.check_cluster(ray, False)
+print("RESULT", ray.get_runtime_context().gcs_address, ",".join(sorted({p.verdict for p in probes})), flush=True)
+ray.shutdown()
+"""
+
+
+def test_ray_address_null_starts_a_private_cluster_with_token_auth(hosts):
+    """launch.ray_address: null does not join the cluster this machine runs (the tier's, named by RAY_ADDRESS and
+    by Ray's current-cluster file): it starts a Ray of its own, which asks for a token."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+    env.update(PYTHONPATH=str(ROOT), RAY_ADDRESS=hosts.address)
+    out = subprocess.run([sys.executable, "-c", PRIVATE], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    _, gcs, verdicts = next(line for line in out.stdout.splitlines() if line.startswith("RESULT")).split()
+    assert gcs != hosts.address and verdicts == "token", out.stdout
+
+
 def test_nodes_land_where_their_placement_says_and_output_is_greedy(hosts, tiny):
     target = tiny("llama")
 
