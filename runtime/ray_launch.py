@@ -3,17 +3,20 @@
 Ray places and supervises the node processes; the hot path stays off Ray, as in vLLM's Ray executor. Each node
 is a :class:`runtime.ray_node.NodeHost` actor whose long-running ``serve`` call is the node; the nodes bind on
 their own host's address (``ray.util.get_node_ip_address()``, a free port) and the launcher hands the endpoints
-to the peers. Every link runs CURVE, with keys this launcher generates for the run and hands to each actor as call
-arguments. Per-round data never touches Ray's object store.
+to the peers. Every link runs CURVE; each node makes its own key pair on its host and hands back only the public key,
+the client's pair is made in the launching process, and the ``http`` section (API keys) never leaves the launching
+host, so no secret crosses Ray. The cluster itself must ask for Ray's token authentication (:mod:`runtime.ray_auth`)
+unless ``launch.ray_insecure``. Per-round data never touches Ray's object store.
 
 Who does what:
 
-- :class:`Controller`, one actor on the launching host (named, so ``pipespec scale`` finds it): generates the
-  keys, reserves a placement group with one bundle per node (``verifier.placement``, ``drafter.placement``,
-  ``launch.placement_strategy``), starts the node actors, watches their ``serve`` calls and brings a node back
-  after Ray restarts its actor (``launch.max_restarts``): a drafter rejoins the pool, a verifier binds its old
-  ports where it can (drafters and clients reconnect by themselves) and otherwise the drafters are pointed at its
-  new address. ``scale(n)`` adds or removes drafters.
+- :class:`Controller`, one actor on the launching host (named, so ``pipespec scale`` finds it): reserves a
+  placement group with one bundle per node (``verifier.placement``, ``drafter.placement``,
+  ``launch.placement_strategy``), gathers the nodes' public keys, starts the node actors, watches their ``serve``
+  calls and brings a node back after Ray restarts its actor (``launch.max_restarts``): a drafter rejoins the pool
+  (a new key of a new host goes into the verifier's allow-list), a verifier binds its old ports where it can
+  (drafters and clients reconnect by themselves) and otherwise the drafters are pointed at its new address and
+  key. ``scale(n)`` adds or removes drafters.
 - :class:`RayCluster`, in the launching process: the ``ray`` launcher of the registry (``runtime/launchers/``):
   start, wait until ready, check alive, log tail, stop, and the client address now (a verifier that came back
   elsewhere has a new one: :func:`runtime.launchers.following` moves the client there).
@@ -72,31 +75,56 @@ def import_ray():
     return ray
 
 
-def connect(address: str | None) -> Any:
-    """Join the Ray cluster at ``address`` (``None``: the one ``RAY_ADDRESS`` names, else start a local one);
-    a process already connected stays connected."""
+def connect(address: str | None, insecure: bool = False) -> Any:
+    """Join the Ray cluster at ``address`` (``"auto"``: the one ``ray start`` runs on this host; ``None``: start a
+    private local one, token authentication on), then check that it asks for token authentication
+    (:mod:`runtime.ray_auth`; refused unless ``insecure``); a process already connected stays connected, and is
+    checked too."""
+    from runtime.ray_auth import RayAuthError, check_cluster, start_private
+
     ray = import_ray()
-    if not ray.is_initialized():
-        try:
-            ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, include_dashboard=False,
-                     configure_logging=False)
-        except (ConnectionError, ValueError, RuntimeError) as exc:
-            raise RayLaunchError(f"cannot reach the Ray cluster at {address or 'RAY_ADDRESS'}: {exc}") from None
+    options = {"namespace": NAMESPACE, "log_to_driver": False, "include_dashboard": False,
+               "configure_logging": False}
+    joined = not ray.is_initialized()
+    try:
+        if joined:
+            if address is None:
+                start_private(ray, insecure, **options)
+            else:
+                ray.init(address=address, **options)
+        client = address.removeprefix("ray://") if address and address.startswith("ray://") else None
+        check_cluster(ray, insecure, client)
+    except RayAuthError as exc:
+        if joined and ray.is_initialized():
+            ray.shutdown()  # no work of ours stays on a cluster we refused
+        raise RayLaunchError(str(exc)) from None
+    except (ConnectionError, ValueError, RuntimeError) as exc:
+        raise RayLaunchError(f"cannot reach the Ray cluster at {address or 'a new local Ray'}: {exc}") from None
     return ray
 
 
 def ray_config(config: dict[str, Any]) -> dict[str, Any]:
     """The config the nodes get: every link runs CURVE (``security.curve: auto`` becomes ``on``: the links are
     between hosts, and even on one host a node's address is its network address); ``off`` stays off and then
-    needs ``verifier.allow_remote: true``, as elsewhere."""
-    cfg = copy.deepcopy(config)
+    needs ``verifier.allow_remote: true``, as elsewhere. The ``http`` section is left out (:func:`without_http`)."""
+    cfg = without_http(config)
     if cfg["security"]["curve"] == "off" and not cfg["verifier"]["allow_remote"]:
         raise ConfigError("security.curve: off with launch.backend: ray sends every link in the clear between "
                           "hosts: set verifier.allow_remote: true to mean it, or leave security.curve at auto")
     if cfg["security"]["curve"] == "auto":
         cfg["security"]["curve"] = "on"
-    if cfg["security"]["gateway_clients"] is None:  # the controller draws the "client" pair per run and returns it
-        cfg["security"]["gateway_clients"] = "client"  # to this launcher, whose HTTP server names tenants with it
+    if cfg["security"]["gateway_clients"] is None:  # this launcher draws the client pair per run (_start); its
+        cfg["security"]["gateway_clients"] = cfg["security"]["client_key"]  # HTTP server names tenants with it
+    return cfg
+
+
+def without_http(config: dict[str, Any]) -> dict[str, Any]:
+    """``config`` with its ``http`` section at the defaults: the API keys and the keys file's name stay on the
+    launching host, where the HTTP server runs; nothing on the nodes reads that section."""
+    from runtime.config import DEFAULTS
+
+    cfg = copy.deepcopy(config)
+    cfg["http"] = copy.deepcopy(DEFAULTS["http"])
     return cfg
 
 
@@ -127,17 +155,18 @@ def check_feasible(nodes: list[dict[str, Any]], wanted: dict[str, Placement]) ->
                                  "a host with `ray start --resources=... --labels=...`")
 
 
-def key_material(folder: Path, role: str) -> dict[str, bytes]:
-    """The files of the run's keys folder a node of ``role`` needs, as ``{relative path: bytes}``: the verifier
-    its key pair and both allow-lists, a drafter the verifier's public key and its own pair, a client likewise."""
-    files: list[Path]
+def peer_keys(role: str, nodes: list[tuple[str, str, bytes | None]], client: tuple[str, bytes]
+              ) -> dict[str, bytes]:
+    """The public keys a node of ``role`` is handed (``{relative path: z85}``): the verifier each drafter's
+    (``drafters/NAME.key``) and the client's (``clients/NAME.key``), a drafter the verifier's (``server.key``).
+    ``nodes``: ``(name, role, public key)`` of the run's nodes; ``client``: the client key's name and public key."""
     if role == "verifier":
-        files = [folder / "server.key", folder / "server.key_secret", *sorted((folder / "drafters").glob("*.key")),
-                 *sorted((folder / "clients").glob("*.key"))]
-    else:
-        sub = keyfiles.ROLES[role]
-        files = [folder / "server.key", folder / sub / f"{role}.key", folder / sub / f"{role}.key_secret"]
-    return {str(p.relative_to(folder)): p.read_bytes() for p in files}
+        return {**{f"drafters/{name}.key": key for name, r, key in nodes if r == "drafter" and key},
+                f"clients/{client[0]}.key": client[1]}
+    server = [key for _, r, key in nodes if r == "verifier" and key]
+    if not server:
+        raise RayLaunchError("the verifier's public key is not known yet")
+    return {"server.key": server[0]}
 
 
 class _Node:
@@ -151,6 +180,7 @@ class _Node:
         self.facts: dict[str, Any] = {}
         self.state = "starting"  # starting, serving, restarting, failed, stopped
         self.restarts = 0
+        self.public: bytes | None = None  # its CURVE public key, made on its host
         self.error: str | None = None
         self.repointing = False  # stopped on purpose, to serve again towards a verifier that moved
 
@@ -159,8 +189,6 @@ class Controller:
     """The run's supervisor, a Ray actor on the launching host (see the module docstring)."""
 
     def __init__(self, config: dict[str, Any], env: dict[str, str]):
-        import tempfile
-
         self.ray = import_ray()
         self.config = ray_config(config)
         self.env = env
@@ -169,8 +197,7 @@ class Controller:
         self.lock = threading.RLock()
         self.stopping = threading.Event()
         self.watcher: threading.Thread | None = None
-        self.keys_dir = Path(tempfile.mkdtemp(prefix="pipespec-ray-keys-")) / "keys"
-        keyfiles.init(self.keys_dir, clients=["client"], drafters=["drafter"])
+        self.client_key: tuple[str, bytes] = (self.config["security"]["client_key"], b"")
         self.verifier_ports: list[int] = []
 
     # -------------------------------------------------------------------------------------------- start
@@ -196,7 +223,7 @@ class Controller:
             resources=placement.resources or None,
             scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=bundle),
             runtime_env={"env_vars": self.env},
-        ).remote(name)
+        ).remote(name, actor_name)
 
     def _group(self, wanted: list[Placement], strategy: str) -> Any:
         from ray.util.placement_group import placement_group
@@ -214,9 +241,11 @@ class Controller:
                                  "that could hold them are busy (`ray status` shows what is in use)") from None
         return time.monotonic() - t0
 
-    def start(self, drafters: int) -> dict[str, Any]:
-        """Place and start the verifier and ``drafters`` drafters; returns :meth:`status` and the client's key
-        files once every node's ``serve`` call is under way (the launcher then waits for the verifier's pong)."""
+    def start(self, drafters: int, client_public: bytes) -> dict[str, Any]:
+        """Place and start the verifier and ``drafters`` drafters, the client being the one whose public key is
+        ``client_public``; returns :meth:`status` (with the verifier's public key) once every node's ``serve`` call
+        is under way (the launcher then waits for the verifier's pong)."""
+        self.client_key = (self.client_key[0], client_public)
         verifier_at, drafter_at = placements(self.config)
         names = ["verifier", *node_names(drafters)]
         wanted = {"verifier": verifier_at, **{n: drafter_at for n in names[1:]}}
@@ -228,24 +257,44 @@ class Controller:
             for i, name in enumerate(names):
                 self.nodes[name] = _Node(name, "verifier" if i == 0 else "drafter",
                                          self._actor(name, wanted[name], group, i), wanted[name], group, i)
+            for name in names:  # every public key first: the verifier's allow-list holds the drafters'
+                self._first_serve(self.nodes[name], keys_only=True)
             for name in names:  # the verifier first: the drafters connect to its address
                 self._first_serve(self.nodes[name])
         self.watcher = threading.Thread(target=self._watch, name="pipespec-ray-watch", daemon=True)
         self.watcher.start()
-        return {**self.status(), "client_keys": key_material(self.keys_dir, "client"), "placed_s": placed_s}
+        return {**self.status(), "placed_s": placed_s}
 
-    def _first_serve(self, node: _Node) -> None:
-        """:meth:`_serve`, with an actor that cannot start on its host said in words."""
+    def _first_serve(self, node: _Node, keys_only: bool = False) -> None:
+        """:meth:`_serve` (or only :meth:`_public_key`), with an actor that cannot start on its host said in
+        words."""
         try:
-            self._serve(node)
+            if keys_only:  # the first call to a new actor also waits for its process to start on its host
+                self._public_key(node, self.config["launch"]["ready_timeout_s"])
+            else:
+                self._serve(node)
         except (self.ray.exceptions.RayActorError, self.ray.exceptions.GetTimeoutError) as exc:
             first = str(exc).strip().splitlines()[-1][:500] if str(exc).strip() else type(exc).__name__
             raise RayLaunchError(f"the {node.name} actor did not start on its host ({first}); every host needs the "
                                  "same Python, pipespec and Ray versions (pip install 'pipespec[ray]')") from None
 
+    def _public_key(self, node: _Node, timeout_s: float = CALL_TIMEOUT_S) -> bool:
+        """Ask ``node`` for its public key (made on its host); a drafter's new key goes into the verifier's
+        allow-list. Whether the key changed (an actor back on another host has a new pair)."""
+        public = self.ray.get(node.actor.public_key.remote(node.role), timeout=timeout_s)
+        changed, node.public = public != node.public, public
+        verifier = self.nodes.get("verifier")
+        if changed and node.role == "drafter" and verifier is not None and verifier.state == "serving":
+            self.ray.get(verifier.actor.allow.remote({f"drafters/{node.name}.key": public}), timeout=CALL_TIMEOUT_S)
+        return changed
+
+    def _peers(self, role: str) -> dict[str, bytes]:
+        return peer_keys(role, [(n.name, n.role, n.public) for n in self.nodes.values()], self.client_key)
+
     def _serve(self, node: _Node) -> None:
         """Start ``node``'s serve call (the verifier first picks its ports: its old ones where it can)."""
         node.facts = self.ray.get(node.actor.facts.remote(), timeout=CALL_TIMEOUT_S)
+        self._public_key(node)
         if node.role == "verifier":
             self.verifier_ports = self.ray.get(node.actor.free_ports.remote(2, self.verifier_ports),
                                                timeout=CALL_TIMEOUT_S)
@@ -253,9 +302,8 @@ class Controller:
             self.config["verifier"]["endpoint"] = f"tcp://{ip}:{self.verifier_ports[0]}"
             self.config["client"]["endpoint"] = f"tcp://{ip}:{self.verifier_ports[1]}"
             self.config["drafter"]["verifier_endpoint"] = None
-        # the node's typed config, built here once; Ray pickles it into the call
-        node.serving = node.actor.serve.remote(node.role, typed(self.config),
-                                               key_material(self.keys_dir, node.role),
+        # the node's typed config, built here once; Ray pickles it into the call with the public keys it needs
+        node.serving = node.actor.serve.remote(node.role, typed(self.config), self._peers(node.role),
                                                self.config["launch"]["link_delay_ms"] if node.role == "drafter" else 0)
         node.state = "serving"
         self._event(node.name, "serving", ip=node.facts["ip"], pid=node.facts["pid"])
@@ -311,9 +359,9 @@ class Controller:
         while not self.stopping.is_set() and time.monotonic() < deadline:
             try:
                 with self.lock:
-                    old_endpoint = self.config["verifier"]["endpoint"]
+                    old = (self.config["verifier"]["endpoint"], node.public)
                     self._serve(node)
-                    moved = node.role == "verifier" and self.config["verifier"]["endpoint"] != old_endpoint
+                    moved = node.role == "verifier" and (self.config["verifier"]["endpoint"], node.public) != old
                 self._event(node.name, "back", seconds=round(time.monotonic() - since, 3), host=node.facts["ip"])
                 if moved:
                     self._repoint_drafters()
@@ -328,7 +376,8 @@ class Controller:
         self._event(node.name, "given up", restarts=node.restarts)
 
     def _repoint_drafters(self) -> None:
-        """The verifier came back at another address: restart each drafter's serve call towards it."""
+        """The verifier came back at another address (or with another key): restart each drafter's serve call
+        towards it."""
         for node in list(self.nodes.values()):
             if node.role == "drafter" and node.state == "serving":
                 node.repointing = True
@@ -359,20 +408,26 @@ class Controller:
                 with self.lock:
                     self.nodes[name] = _Node(name, "drafter", self._actor(name, drafter_at, group, 0), drafter_at,
                                              group, 0)
+                    self._first_serve(self.nodes[name], keys_only=True)
                     self._first_serve(self.nodes[name])
         for node in sorted(current, key=lambda n: (len(n.name), n.name))[drafters:][::-1]:
             with self.lock:
                 self.nodes.pop(node.name)
                 node.serving = None
             self._stop_node(node)
+            verifier = self.nodes.get("verifier")
+            if verifier is not None:  # its key leaves the verifier's allow-list with it
+                with contextlib.suppress(Exception):
+                    self.ray.get(verifier.actor.disallow.remote([f"drafters/{node.name}.key"]), timeout=CALL_TIMEOUT_S)
             if node.bundle == 0 and node.group is not None and len(node.group.bundle_specs) == 1:
                 remove_placement_group(node.group)  # a drafter scaled in earlier had a group of its own
             self._event(node.name, "removed")
         return self.status()
 
     def _stop_node(self, node: _Node) -> None:
-        with contextlib.suppress(Exception):  # dead or unreachable: killed below
-            self.ray.get(node.actor.stop.remote(), timeout=CALL_TIMEOUT_S)
+        """Stop the node for good: it removes its folder and keys from its host, then its actor is killed."""
+        with contextlib.suppress(Exception):  # dead or unreachable: killed below (a host that left took its keys)
+            self.ray.get(node.actor.close.remote(), timeout=CALL_TIMEOUT_S)
         self.ray.kill(node.actor, no_restart=True)
         node.state = "stopped"
 
@@ -382,7 +437,10 @@ class Controller:
             nodes = {n.name: {"actor": n.actor_name, "role": n.role,
                               "state": n.state, "restarts": n.restarts, "error": n.error,
                               "placement": n.placement.describe(), **n.facts} for n in self.nodes.values()}
-        return {"client_address": self.config["client"]["endpoint"], "nodes": nodes, "events": list(self.events)}
+            verifier = self.nodes.get("verifier")
+            server_key = verifier.public if verifier is not None else None
+        return {"client_address": self.config["client"]["endpoint"], "server_key": server_key, "nodes": nodes,
+                "events": list(self.events)}
 
     def node_failures(self) -> list[dict[str, str]]:
         """The nodes that failed for good: ``{name, role, error}`` each (the launcher's liveness check)."""
@@ -400,9 +458,7 @@ class Controller:
             return f"(no log: {type(exc).__name__})"
 
     def stop(self) -> None:
-        """Stop every node, free their placement groups and the keys."""
-        import shutil
-
+        """Stop every node (each removes its keys from its host) and free their placement groups."""
         from ray.util.placement_group import remove_placement_group
 
         self.stopping.set()
@@ -414,7 +470,6 @@ class Controller:
         for group in groups.values():
             with contextlib.suppress(Exception):  # already gone with its hosts
                 remove_placement_group(group)
-        shutil.rmtree(self.keys_dir.parent, ignore_errors=True)
 
 
 def node_env() -> dict[str, str]:
@@ -441,7 +496,7 @@ class RayCluster:
         self.config = config
         self.run_dir = make_run_dir(options.run_dir)
         self.env = {**node_env(), **(options.env or {})}
-        self.ray = connect(config["launch"]["ray_address"])
+        self.ray = connect(config["launch"]["ray_address"], config["launch"]["ray_insecure"])
         self.controller: Any = None
         self.last_status: dict[str, Any] = {}
         self.placed_s: float | None = None
@@ -454,14 +509,17 @@ class RayCluster:
         """Place and start the nodes (blocking on Ray, so in a worker thread)."""
         await asyncio.to_thread(self._start)
         return Started(client_address=self.last_status["client_address"],
-                       client_keys=keyfiles.client_keys(Path(self.run_dir) / "keys"), drafters=self.drafter_count,
+                       client_keys=keyfiles.client_keys(Path(self.run_dir) / "keys",
+                                                        self.config["security"]["client_key"]),
+                       drafters=self.drafter_count,
                        config=self.config, run_dir=self.run_dir, verifier_may_move=True)
 
     def _start(self) -> None:
-        """Create the controller on this host and have it place and start the nodes."""
+        """Make the client's key pair here, create the controller on this host (the config without its ``http``
+        section) and have it place and start the nodes."""
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        from runtime.ray_node import write_keys
+        from runtime.ray_node import make_pair, write_keys
 
         name = self.config["launch"]["ray_name"]
         try:
@@ -475,9 +533,12 @@ class RayCluster:
             name=name, namespace=NAMESPACE, num_cpus=0, max_concurrency=16, max_restarts=0,
             scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False),
             runtime_env={"env_vars": self.env},
-        ).remote(self.config, self.env)
-        started = unwrapped(self.ray, self.controller.start.remote(self.drafter_count))
-        write_keys(Path(self.run_dir) / "keys", started.pop("client_keys"))
+        ).remote(without_http(self.config), self.env)
+        keys_dir = Path(self.run_dir) / "keys"
+        keys_dir.mkdir(mode=0o700, exist_ok=True)
+        client_public = make_pair(keys_dir / "clients", self.config["security"]["client_key"])
+        started = unwrapped(self.ray, self.controller.start.remote(self.drafter_count, client_public))
+        write_keys(keys_dir, {"server.key": started["server_key"]})
         self.placed_s = started.pop("placed_s")
         self.last_status = started
 
@@ -527,6 +588,11 @@ class RayCluster:
         """Where the verifier takes clients now (a restart may have moved it to another host)."""
         return (await asyncio.to_thread(self.status))["client_address"]
 
+    def client_server_key(self) -> bytes | None:
+        """The verifier's public key as of the last :meth:`status` (a verifier back on another host made a new
+        pair there); :func:`runtime.launchers.following` hands it to the client with the new address."""
+        return self.last_status.get("server_key")
+
     def stop(self, timeout_s: float = 30.0, keep_logs: bool = False) -> None:
         import shutil
 
@@ -564,11 +630,13 @@ def check_drafters(drafters: int) -> int:
     return drafters
 
 
-def scale(drafters: int, address: str | None = "auto", name: str | None = None) -> dict[str, Any]:
+def scale(drafters: int, address: str | None = "auto", name: str | None = None, insecure: bool = False
+          ) -> dict[str, Any]:
     """Run ``drafters`` drafters in the pipespec run ``name`` (``launch.ray_name``) on the Ray cluster at
-    ``address`` (``"auto"``: the one this host knows), from any process; returns the run's status."""
+    ``address`` (``"auto"``: the one this host knows), from any process; returns the run's status. A cluster
+    without token authentication is refused unless ``insecure`` (``--ray-insecure``)."""
     check_drafters(drafters)
-    ray = connect(address)
+    ray = connect(address or "auto", insecure)
     name = name or DEFAULT_NAME
     try:
         controller = ray.get_actor(name, namespace=NAMESPACE)
@@ -588,9 +656,9 @@ def status_lines(status: dict[str, Any]) -> list[str]:
     return lines
 
 
-def scale_command(drafters: int, address: str | None, name: str | None) -> int:
+def scale_command(drafters: int, address: str | None, name: str | None, insecure: bool = False) -> int:
     """``pipespec scale --drafters N``: prints the run's nodes afterwards."""
-    status = scale(drafters, address or "auto", name)
+    status = scale(drafters, address or "auto", name, insecure)
     for line in status_lines(status):
         print(line)
     return 0

@@ -5,11 +5,16 @@ on it, a call that lasts as long as the node serves: Ray watches the actor's pro
 call. The ZeroMQ links stay the data plane, as with the process backend; Ray only places, starts and restarts the
 process. Nothing here imports Ray at module level: the class is wrapped with ``ray.remote`` by the launcher.
 
-What a node gets, as call arguments (nothing through files or the environment):
+No secret crosses Ray. Each node makes its own CURVE key pair here, on its host, in a private folder
+(:func:`node_folder`; kept across Ray's restarts of the actor on the same host, removed by :meth:`NodeHost.close`
+when the run stops the node), and hands back only its public key (:meth:`NodeHost.public_key`). What a node gets,
+as call arguments:
 
-- its typed config (a :class:`shared.config.Config`, endpoints filled in by the launcher, pickled by Ray);
-- the CURVE key files it needs (the launcher generated them for this run), written here into a private folder of
-  this host; every link of a Ray launch runs CURVE (:func:`runtime.ray_launch.ray_config`);
+- its typed config (a :class:`shared.config.Config`, endpoints filled in by the launcher, pickled by Ray; without
+  the ``http`` section, which stays on the launching host);
+- its peers' public keys (a drafter: the verifier's; the verifier: each drafter's and the client's, and later ones
+  through :meth:`NodeHost.allow`, which its authenticator reads at the next handshake); every link of a Ray launch
+  runs CURVE (:func:`runtime.ray_launch.ray_config`);
 - for a drafter with ``launch.link_delay_ms``: the verifier's address, which it reaches through a
   :mod:`runtime.delay_proxy` on its own host.
 """
@@ -86,17 +91,64 @@ def free_ports(ip: str, count: int, preferred: list[int] | tuple[int, ...] = ())
 
 
 def write_keys(folder: Path, files: dict[str, bytes]) -> None:
-    """The key files a node was handed, under ``folder`` (0700; secret files 0600), as ``runtime.keys`` lays
-    them out."""
+    """Public keys (``{relative path: z85 public key}``, each path ``*.key``) as key files under ``folder`` (0700), as
+    ``runtime.keys`` lays them out; a secret key, or a name that leaves the folder, is refused (secrets are made
+    where they are used: :func:`make_pair`)."""
     folder.mkdir(mode=0o700, parents=True, exist_ok=True)
     for relative, data in files.items():
         path = folder / relative
         if not path.resolve().is_relative_to(folder.resolve()):  # "../x" or an absolute name
             raise ValueError(f"key file name {relative!r} leaves the keys folder")
+        if not relative.endswith(".key"):
+            raise ValueError(f"key file {relative!r}: only public keys (NAME.key) are handed to a node")
+        text = public_file(data)
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600 if relative.endswith("_secret") else 0o644)
+        tmp = path.with_name(f".{path.name}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            f.write(text)
+        os.replace(tmp, path)  # an allow-list being read sees the old file or the new one, never half of one
+
+
+def public_file(public: bytes) -> bytes:
+    """A ``NAME.key`` file's text for the z85 public key ``public`` (as ``zmq.auth`` writes and reads them)."""
+    if not isinstance(public, bytes) or len(public) != 40 or not public.isascii() or b'"' in public:
+        raise ValueError("a CURVE public key is 40 z85 characters")
+    return b"#   ZeroMQ CURVE Public Certificate\n\ncurve\n    public-key = \"" + public + b"\"\n"
+
+
+def make_pair(folder: Path, name: str) -> bytes:
+    """A CURVE key pair made here (``folder/NAME.key`` 0644, ``NAME.key_secret`` 0600, ``folder`` 0700), or the one
+    already there (an actor Ray restarted on this host); returns the public key (z85)."""
+    import zmq.auth
+
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    public_path, secret_path = folder / f"{name}.key", folder / f"{name}.key_secret"
+    if not (public_path.is_file() and secret_path.is_file()):
+        old = os.umask(0o077)  # the secret is born private
+        try:
+            zmq.auth.create_certificates(folder, name)
+        finally:
+            os.umask(old)
+        os.chmod(public_path, 0o644)
+    return zmq.auth.load_certificate(public_path)[0]
+
+
+def node_folder(actor_name: str | None, create: bool = True) -> Path:
+    """The private folder of the node actor ``actor_name`` on this host, ``TMPDIR/pipespec-ray-UID/ACTOR`` (its
+    parent refused if another user made it first or others can open it; None: a new folder of its own)."""
+    if actor_name is None:
+        return Path(tempfile.mkdtemp(prefix="pipespec-ray-"))
+    parent = Path(tempfile.gettempdir()) / f"pipespec-ray-{os.getuid()}"
+    folder = parent / "".join(c if c.isalnum() or c in "-_." else "_" for c in actor_name)
+    if create:
+        security.private_run_dir(parent)
+        folder.mkdir(mode=0o700, exist_ok=True)
+    return folder
+
+
+#: The names of a node's own key pair in its keys folder (each node has a folder of its own, so one name serves).
+SERVER, OWN_KEY = "server", "drafter"
 
 
 class _DelayProxy:
@@ -136,14 +188,36 @@ class NodeHost:
     """A Ray actor that runs one node (the launcher wraps it with ``ray.remote``; ``max_concurrency`` > 1, so
     :meth:`stop`, :meth:`log_tail` and :meth:`facts` answer while :meth:`serve` runs)."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, actor_name: str | None = None):
         self.name = name
         self.node: Any = None
         self.stopping = threading.Event()
         self.ring = _Ring()
         self.ring.setFormatter(logging.Formatter(f"%(asctime)s {name} %(levelname)s %(message)s"))
         self.started_at = time.time()  # a restarted actor is a new instance: the launcher compares this
-        self.work_dir = Path(tempfile.mkdtemp(prefix="pipespec-ray-"))  # 0700: the keys go in here
+        self.work_dir = node_folder(actor_name)  # 0700: the keys go in here (kept across restarts on this host)
+
+    @property
+    def keys_dir(self) -> Path:
+        return self.work_dir / "keys"
+
+    def public_key(self, role: str) -> bytes:
+        """This node's public key (z85), its pair made here on first use; the secret never leaves this host."""
+        if role == "verifier":
+            return make_pair(self.keys_dir, SERVER)
+        return make_pair(self.keys_dir / "drafters", OWN_KEY)
+
+    def allow(self, peers: dict[str, bytes]) -> None:
+        """The verifier: add public keys to its allow-lists (``{"drafters/NAME.key": key}``); its authenticator
+        reads them at the next handshake."""
+        write_keys(self.keys_dir, peers)
+
+    def disallow(self, names: list[str]) -> None:
+        """The verifier: remove allow-list entries (``"drafters/NAME.key"``), e.g. of a drafter scaled away."""
+        for relative in names:
+            path = self.keys_dir / relative
+            if relative.endswith(".key") and path.resolve().is_relative_to(self.keys_dir.resolve()):
+                path.unlink(missing_ok=True)
 
     def facts(self) -> dict[str, Any]:
         """This actor's host: ``ip`` (the address Ray knows it by), ``node_id``, ``pid``, ``started_at`` and
@@ -158,9 +232,9 @@ class NodeHost:
 
         return free_ports(ray.util.get_node_ip_address(), count, preferred)
 
-    def serve(self, role: str, config: Config, keys: dict[str, bytes], link_delay_ms: float = 0.0) -> int:
+    def serve(self, role: str, config: Config, peers: dict[str, bytes], link_delay_ms: float = 0.0) -> int:
         """Run the node until :meth:`stop` (returns 0) or until it fails (raises :class:`NodeFailed` with the end
-        of its log)."""
+        of its log); ``peers``: the public keys it needs (see the module docstring)."""
         from runtime.launchers.node import build_node, install_models, links_for
         from runtime.node_setup import node_log_level
         from weights.progress import quiet_library_bars
@@ -173,7 +247,7 @@ class NodeHost:
         self.stopping.clear()
         proxy = None
         try:
-            config, proxy = self._on_this_host(role, config, keys, link_delay_ms)
+            config, proxy = self._on_this_host(role, config, peers, link_delay_ms)
             install_models(config, role)
             # every link runs CURVE, so no run secret is asked or shown
             self.node = build_node(role, config, links_for(role, config, None))
@@ -189,14 +263,18 @@ class NodeHost:
             if proxy is not None:
                 proxy.close()
 
-    def _on_this_host(self, role: str, config: Config, keys: dict[str, bytes],
+    def _on_this_host(self, role: str, config: Config, peers: dict[str, bytes],
                       link_delay_ms: float) -> tuple[Config, _DelayProxy | None]:
-        """``config`` with this host's keys folder (the key files written there), and for a drafter with a link
-        delay its verifier address through a :class:`_DelayProxy` started here."""
-        keys_dir = self.work_dir / "keys"
-        shutil.rmtree(keys_dir, ignore_errors=True)
-        write_keys(keys_dir, keys)
-        config = dataclasses.replace(config, security=dataclasses.replace(config.security, keys_dir=str(keys_dir)))
+        """``config`` with this host's keys folder (its own pair and ``peers``' public keys), and for a drafter with a
+        link delay its verifier address through a :class:`_DelayProxy` started here."""
+        self.public_key(role)
+        if role == "verifier":  # the allow-lists are the ones handed now (a restarted verifier gets them again)
+            for sub in ("drafters", "clients"):
+                shutil.rmtree(self.keys_dir / sub, ignore_errors=True)
+                (self.keys_dir / sub).mkdir(mode=0o700)
+        write_keys(self.keys_dir, peers)
+        security_ = dataclasses.replace(config.security, keys_dir=str(self.keys_dir), drafter_key=OWN_KEY)
+        config = dataclasses.replace(config, security=security_)
         if role != "drafter" or link_delay_ms <= 0:
             return config, None
         host, port = security.drafter_link(config.as_dict()).removeprefix("tcp://").rsplit(":", 1)
@@ -210,6 +288,11 @@ class NodeHost:
         node = self.node
         if node is not None:
             node.stop()
+
+    def close(self) -> None:
+        """Stop the node and remove its folder and keys from this host (the run stops this node for good)."""
+        self.stop()
+        shutil.rmtree(self.work_dir, ignore_errors=True)
 
     def log_tail(self, lines: int = 25) -> str:
         return "\n".join(list(self.ring.lines)[-lines:])

@@ -223,7 +223,14 @@ class LaunchConfig:
         choices=LAUNCH_BACKENDS,
     )
     ray_address: Any = setting(
-        None, "backend ray: the cluster to join (ray://HOST:PORT or HOST:PORT; null: a local Ray).", kind="str"
+        None, "backend ray: the cluster to join (ray://HOST:PORT, HOST:PORT, or auto: RAY_ADDRESS's, else the one "
+        "`ray start` runs on this host; null: a private local Ray of this process).", kind="str"
+    )
+    ray_insecure: bool = setting(
+        False,
+        "backend ray: join a cluster that does not ask for Ray's token authentication (anyone who reaches its ports "
+        "runs code on every host; docs/ray.md, Security).",
+        kind="bool",
     )
     ray_name: str = setting(
         "pipespec", "backend ray: the run's name on the cluster (`pipespec scale --name` finds it by it).", kind="str"

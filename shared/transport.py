@@ -17,6 +17,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 import zmq
+import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
 #: ZeroMQ drops any single frame larger than this outright; the per-message cap in ``protocol.decode`` is lower
@@ -181,19 +182,39 @@ class _ZapLog:
         return getattr(self._log, name)
 
 
-class _AllowList:
-    """A ZAP domain's allowed public keys (z85), as pyzmq's ``configure_curve_callback`` asks for them."""
+class _FolderKeys:
+    """A ZAP domain's allowed public keys (z85), as pyzmq's ``configure_curve_callback`` asks for them: its
+    folder's ``*.key`` files, read again when they change (a key added or removed takes effect at the next handshake:
+    the Ray backend adds a drafter's key when the drafter joins), plus the domain's extra keys (the run's gateway)."""
 
-    def __init__(self, keys: set[bytes]):
-        self.keys = frozenset(keys)
+    def __init__(self, folder: Path, extra: frozenset[bytes] = frozenset()):
+        self.folder = folder
+        self.extra = extra
+        self._seen: tuple | None = None
+        self._keys: dict[bytes, Any] = {}
+
+    def _signature(self) -> tuple:
+        try:
+            return tuple(sorted((e.name, e.stat().st_mtime_ns, e.stat().st_size) for e in self.folder.iterdir()
+                                if e.name.endswith(".key")))
+        except OSError:
+            return ()
 
     def callback(self, domain: str, key: bytes) -> bool:
-        return key in self.keys
+        seen = self._signature()
+        if seen != self._seen:
+            try:
+                self._keys = zmq.auth.load_certificates(self.folder)
+            except Exception:  # an unreadable folder lets nobody in
+                self._keys = {}
+            self._seen = seen
+        return key in self._keys or key in self.extra
 
 
 class Authenticator:
-    """The ZAP handler of one context: one thread, one CURVE allow-list per domain. Start it before binding (a
-    CURVE socket without a ZAP handler would accept any key) and :meth:`close` it after the sockets."""
+    """The ZAP handler of one context: one thread, one CURVE allow-list per domain (its folder read again when its
+    key files change). Start it before binding (a CURVE socket without a ZAP handler would accept any key) and
+    :meth:`close` it after the sockets."""
 
     def __init__(self, ctx: zmq.Context, keys: ServerKeys, log: logging.Logger | None = None):
         self.keys = keys
@@ -202,10 +223,9 @@ class Authenticator:
         self._auth.start()
         try:
             for domain, folder in keys.allow.items():
-                # the folder's keys, read now (as configure_curve would), plus the domain's extra keys; a callback
-                # for every domain, since pyzmq asks only the callbacks once one is set
-                allowed = set(zmq.auth.load_certificates(str(folder))) | set(keys.extra.get(domain, ()))
-                self._auth.configure_curve_callback(domain=domain, credentials_provider=_AllowList(allowed))
+                # a callback for every domain, since pyzmq asks only the callbacks once one is set
+                provider = _FolderKeys(Path(folder), frozenset(keys.extra.get(domain, ())))
+                self._auth.configure_curve_callback(domain=domain, credentials_provider=provider)
         except BaseException:
             self.close()
             raise

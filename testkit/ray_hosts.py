@@ -6,13 +6,17 @@
     hosts.replace("draft")          # remove that host and add a new one with the same resources
 
 The head has no CPUs, so every node lands on a named host. This process joins the cluster (namespace
-``pipespec``), as a launcher would.
+``pipespec``), as a launcher would. The cluster asks for Ray's token authentication (a fresh token, in this
+process's environment, which the hosts and any child process inherit), as docs/ray.md starts one; ``auth=False``
+starts one without (``RAY_AUTH_MODE=disabled``), which the launcher refuses unless ``launch.ray_insecure``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import secrets
 import time
 from typing import Any
 
@@ -21,9 +25,17 @@ class RayHosts:
     """A head with no CPUs and one worker node per named host spec (``ray.cluster_utils.Cluster.add_node``
     keyword arguments)."""
 
-    def __init__(self, specs: dict[str, dict[str, Any]]):
+    def __init__(self, specs: dict[str, dict[str, Any]], auth: bool = True):
         import ray
+        from ray._raylet import Config
         from ray.cluster_utils import Cluster
+
+        if auth:
+            os.environ.update({"RAY_AUTH_MODE": "token",
+                               "RAY_AUTH_TOKEN": os.environ.get("RAY_AUTH_TOKEN") or secrets.token_hex(32)})
+        else:
+            os.environ["RAY_AUTH_MODE"] = "disabled"
+        Config.initialize("")  # this process reads the mode again (as Ray's own token setup does)
 
         started = time.monotonic()
         self.ray = ray

@@ -314,7 +314,7 @@ def parse_make(argv: list[str]) -> None:
 
 #: The ``ray start`` flags the docs may use, and whether each takes a value.
 RAY_START_FLAGS = {"--head": False, "--address": True, "--port": True, "--num-cpus": True, "--num-gpus": True,
-                   "--resources": True, "--labels": True}
+                   "--resources": True, "--labels": True, "--node-ip-address": True}
 #: The head's address in the docs' Ray recipe (docs/ray.md); the Ray tier puts its cluster's address there.
 RAY_HEAD = "HEAD:6379"
 
@@ -354,7 +354,10 @@ def parse_command(tokens: list[str], block: Block, models: dict[str, Path]) -> d
         tokens = tokens[:-1]
     prog, argv = program(tokens)
     if prog == "ray":
-        parse_ray_start(argv)
+        if argv[:1] == ["get-auth-token"]:  # Ray's token for its token authentication (docs/ray.md)
+            assert argv[1:] in ([], ["--generate"]), f"ray {shlex.join(argv)}: only --generate is documented"
+        else:
+            parse_ray_start(argv)
         return None
     if prog == "pipespec":
         return parse_pipespec(substitute_models(argv, models), block)

@@ -5,6 +5,10 @@ Placement lands each node where its config says; greedy output equals transforme
 host removed mid-request costs no request and no token, and the drafter comes back on a host added later; a
 verifier actor killed is restarted and serves again, drafting resumes, and the HTTP front end answers again;
 ``pipespec scale`` adds and removes drafters from another process; the docs' recipe (docs/ray.md) runs as written.
+The tier's cluster asks for Ray's token authentication, as the docs start it: every node makes its own key pair on
+its host and no secret (a node's or the client's secret key, the HTTP API key) is handed to Ray, and the key
+folders leave with the nodes; a cluster started without token authentication is refused, with the fix named,
+unless ``launch.ray_insecure``.
 
 Run with ``make test-ray`` (it installs the ``ray`` extra); the default ``make test`` leaves this tier out.
 """
@@ -40,7 +44,7 @@ PIPESPEC = [sys.executable, "-c", "import sys; from runtime.cli import main; sys
 RECIPE = ray_blocks(ROOT / "docs" / "ray.md")
 RECIPE_CONFIG = yaml.safe_load(next(b.text for b in RECIPE if b.lang == "yaml"))
 RECIPE_COMMANDS = [t for b in RECIPE if b.lang != "yaml" for t in commands(b.text)]
-HEAD, TARGET_START, DRAFT_START = [parse_ray_start(t[1:]) for t in RECIPE_COMMANDS if t[0] == "ray"]
+HEAD, TARGET_START, DRAFT_START = [parse_ray_start(t[1:]) for t in RECIPE_COMMANDS if t[:2] == ["ray", "start"]]
 HOSTS = {name: {"num_cpus": start["num_cpus"], "resources": start["resources"], "labels": start["labels"]}
          for name, start in (("target", TARGET_START), ("draft", DRAFT_START))}
 
@@ -70,6 +74,148 @@ def ray_config(tiny, **launch) -> dict:
 
 async def generate_all(client, prompts=PROMPTS, n: int = 40):
     return await asyncio.gather(*(client.generate(token_ids=p, max_new_tokens=n, eos_token_ids=[]) for p in prompts))
+
+
+#: A cluster of the recipe's hosts started without token authentication (as `ray start --head` does where no token
+#: exists on the host), in a process of its own: it prints its address and lives until its stdin closes.
+OPEN_CLUSTER = """
+import json, sys
+from testkit.ray_hosts import RayHosts
+hosts = RayHosts(json.loads(sys.argv[1]), auth=False)
+print("ADDRESS", hosts.address, flush=True)
+sys.stdin.read()
+hosts.shutdown()
+"""
+
+
+def _address(proc: subprocess.Popen, timeout_s: float) -> str:
+    """The address the open cluster's process prints (past anything Ray prints before it)."""
+    import select
+
+    deadline = time.monotonic() + timeout_s
+    while (left := deadline - time.monotonic()) > 0 and select.select([proc.stdout], [], [], left)[0]:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        if line.startswith("ADDRESS "):
+            return line.split()[1]
+    raise AssertionError(f"no address from the open cluster in {timeout_s} s")
+
+
+def test_a_cluster_without_token_auth_is_refused_unless_ray_insecure(tiny, tmp_path):
+    """Run first, before the tier's (token) cluster is up. `pipespec generate --ray ADDRESS` against a cluster that
+    answers without a token stops at once with the fix named and starts nothing there; with
+    launch.ray_insecure: true it runs, with a warning."""
+    import json
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+    env["PYTHONPATH"] = str(ROOT)
+    log = (tmp_path / "open-cluster.log").open("w")
+    head = subprocess.Popen([sys.executable, "-c", OPEN_CLUSTER, json.dumps(HOSTS)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=log, text=True, env=env, cwd=ROOT)
+    try:
+        try:
+            address = _address(head, 180)
+        except AssertionError:
+            raise AssertionError((tmp_path / "open-cluster.log").read_text()[-3000:]) from None
+        config = ray_config(tiny)
+        (tmp_path / "tiny.yaml").write_text(yaml.safe_dump(config), encoding="utf-8")
+        argv = [*PIPESPEC, "generate", "--config", "tiny.yaml", "--ray", address, "--max-new-tokens", "8",
+                "--prompt", "def fib(n):"]
+        t0 = time.monotonic()
+        refused = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        refused_s = time.monotonic() - t0
+        insecure = subprocess.run([*argv, "--set", "launch.ray_insecure=true"], cwd=tmp_path, env=env,
+                                  capture_output=True, text=True, timeout=300)
+    finally:
+        head.stdin.close()
+        try:
+            head.wait(120)
+        except subprocess.TimeoutExpired:
+            head.kill()
+        log.close()
+    print(f"\nopen cluster refused {refused_s:.1f} s after the start")
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    for said in ("does not ask for token authentication", "answers without a token: GCS", "RAY_AUTH_MODE=token",
+                 "ray get-auth-token --generate", "every host", "launch.ray_insecure: true"):
+        assert said in refused.stderr, (said, refused.stderr[-3000:])
+    assert "verifier on " not in refused.stderr, "nothing is placed on a refused cluster"
+    assert insecure.returncode == 0, insecure.stderr[-3000:]
+    assert "verifier on " in insecure.stderr and "launch.ray_insecure: joining a Ray cluster without token" in (
+        insecure.stderr), insecure.stderr[-3000:]
+
+
+def test_no_secret_crosses_ray_and_the_keys_leave_with_the_nodes(hosts, tiny, monkeypatch):
+    """On the tier's token cluster: every endpoint refuses a call without a token; each node's secret key is made
+    and kept on its host (its folder holds its own pair and its peers' public keys only); what the launching
+    process hands Ray carries no secret key and no HTTP API key; the nodes' folders are gone once the run stops."""
+    import secrets as secrets_
+
+    import zmq.auth
+    from ray.actor import ActorClass, ActorMethod
+
+    from runtime import ray_auth
+    from runtime.ray_node import node_folder
+
+    sent: list[str] = []
+    for cls in (ActorClass, ActorMethod):
+        def recording(self, *args, _original=cls._remote, **kwargs):
+            sent.append(repr((args, kwargs.get("args"), kwargs.get("kwargs"))))
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(cls, "_remote", recording)
+    api_key = f"pipespec-test-{secrets_.token_urlsafe(24)}"
+    config = ray_config(tiny)
+    config["http"] = {"api_key": api_key}
+    target = tiny("llama")
+
+    async def main():
+        async with cluster(config) as client:
+            probes = ray_auth.check_cluster(hosts.ray, insecure=False)
+            status = client.cluster.status()
+            folders = {name: node_folder(n["actor"], create=False) for name, n in status["nodes"].items()}
+            pairs = {name: sorted(str(p.relative_to(f)) for p in f.rglob("*.key*")) for name, f in folders.items()}
+            node_secrets = {name: zmq.auth.load_certificate(next(f.rglob("*.key_secret")))
+                            for name, f in folders.items()}
+            client_dir = os.path.join(client.cluster.run_dir, "keys")
+            client_secret = zmq.auth.load_certificate(os.path.join(client_dir, "clients", "client.key_secret"))[1]
+            result = await client.generate(token_ids=PROMPTS[0], max_new_tokens=16, eos_token_ids=[])
+            return probes, status, folders, pairs, node_secrets, client_secret, result
+
+    probes, status, folders, pairs, node_secrets, client_secret, result = asyncio.run(main())
+    assert result.token_ids == reference_greedy(target, PROMPTS[0], 16)
+    assert len(probes) >= 4 and {p.verdict for p in probes} == {"token"}, probes  # the GCS and 3 raylets
+    assert pairs["verifier"] == ["keys/clients/client.key", "keys/drafters/drafter.key", "keys/server.key",
+                                 "keys/server.key_secret"]
+    assert pairs["drafter"] == ["keys/drafters/drafter.key", "keys/drafters/drafter.key_secret", "keys/server.key"]
+    assert status["server_key"] == node_secrets["verifier"][0]
+    everything = "\n".join(sent)
+    assert sent and "without_http" not in everything
+    for secret in (api_key.encode(), client_secret, *(pair[1] for pair in node_secrets.values())):
+        assert secret and secret.decode() not in everything and repr(secret) not in everything
+    assert not any(f.exists() for f in folders.values()), "a stopped node leaves no keys on its host"
+
+
+PRIVATE = """
+from runtime import ray_auth
+from runtime.ray_launch import connect
+ray = connect(None)
+probes = ray_auth.check_cluster(ray, False)
+print("RESULT", ray.get_runtime_context().gcs_address, ",".join(sorted({p.verdict for p in probes})), flush=True)
+ray.shutdown()
+"""
+
+
+def test_ray_address_null_starts_a_private_cluster_with_token_auth(hosts):
+    """launch.ray_address: null does not join the cluster this machine runs (the tier's, named by RAY_ADDRESS and
+    by Ray's current-cluster file): it starts a Ray of its own, which asks for a token."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+    env.update(PYTHONPATH=str(ROOT), RAY_ADDRESS=hosts.address)
+    out = subprocess.run([sys.executable, "-c", PRIVATE], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    _, gcs, verdicts = next(line for line in out.stdout.splitlines() if line.startswith("RESULT")).split()
+    assert gcs != hosts.address and verdicts == "token", out.stdout
 
 
 def test_nodes_land_where_their_placement_says_and_output_is_greedy(hosts, tiny):

@@ -11,14 +11,15 @@ import sys
 import pytest
 import zmq
 import zmq.asyncio
+import zmq.auth
 
 from runtime import cli, keys, launch, launch_args
 from runtime.client import AsyncClient
 from runtime.config import ConfigError, load_config
 from runtime.node_setup import node_names
 from runtime.placement import Placement, PlacementError, parse_placement
-from runtime.ray_launch import RayLaunchError, check_feasible, key_material, ray_config
-from runtime.ray_node import free_ports, write_keys
+from runtime.ray_launch import RayLaunchError, check_feasible, peer_keys, ray_config, without_http
+from runtime.ray_node import NodeHost, free_ports, make_pair, write_keys
 from shared.protocol import Ping, Pong, decode, encode
 
 pytestmark = pytest.mark.unit
@@ -74,23 +75,59 @@ def test_a_placement_no_live_host_can_hold_is_refused_with_what_hosts_offer() ->
         assert "drafter.placement" in str(err.value) and "10.0.0.3" not in str(err.value)
 
 
-def test_each_node_gets_only_the_keys_it_needs_and_writes_them_privately(tmp_path) -> None:
-    keys.init(tmp_path / "k", clients=["client"], drafters=["drafter"])
-    verifier = key_material(tmp_path / "k", "verifier")
-    drafter = key_material(tmp_path / "k", "drafter")
-    client = key_material(tmp_path / "k", "client")
-    assert set(verifier) == {"server.key", "server.key_secret", "drafters/drafter.key", "clients/client.key"}
-    assert set(drafter) == {"server.key", "drafters/drafter.key", "drafters/drafter.key_secret"}
-    assert set(client) == {"server.key", "clients/client.key", "clients/client.key_secret"}
-    write_keys(tmp_path / "node", drafter)
-    assert (tmp_path / "node").stat().st_mode & 0o777 == 0o700
-    assert (tmp_path / "node" / "drafters" / "drafter.key_secret").stat().st_mode & 0o777 == 0o600
-    assert keys.peer_keys(tmp_path / "node", "drafter", "drafter").public == keys.peer_keys(
-        tmp_path / "k", "drafter", "drafter").public
-    for name in ("../outside.key", str(tmp_path / "outside.key")):  # up and out, or an absolute name
-        with pytest.raises(ValueError, match=r"leaves the keys folder"):
-            write_keys(tmp_path / "evil", {name: b"x"})
-    assert not (tmp_path / "outside.key").exists()
+def test_each_node_makes_its_own_pair_and_is_handed_only_public_keys(tmp_path) -> None:
+    """A node's pair is made in its own 0700 folder (secret 0600) and kept across a restart of its actor on that
+    host; the controller hands each node only public keys: the verifier every drafter's and the client's, a drafter
+    the verifier's; a secret or a name leaving the folder is refused; close() removes the folder."""
+    hosts = {name: NodeHost(name) for name in ("verifier", "drafter", "drafter2")}
+    keys_of = {name: host.public_key("verifier" if name == "verifier" else "drafter") for name, host in hosts.items()}
+    assert len(set(keys_of.values())) == 3 and all(len(k) == 40 for k in keys_of.values())
+    assert hosts["drafter"].public_key("drafter") == keys_of["drafter"], "the pair made once is kept"
+    secret = hosts["verifier"].keys_dir / "server.key_secret"
+    assert secret.stat().st_mode & 0o777 == 0o600 and hosts["verifier"].work_dir.stat().st_mode & 0o777 == 0o700
+    client = make_pair(tmp_path / "client" / "clients", "client")
+    nodes = [(name, "verifier" if name == "verifier" else "drafter", key) for name, key in keys_of.items()]
+    verifier = peer_keys("verifier", nodes, ("client", client))
+    assert verifier == {"drafters/drafter.key": keys_of["drafter"], "drafters/drafter2.key": keys_of["drafter2"],
+                        "clients/client.key": client}
+    assert peer_keys("drafter", nodes, ("client", client)) == {"server.key": keys_of["verifier"]}
+    with pytest.raises(RayLaunchError, match="verifier's public key"):
+        peer_keys("drafter", nodes[1:], ("client", client))
+    write_keys(tmp_path / "node", verifier)
+    assert keys.allowed_count(tmp_path / "node" / "drafters") == 2
+    assert keys.public_key(tmp_path / "node", "client", "client") == client
+    z85_secret = zmq.auth.load_certificate(secret)[1]
+    for name, data in {"../outside.key": client, str(tmp_path / "outside.key"): client,
+                       "server.key_secret": z85_secret, "server.key": b"not a key"}.items():
+        with pytest.raises(ValueError, match=r"leaves the keys folder|only public keys|40 z85 characters"):
+            write_keys(tmp_path / "evil", {name: data})
+    assert not (tmp_path / "outside.key").exists() and not list((tmp_path / "evil").rglob("*_secret"))
+    for host in hosts.values():
+        host.close()
+        assert not host.work_dir.exists(), "a node stopped for good leaves no keys on its host"
+
+
+def test_a_node_folder_is_private_and_refused_when_others_can_open_it(tmp_path, monkeypatch) -> None:
+    import tempfile
+
+    from runtime.ray_node import node_folder
+    from runtime.security import RunDirError
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    first = node_folder("pipespec:drafter:ab12")
+    assert node_folder("pipespec:drafter:ab12") == first, "a restarted actor finds its folder again"
+    assert first.parent.stat().st_mode & 0o777 == 0o700 and ":" not in first.name
+    first.parent.chmod(0o755)
+    with pytest.raises(RunDirError, match="open to other users"):
+        node_folder("pipespec:drafter:cd34")
+
+
+def test_the_http_section_stays_on_the_launching_host() -> None:
+    config = load_config("cpu.yaml", {"launch.backend": "ray", "http.api_key": "k" * 32,
+                                      "http.host": "127.0.0.1"})
+    for shipped in (without_http(config), ray_config(config)):
+        assert "k" * 32 not in repr(shipped) and shipped["http"]["api_key"] is None
+    assert config["http"]["api_key"] == "k" * 32, "the launching host's own config keeps it"
 
 
 def test_free_ports_keep_a_free_preferred_port_and_skip_a_taken_one() -> None:
@@ -173,28 +210,31 @@ def test_a_node_host_serves_the_typed_config_it_was_handed(tiny, tmp_path) -> No
     from conftest import tiny_config
 
     from runtime.config import typed
-    from runtime.ray_node import NodeHost
     from testkit.tiny_models import reference_greedy
 
     target = tiny("llama", "target")
     ports = free_ports("127.0.0.1", 2)
     config = ray_config(load_config(tiny_config(target, target), {
         "verifier.endpoint": f"tcp://127.0.0.1:{ports[0]}", "client.endpoint": f"tcp://127.0.0.1:{ports[1]}"}))
-    keys.init(tmp_path / "keys", clients=["client"], drafters=["drafter"])
     shipped = pickle.loads(pickle.dumps(typed(config)))  # what Ray hands the actor
     hosts = {role: NodeHost(role) for role in ("verifier", "drafter")}
+    public = {role: host.public_key(role) for role, host in hosts.items()}
+    client = make_pair(tmp_path / "client" / "clients", "client")
+    nodes = [(role, role, key) for role, key in public.items()]
     done: dict[str, object] = {}
 
     def serve(role: str) -> None:
         try:
-            done[role] = hosts[role].serve(role, shipped, key_material(tmp_path / "keys", role))
+            peers = pickle.loads(pickle.dumps(peer_keys(role, nodes, ("client", client))))
+            assert all(len(v) == 40 for v in peers.values()), "only public keys cross"
+            done[role] = hosts[role].serve(role, shipped, peers)
         except Exception as exc:  # reported below
             done[role] = exc
 
     threads = [threading.Thread(target=serve, args=(role,), daemon=True) for role in hosts]
     for t in threads:
         t.start()
-    write_keys(tmp_path / "client", key_material(tmp_path / "keys", "client"))
+    write_keys(tmp_path / "client", {"server.key": public["verifier"]})
 
     async def main():
         async with AsyncClient(config["client"]["endpoint"], timeout_s=60,
@@ -209,7 +249,7 @@ def test_a_node_host_serves_the_typed_config_it_was_handed(tiny, tmp_path) -> No
         result = asyncio.run(main())
     finally:
         for host in hosts.values():
-            host.stop()
+            host.close()
         for t in threads:
             t.join(30)
     assert result.token_ids == reference_greedy(target, [5, 17, 33], 8)

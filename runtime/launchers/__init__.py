@@ -115,7 +115,8 @@ async def following(launcher: Launcher, started: Started, client: AsyncClient) -
                 if address != client.address:
                     logging.getLogger("pipespec.launch").warning("the verifier moved to %s; the client follows",
                                                                  address)
-                    await client.retarget(address)
+                    key = getattr(launcher, "client_server_key", lambda: None)()  # a verifier on a new host
+                    await client.retarget(address, server_key=key)
             except Exception as exc:  # a launcher that cannot answer now is asked again next time
                 logging.getLogger("pipespec.launch").warning("following the verifier: %s", exc)
 
