@@ -553,8 +553,12 @@ def test_one_tenants_slow_compiles_neither_delay_nor_inform_another(wide):
         a_done = time.perf_counter() - sent
         assert plain < quiet + 2.0, f"B's plain request took {plain:.2f} s with A's compiles queued ({quiet:.2f} quiet)"
         assert b_done < a_done / 2, f"B was served in {b_done:.2f} s, A's compile took {a_done:.2f} s"
-        assert structured < 3.0 and a_done >= 4.0  # B's compile did not wait for A's
-        assert a.last(queued[0]).code == "bad_request" and "grammar_compile_timeout_s" in a.last(queued[0]).message
+        assert structured < 3.0, f"B's compile took {structured:.2f} s while A's ran"  # it did not wait for A's
+        # A's compile ends at its deadline, or at the child's memory limit where this host compiles it fast enough
+        # to reach that first; either way the spec is remembered
+        over = a.last(queued[0])
+        assert over.code == "bad_request" and ("grammar_compile_timeout_s" in over.message
+                                               or "more memory than the compiler process" in over.message), over
         assert a.last(queued[1]) == Done(request_id=queued[1], token_ids=[], text="", metrics={},
                                          finish_reason="cancelled")
         # --- a timed-out spec is refused at once for its tenant (tests above: for that tenant only)

@@ -55,7 +55,12 @@ CHILD_ENV_KEEP = ("PATH", "LD_LIBRARY_PATH", "LANG", "LANGUAGE", "TZ", "TMPDIR",
 _LEN = struct.Struct(">I")
 
 
-class CompileTimeout(ParamError):
+class CompileOverBudget(ParamError):
+    """A compile ran past its deadline or its memory limit (the child was killed); the request's 400. The spec is
+    remembered and refused at once for a while (:class:`verifier_node.request_prep.TimedOutSpecs`)."""
+
+
+class CompileTimeout(CompileOverBudget):
     """A compile ran past its deadline (the child was killed); the request's 400."""
 
 
@@ -171,6 +176,9 @@ class GrammarChild:
             raise CompileTimeout(f"{spec.kind}: compiling it took longer than verifier.grammar_compile_timeout_s "
                                  f"({self.timeout_s:g} s); simplify the schema or grammar")
         status, payload = reply[:1], reply[1:].decode("utf-8", "replace")
+        if status == b"M":  # past its memory limit: a fresh child (the spare) for the next compile
+            self.close()
+            raise CompileOverBudget(payload[:1000])
         if status != b"K":
             raise ParamError(payload[:1000] if status == b"E" else f"{spec.kind}: the grammar engine failed on it")
         return self.xgr.CompiledGrammar.deserialize_json(payload, self.info)
@@ -323,12 +331,14 @@ def _child_main() -> None:
         try:
             compiled = compiler.compile_uncached(GrammarSpec(kind, request["value"], bool(request.get("strict", True))))
             _write_raw(out, b"K" + compiled.serialize_json().encode())
-        except (ParamError, MemoryError) as exc:  # xgrammar's std::bad_alloc: past the memory limit
-            memory = isinstance(exc, MemoryError) or "bad_alloc" in str(exc)
-            _write_raw(out, b"E" + (f"{kind}: compiling it needs more memory than the compiler process may use; "
-                                    "simplify it" if memory else str(exc)).encode())
         except Exception as exc:  # any failure is this spec's, reported to its request
-            _write_raw(out, b"E" + f"{kind}: the grammar engine failed on it: {exc!r:.300}".encode())
+            if isinstance(exc, MemoryError) or "bad_alloc" in str(exc):  # xgrammar's std::bad_alloc: the limit
+                _write_raw(out, f"M{kind}: compiling it needs more memory than the compiler process may use "
+                                f"(verifier_node/grammar_child.py); simplify it".encode())
+            elif isinstance(exc, ParamError):
+                _write_raw(out, b"E" + str(exc).encode())
+            else:
+                _write_raw(out, b"E" + f"{kind}: the grammar engine failed on it: {exc!r:.300}".encode())
 
 
 if __name__ == "__main__":

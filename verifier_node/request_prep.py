@@ -39,7 +39,7 @@ import zmq
 
 from shared.protocol import Generate, ProtocolError
 from shared.sampling import GenerationParams, GrammarSpec, ParamError
-from verifier_node.grammar_child import CompileTimeout
+from verifier_node.grammar_child import CompileOverBudget
 from verifier_node.schema_check import (  # noqa: F401 - the bounds are part of this module's interface
     MAX_SCHEMA_DEPTH,
     MAX_SCHEMA_NODES,
@@ -315,7 +315,7 @@ class RequestPrep:
         except ProtocolError as exc:
             job.error = exc
         except ParamError as exc:
-            if isinstance(exc, CompileTimeout) and job.params.grammar_spec is not None:
+            if isinstance(exc, CompileOverBudget) and job.params.grammar_spec is not None:
                 self.timed_out.add(job.scope, job.params.grammar_spec, str(exc))
             job.error = ProtocolError(str(exc), "bad_request", job.msg.request_id)
         except Exception as exc:  # a bug fails this request, never the worker
