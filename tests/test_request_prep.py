@@ -247,8 +247,11 @@ def test_cancelled_jobs_leave_the_queues_with_their_payloads():
 
 def test_one_tenant_holds_at_most_half_the_pending_places():
     gate = threading.Event()
-    prep = RequestPrep(lambda job: gate.wait(30), lambda job: None, 4)
+    alone = RequestPrep(lambda job: gate.wait(30), lambda job: None, 4)  # a single user: every place is its own
+    prep = RequestPrep(lambda job: gate.wait(30), lambda job: None, 4, tenants=2)
     try:
+        for rid in range(4):
+            alone.submit(_job(rid, None))
         prep.submit(_job(1, "A"))
         prep.submit(_job(2, "A"))
         with pytest.raises(ProtocolError) as busy:
@@ -263,6 +266,7 @@ def test_one_tenant_holds_at_most_half_the_pending_places():
     finally:
         gate.set()
         prep.close()
+        alone.close()
 
 
 def test_timed_out_specs_are_refused_at_once_for_their_tenant_only(monkeypatch):

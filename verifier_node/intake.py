@@ -95,7 +95,7 @@ class RequestIntake:
         self._grammar_lock = threading.Lock()  # the compile workers build self.grammars once
         # Tokenising and grammar compiles run off the loop, fair per tenant; a finished one wakes it (prep.socket).
         self.prep = RequestPrep(self.prepare_prompt, self.prepare_grammar, settings.max_pending_requests,
-                                hook=prep_hook)
+                                hook=prep_hook, tenants=settings.tenants)
         self.session_cap = settings.max_sessions_per_tenant  # a tenant's sessions (None: max_sessions only)
         if self.session_cap is None and settings.tenants >= 2:
             self.session_cap = fair_share(settings.max_sessions, settings.tenants)

@@ -14,10 +14,10 @@ fed by a :class:`FairQueue` (one queue per tenant, taken round robin, at most on
    process of its own (:mod:`verifier_node.grammar_child`, a warm spare ready for one that is killed). A tenant with
    slow specs queued waits for its own compiles; another tenant's take the other worker.
 
-At most ``verifier.max_pending_requests`` requests are pending (more get ``busy``), and one tenant at most half of
-them, so another tenant always finds room. A compile past ``verifier.grammar_compile_timeout_s`` fails its request
-with a 400, and the same spec from the same tenant (kept by a hash, per tenant: another tenant learns nothing from
-it) is refused at once, without compiling, for :data:`TIMED_OUT_REFUSE_S` (at most :data:`TIMED_OUT_KEPT` specs kept).
+At most ``verifier.max_pending_requests`` requests are pending (more get ``busy``), and where two or more tenants
+share the verifier (``verifier.tenants``) one tenant at most half of them, so another tenant always finds room. A
+compile past ``verifier.grammar_compile_timeout_s`` fails its request with a 400, and the same spec from the same
+tenant (kept by a hash, per tenant: another tenant learns nothing from it) is refused at once, without compiling, for :data:`TIMED_OUT_REFUSE_S` (at most :data:`TIMED_OUT_KEPT` specs kept).
 The workers wake the loop through an inproc PAIR socket in the loop's poller, and the loop admits the finished
 request (:mod:`verifier_node.admission`) or sends its error.
 """
@@ -184,9 +184,10 @@ class RequestPrep:
 
     def __init__(self, tokenise: Callable[[PrepJob], None], compile: Callable[[PrepJob], None], max_pending: int,
                  *, hook: Callable[[PrepJob], None] | None = None, ctx: zmq.Context | None = None,
-                 threads: int = PREP_THREADS, compile_workers: int = COMPILE_WORKERS):
+                 threads: int = PREP_THREADS, compile_workers: int = COMPILE_WORKERS, tenants: int = 1):
         self.tokenise, self.compile = tokenise, compile
         self.max_pending = max_pending
+        self.tenants = tenants  # >= 2: one tenant holds at most half of max_pending (a single user holds them all)
         self.hook = hook
         self.timed_out = TimedOutSpecs()
         self.pending: dict[tuple[bytes, int], PrepJob] = {}
@@ -211,12 +212,13 @@ class RequestPrep:
 
     @property
     def tenant_limit(self) -> int:
-        """Requests one tenant may have pending: half of ``max_pending`` (at least one)."""
-        return max(1, self.max_pending // 2)
+        """Requests one tenant may have pending: half of ``max_pending`` (at least one) where two or more tenants
+        share the verifier, else all of them."""
+        return max(1, self.max_pending // 2) if self.tenants >= 2 else self.max_pending
 
     # ------------------------------------------------------------------ on the loop
     def submit(self, job: PrepJob) -> None:
-        """Queue ``job``; ``busy`` past ``max_pending`` requests or the tenant's half of them, ``bad_request`` for
+        """Queue ``job``; ``busy`` past ``max_pending`` requests or the tenant's share of them, ``bad_request`` for
         a spec of this tenant that ran past its compile deadline lately."""
         rid = job.msg.request_id
         if len(self.pending) >= self.max_pending:
