@@ -17,9 +17,10 @@ fed by a :class:`FairQueue` (one queue per tenant, taken round robin, at most on
 At most ``verifier.max_pending_requests`` requests are pending (more get ``busy``), and where two or more tenants
 share the verifier (``verifier.tenants``) one tenant at most half of them, so another tenant always finds room. A
 compile past ``verifier.grammar_compile_timeout_s`` fails its request with a 400, and the same spec from the same
-tenant (kept by a hash, per tenant: another tenant learns nothing from it) is refused at once, without compiling, for :data:`TIMED_OUT_REFUSE_S` (at most :data:`TIMED_OUT_KEPT` specs kept).
-The workers wake the loop through an inproc PAIR socket in the loop's poller, and the loop admits the finished
-request (:mod:`verifier_node.admission`) or sends its error.
+tenant (kept by a hash, per tenant: another tenant learns nothing from it) is refused at once, without compiling, for
+:data:`TIMED_OUT_REFUSE_S` (at most :data:`TIMED_OUT_KEPT` specs kept). The workers wake the loop through an inproc
+PAIR socket in the loop's poller, and the loop admits the finished request (:mod:`verifier_node.admission`) or sends
+its error.
 """
 
 from __future__ import annotations
