@@ -114,8 +114,13 @@ def pick_token(logits: torch.Tensor, ids: list[int], params: GenerationParams, p
     logits processing (on the target's ``vocab_size`` columns: a drafter head may be padded wider), then
     :func:`choose`."""
     # Only the repetition, presence and frequency penalties read the context: without them, skip a tensor of the
-    # whole sequence per token.
-    context = torch.tensor(ids) if params.needs_context else _NO_CONTEXT
+    # whole sequence per token; the last two read only the generated tokens.
+    if params.repetition_penalty != 1.0:
+        context = torch.tensor(ids)
+    elif params.needs_context:
+        context = torch.tensor(ids[prompt_len:])
+    else:
+        context = _NO_CONTEXT
     scores = process_logits(logits[:vocab_size], context, params, len(ids) - prompt_len)
     return choose(scores, params, len(ids), q_top_m, greedy_q)
 
