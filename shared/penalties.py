@@ -83,9 +83,10 @@ def reads_context(presence: float, frequency: float) -> bool:
 
 
 def bias_tensors(logit_bias: dict[str, float]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The bias map as (token ids, float32 biases), for one ``index_add_`` per row."""
-    ids = torch.tensor([int(k) for k in logit_bias], dtype=torch.long)
-    values = torch.tensor(list(logit_bias.values()), dtype=torch.float32)
+    """The bias map as (token ids, float32 biases), ids ascending, for one ``index_add_`` per row."""
+    items = sorted((int(k), float(v)) for k, v in logit_bias.items())
+    ids = torch.tensor([k for k, _ in items], dtype=torch.long)
+    values = torch.tensor([v for _, v in items], dtype=torch.float32)
     return ids, values
 
 
@@ -95,7 +96,7 @@ def apply_penalties(scores: torch.Tensor, context: torch.Tensor, num_generated: 
 
     ``context`` ends with the ``num_generated`` generated tokens (whatever precedes them — the prompt, or nothing
     where the caller kept the copy short — is not read); ids beyond the row (a drafter row cut to its own
-    vocabulary) are not counted. ``bias``: :func:`bias_tensors` of the map, ids inside the row."""
+    vocabulary) are not counted. ``bias``: :func:`bias_tensors` of the map (ids beyond the row are skipped)."""
     if reads_context(presence, frequency) and num_generated > 0 and context.numel():
         generated = context[max(context.numel() - num_generated, 0):].to(scores.device)
         generated = generated[generated < scores.numel()]
@@ -105,5 +106,9 @@ def apply_penalties(scores: torch.Tensor, context: torch.Tensor, num_generated: 
         if frequency != 0.0:
             scores -= frequency * counts
     if bias is not None and bias[0].numel():
-        scores.index_add_(0, bias[0].to(scores.device), bias[1].to(scores.device))
+        ids, values = bias
+        if int(ids[-1]) >= scores.numel():  # ids are sorted; a row narrower than the verifier's vocabulary (a
+            keep = ids < scores.numel()  # drafter's) takes the ids it has rather than failing the session
+            ids, values = ids[keep], values[keep]
+        scores.index_add_(0, ids.to(scores.device), values.to(scores.device))
     return scores

@@ -24,6 +24,7 @@ import torch
 from conftest import start_cluster, tiny_config
 from sampling_check import TV_BOUND, check_lossless_sampling, exact_joint, tv
 from test_http import _expected, _openai, server  # noqa: F401 (server: the module-scoped HTTP server fixture)
+from test_universal import encode, make_drafter, pairs  # noqa: F401 (pairs: tokenizers and models, a fixture)
 from transformers import (
     LogitsProcessor,
     LogitsProcessorList,
@@ -99,6 +100,9 @@ def test_penalties_and_bias_against_a_hand_computed_row():
     # nothing generated yet: only the bias
     p = GenerationParams(presence_penalty=2.0, frequency_penalty=2.0, logit_bias={"0": 3.0})
     assert process_logits(logits, context, p, 0).tolist() == [3, 1, 2, 3, 4, 5, 6, 7]
+    # a row narrower than the vocabulary the ids were checked against (a drafter's) takes the ids it has
+    p = GenerationParams(logit_bias={"2": 1.0, "6": 5.0, "9": 1.0})
+    assert process_logits(logits[:4], context, p, 0).tolist() == [0, 1, 3, 3]
 
 
 @pytest.mark.unit
@@ -199,6 +203,27 @@ def test_http_fields_map_and_refuse():
         with pytest.raises(OpenAIError) as info:
             check_supported(req)
         assert info.value.status == 400 and info.value.param == "logit_bias"
+
+
+@pytest.mark.cluster
+def test_universal_drafter_moves_the_bias_onto_its_vocabulary(pairs):  # noqa: F811 (the imported fixture)
+    """A drafter with another tokenizer: greedy drafting in its own vocabulary gets the bias on the counterpart id
+    (a target id applied there as it is would name another token), sampled drafting on the target's ids."""
+    drafter = make_drafter(pairs, "other")
+    prompt = encode(pairs["target"], "def add(a, b):")
+    t2d = drafter.vocab.t2d
+    target_id = next(t for t, d in sorted(t2d.items()) if t != d and t > 10 and t < drafter.draft_vocab_size)
+    params = {"presence_penalty": 1.0, "frequency_penalty": 0.5, "logit_bias": {str(target_id): 100.0},
+              "eos_token_ids": []}
+    greedy = drafter.open_session(prompt, len(prompt), GenerationParams.from_dict(params), {})
+    assert greedy.draft_params.logit_bias == {str(t2d[target_id]): 100.0}
+    context = len(drafter.encode_draft(drafter.target_tokenizer.decode(prompt)))  # the drafter's prompt tokens
+    greedy.propose(2)
+    assert greedy.d_ids[context] == t2d[target_id]  # +100 on the counterpart: its argmax
+    sampled = drafter.open_session(prompt, len(prompt), GenerationParams.from_dict(
+        {**params, "do_sample": True, "seed": 5}), {})
+    assert sampled.propose(3) == 3
+    assert [d.token for d in sampled.chain] == [target_id] * 3  # +100 on the target's own id: q is all on it
 
 
 # ------------------------------------------------------------------------------------------------ cluster
