@@ -23,7 +23,6 @@ import pytest
 import torch
 from conftest import start_cluster, tiny_config
 from sampling_check import TV_BOUND, check_lossless_sampling, exact_joint, tv
-from test_http import _expected, _openai, server  # noqa: F401 (server: the module-scoped HTTP server fixture)
 from test_universal import encode, make_drafter, pairs  # noqa: F401 (pairs: tokenizers and models, a fixture)
 from transformers import (
     LogitsProcessor,
@@ -34,10 +33,12 @@ from transformers import (
     TopKLogitsWarper,
 )
 
+from benchmarks.http_overhead import free_port
 from drafter_node.lm_drafter import pick_token
 from drafter_node.universal import draft_bias
 from http_server.errors import OpenAIError
 from http_server.schemas import ChatRequest, CompletionRequest, check_supported
+from runtime.launch import serve_http
 from shared.sampling import GenerationParams, ParamError, process_block, process_logits
 from testkit.tiny_models import _reference_model
 from verifier_node.tree import DraftTree, process_tree
@@ -294,41 +295,62 @@ def test_sampling_with_penalties_is_the_penalised_targets(sharp_pair):
 
 
 # ------------------------------------------------------------------------------------------------ HTTP
-@pytest.mark.cluster
-def test_http_penalties_equal_async_client(server):  # noqa: F811 (the imported fixture)
-    client = _openai(server)
-    fields = {"presence_penalty": 1.2, "frequency_penalty": 0.6, "logit_bias": {"50": 5, "60": -100},
-              "repetition_penalty": 1.3}
-    params = {**fields, "logit_bias": {50: 5, 60: -100}}  # the Python client takes int keys
-    prompt = "def add(a, b):"
-    plain, want, want_min = _expected(server, [
-        {"prompt": prompt, "max_new_tokens": 16},
-        {"prompt": prompt, "max_new_tokens": 16, **params},
-        {"prompt": prompt, "max_new_tokens": 16, **params, "min_new_tokens": 16},
-    ])
-    assert want.token_ids != plain.token_ids
-    r = client.completions.create(model=server.model, prompt=prompt, max_tokens=16, temperature=0,
-                                  **{k: v for k, v in fields.items() if k != "repetition_penalty"},
-                                  extra_body={"repetition_penalty": 1.3})
-    assert r.choices[0].text == want.text and r.usage.completion_tokens == len(want.token_ids)
-    r = client.completions.create(model=server.model, prompt=prompt, max_tokens=16, temperature=0,
-                                  extra_body={**fields, "min_tokens": 16})
-    assert r.choices[0].text == want_min.text and r.usage.completion_tokens == 16
-
-
-@pytest.mark.cluster
-@pytest.mark.parametrize("kwargs,param", [
+#: (extra fields, the param the 400 names); the last three are refused by the verifier (it knows the vocabulary)
+BAD_HTTP = [
     ({"presence_penalty": 2.5}, "presence_penalty"),
     ({"frequency_penalty": -3}, "frequency_penalty"),
     ({"logit_bias": {"abc": 1}}, "logit_bias"),
     ({"logit_bias": {"5": 101}}, "logit_bias"),
-    ({"logit_bias": {"99999": 1}}, "logit_bias"),  # outside the tiny vocabulary: the verifier's refusal
-    ({"extra_body": {"min_tokens": -1}}, "min_tokens"),
-    ({"extra_body": {"min_tokens": 2, "response_format": {"type": "json_object"}}}, "min_tokens"),
-])
-def test_http_bad_penalties_are_400s_naming_the_field(server, kwargs, param):  # noqa: F811
-    with pytest.raises(openai.BadRequestError) as info:
-        _openai(server).chat.completions.create(model=server.model, max_tokens=4, temperature=0,
-                                                messages=[{"role": "user", "content": "hi"}], **kwargs)
-    assert info.value.status_code == 400
-    assert info.value.body["param"] == param, info.value.body
+    ({"logit_bias": {str(i): 1 for i in range(1025)}}, "logit_bias"),
+    ({"min_tokens": -1}, "min_tokens"),
+    ({"logit_bias": {"99999": 1}}, "logit_bias"),  # outside the tiny vocabulary (160)
+    ({"min_tokens": 2, "response_format": {"type": "json_object"}}, "min_tokens"),
+]
+
+
+@pytest.mark.cluster
+def test_http_penalties_equal_async_client_and_bad_values_are_400s(tiny):
+    """The real HTTP server (the launcher's serve_http, on an in-process cluster: one start for every check here)
+    and the openai package: the fields give AsyncClient.generate's text; bad values are 400s naming the field."""
+    config = tiny_config(tiny("llama", "target"), tiny("llama", "random"), num_draft_tokens=3)
+    config["http"] = {"host": "127.0.0.1", "port": free_port()}
+    fields = {"presence_penalty": 1.2, "frequency_penalty": 0.6, "logit_bias": {"50": 5, "60": -100},
+              "repetition_penalty": 1.3}
+    params = {**fields, "logit_bias": {50: 5, 60: -100}}  # the Python client takes int keys
+    prompt = "def add(a, b):"
+
+    async def main():
+        async with start_cluster(config) as client, serve_http(client, client.config) as http:
+            plain, want, want_min = await asyncio.gather(
+                client.generate(prompt=prompt, max_new_tokens=16),
+                client.generate(prompt=prompt, max_new_tokens=16, **params),
+                client.generate(prompt=prompt, max_new_tokens=16, min_new_tokens=16, **params))
+            async with openai.AsyncOpenAI(base_url=f"{http.url}/v1", api_key="unused", max_retries=0,
+                                          timeout=60) as oai:
+                model = http.model_name
+                got = await oai.completions.create(  # the openai package's own arguments, where it has them
+                    model=model, prompt=prompt, max_tokens=16, temperature=0, presence_penalty=1.2,
+                    frequency_penalty=0.6, logit_bias={"50": 5, "60": -100}, extra_body={"repetition_penalty": 1.3})
+                got_min = await oai.chat.completions.create(
+                    model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=16, temperature=0,
+                    extra_body={**fields, "min_tokens": 16})
+                refusals = []
+                for extra, _ in BAD_HTTP:
+                    try:
+                        await oai.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
+                                                          max_tokens=4, temperature=0, extra_body=extra)
+                        refusals.append(None)
+                    except openai.BadRequestError as exc:
+                        refusals.append(exc.body)
+            chat_min = await client.generate(messages=[{"role": "user", "content": "hi"}], max_new_tokens=16,
+                                             min_new_tokens=16, **params)
+            return plain, want, want_min, got, got_min, chat_min, refusals
+
+    plain, want, want_min, got, got_min, chat_min, refusals = asyncio.run(main())
+    assert want.token_ids != plain.token_ids  # the parameters change the text: equality below means something
+    assert got.choices[0].text == want.text and got.usage.completion_tokens == len(want.token_ids)
+    assert len(want_min.token_ids) == 16
+    assert got_min.choices[0].message.content == chat_min.text and got_min.usage.completion_tokens == 16
+    for (extra, param), body in zip(BAD_HTTP, refusals):
+        assert body is not None, f"{extra} was served"
+        assert body["param"] == param and body["type"] == "invalid_request_error", body
