@@ -286,9 +286,9 @@ def process_logits(
     ``context`` holds every token before the predicted position (prompt and generated), as transformers'
     ``input_ids`` would (where no repetition penalty reads it, the generated tokens alone or nothing do: presence
     and frequency penalty read its last ``num_generated``); ``num_generated`` is how many new tokens precede the
-    predicted one. ``allowed`` (bool, one
-    per logit): a grammar's mask, applied after the processors and before the warpers — where transformers runs a
-    ``logits_processor=`` passed to ``generate`` (so top-k and top-p choose among allowed tokens).
+    predicted one. ``allowed`` (bool, one per logit): a grammar's mask, applied after the processors and before the
+    warpers — where transformers runs a ``logits_processor=`` passed to ``generate`` (so top-k and top-p choose
+    among allowed tokens).
     """
     scores = logits.float().clone()
     if params.repetition_penalty != 1.0 and context.numel():
