@@ -8,7 +8,7 @@
   is token-identical to transformers' ``generate`` on the target alone with the same processors;
 * statistical: sampling with the penalties lands within the bound of the exact penalised joint, while the
   unpenalised target's joint and the penalised drafter's (what a verifier that skipped the penalties or accepted
-  every draft would give) are far outside it;
+  every draft would give) are far outside it, and a measured run through an accept-all verifier is too;
 * HTTP: the fields through the real server and the ``openai`` package equal ``AsyncClient.generate`` with the same
   parameters; bad values are 400s naming the field.
 """
@@ -22,7 +22,7 @@ import openai
 import pytest
 import torch
 from conftest import start_cluster, tiny_config
-from sampling_check import TV_BOUND, check_lossless_sampling, exact_joint, tv
+from sampling_check import TV_BOUND, check_lossless_sampling, exact_joint, sample_pairs, tv
 from test_universal import encode, make_drafter, pairs  # noqa: F401 (pairs: tokenizers and models, a fixture)
 from transformers import (
     LogitsProcessor,
@@ -292,6 +292,10 @@ def test_sampling_with_penalties_is_the_penalised_targets(sharp_pair):
     assert tv(wrong["the unpenalised target's joint"], exact) > 2 * TV_BOUND
     config = tiny_config(target, drafter, num_draft_tokens=3, q_top_k=0)
     check_lossless_sampling(config, exact, wrong=wrong, params=SAMPLED)
+    # and measured: the same requests through a verifier that accepts every draft land far outside the bound
+    control = asyncio.run(sample_pairs(config, hooks={"verifier": "accept_all"}, params=SAMPLED))
+    print(f"accept-all control with penalties: TV {tv(control.joint, exact):.3f}")
+    assert control.accepted == control.drafted and tv(control.joint, exact) > 2 * TV_BOUND
 
 
 # ------------------------------------------------------------------------------------------------ HTTP
