@@ -66,7 +66,10 @@ def from_pipespec(exc: PipespecError | TimeoutError) -> OpenAIError:
     status, kind = _STATUS_BY_CODE.get(exc.code, (500, "server_error"))
     headers = {"Retry-After": "1"} if status in (429, 503) else None
     message = busy_message(str(exc)) if exc.code == "busy" else str(exc)
-    return OpenAIError(status, message, type=kind, code=exc.code, headers=headers)
+    from http_server.penalties import param_of  # here: that module raises through this one's bad_request
+
+    param = param_of(message) if exc.code == "bad_request" else None  # e.g. a logit_bias id outside the vocabulary
+    return OpenAIError(status, message, type=kind, param=param, code=exc.code, headers=headers)
 
 
 #: What a ``busy`` refusal says over HTTP: which limit, never how much of it others hold (the verifier's own text

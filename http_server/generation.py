@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from http_server.penalties import penalty_params
 from http_server.schemas import ChatRequest, CompletionRequest
 from http_server.stop import StopMatcher
 from runtime.client import AsyncClient, Chunk, GenerationResult
@@ -29,7 +30,7 @@ def generation_params(req: CompletionRequest | ChatRequest, default_max_tokens: 
         params["temperature"] = temperature
         params["top_p"] = req.top_p
         params["top_k"] = req.top_k if req.top_k and req.top_k > 0 else None
-    params["repetition_penalty"] = req.repetition_penalty
+    params.update(penalty_params(req))  # repetition / presence / frequency penalty, logit_bias, min_tokens
     spec = req.grammar_spec()
     if spec is not None:
         params["grammar"] = spec.to_wire()

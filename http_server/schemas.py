@@ -6,11 +6,13 @@ Field policy (documented in docs/http.md):
 - implemented: ``model``, ``prompt`` / ``messages`` (a message's ``name`` goes to the chat template),
   ``max_tokens`` / ``max_completion_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop``, ``stream``,
   ``stream_options.include_usage``, and pipespec's own ``top_k`` and ``repetition_penalty``;
+- penalties and bias (http_server/penalties.py): ``presence_penalty``, ``frequency_penalty``, ``logit_bias`` and
+  vLLM's ``min_tokens``;
 - structured output, one constraint per request: ``response_format`` (``text``, ``json_object``, ``json_schema``
   with its ``strict``), vLLM's ``structured_outputs`` (``json``, ``regex``, ``grammar``, ``choice``) and its older
   ``guided_json``, ``guided_regex``, ``guided_grammar``, ``guided_choice``; not together with ``stop``;
 - accepted when they ask for nothing (their default): ``n: 1``, ``best_of: 1``, ``echo: false``, ``logprobs``
-  false / null, ``presence_penalty`` / ``frequency_penalty`` 0, ``logit_bias`` empty; accepted and ignored:
+  false / null; accepted and ignored:
   ``user``, ``metadata``, ``store``, ``service_tier``;
 - anything else — a known OpenAI field pipespec lacks (``tools``, ``suffix``, …) or an unknown name (a typo) — is a
   400 naming the field: a request is never served with part of it dropped.
@@ -23,6 +25,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 from http_server.errors import bad_request
+from http_server.penalties import check_penalty_fields
+from shared.penalties import MAX_PENALTY
 from shared.sampling import (
     MAX_NEW_TOKENS,
     MAX_REPETITION_PENALTY,
@@ -85,9 +89,11 @@ class _Request(BaseModel):
     best_of: StrictInt | None = None
     echo: StrictBool | None = None
     logprobs: Any = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    # penalties and bias (http_server/penalties.py; logit_bias's keys and values checked in check_supported)
+    presence_penalty: Annotated[float, Field(ge=-MAX_PENALTY, le=MAX_PENALTY, allow_inf_nan=False)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-MAX_PENALTY, le=MAX_PENALTY, allow_inf_nan=False)] | None = None
     logit_bias: dict[str, Any] | None = None
+    min_tokens: Annotated[StrictInt, Field(ge=0, le=MAX_NEW_TOKENS)] | None = None  # vLLM's name: min_new_tokens
     # structured output (one constraint at most; see grammar_spec)
     response_format: dict[str, Any] | None = None
     structured_outputs: StructuredOutputs | None = None
@@ -170,7 +176,6 @@ class ChatRequest(_Request):
 #: field → the value that asks for nothing (a request may send it; any other value is a 400)
 _ONLY_DEFAULT: dict[str, tuple[Any, ...]] = {
     "n": (None, 1), "best_of": (None, 1), "echo": (None, False), "logprobs": (None, False),
-    "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
 }
 
 
@@ -181,8 +186,7 @@ def check_supported(req: _Request) -> None:
         if not any(value is a or (value == a and type(value) is type(a)) for a in allowed):
             raise bad_request(f"{name}={value!r} is not supported by pipespec (only {allowed[-1]!r})", param=name,
                               code="unsupported_parameter")
-    if req.logit_bias:
-        raise bad_request("logit_bias is not supported by pipespec", param="logit_bias", code="unsupported_parameter")
+    check_penalty_fields(req)
     spec = req.grammar_spec()  # a malformed or doubled constraint is a 400 before anything runs
     if spec is not None and req.stop_strings():
         # A stop string cuts the text wherever it appears, so the output would end short of what the constraint

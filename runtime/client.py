@@ -82,7 +82,7 @@ class GenerationResult:
 
 _PARAM_NAMES = (
     "max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "repetition_penalty", "min_new_tokens",
-    "eos_token_ids", "stop_token_ids", "seed",
+    "eos_token_ids", "stop_token_ids", "seed", "presence_penalty", "frequency_penalty", "logit_bias",
 )
 #: Structured output (one at most): turned into the ``grammar`` parameter by shared.sampling.structured_output.
 _CONSTRAINT_NAMES = ("response_format", "json_schema", "regex", "grammar", "choice")
@@ -389,7 +389,9 @@ class AsyncClient:
         """Generate from exactly one of ``prompt``, ``token_ids`` or ``messages`` (chat, templated by the target).
 
         Parameters: ``max_new_tokens``, ``do_sample``, ``temperature``, ``top_k``, ``top_p``,
-        ``repetition_penalty``, ``min_new_tokens``, ``eos_token_ids``, ``stop_token_ids``, ``seed``.
+        ``repetition_penalty``, ``min_new_tokens``, ``eos_token_ids``, ``stop_token_ids``, ``seed``, and OpenAI's
+        ``presence_penalty`` / ``frequency_penalty`` (in [-2, 2], over the generated tokens) and ``logit_bias``
+        (token id, an int or its decimal text, → bias in [-100, 100]); ranges and processing order: docs/client.md.
         Structured output, one at most (docs/client.md): ``response_format`` (OpenAI's: ``{"type": "json_object"}``
         or ``{"type": "json_schema", "json_schema": {"name", "schema"}}``), ``json_schema`` (a dict or JSON
         text), ``regex``, ``grammar`` (EBNF) or ``choice`` (a list of strings).
@@ -425,6 +427,11 @@ class AsyncClient:
         if unknown:
             raise TypeError(f"unknown generation parameter(s): {', '.join(unknown)}")
         params = self._with_grammar(params)
+        if isinstance(params.get("logit_bias"), dict):  # the wire's maps take text keys (JSON's form): 42 -> "42"
+            bias = {str(k) if type(k) is int else k: v for k, v in params["logit_bias"].items()}
+            if not all(isinstance(k, str) for k in bias):
+                raise PipespecError("logit_bias keys must be token ids (integers)", "bad_request")
+            params["logit_bias"] = bias
         if self._sock is None:
             raise RuntimeError("use the client inside 'async with AsyncClient(address) as client:'")
         if self.max_message_bytes is None:  # first request (or first since the verifier went): learn its cap

@@ -357,8 +357,14 @@ class Session:
         if plan.tree is not None:
             return self._finish_tree(plan, logits, forward_s, batch_sessions, batch_tokens)
         base_len, remaining, draft, q = plan.base_len, plan.remaining, plan.draft, plan.q
-        # The whole sequence as a tensor only where a repetition penalty reads it (an O(length) copy per round)
-        prefix = torch.tensor(self.tokens, dtype=torch.long) if self.params.repetition_penalty != 1.0 else _NO_TOKENS
+        # The whole sequence as a tensor only where a repetition penalty reads it (an O(length) copy per round); the
+        # generated tokens alone where only presence / frequency penalties do (they skip the prompt)
+        if self.params.repetition_penalty != 1.0:
+            prefix = torch.tensor(self.tokens, dtype=torch.long)
+        elif self.params.needs_context:
+            prefix = torch.tensor(self.tokens[self.prompt_len:], dtype=torch.long)
+        else:
+            prefix = _NO_TOKENS
         masks = plan.grammar.masks if plan.grammar is not None else None
         scores = process_block(
             logits, prefix, torch.tensor(draft, dtype=torch.long), self.params, base_len - self.prompt_len, masks
