@@ -6,11 +6,13 @@ Field policy (documented in docs/http.md):
 - implemented: ``model``, ``prompt`` / ``messages`` (a message's ``name`` goes to the chat template),
   ``max_tokens`` / ``max_completion_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop``, ``stream``,
   ``stream_options.include_usage``, and pipespec's own ``top_k`` and ``repetition_penalty``;
+- log probabilities of the target (http_server.logprobs): chat ``logprobs`` + ``top_logprobs`` (0..20), completions
+  ``logprobs`` (0..20);
 - structured output, one constraint per request: ``response_format`` (``text``, ``json_object``, ``json_schema``
   with its ``strict``), vLLM's ``structured_outputs`` (``json``, ``regex``, ``grammar``, ``choice``) and its older
   ``guided_json``, ``guided_regex``, ``guided_grammar``, ``guided_choice``; not together with ``stop``;
-- accepted when they ask for nothing (their default): ``n: 1``, ``best_of: 1``, ``echo: false``, ``logprobs``
-  false / null, ``presence_penalty`` / ``frequency_penalty`` 0, ``logit_bias`` empty; accepted and ignored:
+- accepted when they ask for nothing (their default): ``n: 1``, ``best_of: 1``, ``echo: false``,
+  ``presence_penalty`` / ``frequency_penalty`` 0, ``logit_bias`` empty; accepted and ignored:
   ``user``, ``metadata``, ``store``, ``service_tier``;
 - anything else — a known OpenAI field pipespec lacks (``tools``, ``suffix``, …) or an unknown name (a typo) — is a
   400 naming the field: a request is never served with part of it dropped.
@@ -23,6 +25,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 from http_server.errors import bad_request
+from http_server.logprobs import requested as requested_logprobs
 from shared.sampling import (
     MAX_NEW_TOKENS,
     MAX_REPETITION_PENALTY,
@@ -84,7 +87,8 @@ class _Request(BaseModel):
     n: StrictInt | None = None
     best_of: StrictInt | None = None
     echo: StrictBool | None = None
-    logprobs: Any = None
+    logprobs: Any = None  # checked in check_supported (http_server.logprobs.requested)
+    top_logprobs: Any = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, Any] | None = None
@@ -169,7 +173,7 @@ class ChatRequest(_Request):
 
 #: field → the value that asks for nothing (a request may send it; any other value is a 400)
 _ONLY_DEFAULT: dict[str, tuple[Any, ...]] = {
-    "n": (None, 1), "best_of": (None, 1), "echo": (None, False), "logprobs": (None, False),
+    "n": (None, 1), "best_of": (None, 1), "echo": (None, False),
     "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
 }
 
@@ -181,6 +185,7 @@ def check_supported(req: _Request) -> None:
         if not any(value is a or (value == a and type(value) is type(a)) for a in allowed):
             raise bad_request(f"{name}={value!r} is not supported by pipespec (only {allowed[-1]!r})", param=name,
                               code="unsupported_parameter")
+    requested_logprobs(isinstance(req, ChatRequest), req.logprobs, req.top_logprobs)  # a bad value: a 400
     if req.logit_bias:
         raise bad_request("logit_bias is not supported by pipespec", param="logit_bias", code="unsupported_parameter")
     spec = req.grammar_spec()  # a malformed or doubled constraint is a 400 before anything runs
