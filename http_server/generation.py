@@ -102,15 +102,13 @@ class Generation:
         self.params = generation_params(req, default_max_tokens)
         self.stops = StopMatcher(req.stop_strings())
         self.outcome = Outcome(logprobs=ShownLogprobs() if "logprobs" in self.params else None)
-        self._shown_bytes = 0  # UTF-8 bytes of the text shown so far (which tokens' log probabilities are shown)
 
-    def _show(self, piece: str, everything: bool = False) -> None:
-        """``piece`` is shown: release the log probabilities of the tokens whose text it reaches (all of them once
+    def _show(self, everything: bool = False) -> None:
+        """More text is shown: release the log probabilities of the tokens that begin inside it (all of them once
         the generation ended without a stop string)."""
         lp = self.outcome.logprobs
         if lp is not None:
-            self._shown_bytes += len(piece.encode("utf-8"))
-            lp.shown(None if everything else self._shown_bytes)
+            lp.shown(None if everything else len(self.outcome.text))
 
     def take_logprobs(self) -> list | None:
         """The log probabilities shown since the last take (a streamed chunk's); None where not asked."""
@@ -144,7 +142,7 @@ class Generation:
                         out.stop_tokens = tokens
                         cancel.set()  # the next step of the stream sends the cancel and waits for the result
                     out.text += piece
-                    self._show(piece)
+                    self._show()
                     yield piece
                 else:
                     out.result = item
@@ -159,7 +157,7 @@ class Generation:
             out.stop_tokens = len(result.token_ids)
         piece += "" if hit else self.stops.flush()
         out.text += piece
-        self._show(piece, everything=not hit)
+        self._show(everything=not hit)
         out.finish_reason = "stop" if hit or result.finish_reason == "stop" else result.finish_reason
         if piece:
             yield piece

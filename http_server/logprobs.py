@@ -7,13 +7,16 @@ as each token's raw bytes (this server has no tokenizer): ``bytes`` is exactly t
 text (U+FFFD where a token holds part of a character). Alternatives the processed distribution excludes (``-inf``:
 top-k, top-p, a grammar) are left out of ``top_logprobs``: JSON has no ``-inf``.
 
-Stop strings: a response lists the tokens whose text is shown, i.e. a token is listed once the shown text reaches
-past its first byte (measured in UTF-8 bytes over the tokens' pieces; special tokens add none), and the tokens the
-stop string cut off are not. Usage still counts the whole verifier round the stop ended in (docs/http.md).
+Where each token begins in the text (``text_offset``, and which tokens a stop string leaves shown): the characters
+the tokens before it complete, their bytes decoded as the tokenizer decodes them (UTF-8, an invalid byte as U+FFFD;
+special tokens add nothing); a token that starts inside a character begins where that character does. Under a stop
+string a response lists the tokens that begin inside the shown text, not those the stop string cut off; usage still
+counts the whole verifier round the stop ended in (docs/http.md).
 """
 
 from __future__ import annotations
 
+import codecs
 from collections import deque
 from typing import Any
 
@@ -58,23 +61,23 @@ class ShownLogprobs:
     chunk's), :attr:`released` all of them (a whole response's)."""
 
     def __init__(self) -> None:
-        self._pending: deque[tuple[int, int, TokenLogprob]] = deque()  # (first byte, first character, entry)
-        self._bytes = self._chars = 0  # where the next token's piece begins
+        self._pending: deque[tuple[int, TokenLogprob]] = deque()  # (first character, entry)
+        self._text = codecs.getincrementaldecoder("utf-8")("replace")  # holds back an unfinished character
+        self._chars = 0  # characters the pieces so far complete
         self.released: list[tuple[TokenLogprob, int]] = []
         self._taken = 0
 
     def add(self, entries: list[TokenLogprob]) -> None:
         for e in entries:
-            self._pending.append((self._bytes, self._chars, e))
+            self._pending.append((self._chars, e))
             if not e.special:  # a special token's name is not in the text
-                self._bytes += len(e.piece)
-                self._chars += len(e.token)
+                self._chars += len(self._text.decode(e.piece))
 
-    def shown(self, shown_bytes: int | None) -> None:
-        """The text shown so far is ``shown_bytes`` UTF-8 bytes long (None: the whole generation is shown)."""
+    def shown(self, shown_chars: int | None) -> None:
+        """The text shown so far is ``shown_chars`` characters long (None: the whole generation is shown)."""
         pending = self._pending
-        while pending and (shown_bytes is None or pending[0][0] < shown_bytes):
-            _, chars, e = pending.popleft()
+        while pending and (shown_chars is None or pending[0][0] < shown_chars):
+            chars, e = pending.popleft()
             self.released.append((e, chars))
 
     def take(self) -> list[tuple[TokenLogprob, int]]:

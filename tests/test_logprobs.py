@@ -83,17 +83,21 @@ async def test_merged_chunks_keep_every_tokens_logprobs():
     assert merged.token_ids == [0, 1, 2] and [e.logprob for e in merged.logprobs] == [0.0, -1.0, -2.0]
 
 
-def test_stop_strings_show_only_the_tokens_whose_text_is_shown():
-    entries = from_wire([1, 2, 3, 0], [WireLogprob(-0.1, b"ab"), WireLogprob(-0.2, b"c"), WireLogprob(-0.3, b"d!"),
-                                        WireLogprob(-0.4, b"<eos>", True)])
+def test_stop_strings_show_only_the_tokens_that_begin_in_the_shown_text():
+    pieces = [b"ab", b"\xc3", b"\xa9c", b"\xff", b"d!"]  # é split over two tokens, an invalid byte (U+FFFD)
+    entries = from_wire([1, 2, 3, 4, 5, 0], [*(WireLogprob(-0.1 * i, p) for i, p in enumerate(pieces)),
+                                              WireLogprob(-0.4, b"<eos>", True)])
     shown = ShownLogprobs()
     shown.add(entries)
-    shown.shown(2)  # "ab" shown
+    assert b"".join(pieces).decode("utf-8", "replace") == "abéc\ufffdd!"
+    shown.shown(2)  # "ab"
     assert [e.id for e, _ in shown.take()] == [1]
-    shown.shown(4)  # "abcd" shown, the stop "!" cut inside token 3: it is listed, the end token is not
-    assert [e.id for e, _ in shown.take()] == [2, 3] and [o for _, o in shown.released] == [0, 2, 3]
+    shown.shown(3)  # "abé": both halves of é
+    assert [e.id for e, _ in shown.take()] == [2, 3]
+    shown.shown(6)  # a stop "!" cut inside token 5: it is listed, the end token after it is not
+    assert [e.id for e, _ in shown.take()] == [4, 5]
     body = completion_body(shown.released)
-    assert body["tokens"] == ["ab", "c", "d!"] and body["text_offset"] == [0, 2, 3]
+    assert body["tokens"] == ["ab", "\ufffd", "\ufffdc", "\ufffd", "d!"] and body["text_offset"] == [0, 2, 2, 4, 5]
     shown.shown(None)  # the end without a stop: everything
     assert [e.id for e, _ in shown.take()] == [0]
 
