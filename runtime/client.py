@@ -490,6 +490,7 @@ class AsyncClient:
     async def _replies(self, rid: int, queue: _Inbox, cancel: asyncio.Event | None):
         """Request ``rid``'s chunks, then its result; a cancel is sent once when ``cancel`` is set."""
         cancel_sent = False
+        gathered: list | None = None  # the chunks' log probabilities, for a done too long to carry them itself
         while True:
             if cancel is not None and cancel.is_set() and not cancel_sent:
                 await self._sock.send_multipart(encode(Cancel(request_id=rid)))
@@ -502,11 +503,18 @@ class AsyncClient:
                     f"no reply from the verifier at {self.address} for {wait_s} s (request {rid}){self._hint()}"
                 ) from None
             if isinstance(msg, ChunkMessage):
+                if msg.logprobs is not None:
+                    if gathered is None:
+                        gathered = []
+                    gathered.extend(msg.logprobs)
                 if not cancel_sent:  # chunks already on their way when the cancel left are dropped
                     yield Chunk(msg.token_ids, msg.text, from_wire(msg.token_ids, msg.logprobs))
             elif isinstance(msg, Done):
+                logprobs = msg.logprobs
+                if logprobs is None and gathered is not None and len(gathered) == len(msg.token_ids):
+                    logprobs = gathered  # the verifier left them out of a done past the header cap
                 yield GenerationResult(msg.text, msg.token_ids, msg.metrics, msg.finish_reason,
-                                       from_wire(msg.token_ids, msg.logprobs))
+                                       from_wire(msg.token_ids, logprobs))
                 return
             elif isinstance(msg, (Error, _LocalFailure)):
                 error = PipespecError(msg.message, msg.code)

@@ -172,3 +172,32 @@ def test_session_rounds_score_drafts_corrections_and_bonus_tokens_as_transformer
     plain = Session(2, DynamicBackend(model), tokenizer, prompt, GenerationParams(max_new_tokens=3), b"", 2)
     plain.prefill()
     assert plain.verify([want[0]], None).logprobs is None  # not asked: nothing computed
+
+
+def test_a_done_past_the_header_cap_leaves_its_logprobs_to_the_chunks():
+    from shared.protocol import MAX_HEADER_BYTES
+    from verifier_node.logprobs import done_frames
+
+    top = WireLogprob(-1.0, b"abcd", False, list(range(20)), [-1.0] * 20, [b"abcd"] * 20)
+    small = Done(request_id=1, token_ids=[5] * 10, text="", metrics={}, finish_reason="length", logprobs=[top] * 10)
+    assert decode(done_frames(small)).logprobs == [top] * 10
+    n = 3000  # 20 alternatives each: past the 1 MiB header with them, far below without
+    big = Done(request_id=1, token_ids=[5] * n, text="", metrics={}, finish_reason="length", logprobs=[top] * n)
+    assert len(encode(big)[0]) > MAX_HEADER_BYTES
+    frames = done_frames(big)
+    assert len(frames[0]) <= MAX_HEADER_BYTES and decode(frames).logprobs is None and len(decode(frames).token_ids) == n
+
+
+async def test_the_client_builds_the_results_logprobs_from_the_chunks_when_the_done_has_none():
+    from runtime.client import AsyncClient, GenerationResult
+
+    client = AsyncClient("ipc:///nowhere", timeout_s=5)
+    inbox = _Inbox()
+    entries = [WireLogprob(-0.5, b"a"), WireLogprob(-1.5, b"b"), WireLogprob(-2.5, b"c")]
+    inbox.put_nowait(Chunk(request_id=1, token_ids=[1, 2], text="ab", logprobs=entries[:2]))
+    inbox.put_nowait(Chunk(request_id=1, token_ids=[3], text="c", logprobs=entries[2:]))
+    inbox.put_nowait(Done(request_id=1, token_ids=[1, 2, 3], text="abc", metrics={}, finish_reason="length"))
+    items = [item async for item in client._replies(1, inbox, None)]
+    result = items[-1]
+    assert isinstance(result, GenerationResult) and [e.logprob for e in result.logprobs] == [-0.5, -1.5, -2.5]
+    assert [e.id for e in result.logprobs] == [1, 2, 3] and items[0].logprobs[1].token == "b"

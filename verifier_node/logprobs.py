@@ -28,7 +28,7 @@ from typing import NamedTuple
 
 import torch
 
-from shared.protocol import TokenLogprob
+from shared.protocol import MAX_HEADER_BYTES, Done, TokenLogprob, encode
 
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
@@ -112,3 +112,14 @@ def to_wire(raw: list[RawLogprob], pieces: TokenPieces) -> list[TokenLogprob]:
         out.append(TokenLogprob(logprob=r.logprob, piece=piece, special=special, top_ids=r.top_ids,
                                 top_logprobs=r.top_logprobs, top_pieces=[pieces.piece(i)[0] for i in r.top_ids]))
     return out
+
+
+def done_frames(done: Done) -> list:
+    """``done`` encoded; its ``logprobs`` left out where they would take the header past the wire's cap (a long
+    output with many alternatives: about 3,000 tokens at 20). The chunks carried every token's already, and the
+    client then builds the result's from them (:mod:`runtime.client`)."""
+    frames = encode(done)
+    if done.logprobs is not None and len(frames[0]) > MAX_HEADER_BYTES:
+        done.logprobs = None
+        frames = encode(done)
+    return frames

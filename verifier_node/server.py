@@ -82,7 +82,7 @@ from verifier_node.drafters import DrafterLink, DrafterPool
 from verifier_node.gather import Gather
 from verifier_node.intake import RequestIntake
 from verifier_node.liveness import ClientLiveness
-from verifier_node.logprobs import TokenPieces, to_wire
+from verifier_node.logprobs import TokenPieces, done_frames, to_wire
 from verifier_node.masks import GrammarTooSlow
 from verifier_node.pending_draft import PendingDraft
 from verifier_node.pool_policy import HelloCheck, PoolPolicy
@@ -457,9 +457,9 @@ class VerifierServer:
             d = s.drafter
             metrics = {**s.summary(verifier_dtype=self.dtype, drafter_dtype=d.dtype if d else None),
                        **s.wait.summary(), "drafter_ids": list(s.served_by), "drafter_type": d.type if d else None}
-            frames = encode(Done(request_id=s.request_id, token_ids=s.generated, text=text, metrics=metrics,
-                                 finish_reason=reason,
-                                 logprobs=s.logprobs if s.params.logprobs is not None else None))
+            frames = done_frames(Done(request_id=s.request_id, token_ids=s.generated, text=text, metrics=metrics,
+                                      finish_reason=reason,
+                                      logprobs=s.logprobs if s.params.logprobs is not None else None))
         except Exception as exc:  # detokenization or the metrics: the request fails, the node does not
             log.exception("session %d failed to finish", s.sid)
             self._fail(s, "internal_error", f"the verifier failed to finish this request: {exc!r:.300}")
