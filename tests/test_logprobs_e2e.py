@@ -147,6 +147,34 @@ def test_sampled_logprobs_equal_transformers_processed_scores(server):
     assert raw_gap > 1e-2  # the control: the unprocessed distribution is not what is reported
 
 
+def test_greedy_logprobs_under_a_grammar_equal_transformers_with_the_engines_processor(server):
+    """The grammar's mask is part of the distribution: excluded alternatives are left out, forced tokens score 0."""
+    import json
+
+    import xgrammar as xgr
+    from transformers import AutoTokenizer
+    from xgrammar.contrib.hf import LogitsProcessor
+
+    schema = {"type": "object", "properties": {"name": {"type": "string", "pattern": "^[a-z ]{1,8}$"},
+                                               "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+              "required": ["name", "age"], "additionalProperties": False}
+    prompt, n = PROMPTS[0], 40
+    (r,) = _generate(server, [{"token_ids": prompt, "max_new_tokens": n, "json_schema": schema, "logprobs": 5}])
+    assert r.metrics["grammar_forced_tokens"] > 0
+    model, tokenizer = _model(server.target), AutoTokenizer.from_pretrained(server.target)
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=model.config.vocab_size, stop_token_ids=[0])
+    compiled = xgr.GrammarCompiler(info).compile_json_schema(json.dumps(schema), any_whitespace=False,
+                                                             strict_mode=True)
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n,
+                         eos_token_id=[0], pad_token_id=1, logits_processor=[LogitsProcessor(compiled)],
+                         output_scores=True, return_dict_in_generate=True)
+    want = torch.log_softmax(torch.stack(out.scores)[:, 0].float(), -1)
+    _compare(r.logprobs, r.token_ids, want, 5)
+    assert any(len(e.top) < 5 for e in r.logprobs)  # masked alternatives left out
+    assert any(e.logprob == 0.0 and len(e.top) == 1 for e in r.logprobs)  # a token the grammar forced
+
+
 # ------------------------------------------------------------------------------------------------------ HTTP
 def _openai(server) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=60)
