@@ -73,6 +73,10 @@ def test_committed_logprobs_leave_out_excluded_alternatives():
     assert out[0].top_ids == [3, 1, 0] and out[0].top_logprobs == pytest.approx(want[[3, 1, 0]].tolist())
     assert out[1].logprob == 0.0 and out[1].top_ids == [0]  # three asked, one finite
     assert committed_logprobs(scores, [0], [3], top_n=0)[0].top_ids == []
+    # an excluded token committed (greedy ensemble verification can): the lowest finite float, which the wire takes
+    (lowest,) = committed_logprobs(scores, [1], [2], top_n=2)
+    assert lowest.logprob == torch.finfo(torch.float32).min and lowest.top_ids == [0]
+    WireLogprob(lowest.logprob).check("test")
 
 
 async def test_merged_chunks_keep_every_tokens_logprobs():

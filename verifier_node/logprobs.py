@@ -23,6 +23,7 @@ nothing to the request's text); anything else the tokenizer's decode of the toke
 from __future__ import annotations
 
 import functools
+import math
 import re
 from typing import NamedTuple
 
@@ -31,6 +32,8 @@ import torch
 from shared.protocol import MAX_HEADER_BYTES, Done, TokenLogprob, encode
 
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+#: The log probability sent for a committed token its row excludes (only lossy ensemble verification commits one).
+FLOAT32_LOWEST = float(torch.finfo(torch.float32).min)
 
 
 class RawLogprob(NamedTuple):
@@ -47,18 +50,24 @@ def committed_logprobs(scores: torch.Tensor, rows: list[int], tokens: list[int],
     ``top_n`` most likely alternatives of that row (``-inf`` ones dropped)."""
     if not tokens:
         return []
-    picked = torch.log_softmax(scores[torch.tensor(rows[: len(tokens)], dtype=torch.long)].float(), dim=-1)
-    chosen = picked.gather(1, torch.tensor(tokens, dtype=torch.long).unsqueeze(1)).squeeze(1).tolist()
+    device = scores.device  # the target's (a GPU's): index tensors go there, the results come back once
+    picked = torch.log_softmax(scores[torch.tensor(rows[: len(tokens)], dtype=torch.long, device=device)].float(),
+                               dim=-1)
+    ids = torch.tensor(tokens, dtype=torch.long, device=device).unsqueeze(1)
+    chosen = picked.gather(1, ids).squeeze(1).tolist()
     if top_n:
         top = torch.topk(picked, min(top_n, picked.shape[-1]), dim=-1)
         top_values, top_indices = top.values.tolist(), top.indices.tolist()
     else:
         top_values = top_indices = [[] for _ in tokens]
     out = []
-    for token, value, values, ids in zip(tokens, chosen, top_values, top_indices):
-        keep = [(i, v) for i, v in zip(ids, values) if v != float("-inf")]
-        # min(…, 0): a log probability is never above 0 (the wire checks it), whatever the float rounding
-        out.append(RawLogprob(token, min(value, 0.0), [i for i, _ in keep], [min(v, 0.0) for _, v in keep]))
+    for token, value, values, top_ids in zip(tokens, chosen, top_values, top_indices):
+        keep = [(i, v) for i, v in zip(top_ids, values) if v != -math.inf]
+        # min(…, 0): a log probability is never above 0 (the wire checks it), whatever the float rounding. The
+        # lossless rules never commit an excluded token; greedy ensemble verification (argmax of w·p + (1 − w)·q)
+        # can, and its -inf, which the wire and JSON cannot carry, becomes float32's lowest value.
+        value = min(value, 0.0) if math.isfinite(value) else FLOAT32_LOWEST
+        out.append(RawLogprob(token, value, [i for i, _ in keep], [min(v, 0.0) for _, v in keep]))
     return out
 
 
