@@ -20,6 +20,7 @@ from http_server.errors import OpenAIError, error_body, from_pipespec
 from http_server.gate import KeyRing, RequestGate, bearer_token
 from http_server.generation import Generation
 from http_server.guard import ClientStalled, HostCheck
+from http_server.logprobs import body as logprobs_body
 from http_server.metrics import CONTENT_TYPE, HttpMetrics
 from http_server.schemas import ChatRequest, CompletionRequest, check_supported
 from http_server.sse import sse
@@ -47,22 +48,28 @@ class _Format:
         self.chunk_object = "chat.completion.chunk" if chat else "text_completion"
         self.id_prefix = "chatcmpl-" if chat else "cmpl-"
 
-    def _choice(self, finish_reason: str | None, **body: Any) -> dict[str, Any]:
-        return {"index": 0, **body, "logprobs": None, "finish_reason": finish_reason}
+    def _choice(self, finish_reason: str | None, logprobs: list | None = None, **body: Any) -> dict[str, Any]:
+        # logprobs: the shown tokens' (entry, text offset) pairs (http_server.logprobs); None where not asked
+        return {"index": 0, **body, "logprobs": logprobs_body(self.chat, logprobs), "finish_reason": finish_reason}
 
-    def piece(self, text: str) -> dict[str, Any]:
-        return self._choice(None, delta={"content": text}) if self.chat else self._choice(None, text=text)
+    def piece(self, text: str, logprobs: list | None = None) -> dict[str, Any]:
+        if self.chat:
+            return self._choice(None, logprobs, delta={"content": text})
+        return self._choice(None, logprobs, text=text)
 
     def opening(self) -> dict[str, Any] | None:
         return self._choice(None, delta={"role": "assistant", "content": ""}) if self.chat else None
 
-    def finish(self, finish_reason: str) -> dict[str, Any]:
-        return self._choice(finish_reason, delta={}) if self.chat else self._choice(finish_reason, text="")
-
-    def whole(self, text: str, finish_reason: str) -> dict[str, Any]:
+    def finish(self, finish_reason: str, logprobs: list | None = None) -> dict[str, Any]:
         if self.chat:
-            return self._choice(finish_reason, message={"role": "assistant", "content": text, "refusal": None})
-        return self._choice(finish_reason, text=text)
+            return self._choice(finish_reason, logprobs, delta={})
+        return self._choice(finish_reason, logprobs, text="")
+
+    def whole(self, text: str, finish_reason: str, logprobs: list | None = None) -> dict[str, Any]:
+        if self.chat:
+            return self._choice(finish_reason, logprobs,
+                                message={"role": "assistant", "content": text, "refusal": None})
+        return self._choice(finish_reason, logprobs, text=text)
 
 
 class _Stream(StreamingResponse):
@@ -267,7 +274,8 @@ class Completions:
             out = gen.outcome
             self.record(out)
             return JSONResponse({**self.base(fmt, rid), "object": fmt.object,
-                                 "choices": [fmt.whole(out.text, out.finish_reason)], "usage": out.usage(),
+                                 "choices": [fmt.whole(out.text, out.finish_reason, gen.all_logprobs())],
+                                 "usage": out.usage(),
                                  **self.spec_metrics(out)})
         return _Stream(sse(self.stream_events(gen, pieces, first, fmt, rid, req.include_usage())),
                        media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -282,15 +290,16 @@ class Completions:
             if opening is not None:
                 yield {**head, "choices": [opening], **extra}
             if first:
-                yield {**head, "choices": [fmt.piece(first)], **extra}
+                yield {**head, "choices": [fmt.piece(first, gen.take_logprobs())], **extra}
             if first is not None:
                 async for piece in pieces:
                     if piece:
-                        yield {**head, "choices": [fmt.piece(piece)], **extra}
+                        yield {**head, "choices": [fmt.piece(piece, gen.take_logprobs())], **extra}
             out = gen.outcome
             finished = True
             self.record(out)
-            yield {**head, "choices": [fmt.finish(out.finish_reason)], **extra, **self.spec_metrics(out)}
+            yield {**head, "choices": [fmt.finish(out.finish_reason, gen.take_logprobs())], **extra,
+                   **self.spec_metrics(out)}
             if include_usage:
                 yield {**head, "choices": [], "usage": out.usage()}
         except (PipespecError, TimeoutError) as exc:  # after the 200: the error travels as an event

@@ -2,8 +2,8 @@
 vLLM's ``min_tokens`` over HTTP: their check (a 400 naming the field) and their pipespec parameters.
 
 The ranges are :mod:`shared.penalties`'s (the verifier checks them again, with the vocabulary: a ``logit_bias`` id
-outside it comes back as the verifier's ``bad_request``, which :func:`param_of` names). ``logit_bias`` keys arrive as
-JSON object keys, so as text: each must be a token id's decimal digits.
+outside it comes back as the verifier's ``bad_request``, which :func:`http_server.errors.param_of` names).
+``logit_bias`` keys arrive as JSON object keys, so as text: each must be a token id's decimal digits.
 """
 
 from __future__ import annotations
@@ -12,10 +12,6 @@ from typing import Any
 
 from http_server.errors import bad_request
 from shared.penalties import check_penalties
-
-#: pipespec parameter → the HTTP field it comes from, for naming the field of a verifier's refusal
-_HTTP_NAME = {"presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
-              "logit_bias": "logit_bias", "repetition_penalty": "repetition_penalty", "min_new_tokens": "min_tokens"}
 
 
 def check_penalty_fields(req: Any) -> None:
@@ -36,10 +32,3 @@ def penalty_params(req: Any) -> dict[str, Any]:
         "min_new_tokens": req.min_tokens,
     }
     return {k: v for k, v in params.items() if v is not None}
-
-
-def param_of(message: str) -> str | None:
-    """The HTTP field a verifier's ``bad_request`` message is about, where it opens with one of these parameters'
-    names (the checks in shared.sampling and shared.penalties name their field first)."""
-    name = message.split(" ", 1)[0]
-    return _HTTP_NAME.get(name)

@@ -29,6 +29,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from runtime.logprobs import TokenLogprob, from_wire
 from shared.protocol import (
     DEFAULT_MAX_MESSAGE_BYTES,
     MAX_HEADER_BYTES,
@@ -70,6 +71,7 @@ class Chunk:
 
     token_ids: list[int]
     text: str
+    logprobs: list[TokenLogprob] | None = None  # one per token with ``logprobs=N`` (runtime.logprobs)
 
 
 @dataclass
@@ -78,11 +80,12 @@ class GenerationResult:
     token_ids: list[int]  # new tokens only
     metrics: dict[str, Any] = field(default_factory=dict)
     finish_reason: str = ""
+    logprobs: list[TokenLogprob] | None = None  # one per new token with ``logprobs=N`` (runtime.logprobs)
 
 
 _PARAM_NAMES = (
     "max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "repetition_penalty", "min_new_tokens",
-    "eos_token_ids", "stop_token_ids", "seed", "presence_penalty", "frequency_penalty", "logit_bias",
+    "eos_token_ids", "stop_token_ids", "seed", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs",
 )
 #: Structured output (one at most): turned into the ``grammar`` parameter by shared.sampling.structured_output.
 _CONSTRAINT_NAMES = ("response_format", "json_schema", "regex", "grammar", "choice")
@@ -108,13 +111,17 @@ class _Merged:
         self.request_id = first.request_id
         self.token_ids = list(first.token_ids)
         self.texts = [first.text]
+        self.logprobs = None if first.logprobs is None else list(first.logprobs)  # a request has them in every chunk
 
     def add(self, chunk: ChunkMessage) -> None:
         self.token_ids.extend(chunk.token_ids)
         self.texts.append(chunk.text)
+        if self.logprobs is not None and chunk.logprobs is not None:
+            self.logprobs.extend(chunk.logprobs)
 
     def chunk(self) -> ChunkMessage:
-        return ChunkMessage(request_id=self.request_id, token_ids=self.token_ids, text="".join(self.texts))
+        return ChunkMessage(request_id=self.request_id, token_ids=self.token_ids, text="".join(self.texts),
+                            logprobs=self.logprobs)
 
 
 class _Inbox:
@@ -391,7 +398,9 @@ class AsyncClient:
         Parameters: ``max_new_tokens``, ``do_sample``, ``temperature``, ``top_k``, ``top_p``,
         ``repetition_penalty``, ``min_new_tokens``, ``eos_token_ids``, ``stop_token_ids``, ``seed``, and OpenAI's
         ``presence_penalty`` / ``frequency_penalty`` (in [-2, 2], over the generated tokens) and ``logit_bias``
-        (token id, an int or its decimal text, → bias in [-100, 100]); ranges and processing order: docs/client.md.
+        (token id, an int or its decimal text, → bias in [-100, 100]); ranges and processing order: docs/client.md;
+        ``logprobs`` (N in 0..20: each token's log probability under the target's processed scores and its N likeliest
+        alternatives, in ``Chunk.logprobs`` / ``GenerationResult.logprobs``; docs/client.md).
         Structured output, one at most (docs/client.md): ``response_format`` (OpenAI's: ``{"type": "json_object"}``
         or ``{"type": "json_schema", "json_schema": {"name", "schema"}}``), ``json_schema`` (a dict or JSON
         text), ``regex``, ``grammar`` (EBNF) or ``choice`` (a list of strings).
@@ -488,6 +497,7 @@ class AsyncClient:
     async def _replies(self, rid: int, queue: _Inbox, cancel: asyncio.Event | None):
         """Request ``rid``'s chunks, then its result; a cancel is sent once when ``cancel`` is set."""
         cancel_sent = False
+        gathered: list | None = None  # the chunks' log probabilities, for a done too long to carry them itself
         while True:
             if cancel is not None and cancel.is_set() and not cancel_sent:
                 await self._sock.send_multipart(encode(Cancel(request_id=rid)))
@@ -500,10 +510,18 @@ class AsyncClient:
                     f"no reply from the verifier at {self.address} for {wait_s} s (request {rid}){self._hint()}"
                 ) from None
             if isinstance(msg, ChunkMessage):
+                if msg.logprobs is not None:
+                    if gathered is None:
+                        gathered = []
+                    gathered.extend(msg.logprobs)
                 if not cancel_sent:  # chunks already on their way when the cancel left are dropped
-                    yield Chunk(msg.token_ids, msg.text)
+                    yield Chunk(msg.token_ids, msg.text, from_wire(msg.token_ids, msg.logprobs))
             elif isinstance(msg, Done):
-                yield GenerationResult(msg.text, msg.token_ids, msg.metrics, msg.finish_reason)
+                logprobs = msg.logprobs
+                if logprobs is None and gathered is not None and len(gathered) == len(msg.token_ids):
+                    logprobs = gathered  # the verifier left them out of a done past the header cap
+                yield GenerationResult(msg.text, msg.token_ids, msg.metrics, msg.finish_reason,
+                                       from_wire(msg.token_ids, logprobs))
                 return
             elif isinstance(msg, (Error, _LocalFailure)):
                 error = PipespecError(msg.message, msg.code)

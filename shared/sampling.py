@@ -41,6 +41,10 @@ MAX_END_TOKENS = 1024  # eos_token_ids / stop_token_ids entries
 GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "grammar", "choice")
 MAX_GRAMMAR_CHARS = 64 * 1024
 MAX_CHOICES = 256
+#: ``GenerationParams.logprobs``: the most alternatives (top-N) a request may ask for per token (OpenAI's chat bound).
+MAX_TOP_LOGPROBS = 20
+#: Parameters only the verifier reads: left out of what drafters receive (``GenerationParams.for_drafter``).
+VERIFIER_ONLY_PARAMS = ("logprobs",)
 
 
 @dataclass(frozen=True)
@@ -178,6 +182,9 @@ class GenerationParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] = field(default_factory=dict)
+    # None: no log probabilities; N: each committed token's log-probability under the target's processed scores and
+    # its N most likely alternatives (verifier_node.logprobs)
+    logprobs: int | None = None
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], vocab_size: int | None = None) -> GenerationParams:
@@ -235,6 +242,9 @@ class GenerationParams:
         self.logit_bias = canonical_bias(self.logit_bias)  # text keys whether the caller gave ints or text
         if vocab_size is not None and self.min_new_tokens and len(set(self.eos_token_ids)) >= vocab_size:
             raise ParamError("min_new_tokens with every token an eos_token_id leaves no token to generate")
+        if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
+            raise ParamError(f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}] (alternatives per token) or "
+                             f"null (off), got {self.logprobs!r}")
         if self.grammar is not None:
             GrammarSpec.from_wire(self.grammar)
             if not self.eos_token_ids and not self.stop_token_ids:
@@ -271,6 +281,10 @@ class GenerationParams:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def for_drafter(self) -> dict[str, Any]:
+        """:meth:`to_dict` less what only the verifier reads (a drafter of an older version need not know it)."""
+        return {k: v for k, v in asdict(self).items() if k not in VERIFIER_ONLY_PARAMS}
 
     @property
     def end_token_ids(self) -> set[int]:
