@@ -513,7 +513,7 @@ def _rename(body: str, names: dict[str, str]) -> str:
             j = i + 1
             while body[j] != end:
                 j += 2 if body[j] == "\\" else 1
-            out.append(body[i:j + 1])
+            out.append(_unescape_wide(body[i:j + 1]))
             i = j + 1
         elif c.isalpha() or c == "_":
             m = _IDENT.match(body, i)
@@ -523,6 +523,38 @@ def _rename(body: str, names: dict[str, str]) -> str:
         else:
             out.append(c)
             i += 1
+    return "".join(out)
+
+
+_WIDE = {"x": 2, "u": 4, "U": 8}
+
+
+def _unescape_wide(text: str) -> str:
+    """A literal or character class of xgrammar's printed EBNF, with its code-point escapes made safe to read back:
+    the printer writes U+00B0 as ``\\xb0``, but the parser's ``\\x`` takes every hex digit that follows, so
+    ``"\\xb0C"`` (the JSON text ``°C``) would read back as U+0B0C. A character past ASCII becomes itself (UTF-8 in
+    the grammar); one below, ``\\u`` with exactly four digits."""
+    out = []
+    i = 0
+    while i < len(text):
+        c = text[i]
+        if c != "\\" or i + 1 == len(text):
+            out.append(c)
+            i += 1
+            continue
+        kind = text[i + 1]
+        digits = _WIDE.get(kind, 0)
+        hex_digits = text[i + 2:i + 2 + digits]
+        if digits and len(hex_digits) == digits and all(h in "0123456789abcdefABCDEF" for h in hex_digits):
+            point = int(hex_digits, 16)
+            if 0x80 <= point <= 0x10FFFF and not 0xD800 <= point <= 0xDFFF:
+                out.append(chr(point))
+            else:
+                out.append(f"\\u{point:04x}" if point < 0x10000 else text[i:i + 2 + digits])
+            i += 2 + digits
+        else:
+            out.append(text[i:i + 2])  # any other escape, as printed
+            i += 2
     return "".join(out)
 
 
