@@ -9,9 +9,10 @@ Three output formats (families), each a :class:`ToolCallParser` subclass in :dat
 * ``mistral`` — the v3 tokenizer's ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`` (a JSON array after
   the marker; the newer ``[TOOL_CALLS]name[ARGS]{...}`` form is not parsed).
 
-**Streaming equals whole text, by construction.** :meth:`ToolCallParser.push` feeds its text one character at a
-time through one state machine, and :func:`parse_whole` is ``push(text)`` then ``finish()``; so any split of the
-same text produces the same sequence of per-character events, and the pieces concatenate to the whole result. A
+**Streaming equals whole text, by construction.** :meth:`ToolCallParser.push` feeds its text through one state
+machine one character at a time (a run of characters none of which can change the state is taken at once, with the
+effect of its single steps), and :func:`parse_whole` is ``push(text)`` then ``finish()``; so any split of the same
+text makes the same decisions at the same characters, and the pieces concatenate to the whole result. A
 call is emitted **whole**: one :class:`ToolCallDelta` carrying its id, name and complete ``arguments`` text, at the
 character that closes its JSON object, and only if that object parses as a call (``name`` a non-empty string, the
 arguments a JSON object, no other keys). Nothing emitted is ever taken back, so a call is never dropped, cut or
@@ -78,6 +79,9 @@ class ParsedDelta:
 
 
 _WS = " \t\n\r"  # JSON's whitespace
+# runs of a call's JSON text that change neither the depth nor the string state (push's fast path)
+_JSON_PLAIN = re.compile(r'[^"{}\[\]]*')
+_STRING_PLAIN = re.compile(r'[^"\\]*')
 
 
 def _no_constant(name: str) -> Any:
@@ -108,7 +112,7 @@ class ToolCallParser:
     def __init__(self, new_id: Callable[[], str] = random_call_id):
         self.new_id = new_id
         self.calls: list[ToolCall] = []
-        self.content = ""
+        self._content: list[str] = []  # all plain content so far, in pieces (joined on demand)
         self._state = "lead" if self.BARE_START else "content"
         self._held = ""  # text not yet classified (see the module docstring)
         self._obj_start = 0  # where the call's JSON object starts in _held
@@ -117,7 +121,15 @@ class ToolCallParser:
         self._in_array = False  # inside the marker's array (ARRAY)
         self._closed = False  # the CLOSE after the last call was seen
         self._finished = False
-        self._out: ParsedDelta = ParsedDelta()
+        self._out: list[str] = []  # content since the last push / finish returned
+        self._out_calls: list[ToolCallDelta] = []
+
+    @property
+    def content(self) -> str:
+        """All plain content so far."""
+        if len(self._content) > 1:
+            self._content = ["".join(self._content)]
+        return self._content[0] if self._content else ""
 
     # -- the public interface ------------------------------------------------------------------------------------
 
@@ -125,8 +137,25 @@ class ToolCallParser:
         """Feed the next committed text (any length); what is now known to be content or a call comes back."""
         if self._finished:
             raise RuntimeError("push after finish")
-        for ch in text:
-            self._step(ch)
+        i = 0
+        while i < len(text):
+            # Fast paths, each exactly what the per-character steps would do over the run they skip: plain text
+            # that cannot start the marker is content; inside a call's JSON, characters that change no count.
+            if self._state == "content" and not self._held and self.MARKER:
+                j = text.find(self.MARKER[0], i)
+                j = len(text) if j < 0 else j
+                if j > i:
+                    self._emit(text[i:j])
+                    i = j
+                    continue
+            elif self._state == "object" and not self._escaped:
+                m = (_STRING_PLAIN if self._in_str else _JSON_PLAIN).match(text, i)
+                if m.end() > i:
+                    self._held += m.group()
+                    i = m.end()
+                    continue
+            self._step(text[i])
+            i += 1
         return self._take()
 
     def finish(self) -> ParsedDelta:
@@ -252,7 +281,7 @@ class ToolCallParser:
             return
         name, arguments = found
         call = ToolCall(self.new_id(), name, arguments)
-        self._out.calls.append(ToolCallDelta(len(self.calls), call.id, call.name, call.arguments))
+        self._out_calls.append(ToolCallDelta(len(self.calls), call.id, call.name, call.arguments))
         self.calls.append(call)
         self._held, self._closed = "", False
         self._state = "array_after" if self._in_array else "after"
@@ -279,11 +308,12 @@ class ToolCallParser:
 
     def _emit(self, text: str) -> None:
         if text:
-            self._out.content += text
-            self.content += text
+            self._out.append(text)
+            self._content.append(text)
 
     def _take(self) -> ParsedDelta:
-        out, self._out = self._out, ParsedDelta()
+        out = ParsedDelta("".join(self._out), self._out_calls)
+        self._out, self._out_calls = [], []
         return out
 
 
