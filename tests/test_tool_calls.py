@@ -321,6 +321,14 @@ def test_the_grammar_refuses_what_the_choice_forbids(compiler, family):
         assert not _takes(required, bad), bad
 
 
+def _nested_any_of(levels: int) -> dict:
+    """A schema whose text doubles per level (so does its conversion time: 3 MB take half a minute)."""
+    s: dict = {"type": "string"}
+    for _ in range(levels):
+        s = {"anyOf": [{"type": "object", "properties": {"a": s}}, {"type": "array", "items": s}]}
+    return {"type": "object", "properties": {"x": s}}
+
+
 def test_auto_and_none_need_no_grammar_and_bad_input_names_the_field():
     assert tool_call_grammar("hermes", TOOLS, "auto", True) is None
     assert tool_call_grammar("hermes", TOOLS, "none", False) is None
@@ -341,6 +349,8 @@ def test_auto_and_none_need_no_grammar_and_bad_input_names_the_field():
           "required", True), "tools[0].function.parameters: refused by the grammar engine"),
         (("hermes", [TOOLS[1], {"type": "function", "function": {"name": "a", "strict": 1}}], "auto", True),
          "tools[1].function.strict"),
+        (("hermes", [{"type": "function", "function": {"name": "a", "parameters": _nested_any_of(10)}}],
+          "required", True), "at most 65536 are accepted"),
     ]
     for args, message in cases:
         with pytest.raises(ParamError) as caught:
