@@ -159,11 +159,13 @@ class ToolCallParser:
         return self._take()
 
     def finish(self) -> ParsedDelta:
-        """The output ended: release what was held (an unfinished call as content; whitespace after a call is
-        dropped). Later calls are refused."""
+        """The output ended: release what was held (an unfinished call as content; whitespace after a call, and
+        the start of its closing marker cut off by the end, are dropped). Later pushes are refused."""
         if not self._finished:
             self._finished = True
-            if self._state in ("after", "array_after") and not self._held.strip(_WS):
+            rest = self._held.strip(_WS)
+            if self._state in ("after", "array_after") and (
+                    not rest or (self.CLOSE and not self._closed and self.CLOSE.startswith(rest))):
                 self._held = ""
             self._emit(self._held)
             self._held = ""

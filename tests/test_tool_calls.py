@@ -96,6 +96,14 @@ def test_content_before_a_hermes_call_and_text_after_it():
     assert content == "Let me look.\n\nDone." and [c.name for c in calls] == ["f"]
 
 
+def test_a_closing_marker_cut_by_the_end_is_dropped_and_pretty_printed_calls_parse():
+    content, calls = parse_whole(PARSERS["hermes"](ids()), '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_c')
+    assert (content, [c.name for c in calls]) == ("", ["f"])
+    pretty = '<tool_call>\n{\n  "arguments": {\n    "a": [1, 2]\n  },\n  "name": "f"\n}\n</tool_call>'
+    content, calls = parse_whole(PARSERS["hermes"](ids()), pretty)
+    assert (content, [(c.name, c.arguments) for c in calls]) == ("", [("f", '{\n    "a": [1, 2]\n  }')])
+
+
 def test_llama_python_tag_and_mistral_content_before_the_marker():
     content, calls = parse_whole(PARSERS["llama3_json"](ids()), '<|python_tag|>{"name": "f", "parameters": {"a": 1}}')
     assert (content, [(c.name, c.arguments) for c in calls]) == ("", [("f", '{"a": 1}')])
@@ -154,8 +162,8 @@ _text = st.lists(st.sampled_from([*'ab {}[]"\\,:;é北😀\n<>/_', "<tool_call>"
 _json = st.recursive(
     st.none() | st.booleans() | st.integers(-10**6, 10**6) | _text,
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(_text, inner, max_size=3), max_leaves=8)
-_args = st.tuples(st.dictionaries(_text, _json, max_size=4), st.booleans()).map(
-    lambda a: json.dumps(a[0], ensure_ascii=a[1]))
+_args = st.tuples(st.dictionaries(_text, _json, max_size=4), st.booleans(), st.sampled_from([None, 2])).map(
+    lambda a: json.dumps(a[0], ensure_ascii=a[1], indent=a[2]))
 _name = st.from_regex(r"[A-Za-z0-9_-]{1,12}", fullmatch=True)
 
 
