@@ -207,6 +207,14 @@ def test_any_split_streams_exactly_the_whole_result(family, data):
     assert stream(family, [text]) == (whole_content, whole_calls)
 
 
+@settings(max_examples=150, deadline=None)
+@given(data=st.data(), family=st.sampled_from(sorted(PARSERS)), text=st.text(max_size=80))
+def test_any_text_parses_without_an_exception_and_streams_the_same(data, family, text):
+    whole = parse_whole(PARSERS[family](ids()), text)
+    assert stream(family, _splits(data.draw, text)) == whole
+    assert whole[0] == text or whole[1]  # without a call, the content is the text itself
+
+
 class _Forgetful(PARSERS["hermes"]):
     """A negative control: a parser that forgets what it held back at the end of each push (as one that parses
     each round's text on its own would)."""
