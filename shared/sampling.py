@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from shared.protocol import MAX_DRAFT_TOKENS
+
 
 class ParamError(ValueError):
     """A request parameter that is out of range or of the wrong type (reported to the client, nothing crashes)."""
@@ -169,6 +171,9 @@ class GenerationParams:
     stop_token_ids: list[int] = field(default_factory=list)
     seed: int | None = None
     grammar: dict[str, Any] | None = None  # structured output: GrammarSpec.to_wire(); the verifier compiles it
+    # per-request speculation (HTTP ``speculative.num_draft_tokens``): 0 = the target alone, k ≥ 1 caps each draft
+    # block at k (the verifier cuts longer ones, losslessly; drafters plan within it); None: the drafter's own
+    num_draft_tokens: int | None = None
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], vocab_size: int | None = None) -> GenerationParams:
@@ -222,6 +227,10 @@ class GenerationParams:
                 raise ParamError(f"{name} has an id outside the vocabulary (size {vocab_size})")
         if vocab_size is not None and self.min_new_tokens and len(set(self.eos_token_ids)) >= vocab_size:
             raise ParamError("min_new_tokens with every token an eos_token_id leaves no token to generate")
+        if self.num_draft_tokens is not None and (
+                not is_int(self.num_draft_tokens) or not 0 <= self.num_draft_tokens <= MAX_DRAFT_TOKENS):
+            raise ParamError(f"num_draft_tokens must be an integer in [0, {MAX_DRAFT_TOKENS}] (0: no speculation), "
+                             f"got {self.num_draft_tokens!r}")
         if self.grammar is not None:
             GrammarSpec.from_wire(self.grammar)
             if not self.eos_token_ids and not self.stop_token_ids:
