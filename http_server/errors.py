@@ -66,7 +66,7 @@ def from_pipespec(exc: PipespecError | TimeoutError) -> OpenAIError:
     status, kind = _STATUS_BY_CODE.get(exc.code, (500, "server_error"))
     headers = {"Retry-After": "1"} if status in (429, 503) else None
     message = busy_message(str(exc)) if exc.code == "busy" else str(exc)
-    return OpenAIError(status, message, type=kind, code=exc.code, headers=headers)
+    return OpenAIError(status, message, type=kind, param=getattr(exc, "param", None), code=exc.code, headers=headers)
 
 
 #: What a ``busy`` refusal says over HTTP: which limit, never how much of it others hold (the verifier's own text

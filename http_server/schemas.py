@@ -6,10 +6,12 @@ Field policy (documented in docs/http.md):
 - implemented: ``model``, ``prompt`` / ``messages`` (a message's ``name`` goes to the chat template),
   ``max_tokens`` / ``max_completion_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop``, ``stream``,
   ``stream_options.include_usage``, and pipespec's own ``top_k`` and ``repetition_penalty``;
+- several answers: ``n`` (1 .. ``shared.choices.MAX_N``) and, on completions, ``best_of`` equal to ``n``; pipespec's
+  own ``speculative`` (``num_draft_tokens``, ``draft_type``): this request's speculation;
 - structured output, one constraint per request: ``response_format`` (``text``, ``json_object``, ``json_schema``
   with its ``strict``), vLLM's ``structured_outputs`` (``json``, ``regex``, ``grammar``, ``choice``) and its older
   ``guided_json``, ``guided_regex``, ``guided_grammar``, ``guided_choice``; not together with ``stop``;
-- accepted when they ask for nothing (their default): ``n: 1``, ``best_of: 1``, ``echo: false``, ``logprobs``
+- accepted when they ask for nothing (their default): ``echo: false``, ``logprobs``
   false / null, ``presence_penalty`` / ``frequency_penalty`` 0, ``logit_bias`` empty; accepted and ignored:
   ``user``, ``metadata``, ``store``, ``service_tier``;
 - anything else — a known OpenAI field pipespec lacks (``tools``, ``suffix``, …) or an unknown name (a typo) — is a
@@ -23,6 +25,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 from http_server.errors import bad_request
+from shared.choices import MAX_N
+from shared.protocol import MAX_DRAFT_TOKENS
 from shared.sampling import (
     MAX_NEW_TOKENS,
     MAX_REPETITION_PENALTY,
@@ -49,6 +53,16 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     include_usage: StrictBool = False
+
+
+class Speculative(BaseModel):
+    """pipespec's ``speculative`` field: this request's speculation (``num_draft_tokens`` 0: the target alone, k ≥ 1:
+    blocks of at most k tokens; ``draft_type``: only a drafter of that type serves it)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    num_draft_tokens: Annotated[StrictInt, Field(ge=0, le=MAX_DRAFT_TOKENS)] | None = None
+    draft_type: Annotated[str, Field(min_length=1, max_length=64)] | None = None
 
 
 class StructuredOutputs(BaseModel):
@@ -80,9 +94,10 @@ class _Request(BaseModel):
     stop: StopText | Annotated[list[StopText], Field(max_length=MAX_STOP_STRINGS)] | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
+    n: Annotated[StrictInt, Field(ge=1, le=MAX_N)] | None = None  # several answers (http_server/choices.py)
+    best_of: Annotated[StrictInt, Field(ge=1, le=MAX_N)] | None = None  # completions: == n (checked in check_supported)
+    speculative: Speculative | None = None
     # OpenAI fields accepted only at the value that asks for nothing (checked in check_supported)
-    n: StrictInt | None = None
-    best_of: StrictInt | None = None
     echo: StrictBool | None = None
     logprobs: Any = None
     presence_penalty: float | None = None
@@ -169,7 +184,7 @@ class ChatRequest(_Request):
 
 #: field → the value that asks for nothing (a request may send it; any other value is a 400)
 _ONLY_DEFAULT: dict[str, tuple[Any, ...]] = {
-    "n": (None, 1), "best_of": (None, 1), "echo": (None, False), "logprobs": (None, False),
+    "echo": (None, False), "logprobs": (None, False),
     "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
 }
 
@@ -181,6 +196,13 @@ def check_supported(req: _Request) -> None:
         if not any(value is a or (value == a and type(value) is type(a)) for a in allowed):
             raise bad_request(f"{name}={value!r} is not supported by pipespec (only {allowed[-1]!r})", param=name,
                               code="unsupported_parameter")
+    completion = isinstance(req, CompletionRequest)
+    if req.best_of is not None and req.best_of != ((req.n or 1) if completion else 1):
+        # Candidates beyond n would be ranked by the target's cumulative log probability: not wired yet, and
+        # answering best_of > n with n unranked samples would pass off a different thing as what was asked.
+        allowed = f"best_of equal to n ({req.n or 1})" if completion else "best_of 1 (a completions field)"
+        raise bad_request(f"best_of={req.best_of} is not supported: only {allowed} (no ranking of extra candidates "
+                          "yet)", param="best_of", code="unsupported_parameter")
     if req.logit_bias:
         raise bad_request("logit_bias is not supported by pipespec", param="logit_bias", code="unsupported_parameter")
     spec = req.grammar_spec()  # a malformed or doubled constraint is a 400 before anything runs
