@@ -202,7 +202,7 @@ class MessageHandler:
         overlap = s.overlap
         fixed = self.drafter.block_len
         # The request's own cap (``num_draft_tokens``, per-request speculation): the verifier cuts longer blocks, so
-        # planning within it saves the steps that would be cut. A model's fixed block stays as it is (cut there).
+        # planning within it saves the steps that would be cut. A fixed block (a lookup's: free) stays, cut there.
         cap = draft.params.num_draft_tokens or None
         if s.draft_schedule == "cost":
             max_k = fixed if fixed is not None else min(self.max_k, cap or self.max_k)

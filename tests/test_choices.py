@@ -8,6 +8,7 @@ same cluster for the seeded samples."""
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
 import time
 import types
@@ -162,8 +163,8 @@ def test_speculation_off_or_capped_is_greedy_exact(server):
         truth = reference_greedy(server.target, ids, 20, eos=EOS)
         for k in (None, 0, 1, 3):
             extra = {} if k is None else {"speculative": {"num_draft_tokens": k}}
-            want = _client_run(server, lambda c, k=k: c.generate(token_ids=ids, max_new_tokens=20,
-                                                                 num_draft_tokens=k))
+            want = _client_run(server, lambda c, k=k, ids=ids: c.generate(token_ids=ids, max_new_tokens=20,
+                                                                          num_draft_tokens=k))
             assert want.token_ids == truth, k
             r = client.completions.create(model=server.model, prompt=ids, max_tokens=20, temperature=0,
                                           extra_body=extra)
@@ -219,6 +220,9 @@ def test_n3_seeded_sampling_is_reproducible_and_follows_the_seed_rule(server):
     several = _client_run(server, lambda c: c.generate_n("import os\n", n=3, seed=7, max_new_tokens=16,
                                                           do_sample=True, temperature=1.0))
     assert [r.text for r in several] == first
+    with pytest.raises(PipespecError, match="n must be") as info:
+        _client_run(server, lambda c: c.generate_n("import os\n", n=MAX_N + 1, max_new_tokens=4))
+    assert info.value.code == "bad_request"
     unseeded = texts(n=3)
     assert len(set(unseeded)) == 3 and unseeded != first  # independent choices
 
@@ -276,7 +280,6 @@ def test_one_failing_choice_fails_the_request_and_cancels_the_others(server):
     is a 429 and the four that started are cancelled on the verifier."""
     _wait_no_sessions(server)
     body = {"model": server.model, "prompt": "for i in range(10):", "max_tokens": 400, "temperature": 0, "n": 5}
-    import http.client
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
     conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
     r = conn.getresponse()

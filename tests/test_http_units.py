@@ -62,7 +62,7 @@ def test_stop_matcher_equals_cutting_the_whole_text(text, stops, rnd: random.Ran
 def test_schemas_refuse_what_pipespec_would_ignore():
     ok = CompletionRequest(prompt="x", n=1, echo=False, logprobs=None, user="me", presence_penalty=0)
     check_supported(ok)
-    for extra in ({"n": 2}, {"suffix": "x"}, {"logit_bias": {"1": 2}}, {"response_format": {"type": "xml"}},
+    for extra in ({"best_of": 2}, {"suffix": "x"}, {"logit_bias": {"1": 2}}, {"response_format": {"type": "xml"}},
                   {"frequency_penalty": 0.5}, {"tools": []}, {"prompt": ["a", "b"]}):
         with pytest.raises(OpenAIError) as info:
             check_supported(CompletionRequest(**{"prompt": "x", **extra}))
