@@ -2,9 +2,10 @@
 
 Each choice is an ordinary request of its own on the verifier — its own session, drafter and acceptance rule, so
 each is exactly as lossless as a single request — and the ``n`` requests leave together, so the verifier batches
-them: their prompts arrive as one burst (its prompt gather) and are cached in one batched prefill forward where its
-batch limits allow, then their rounds share target forwards. The prompt is not prefilled once and its KV forked: the
-backends have no copy-on-write of a sequence's cache, and the batched prefill costs one forward all the same.
+them: their prompts arrive as one burst (its prompt gather waits for those still being tokenised) and are cached in
+one batched prefill forward where its batch limits allow, then their rounds share target forwards. The prompt is
+not prefilled once and its KV forked: the target interface (``shared.target.SequenceHandle``) has no fork of a
+sequence's cache (each backend would need its own), and the batched prefill is one forward all the same.
 
 Seeds: choice i samples with ``shared.choices.choice_seed(seed, i)`` (choice 0 with ``seed`` itself). Admission:
 ``n`` sessions count against the tenant's shares like ``n`` requests. If one choice fails, the request fails with

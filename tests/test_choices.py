@@ -199,6 +199,24 @@ def test_n3_greedy_choices_equal_the_single_answer_and_usage_sums(server):
 
 
 @pytest.mark.cluster
+def test_the_choices_prompts_share_one_prefill_forward(server):
+    """The n prompts leave as one burst; the verifier's prompt gather waits for those still being tokenised, so a
+    text prompt's n choices are cached in one batched forward (without waiting for them: two or three here)."""
+    client = _openai(server)
+    for kind, n in (("completions", 4), ("chat", 3), ("completions", 2)):
+        _wait_no_sessions(server)
+        before = _client_run(server, lambda c: c.ping())["prefill_forwards"]
+        if kind == "chat":
+            client.chat.completions.create(model=server.model, messages=[{"role": "user", "content": "sort a list"}],
+                                           max_tokens=4, temperature=0, n=n)
+        else:
+            client.completions.create(model=server.model, prompt="def quicksort(items):", max_tokens=4,
+                                      temperature=0, n=n)
+        after = _client_run(server, lambda c: c.ping())["prefill_forwards"]
+        assert after - before == 1, (kind, n, after - before)
+
+
+@pytest.mark.cluster
 def test_n3_seeded_sampling_is_reproducible_and_follows_the_seed_rule(server):
     client = _openai(server)
 

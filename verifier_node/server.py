@@ -165,7 +165,9 @@ class VerifierServer:
                                   forward_delay_s, cores, settings.grammar_mask_budget_ms / 1000)
         self.gather = Gather(self.scheduler, self.drafter_sock, self.client_sock,  # waits before a forward
                              drain_drafters=lambda: self._drain(self.drafter_sock, self._on_drafter_message),
-                             drain_clients=lambda: self._drain(self.client_sock, self._on_client_message))
+                             drain_clients=lambda: self._drain(self.client_sock, self._on_client_message),
+                             prep_sock=self.prep.socket, drain_prepared=self.intake.admit_prepared,
+                             preparing=lambda: [job.arrived for job in self.prep.pending.values()])
         self.running = True
 
     @classmethod
