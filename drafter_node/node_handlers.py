@@ -211,8 +211,10 @@ class MessageHandler:
                                 rows_ok=draft.predrafts_rows, tree=self._trees_for(draft))
         if fixed is not None:
             return DraftLengthSchedule(fixed, "constant", max_k=s.max_draft_tokens, overlap=overlap)
-        max_k = min(s.max_draft_tokens, cap or s.max_draft_tokens)
-        return DraftLengthSchedule(min(s.num_draft_tokens, max_k), s.draft_schedule, max_k=max_k, overlap=overlap)
+        if cap is None:
+            return DraftLengthSchedule(s.num_draft_tokens, s.draft_schedule, max_k=s.max_draft_tokens, overlap=overlap)
+        return DraftLengthSchedule(min(s.num_draft_tokens, cap), s.draft_schedule,
+                                   max_k=min(max(s.max_draft_tokens, s.num_draft_tokens), cap), overlap=overlap)
 
     def _trees_for(self, draft: DraftSession) -> bool:
         """Blocks may be token trees (``drafter.tree``): greedy requests without q (the verifier verifies trees
