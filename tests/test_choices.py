@@ -3,7 +3,8 @@
 Pure logic (the seed rule, the request checks, the verifier's and the drafter's draft caps) in unit tests; the rest
 end to end on one launcher subprocess serving HTTP (the ``openai`` package and the standard library talking to it),
 with transformers' own greedy ``generate`` on the target alone as the ground truth and an :class:`AsyncClient` on the
-same cluster for the seeded samples."""
+same cluster for the seeded samples; and one distribution check that seeded choices are independent lossless draws
+(with its negative control)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ import openai
 import pytest
 import torch
 import yaml
-from conftest import tiny_config
+from conftest import start_cluster, tiny_config, wait_for_drafter
+from sampling_check import PROMPT, TV_BOUND, N, exact_joint, tv
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from benchmarks.http_overhead import free_port, start_launcher
@@ -307,3 +309,49 @@ def test_one_failing_choice_fails_the_request_and_cancels_the_others(server):
     _wait_no_sessions(server)
     ok = _openai(server).completions.create(model=server.model, prompt="hi", max_tokens=4, temperature=0, n=4)
     assert len(ok.choices) == 4  # the server serves the next request whole
+
+
+# ------------------------------------------------------------------------------------------ statistical
+@pytest.mark.statistical
+def test_seeded_choices_are_independent_lossless_draws(sharp_pair):
+    """800 draws of the first two tokens as 50 seeded ``generate_n`` calls of 16 choices, speculation capped at one
+    draft token: pooled, their joint is within the sampling check's TV bound of the target's exact one (drafts
+    accepted and rejected: lossless under the cap), and two choices of one request agree as often as two independent
+    draws do (Σ P(x1, x2)²). Negative control: 16 choices given one seed (a rule that ignores the index) always agree,
+    far outside the same bound."""
+    target, drafter = sharp_pair
+    exact = exact_joint(target)
+    collide = float((exact**2).sum())  # P(two independent draws agree on both tokens)
+    n, calls = 16, N // 16
+    params = {"max_new_tokens": 2, "do_sample": True, "eos_token_ids": [], "num_draft_tokens": 1}
+
+    async def main():
+        async with start_cluster(tiny_config(target, drafter, num_draft_tokens=3)) as client:
+            await wait_for_drafter(client)
+            seeded = []
+            for first in range(0, calls, 3):  # 48 sessions in flight (the verifier holds 64)
+                seeded += await asyncio.gather(*(client.generate_n(token_ids=PROMPT, n=n, seed=1000 * s, **params)
+                                                 for s in range(first, min(calls, first + 3))))
+            control = await asyncio.gather(*(
+                asyncio.gather(*(client.generate(token_ids=PROMPT, seed=1000 * s, **params) for _ in range(n)))
+                for s in range(4)))
+            return seeded, control
+
+    seeded, control = asyncio.run(main())
+
+    def agreement(groups) -> float:
+        pairs = [(a.token_ids == b.token_ids) for g in groups for i, a in enumerate(g) for b in g[i + 1:]]
+        return sum(pairs) / len(pairs)
+
+    counts = torch.zeros_like(exact)
+    for r in (r for g in seeded for r in g):
+        counts[r.token_ids[0], r.token_ids[1]] += 1
+    drafted = sum(r.metrics["draft_tokens"] for g in seeded for r in g)
+    accepted = sum(r.metrics["accepted_tokens"] for g in seeded for r in g)
+    assert 0 < accepted < drafted, "need drafts accepted and rejected, or the check tests nothing"
+    assert max(len(r.metrics["per_position_acceptance"]) for g in seeded for r in g) == 1  # the cap held
+    print(f"choices: TV {tv(counts / counts.sum(), exact):.3f} (bound {TV_BOUND}), agreement {agreement(seeded):.3f} "
+          f"against {collide:.3f} independent, control {agreement(control):.3f}")
+    assert tv(counts / counts.sum(), exact) < TV_BOUND
+    assert abs(agreement(seeded) - collide) < TV_BOUND, (agreement(seeded), collide)
+    assert abs(agreement(control) - collide) > 2 * TV_BOUND  # the control: every choice the same draw
