@@ -201,14 +201,20 @@ class MessageHandler:
         s = self.settings
         overlap = s.overlap
         fixed = self.drafter.block_len
+        # The request's own cap (``num_draft_tokens``, per-request speculation): the verifier cuts longer blocks, so
+        # planning within it saves the steps that would be cut. A fixed block (a lookup's: free) stays, cut there.
+        cap = draft.params.num_draft_tokens or None
         if s.draft_schedule == "cost":
-            max_k = fixed if fixed is not None else self.max_k
+            max_k = fixed if fixed is not None else min(self.max_k, cap or self.max_k)
             start = min(fixed if fixed is not None else s.num_draft_tokens, max_k)
             return CostSchedule(start, max_k, self.book, lambda: len(draft.committed), overlap,
                                 rows_ok=draft.predrafts_rows, tree=self._trees_for(draft))
         if fixed is not None:
             return DraftLengthSchedule(fixed, "constant", max_k=s.max_draft_tokens, overlap=overlap)
-        return DraftLengthSchedule(s.num_draft_tokens, s.draft_schedule, max_k=s.max_draft_tokens, overlap=overlap)
+        if cap is None:
+            return DraftLengthSchedule(s.num_draft_tokens, s.draft_schedule, max_k=s.max_draft_tokens, overlap=overlap)
+        return DraftLengthSchedule(min(s.num_draft_tokens, cap), s.draft_schedule,
+                                   max_k=min(max(s.max_draft_tokens, s.num_draft_tokens), cap), overlap=overlap)
 
     def _trees_for(self, draft: DraftSession) -> bool:
         """Blocks may be token trees (``drafter.tree``): greedy requests without q (the verifier verifies trees

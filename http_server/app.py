@@ -16,6 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from http_server.choices import run_choices
 from http_server.errors import OpenAIError, error_body, from_pipespec
 from http_server.gate import KeyRing, RequestGate, bearer_token
 from http_server.generation import Generation
@@ -253,6 +254,8 @@ class Completions:
     async def run(self, request: Request, req: CompletionRequest | ChatRequest, fmt: _Format,
                   tenant: str | None) -> Response:
         self.check(req)
+        if (req.n or 1) > 1:  # several answers: http_server/choices.py
+            return await run_choices(self, request, req, fmt, tenant)
         gen = Generation(self.client, req, self.default_max_tokens, tenant)
         pieces = gen.pieces()
         rid = fmt.id_prefix + secrets.token_hex(12)

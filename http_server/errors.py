@@ -66,7 +66,9 @@ def from_pipespec(exc: PipespecError | TimeoutError) -> OpenAIError:
     status, kind = _STATUS_BY_CODE.get(exc.code, (500, "server_error"))
     headers = {"Retry-After": "1"} if status in (429, 503) else None
     message = busy_message(str(exc)) if exc.code == "busy" else str(exc)
-    param = param_of(message) if exc.code == "bad_request" else None  # e.g. a logit_bias id outside the vocabulary
+    param = getattr(exc, "param", None)  # a field the client named (speculative.draft_type)
+    if param is None and exc.code == "bad_request":
+        param = param_of(message)  # e.g. a logit_bias id outside the vocabulary
     return OpenAIError(status, message, type=kind, param=param, code=exc.code, headers=headers)
 
 

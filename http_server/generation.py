@@ -15,7 +15,7 @@ from http_server.logprobs import ShownLogprobs, requested
 from http_server.penalties import penalty_params
 from http_server.schemas import ChatRequest, CompletionRequest
 from http_server.stop import StopMatcher
-from runtime.client import AsyncClient, Chunk, GenerationResult
+from runtime.client import AsyncClient, Chunk, GenerationResult, PipespecError
 
 
 def generation_params(req: CompletionRequest | ChatRequest, default_max_tokens: int) -> dict[str, Any]:
@@ -36,6 +36,8 @@ def generation_params(req: CompletionRequest | ChatRequest, default_max_tokens: 
     if spec is not None:
         params["grammar"] = spec.to_wire()
     params["logprobs"] = requested(isinstance(req, ChatRequest), req.logprobs, req.top_logprobs)
+    if req.speculative is not None:  # per-request speculation (docs/http.md)
+        params["num_draft_tokens"] = req.speculative.num_draft_tokens
     return {k: v for k, v in params.items() if v is not None}
 
 
@@ -90,6 +92,17 @@ class Outcome:
         }
 
 
+@contextlib.asynccontextmanager
+async def _naming_draft_type(drafter_type: str | None) -> AsyncIterator[None]:
+    """The verifier's refusal of an unknown ``drafter_type`` names the HTTP field it came from."""
+    try:
+        yield
+    except PipespecError as exc:
+        if drafter_type is not None and str(exc).startswith("drafter_type"):
+            exc.param = "speculative.draft_type"  # type: ignore[attr-defined]  # read by errors.from_pipespec
+        raise
+
+
 class Generation:
     """Run one request: iterate :meth:`pieces` for the text to show (possibly empty pieces: one per verifier
     round), then read :attr:`outcome`. A stop string ends the text and cancels the request on the verifier (its
@@ -102,6 +115,7 @@ class Generation:
         self.inputs = prompt_inputs(req)
         self.params = generation_params(req, default_max_tokens)
         self.stops = StopMatcher(req.stop_strings())
+        self.drafter_type = req.speculative.draft_type if req.speculative is not None else None
         self.outcome = Outcome(logprobs=ShownLogprobs() if "logprobs" in self.params else None)
 
     def _show(self, everything: bool = False) -> None:
@@ -127,8 +141,8 @@ class Generation:
         tokens = 0  # the verifier's tokens so far
         out = self.outcome
         stream = self.client.stream(**self.inputs, include_result=True, cancel=cancel, tenant=self.tenant,
-                                    **self.params)
-        async with contextlib.aclosing(stream):
+                                    drafter_type=self.drafter_type, **self.params)
+        async with contextlib.aclosing(stream), _naming_draft_type(self.drafter_type):
             async for item in stream:
                 if isinstance(item, Chunk):
                     if out.ttft_s is None:

@@ -13,7 +13,9 @@ Field policy (documented in docs/http.md):
 - structured output, one constraint per request: ``response_format`` (``text``, ``json_object``, ``json_schema``
   with its ``strict``), vLLM's ``structured_outputs`` (``json``, ``regex``, ``grammar``, ``choice``) and its older
   ``guided_json``, ``guided_regex``, ``guided_grammar``, ``guided_choice``; not together with ``stop``;
-- accepted when they ask for nothing (their default): ``n: 1``, ``best_of: 1``, ``echo: false``; accepted and ignored:
+- several answers: ``n`` (1 .. ``shared.choices.MAX_N``) and, on completions, ``best_of`` equal to ``n``; pipespec's
+  own ``speculative`` (``num_draft_tokens``, ``draft_type``): this request's speculation;
+- accepted when they ask for nothing (their default): ``echo: false``; accepted and ignored:
   ``user``, ``metadata``, ``store``, ``service_tier``;
 - anything else — a known OpenAI field pipespec lacks (``tools``, ``suffix``, …) or an unknown name (a typo) — is a
   400 naming the field: a request is never served with part of it dropped.
@@ -28,7 +30,9 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 from http_server.errors import bad_request
 from http_server.logprobs import requested as requested_logprobs
 from http_server.penalties import check_penalty_fields
+from shared.choices import MAX_N
 from shared.penalties import MAX_PENALTY
+from shared.protocol import MAX_DRAFT_TOKENS
 from shared.sampling import (
     MAX_NEW_TOKENS,
     MAX_REPETITION_PENALTY,
@@ -55,6 +59,16 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     include_usage: StrictBool = False
+
+
+class Speculative(BaseModel):
+    """pipespec's ``speculative`` field: this request's speculation (``num_draft_tokens`` 0: the target alone, k ≥ 1:
+    blocks of at most k tokens; ``draft_type``: only a drafter of that type serves it)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    num_draft_tokens: Annotated[StrictInt, Field(ge=0, le=MAX_DRAFT_TOKENS)] | None = None
+    draft_type: Annotated[str, Field(min_length=1, max_length=64)] | None = None
 
 
 class StructuredOutputs(BaseModel):
@@ -86,9 +100,10 @@ class _Request(BaseModel):
     stop: StopText | Annotated[list[StopText], Field(max_length=MAX_STOP_STRINGS)] | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
+    n: Annotated[StrictInt, Field(ge=1, le=MAX_N)] | None = None  # several answers (http_server/choices.py)
+    best_of: Annotated[StrictInt, Field(ge=1, le=MAX_N)] | None = None  # completions: == n (checked in check_supported)
+    speculative: Speculative | None = None
     # OpenAI fields accepted only at the value that asks for nothing (checked in check_supported)
-    n: StrictInt | None = None
-    best_of: StrictInt | None = None
     echo: StrictBool | None = None
     logprobs: Any = None  # checked in check_supported (http_server.logprobs.requested)
     top_logprobs: Any = None
@@ -178,7 +193,7 @@ class ChatRequest(_Request):
 
 #: field → the value that asks for nothing (a request may send it; any other value is a 400)
 _ONLY_DEFAULT: dict[str, tuple[Any, ...]] = {
-    "n": (None, 1), "best_of": (None, 1), "echo": (None, False),
+    "echo": (None, False),
 }
 
 
@@ -191,6 +206,13 @@ def check_supported(req: _Request) -> None:
                               code="unsupported_parameter")
     check_penalty_fields(req)
     requested_logprobs(isinstance(req, ChatRequest), req.logprobs, req.top_logprobs)  # a bad value: a 400
+    completion = isinstance(req, CompletionRequest)
+    if req.best_of is not None and req.best_of != ((req.n or 1) if completion else 1):
+        # Candidates beyond n would be ranked by the target's cumulative log probability: not wired yet, and
+        # answering best_of > n with n unranked samples would pass off a different thing as what was asked.
+        allowed = f"best_of equal to n ({req.n or 1})" if completion else "best_of 1 (a completions field)"
+        raise bad_request(f"best_of={req.best_of} is not supported: only {allowed} (no ranking of extra candidates "
+                          "yet)", param="best_of", code="unsupported_parameter")
     spec = req.grammar_spec()  # a malformed or doubled constraint is a 400 before anything runs
     if spec is not None and req.stop_strings():
         # A stop string cuts the text wherever it appears, so the output would end short of what the constraint

@@ -30,6 +30,7 @@ import zmq
 import zmq.asyncio
 
 from runtime.logprobs import TokenLogprob, from_wire
+from shared.choices import MAX_N, choice_seed
 from shared.protocol import (
     DEFAULT_MAX_MESSAGE_BYTES,
     MAX_HEADER_BYTES,
@@ -86,6 +87,7 @@ class GenerationResult:
 _PARAM_NAMES = (
     "max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "repetition_penalty", "min_new_tokens",
     "eos_token_ids", "stop_token_ids", "seed", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs",
+    "num_draft_tokens",
 )
 #: Structured output (one at most): turned into the ``grammar`` parameter by shared.sampling.structured_output.
 _CONSTRAINT_NAMES = ("response_format", "json_schema", "regex", "grammar", "choice")
@@ -404,7 +406,9 @@ class AsyncClient:
         Structured output, one at most (docs/client.md): ``response_format`` (OpenAI's: ``{"type": "json_object"}``
         or ``{"type": "json_schema", "json_schema": {"name", "schema"}}``), ``json_schema`` (a dict or JSON
         text), ``regex``, ``grammar`` (EBNF) or ``choice`` (a list of strings).
-        ``drafter_type``: only a drafter of this type may serve the request (see docs/deployment.md, "Drafter pool").
+        ``num_draft_tokens``: this request's speculation, 0 = the target alone (no drafts), k ≥ 1 = blocks of at most
+        k tokens (a drafter's ``max_draft_tokens`` still caps them). ``drafter_type``: only a drafter of this type may
+        serve the request (see docs/deployment.md, "Drafter pool").
         ``tenant``: the user the request is for, set by a gateway such as the HTTP server (docs/security.md; a client
         that is not trusted to set it gets ``unauthorized``).
         """
@@ -414,6 +418,26 @@ class AsyncClient:
                 result = item
         assert result is not None
         return result
+
+    async def generate_n(self, prompt: str | None = None, *, n: int, seed: int | None = None,
+                         **kwargs: Any) -> list[GenerationResult]:
+        """``n`` answers to one prompt, run concurrently (the verifier batches them), in choice order. Same arguments
+        as :meth:`generate`; choice i samples with ``shared.choices.choice_seed(seed, i)`` (choice 0: ``seed``
+        itself), so a seeded call is reproducible; unseeded, each choice is independent. If one choice fails the
+        others are cancelled and its error is raised."""
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_N:
+            raise PipespecError(f"n must be an integer in [1, {MAX_N}], got {n!r}", "bad_request")
+        tasks = [asyncio.ensure_future(self.generate(prompt, seed=choice_seed(seed, i), **kwargs)) for i in range(n)]
+        try:
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            for t in tasks:  # in choice order: the first failed choice's own error (not an ExceptionGroup)
+                if t.done() and t.exception() is not None:
+                    raise t.exception()
+            return [t.result() for t in tasks]
+        finally:
+            for t in tasks:  # a failure or the caller's cancel: the others are cancelled on the verifier too
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     @staticmethod
     def _with_grammar(params: dict[str, Any]) -> dict[str, Any]:

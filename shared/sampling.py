@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from shared.penalties import apply_penalties, bias_tensors, canonical_bias, check_penalties, reads_context
+from shared.protocol import MAX_DRAFT_TOKENS
 
 
 class ParamError(ValueError):
@@ -185,6 +186,9 @@ class GenerationParams:
     # None: no log probabilities; N: each committed token's log-probability under the target's processed scores and
     # its N most likely alternatives (verifier_node.logprobs)
     logprobs: int | None = None
+    # per-request speculation (HTTP ``speculative.num_draft_tokens``): 0 = the target alone, k ≥ 1 caps each draft
+    # block at k (the verifier cuts longer ones, losslessly; drafters plan within it); None: the drafter's own
+    num_draft_tokens: int | None = None
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], vocab_size: int | None = None) -> GenerationParams:
@@ -245,6 +249,10 @@ class GenerationParams:
         if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
             raise ParamError(f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}] (alternatives per token) or "
                              f"null (off), got {self.logprobs!r}")
+        if self.num_draft_tokens is not None and (
+                not is_int(self.num_draft_tokens) or not 0 <= self.num_draft_tokens <= MAX_DRAFT_TOKENS):
+            raise ParamError(f"num_draft_tokens must be an integer in [0, {MAX_DRAFT_TOKENS}] (0: no speculation), "
+                             f"got {self.num_draft_tokens!r}")
         if self.grammar is not None:
             GrammarSpec.from_wire(self.grammar)
             if not self.eos_token_ids and not self.stop_token_ids:

@@ -149,7 +149,7 @@ def test_curl_reads_the_sse_stream(server):
 
 
 @pytest.mark.parametrize("kind,kwargs,param", [
-    ("completions", {"n": 2}, "n"),
+    ("completions", {"n": 17}, "n"),
     ("completions", {"echo": True}, "echo"),
     ("completions", {"best_of": 3}, "best_of"),
     ("completions", {"logprobs": 21}, "logprobs"),

@@ -132,8 +132,10 @@ class PoolPolicy:
                 and not drafter.greedy_q)
 
     def fits(self, s: Session, link: DrafterLink) -> bool:
-        """``link`` may serve ``s``: the type the request asked for (if any), q where ensemble verification needs it."""
-        return (s.drafter_type is None or link.type == s.drafter_type) and not self.lacks_q(s.params, link)
+        """``link`` may serve ``s``: the type the request asked for (if any), q where ensemble verification needs it;
+        none serves a request that turned speculation off (``num_draft_tokens`` 0: the target steps alone)."""
+        return ((s.drafter_type is None or link.type == s.drafter_type) and not self.lacks_q(s.params, link)
+                and s.params.num_draft_tokens != 0)
 
     def on_hello(self, peer: bytes, msg: Hello, check: HelloCheck, welcome: Message) -> None:
         """A drafter said hello: if ``check`` lets it in, it joins the pool (or rejoins), gets ``welcome`` and its

@@ -33,7 +33,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
@@ -76,6 +76,7 @@ class PrepJob:
     grammar: Any = None
     error: ProtocolError | None = None
     cancelled: bool = False
+    arrived: float = field(default_factory=time.monotonic)  # a burst's prompt gather waits for recent arrivals
 
     @property
     def key(self) -> tuple[bytes, int]:

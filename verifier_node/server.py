@@ -125,8 +125,7 @@ class VerifierServer:
         self.draft_timeout = settings.draft_timeout_s
         self.max_bytes = settings.max_message_bytes
         self.client_timeout = settings.client_timeout_s
-        self.model_name = settings.model_name
-        self.ensemble_weight = settings.ensemble_weight
+        self.model_name, self.ensemble_weight = settings.model_name, settings.ensemble_weight
         self.accept_rule = accept
         self.threads = threads
         self.target = target
@@ -167,7 +166,9 @@ class VerifierServer:
                                   forward_delay_s, cores, settings.grammar_mask_budget_ms / 1000)
         self.gather = Gather(self.scheduler, self.drafter_sock, self.client_sock,  # waits before a forward
                              drain_drafters=lambda: self._drain(self.drafter_sock, self._on_drafter_message),
-                             drain_clients=lambda: self._drain(self.client_sock, self._on_client_message))
+                             drain_clients=lambda: self._drain(self.client_sock, self._on_client_message),
+                             prep_sock=self.prep.socket, drain_prepared=self.intake.admit_prepared,
+                             preparing=lambda: [job.arrived for job in self.prep.pending.values()])
         self.running = True
 
     @classmethod

@@ -309,6 +309,7 @@ class Session:
         """What this round feeds: the pending token and the draft, cut so the round commits at most the tokens the
         budget has left. ``parents``: the draft is a token tree (greedy, no q; see :mod:`verifier_node.tree`), cut
         to the nodes of depth at most the budget."""
+        draft, q, parents = self._capped(draft, q, parents)
         base_len = len(self.tokens)
         remaining = self.params.max_new_tokens - (base_len - self.prompt_len)
         if self.grammar is not None:
@@ -332,6 +333,19 @@ class Session:
         if q is not None:
             q = q[: len(draft)]
         return RoundPlan(base_len, remaining, draft, q, time.monotonic(), [self.tokens[-1], *draft])
+
+    def _capped(self, draft: list[int], q: torch.Tensor | None, parents: list[int] | None
+                ) -> tuple[list[int], torch.Tensor | None, list[int] | None]:
+        """The draft cut to the request's ``num_draft_tokens`` (a chain's first k tokens and q rows, a tree's nodes of
+        depth at most k): verifying a prefix of a draft is lossless, so a drafter that planned longer costs no
+        exactness, only its wasted steps."""
+        cap = self.params.num_draft_tokens
+        if cap is None or len(draft) <= cap:
+            return draft, q, parents
+        if parents is not None:
+            tree = DraftTree(list(draft), list(parents)).truncate(cap)
+            return tree.tokens, None, tree.parents
+        return draft[:cap], q[:cap] if q is not None else None, None
 
     def verify(
         self, draft: list[int], q: torch.Tensor | None, want_hidden: bool = False, kv_layers: list[int] = (),
