@@ -69,6 +69,7 @@ from shared.protocol import (
 )
 from shared.signals import stop_on_signals
 from shared.target import Target, TargetOptions, load_target
+from shared.tool_calls import parser_name_for_template
 from shared.transport import (
     VerifierLinks,
     peer_user_id,
@@ -131,6 +132,9 @@ class VerifierServer:
         self.target = target
         self.backend = target.backend
         self.tokenizer = tokenizer = target.tokenizer
+        # the tool-call format of the target's chat template, told to clients in each pong (the HTTP server parses
+        # its tool calls with it)
+        self.tool_parser = parser_name_for_template(getattr(tokenizer, "chat_template", None))
         self.profile = target.profile
         self.dtype = target.dtype
         self.vocab_size = target.vocab_size
@@ -379,7 +383,7 @@ class VerifierServer:
                 drafter_connected=bool(live), drafter_type=live[0].type if live else None,
                 drafters=self.pool.describe(), target=self.model_name, sessions=len(self.sessions),
                 max_message_bytes=self.max_bytes, heartbeat_timeout_s=self.client_timeout, batching=self.batching,
-                reports=[d.report for d in live if d.report is not None][:MAX_REPORTS],
+                reports=[d.report for d in live if d.report is not None][:MAX_REPORTS], tool_parser=self.tool_parser,
                 **self.rounds.counts.pong_stats()))])
         else:
             raise ProtocolError(f"a client may not send {msg.TYPE!r}", code="unexpected")
