@@ -90,7 +90,8 @@ def check_messages(messages: list[Any]) -> None:
         _name(f"{where}.role", m.get("role"))
         content, calls = m.get("content", _Missing), m.get("tool_calls")
         if content is _Missing:
-            raise ChatError(f"{where} needs content (null only in an assistant turn with tool_calls)")
+            raise ChatError(f"{where} must be {{role, content}}: content is missing (null is allowed in an "
+                            "assistant turn with tool_calls)")
         if content is None and not (m["role"] == "assistant" and calls):
             raise ChatError(f"{where}.content may be null only in an assistant turn with tool_calls")
         if content is not None and not isinstance(content, str):
