@@ -23,6 +23,7 @@ from http_server.guard import ClientStalled, HostCheck
 from http_server.metrics import CONTENT_TYPE, HttpMetrics
 from http_server.schemas import ChatRequest, CompletionRequest, check_supported
 from http_server.sse import sse
+from http_server.tools import ToolOutput, ToolPlan, check_chat_messages, plan_tools
 from runtime.client import AsyncClient, PipespecError, live_drafters
 from runtime.config_schema import HttpConfig
 from runtime.keys import DEFAULT_TENANT
@@ -56,6 +57,10 @@ class _Format:
     def opening(self) -> dict[str, Any] | None:
         return self._choice(None, delta={"role": "assistant", "content": ""}) if self.chat else None
 
+    def delta(self, delta: dict[str, Any]) -> dict[str, Any]:
+        """A chat chunk's choice with this ``delta`` (content and/or tool calls)."""
+        return self._choice(None, delta=delta)
+
     def finish(self, finish_reason: str) -> dict[str, Any]:
         return self._choice(finish_reason, delta={}) if self.chat else self._choice(finish_reason, text="")
 
@@ -86,7 +91,8 @@ def create_app(client: AsyncClient, model_name: str, *, api_key: str | None = No
                scrape_timeout_s: float = HttpConfig.scrape_timeout_s,
                allowed_hosts: frozenset[str] | None = None,
                request_metrics: bool = HttpConfig.request_metrics, admin_key: str | None = None,
-               body_timeout_s: float = HttpConfig.body_timeout_s) -> FastAPI:
+               body_timeout_s: float = HttpConfig.body_timeout_s,
+               tool_call_parser: str = HttpConfig.tool_call_parser) -> FastAPI:
     """The app. ``model_name``: the id ``/v1/models`` lists and requests may name; ``api_key``: when set, ``/v1/*``
     needs ``Authorization: Bearer <api_key>``, checked before the body is read, and the caller is tenant
     ``default``; ``api_keys``: more keys, key → tenant (``http.api_keys_file``). A request's tenant goes to the
@@ -94,7 +100,8 @@ def create_app(client: AsyncClient, model_name: str, *, api_key: str | None = No
     (null: :meth:`~http_server.gate.KeyRing.is_admin` says who). ``body_timeout_s``: the whole body's deadline.
     ``allowed_hosts``: when given, a request whose Host header is neither a loopback name nor one of these is
     refused (:class:`~http_server.guard.HostCheck`). ``request_metrics``: each response carries its request's
-    speculative metrics (off: a client could read from them how well another tenant's text predicts its own)."""
+    speculative metrics (off: a client could read from them how well another tenant's text predicts its own).
+    ``tool_call_parser``: the tool-call format to read (``auto``: the one of the target's chat template)."""
     app = FastAPI(title="pipespec", docs_url=None, redoc_url=None, openapi_url=None)
     tenants = list((api_keys or {}).items())
     if api_key:
@@ -110,7 +117,7 @@ def create_app(client: AsyncClient, model_name: str, *, api_key: str | None = No
     authorize = Authorize(keys)
     _add_error_handlers(app)
     _add_generation_routes(app, authorize, Completions(client, model_name, metrics, default_max_tokens,
-                                                       request_metrics))
+                                                       request_metrics, tool_call_parser))
     _add_service_routes(app, authorize, client, model_name, metrics, scrape_timeout_s)
     return app
 
@@ -218,8 +225,9 @@ class Completions:
     """Runs one completion or chat request on the verifier: answered whole, or streamed as server-sent events."""
 
     def __init__(self, client: AsyncClient, model_name: str, metrics: HttpMetrics, default_max_tokens: int,
-                 request_metrics: bool):
+                 request_metrics: bool, tool_call_parser: str = HttpConfig.tool_call_parser):
         self.client = client
+        self.tool_call_parser = tool_call_parser
         self.model_name = model_name
         self.metrics = metrics
         self.default_max_tokens = default_max_tokens
@@ -243,10 +251,27 @@ class Completions:
         self.metrics.record(out.finish_reason, out.result.metrics if out.result else None, out.ttft_s,
                             time.monotonic() - out.started)
 
+    async def tool_plan(self, req: CompletionRequest | ChatRequest) -> ToolPlan | None:
+        """A chat request's tool use (None: none); its tool turns and tools checked (a 400 naming the field)."""
+        if not isinstance(req, ChatRequest):
+            return None
+        check_chat_messages([m.as_template_input() for m in req.messages])
+        parser = self.tool_call_parser
+        if req.tools and parser == "auto":
+            try:  # the target's family, from the verifier's pong (asked once per verifier)
+                parser = await self.client.target_tool_parser()
+            except (PipespecError, TimeoutError) as exc:
+                raise from_pipespec(exc) from None
+        return plan_tools(req, parser, req.grammar_spec())
+
     async def run(self, request: Request, req: CompletionRequest | ChatRequest, fmt: _Format,
                   tenant: str | None) -> Response:
         self.check(req)
+        plan = await self.tool_plan(req)
         gen = Generation(self.client, req, self.default_max_tokens, tenant)
+        if plan is not None and plan.grammar is not None:  # a forced call (required / named)
+            gen.params["grammar"] = plan.grammar.to_wire()
+        tools = ToolOutput(plan) if plan is not None and plan.parser is not None else None
         pieces = gen.pieces()
         rid = fmt.id_prefix + secrets.token_hex(12)
         try:
@@ -266,31 +291,48 @@ class Completions:
         if not req.stream:
             out = gen.outcome
             self.record(out)
-            return JSONResponse({**self.base(fmt, rid), "object": fmt.object,
-                                 "choices": [fmt.whole(out.text, out.finish_reason)], "usage": out.usage(),
-                                 **self.spec_metrics(out)})
-        return _Stream(sse(self.stream_events(gen, pieces, first, fmt, rid, req.include_usage())),
+            if tools is None:
+                choice = fmt.whole(out.text, out.finish_reason)
+            else:
+                message = tools.message(out.text)
+                choice = fmt._choice(tools.finish_reason(out.finish_reason), message=message)
+            return JSONResponse({**self.base(fmt, rid), "object": fmt.object, "choices": [choice],
+                                 "usage": out.usage(), **self.spec_metrics(out)})
+        return _Stream(sse(self.stream_events(gen, pieces, first, fmt, rid, req.include_usage(), tools)),
                        media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     async def stream_events(self, gen: Generation, pieces: AsyncIterator[str], first: str | None, fmt: _Format,
-                            rid: str, include_usage: bool) -> AsyncIterator[dict[str, Any]]:
+                            rid: str, include_usage: bool, tools: ToolOutput | None = None
+                            ) -> AsyncIterator[dict[str, Any]]:
         head = self.base(fmt, rid)
         extra = {"usage": None} if include_usage else {}
         finished = False
+
+        def chunks(piece: str) -> list[dict[str, Any]]:
+            """A piece of text as events: one, or with tools the parser's deltas (none while it holds back)."""
+            if tools is None:
+                return [{**head, "choices": [fmt.piece(piece)], **extra}] if piece else []
+            return [{**head, "choices": [fmt.delta(d)], **extra} for d in tools.deltas(piece)]
+
         try:
             opening = fmt.opening()
             if opening is not None:
                 yield {**head, "choices": [opening], **extra}
-            if first:
-                yield {**head, "choices": [fmt.piece(first)], **extra}
+            for event in chunks(first or ""):
+                yield event
             if first is not None:
                 async for piece in pieces:
-                    if piece:
-                        yield {**head, "choices": [fmt.piece(piece)], **extra}
+                    for event in chunks(piece):
+                        yield event
             out = gen.outcome
             finished = True
             self.record(out)
-            yield {**head, "choices": [fmt.finish(out.finish_reason)], **extra, **self.spec_metrics(out)}
+            reason = out.finish_reason
+            if tools is not None:
+                for delta in tools.finish():
+                    yield {**head, "choices": [fmt.delta(delta)], **extra}
+                reason = tools.finish_reason(reason)
+            yield {**head, "choices": [fmt.finish(reason)], **extra, **self.spec_metrics(out)}
             if include_usage:
                 yield {**head, "choices": [], "usage": out.usage()}
         except (PipespecError, TimeoutError) as exc:  # after the 200: the error travels as an event

@@ -6,6 +6,8 @@ Field policy (documented in docs/http.md):
 - implemented: ``model``, ``prompt`` / ``messages`` (a message's ``name`` goes to the chat template),
   ``max_tokens`` / ``max_completion_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop``, ``stream``,
   ``stream_options.include_usage``, and pipespec's own ``top_k`` and ``repetition_penalty``;
+- tool calling on chat (:mod:`http_server.tools`): ``tools``, ``tool_choice``, ``parallel_tool_calls``, assistant
+  turns' ``tool_calls`` and ``tool`` turns (``tool_call_id``); the legacy ``functions`` / ``function_call`` are a 400;
 - structured output, one constraint per request: ``response_format`` (``text``, ``json_object``, ``json_schema``
   with its ``strict``), vLLM's ``structured_outputs`` (``json``, ``regex``, ``grammar``, ``choice``) and its older
   ``guided_json``, ``guided_regex``, ``guided_grammar``, ``guided_choice``; not together with ``stop``;
@@ -13,7 +15,7 @@ Field policy (documented in docs/http.md):
   false / null, ``presence_penalty`` / ``frequency_penalty`` 0, ``logit_bias`` empty; accepted and ignored:
   ``user``, ``metadata``, ``store``, ``service_tier``;
 - anything else — a known OpenAI field pipespec lacks (``tools``, ``suffix``, …) or an unknown name (a typo) — is a
-  400 naming the field: a request is never served with part of it dropped.
+  400 naming the field (``tools`` on ``/v1/completions`` too): a request is never served with part of it dropped.
 """
 
 from __future__ import annotations
@@ -148,23 +150,37 @@ class TextPart(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = Field(default=None, max_length=256)
+    # tool use (shapes checked by shared.chat_tools, as the verifier checks them)
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
 
-    def as_template_input(self) -> dict[str, str]:
+    def as_template_input(self) -> dict[str, Any]:
         """``{role, content}`` and ``name`` when given, for the target's chat template (text parts joined;
-        ``developer`` is a system turn, which every template knows; a template that uses no ``name`` ignores it)."""
+        ``developer`` is a system turn, which every template knows; a template that uses no ``name`` ignores it);
+        an assistant turn's ``tool_calls`` (its content stays null when it is) and a tool turn's ``tool_call_id``."""
         parts = self.content if isinstance(self.content, list) else [TextPart(type="text", text=self.content or "")]
         text = "".join(part.text for part in parts)
-        turn = {"role": "system" if self.role == "developer" else self.role, "content": text}
+        turn: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": text}
         if self.name is not None:
             turn["name"] = self.name
+        if self.tool_calls is not None:
+            turn["tool_calls"] = self.tool_calls
+            if self.content is None:
+                turn["content"] = None
+        if self.tool_call_id is not None:
+            turn["tool_call_id"] = self.tool_call_id
         return turn
 
 
 class ChatRequest(_Request):
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
+    # tool calling (checked and planned in http_server.tools)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: StrictBool | None = None
 
 
 #: field → the value that asks for nothing (a request may send it; any other value is a 400)
