@@ -29,6 +29,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from shared.chat_tools import ChatError, ToolPlan, plan_tools
 from shared.protocol import (
     DEFAULT_MAX_MESSAGE_BYTES,
     MAX_HEADER_BYTES,
@@ -44,7 +45,8 @@ from shared.protocol import (
     encode,
 )
 from shared.protocol import Chunk as ChunkMessage
-from shared.sampling import ParamError, structured_output
+from shared.sampling import GrammarSpec, ParamError, structured_output
+from shared.tool_calls import ParsedDelta, ToolCall, ToolCallParser
 from shared.transport import ClientKeys, is_local_endpoint, make_dealer
 
 #: How long a stream whose ``cancel`` event was set waits for the verifier's final result.
@@ -70,14 +72,19 @@ class Chunk:
 
     token_ids: list[int]
     text: str
+    #: with ``tools``: the text read by the tool-call parser (content and call deltas; possibly empty while it holds
+    #: back a call). A last chunk without tokens carries what it held at the end, when it held anything.
+    delta: ParsedDelta | None = None
 
 
 @dataclass
 class GenerationResult:
-    text: str
+    text: str  # the whole output, tool calls included
     token_ids: list[int]  # new tokens only
     metrics: dict[str, Any] = field(default_factory=dict)
-    finish_reason: str = ""
+    finish_reason: str = ""  # stop, length, cancelled; tool_calls when tools were given and the output called
+    tool_calls: list[ToolCall] = field(default_factory=list)  # with tools: the calls, in order
+    content: str | None = None  # with tools: the text besides the calls (None: no tools, or not parsed)
 
 
 _PARAM_NAMES = (
@@ -181,6 +188,7 @@ class AsyncClient:
         self._auth_refused = False  # the verifier's CURVE authenticator refused our key
         #: The verifier's cap on one message, from its pong (None: not asked yet, or the verifier changed).
         self.max_message_bytes: int | None = None
+        self._tool_parser: str | None = None  # the target's tool-call format, from the same pong
         self._ctx: zmq.asyncio.Context | None = None
         self._shared_ctx = context
         self._sock = None
@@ -258,6 +266,7 @@ class AsyncClient:
                 continue
             if isinstance(msg, Pong):
                 self.max_message_bytes = msg.max_message_bytes or DEFAULT_MAX_MESSAGE_BYTES
+                self._tool_parser = msg.tool_parser
                 waiters, self._pong_waiters = self._pong_waiters, []
                 for w in waiters:
                     if not w.done():
@@ -354,16 +363,27 @@ class AsyncClient:
                     waiters.remove(waiter)
         return msg.to_dict()
 
+    async def target_tool_parser(self) -> str | None:
+        """The tool-call format of the target's chat template (a key of ``shared.tool_calls.PARSERS``; None: the
+        template has none pipespec knows), as the verifier's pong tells it."""
+        if self.max_message_bytes is None:
+            await self._learn_limits()
+        return self._tool_parser
+
     async def stream(
         self,
         prompt: str | None = None,
         *,
         token_ids: list[int] | None = None,
-        messages: list[dict[str, str]] | None = None,
+        messages: list[dict[str, Any]] | None = None,
         include_result: bool = False,
         drafter_type: str | None = None,
         cancel: asyncio.Event | None = None,
         tenant: str | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        tool_choice: str | dict[str, Any] | None = None,
+        parallel_tool_calls: bool | None = None,
+        tool_parser: str | None = None,
         **params: Any,
     ) -> AsyncIterator[Chunk | GenerationResult]:
         """Yield committed tokens as the verifier commits them. Same arguments as :meth:`generate`;
@@ -372,7 +392,22 @@ class AsyncClient:
         ``cancel``: set it (between two items) to end the request early *and still get its result*: the client
         sends a cancel, drops the chunks that follow, and the result comes with ``finish_reason == "cancelled"`` and
         the metrics of what ran (within :data:`CANCEL_WAIT_S`; a stream closed early instead gets no result)."""
-        async for item in self._run(prompt, token_ids, messages, params, drafter_type, cancel, tenant):
+        tooling = await self._tool_plan(tools, tool_choice, parallel_tool_calls, tool_parser, params)
+        parser = tooling.new_parser() if tooling is not None else None
+        received = ""
+        async for item in self._run(prompt, token_ids, messages, params, drafter_type, cancel, tenant, tools):
+            if parser is not None and isinstance(item, Chunk):
+                received += item.text
+                item.delta = _kept(parser.push(item.text), tooling)
+            elif parser is not None:
+                # the stream holds back a trailing half character: the result's text has all of it
+                tail = item.text[len(received):] if item.text.startswith(received) else ""
+                last = parser.push(tail)
+                end = parser.finish()
+                last = _kept(ParsedDelta(last.content + end.content, last.calls + end.calls), tooling)
+                if last.content or last.calls:
+                    yield Chunk([], "", last)
+                _read_calls(item, parser, tooling)
             if include_result or isinstance(item, Chunk):
                 yield item
 
@@ -381,9 +416,13 @@ class AsyncClient:
         prompt: str | None = None,
         *,
         token_ids: list[int] | None = None,
-        messages: list[dict[str, str]] | None = None,
+        messages: list[dict[str, Any]] | None = None,
         drafter_type: str | None = None,
         tenant: str | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        tool_choice: str | dict[str, Any] | None = None,
+        parallel_tool_calls: bool | None = None,
+        tool_parser: str | None = None,
         **params: Any,
     ) -> GenerationResult:
         """Generate from exactly one of ``prompt``, ``token_ids`` or ``messages`` (chat, templated by the target).
@@ -396,13 +435,43 @@ class AsyncClient:
         ``drafter_type``: only a drafter of this type may serve the request (see docs/deployment.md, "Drafter pool").
         ``tenant``: the user the request is for, set by a gateway such as the HTTP server (docs/security.md; a client
         that is not trusted to set it gets ``unauthorized``).
+        Tool calling (with ``messages``; docs/client.md): ``tools`` (OpenAI's list, given to the chat template),
+        ``tool_choice`` (``auto``, the default; ``none``: not parsed; ``required`` or
+        ``{"type": "function", "function": {"name": ...}}``: a grammar makes the model call),
+        ``parallel_tool_calls`` (false: the first call only), ``tool_parser`` (the format, default the target
+        template's); the result's ``tool_calls`` and ``content`` (the text besides the calls).
         """
+        tooling = await self._tool_plan(tools, tool_choice, parallel_tool_calls, tool_parser, params)
         result = None
-        async for item in self._run(prompt, token_ids, messages, params, drafter_type, tenant=tenant):
+        async for item in self._run(prompt, token_ids, messages, params, drafter_type, tenant=tenant, tools=tools):
             if isinstance(item, GenerationResult):
                 result = item
         assert result is not None
+        if tooling is not None and tooling.parser is not None:
+            parser = tooling.new_parser()
+            parser.push(result.text)
+            parser.finish()
+            _read_calls(result, parser, tooling)
         return result
+
+    async def _tool_plan(self, tools: list[dict[str, Any]] | None, tool_choice: Any, parallel: bool | None,
+                         tool_parser: str | None, params: dict[str, Any]) -> ToolPlan | None:
+        """The request's tool use (a forced call's grammar put into ``params``); a bad field is ``bad_request``."""
+        if tools is None and tool_choice is None:
+            return None
+        try:
+            parser = tool_parser
+            if parser is None and tools and tool_choice != "none":
+                parser = await self.target_tool_parser()
+            given = params.get("grammar")
+            other = GrammarSpec.from_wire(given) if isinstance(given, dict) else structured_output(
+                **{k: params[k] for k in _CONSTRAINT_NAMES if k in params})
+            plan = plan_tools(tools, tool_choice, parallel, parser, other)
+        except (ChatError, ParamError) as exc:
+            raise PipespecError(str(exc), "bad_request") from None
+        if plan is not None and plan.grammar is not None:
+            params["grammar"] = plan.grammar.to_wire()
+        return plan
 
     @staticmethod
     def _with_grammar(params: dict[str, Any]) -> dict[str, Any]:
@@ -419,7 +488,8 @@ class AsyncClient:
         return params
 
     async def _run(self, prompt, token_ids, messages, params: dict[str, Any], drafter_type: str | None = None,
-                   cancel: asyncio.Event | None = None, tenant: str | None = None):
+                   cancel: asyncio.Event | None = None, tenant: str | None = None,
+                   tools: list[dict[str, Any]] | None = None):
         """One request: its chunks, then its :class:`GenerationResult` (an error reply raises)."""
         unknown = sorted(set(params) - set(_PARAM_NAMES) - set(_CONSTRAINT_NAMES))
         if unknown:
@@ -432,7 +502,7 @@ class AsyncClient:
         rid = next(self._ids)
         frames = self._request_frames(Generate(
             request_id=rid, params={k: v for k, v in params.items() if v is not None}, token_ids=token_ids,
-            prompt=prompt, messages=messages, drafter_type=drafter_type, tenant=tenant,
+            prompt=prompt, messages=messages, drafter_type=drafter_type, tenant=tenant, tools=tools,
         ))
         queue = _Inbox()  # bounded: the reader task never waits for a slow consumer
         self._track(rid, queue)
@@ -502,3 +572,16 @@ class AsyncClient:
                 error = PipespecError(msg.message, msg.code)
                 error.verifier_ended = isinstance(msg, Error)  # type: ignore[attr-defined]  # no cancel needed
                 raise error
+
+
+def _kept(delta: ParsedDelta, plan: ToolPlan) -> ParsedDelta:
+    """``delta`` without the calls past the first where ``parallel_tool_calls`` is false."""
+    return delta if plan.parallel else ParsedDelta(delta.content, [d for d in delta.calls if d.index == 0])
+
+
+def _read_calls(result: GenerationResult, parser: ToolCallParser, plan: ToolPlan) -> None:
+    """The parsed calls and content onto the result (``finish_reason`` tool_calls when it called and ended so)."""
+    result.tool_calls = list(parser.calls if plan.parallel else parser.calls[:1])
+    result.content = parser.content
+    if result.tool_calls and result.finish_reason == "stop":
+        result.finish_reason = "tool_calls"
