@@ -1,3 +1,4 @@
+# ruff: noqa: E501  (the templates keep the real ones' long lines verbatim)
 """Chat templates of the three tool-call families pipespec reads (shortened but faithful to the real ones' tool
 sections: Qwen2.5's hermes ``<tool_call>`` blocks, Llama 3.1's JSON ``{"name", "parameters"}`` turn with
 ``ipython`` results, Mistral's ``[AVAILABLE_TOOLS]`` / ``[TOOL_CALLS]`` / ``[TOOL_RESULTS]``), and tiny tokenizers
