@@ -8,9 +8,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from transformers import PreTrainedTokenizerFast
+import torch
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
-from testkit.tiny_models import CORPUS, build_bpe, build_model
+from testkit.tiny_models import CORPUS, build_bpe, model_config, save_tiny
+
+#: Positions of the tiny tool models: a template's tool section alone is several hundred tokens.
+MAX_POSITIONS = 2048
 
 # Qwen2.5-Instruct's template (the tool parts as shipped; the default system text kept).
 QWEN25_TEMPLATE = r"""{%- if tools %}
@@ -245,17 +249,29 @@ TOOL_CORPUS = [
     '[TOOL_CALLS] [{"name": "add", "arguments": {"a": 7, "b": 8}, "id": "abc123xyz"}]',
     "<|im_start|>assistant\n<tool_response>\n42\n</tool_response><|im_end|>",
 ] * 20
+#: the templates' own words (their tool instructions), so a prompt is hundreds of tokens, not a thousand
+TEMPLATE_CORPUS = list(TEMPLATES.values()) * 5
 
 
 def build_tool_tokenizer(folder: Path, family: str) -> PreTrainedTokenizerFast:
     """A byte-level BPE over the usual corpus and tool-call text, with ``family``'s chat template, saved."""
-    fast = build_bpe(folder, 256, CORPUS + TOOL_CORPUS, ["<eos>", "<pad>"])
+    fast = build_bpe(folder, 512, CORPUS + TOOL_CORPUS + TEMPLATE_CORPUS, ["<eos>", "<pad>"])
     fast.chat_template = TEMPLATES[family]
     fast.save_pretrained(folder)
     return fast
 
 
-def build_tool_model(root: Path, family: str, arch: str = "qwen2", seed: int = 1) -> Path:
-    """A tiny random ``arch`` model whose tokenizer carries ``family``'s template: ``root/{family}-target``."""
-    build_tool_tokenizer(root / f"{family}-tok", family)
-    return build_model(root / f"{family}-target", arch, root / f"{family}-tok", seed=seed)
+def build_tool_model(root: Path, family: str, arch: str = "qwen2", seed: int = 1, layers: int = 2,
+                     name: str = "target") -> Path:
+    """A tiny random ``arch`` model whose tokenizer (``root/{family}-tok``, made on first use) carries ``family``'s
+    template, with room for the long prompts tool definitions make: ``root/{family}-{name}``."""
+    tok_folder = root / f"{family}-tok"
+    if not (tok_folder / "tokenizer.json").exists():
+        build_tool_tokenizer(tok_folder, family)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(tok_folder)
+    torch.manual_seed(seed)
+    config = model_config(arch, len(tokenizer), layers)
+    config.max_position_embeddings = MAX_POSITIONS
+    model = AutoModelForCausalLM.from_config(config)
+    model.config.tie_word_embeddings = False
+    return save_tiny(model, tokenizer, root / f"{family}-{name}", eos_token_id=config.eos_token_id)
