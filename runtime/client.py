@@ -392,22 +392,11 @@ class AsyncClient:
         ``cancel``: set it (between two items) to end the request early *and still get its result*: the client
         sends a cancel, drops the chunks that follow, and the result comes with ``finish_reason == "cancelled"`` and
         the metrics of what ran (within :data:`CANCEL_WAIT_S`; a stream closed early instead gets no result)."""
-        tooling = await self._tool_plan(tools, tool_choice, parallel_tool_calls, tool_parser, params)
-        parser = tooling.new_parser() if tooling is not None else None
-        received = ""
+        reader = await _tool_reader(self, tools, tool_choice, parallel_tool_calls, tool_parser, params)
         async for item in self._run(prompt, token_ids, messages, params, drafter_type, cancel, tenant, tools):
-            if parser is not None and isinstance(item, Chunk):
-                received += item.text
-                item.delta = _kept(parser.push(item.text), tooling)
-            elif parser is not None:
-                # the stream holds back a trailing half character: the result's text has all of it
-                tail = item.text[len(received):] if item.text.startswith(received) else ""
-                last = parser.push(tail)
-                end = parser.finish()
-                last = _kept(ParsedDelta(last.content + end.content, last.calls + end.calls), tooling)
-                if last.content or last.calls:
-                    yield Chunk([], "", last)
-                _read_calls(item, parser, tooling)
+            held = reader.read(item) if reader is not None else None
+            if held is not None:
+                yield held
             if include_result or isinstance(item, Chunk):
                 yield item
 
@@ -441,37 +430,15 @@ class AsyncClient:
         ``parallel_tool_calls`` (false: the first call only), ``tool_parser`` (the format, default the target
         template's); the result's ``tool_calls`` and ``content`` (the text besides the calls).
         """
-        tooling = await self._tool_plan(tools, tool_choice, parallel_tool_calls, tool_parser, params)
+        reader = await _tool_reader(self, tools, tool_choice, parallel_tool_calls, tool_parser, params)
         result = None
         async for item in self._run(prompt, token_ids, messages, params, drafter_type, tenant=tenant, tools=tools):
             if isinstance(item, GenerationResult):
                 result = item
         assert result is not None
-        if tooling is not None and tooling.parser is not None:
-            parser = tooling.new_parser()
-            parser.push(result.text)
-            parser.finish()
-            _read_calls(result, parser, tooling)
+        if reader is not None:
+            reader.read(result)
         return result
-
-    async def _tool_plan(self, tools: list[dict[str, Any]] | None, tool_choice: Any, parallel: bool | None,
-                         tool_parser: str | None, params: dict[str, Any]) -> ToolPlan | None:
-        """The request's tool use (a forced call's grammar put into ``params``); a bad field is ``bad_request``."""
-        if tools is None and tool_choice is None:
-            return None
-        try:
-            parser = tool_parser
-            if parser is None and tools and tool_choice != "none":
-                parser = await self.target_tool_parser()
-            given = params.get("grammar")
-            other = GrammarSpec.from_wire(given) if isinstance(given, dict) else structured_output(
-                **{k: params[k] for k in _CONSTRAINT_NAMES if k in params})
-            plan = plan_tools(tools, tool_choice, parallel, parser, other)
-        except (ChatError, ParamError) as exc:
-            raise PipespecError(str(exc), "bad_request") from None
-        if plan is not None and plan.grammar is not None:
-            params["grammar"] = plan.grammar.to_wire()
-        return plan
 
     @staticmethod
     def _with_grammar(params: dict[str, Any]) -> dict[str, Any]:
@@ -585,3 +552,48 @@ def _read_calls(result: GenerationResult, parser: ToolCallParser, plan: ToolPlan
     result.content = parser.content
     if result.tool_calls and result.finish_reason == "stop":
         result.finish_reason = "tool_calls"
+
+
+async def _tool_reader(client: AsyncClient, tools: list[dict[str, Any]] | None, tool_choice: Any,
+                       parallel: bool | None, tool_parser: str | None, params: dict[str, Any]) -> _ToolReader | None:
+    """A request's tool use: a forced call's grammar put into ``params``, and the reader of its calls (None: no
+    tools, or ``tool_choice`` none); a bad field is ``bad_request``, raised before anything is sent."""
+    if tools is None and tool_choice is None:
+        return None
+    try:
+        parser = tool_parser
+        if parser is None and tools and tool_choice != "none":
+            parser = await client.target_tool_parser()
+        given = params.get("grammar")
+        other = GrammarSpec.from_wire(given) if isinstance(given, dict) else structured_output(
+            **{k: params[k] for k in _CONSTRAINT_NAMES if k in params})
+        plan = plan_tools(tools, tool_choice, parallel, parser, other)
+    except (ChatError, ParamError) as exc:
+        raise PipespecError(str(exc), "bad_request") from None
+    if plan is not None and plan.grammar is not None:
+        params["grammar"] = plan.grammar.to_wire()
+    return _ToolReader(plan) if plan is not None and plan.parser is not None else None
+
+
+class _ToolReader:
+    """One request's output read for tool calls: each chunk gets the parser's delta, the result its calls."""
+
+    def __init__(self, plan: ToolPlan):
+        self.plan = plan
+        parser = plan.new_parser()
+        assert parser is not None
+        self.parser: ToolCallParser = parser
+        self.received = ""
+
+    def read(self, item: Chunk | GenerationResult) -> Chunk | None:
+        """Read ``item``; at the result: a last chunk with what the parser held back, if anything."""
+        if isinstance(item, Chunk):
+            self.received += item.text
+            item.delta = _kept(self.parser.push(item.text), self.plan)
+            return None
+        # the stream holds back a trailing half character: the result's text has all of it
+        tail = item.text[len(self.received):] if item.text.startswith(self.received) else ""
+        last, end = self.parser.push(tail), self.parser.finish()
+        _read_calls(item, self.parser, self.plan)
+        held = _kept(ParsedDelta(last.content + end.content, last.calls + end.calls), self.plan)
+        return Chunk([], "", held) if held.content or held.calls else None

@@ -132,8 +132,7 @@ class VerifierServer:
         self.target = target
         self.backend = target.backend
         self.tokenizer = tokenizer = target.tokenizer
-        # the tool-call format of the target's chat template, told to clients in each pong (the HTTP server parses
-        # its tool calls with it)
+        # its template's tool-call format, told to clients in pongs (the HTTP server reads calls with it)
         self.tool_parser = parser_name_for_template(getattr(tokenizer, "chat_template", None))
         self.profile = target.profile
         self.dtype = target.dtype
