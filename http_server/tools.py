@@ -23,9 +23,15 @@ from shared.tool_calls import ParsedDelta
 def plan_tools(req: Any, parser_name: str | None, other_constraint: GrammarSpec | None) -> ToolPlan | None:
     """The chat request's :class:`~shared.chat_tools.ToolPlan` (None: no tools); a bad field is a 400 naming it."""
     try:
-        return plan(req.tools, req.tool_choice, req.parallel_tool_calls, parser_name, other_constraint)
+        planned = plan(req.tools, req.tool_choice, req.parallel_tool_calls, parser_name, other_constraint)
     except ChatError as exc:
         raise bad_request(str(exc), param=exc.param, code=exc.code) from None
+    if planned is not None and planned.grammar is not None and req.stop_strings():
+        # as with any output constraint: a stop string would cut the forced call short while finish_reason
+        # says the text is complete
+        raise bad_request("stop cannot be combined with a forced tool call (tool_choice required or named): a stop "
+                          "string would cut the call short", param="stop", code="invalid_value")
+    return planned
 
 
 def check_chat_messages(messages: list[dict[str, Any]]) -> None:

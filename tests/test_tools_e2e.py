@@ -168,9 +168,10 @@ def test_a_history_with_calls_and_results_is_templated_and_greedy_exact(server, 
         {"id": "c", "type": "function", "function": {"name": "add", "arguments": "{a: 2"}}]}], "tools": TOOLS},
      "messages"),
     ({"messages": ASK, "functions": [TOOLS[0]["function"]]}, "functions"),
+    ({"messages": ASK, "tools": TOOLS, "tool_choice": "required", "stop": ["}"]}, "stop"),
     ({"messages": ASK, "tools": [{"type": "function", "function": {"name": "add", "parameters": 3}}]}, "tools"),
 ], ids=["completions", "unknown name", "with response_format", "arguments not JSON", "legacy functions",
-        "bad parameters"])
+        "required with stop", "bad parameters"])
 def test_bad_tool_requests_are_a_400_naming_the_field(server, body, param):
     client = _client(server)
     path = "/completions" if "prompt" in body else "/chat/completions"
