@@ -97,7 +97,7 @@ def choose(
 
 def choose_greedy_rows(logits: torch.Tensor) -> list[DraftToken]:
     """:func:`choose` for every row of ``logits`` [rows, vocab] at once, for greedy rows that no logits processor
-    changes (no repetition penalty, no end token held back, no q kept): the same tokens, next-best tokens and
+    changes (no penalty or bias, no end token held back, no q kept): the same tokens, next-best tokens and
     probabilities as row by row (the same kernels, per row), from one top-2 and one softmax instead of one each per
     row (pre-draft rows: several per drafter step)."""
     scores = logits.float()
@@ -113,8 +113,14 @@ def pick_token(logits: torch.Tensor, ids: list[int], params: GenerationParams, p
     """The draft token after ``ids`` (the whole sequence) from a drafter's raw logits at that position: the shared
     logits processing (on the target's ``vocab_size`` columns: a drafter head may be padded wider), then
     :func:`choose`."""
-    # Only the repetition penalty reads the context: without it, skip a tensor of the whole sequence per token.
-    context = torch.tensor(ids) if params.repetition_penalty != 1.0 else _NO_CONTEXT
+    # Only the repetition, presence and frequency penalties read the context: without them, skip a tensor of the
+    # whole sequence per token; the last two read only the generated tokens.
+    if params.repetition_penalty != 1.0:
+        context = torch.tensor(ids)
+    elif params.needs_context:
+        context = torch.tensor(ids[prompt_len:])
+    else:
+        context = _NO_CONTEXT
     scores = process_logits(logits[:vocab_size], context, params, len(ids) - prompt_len)
     return choose(scores, params, len(ids), q_top_m, greedy_q)
 
@@ -267,7 +273,7 @@ class LMDraftSession(DraftSession):
         """Each pre-draft row's next token from its logits (``contexts``: the rows' tokens after the committed)."""
         p = self.params
         generated = len(self.committed) - self.prompt_len
-        if (not p.do_sample and not self.want_q and p.repetition_penalty == 1.0
+        if (not p.do_sample and not self.want_q and not p.changes_logits
                 and not (p.eos_token_ids and any(generated + len(c) < p.min_new_tokens for c in contexts))):
             return choose_greedy_rows(logits[:, : self.vocab_size])  # no processor reads a row: all rows at once
         return [self.pick(row, self.committed + ctx) for row, ctx in zip(logits, contexts)]

@@ -174,6 +174,17 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
+def draft_bias(logit_bias: dict[str, float], t2d: dict[int, int]) -> dict[str, float]:
+    """A request's logit_bias (target ids) in the drafter's vocabulary: the ids with a counterpart, moved onto it
+    (two target ids on one drafter id: the first one's bias)."""
+    out: dict[str, float] = {}
+    for key, value in logit_bias.items():
+        d = t2d.get(int(key))
+        if d is not None:
+            out.setdefault(str(d), value)
+    return out
+
+
 class UniversalSession(DraftSession):
     """Drafting for one request across two tokenizers."""
 
@@ -192,11 +203,15 @@ class UniversalSession(DraftSession):
         self.decoded_upto = 0  # d_ids before this index have their text in self.pending (or in the chain)
         self.dirty = True  # committed + chain changed under the drafter's context: re-tokenise before drafting
         self.stuck = False  # no clean continuation: wait for the next commit
-        # Greedy drafting runs in the drafter's vocabulary: end tokens translated where they have a counterpart.
+        # Greedy drafting runs in the drafter's vocabulary: end tokens and logit_bias ids translated where they have
+        # a counterpart (a target id is never applied to the drafter's row as it is: there it names another token).
+        # Presence / frequency penalties count the drafter's own tokens, its last len(generated) of them: an
+        # approximation of the generated text (drafts are guesses; the verifier applies the exact penalties).
         self.draft_params = dataclasses.replace(
             params,
             eos_token_ids=[self.vocab.t2d[t] for t in params.eos_token_ids if t in self.vocab.t2d],
             stop_token_ids=[self.vocab.t2d[t] for t in params.stop_token_ids if t in self.vocab.t2d],
+            logit_bias=draft_bias(params.logit_bias, self.vocab.t2d),
         )
 
     # ---------------------------------------------------------------- text ↔ ids

@@ -20,6 +20,7 @@ from http_server.errors import OpenAIError, error_body, from_pipespec
 from http_server.gate import KeyRing, RequestGate, bearer_token
 from http_server.generation import Generation
 from http_server.guard import ClientStalled, HostCheck
+from http_server.logprobs import body as logprobs_body
 from http_server.metrics import CONTENT_TYPE, HttpMetrics
 from http_server.schemas import ChatRequest, CompletionRequest, check_supported
 from http_server.sse import sse
@@ -48,26 +49,32 @@ class _Format:
         self.chunk_object = "chat.completion.chunk" if chat else "text_completion"
         self.id_prefix = "chatcmpl-" if chat else "cmpl-"
 
-    def _choice(self, finish_reason: str | None, **body: Any) -> dict[str, Any]:
-        return {"index": 0, **body, "logprobs": None, "finish_reason": finish_reason}
+    def _choice(self, finish_reason: str | None, logprobs: list | None = None, **body: Any) -> dict[str, Any]:
+        # logprobs: the shown tokens' (entry, text offset) pairs (http_server.logprobs); None where not asked
+        return {"index": 0, **body, "logprobs": logprobs_body(self.chat, logprobs), "finish_reason": finish_reason}
 
-    def piece(self, text: str) -> dict[str, Any]:
-        return self._choice(None, delta={"content": text}) if self.chat else self._choice(None, text=text)
+    def piece(self, text: str, logprobs: list | None = None) -> dict[str, Any]:
+        if self.chat:
+            return self._choice(None, logprobs, delta={"content": text})
+        return self._choice(None, logprobs, text=text)
 
     def opening(self) -> dict[str, Any] | None:
         return self._choice(None, delta={"role": "assistant", "content": ""}) if self.chat else None
 
-    def delta(self, delta: dict[str, Any]) -> dict[str, Any]:
+    def delta(self, delta: dict[str, Any], logprobs: list | None = None) -> dict[str, Any]:
         """A chat chunk's choice with this ``delta`` (content and/or tool calls)."""
-        return self._choice(None, delta=delta)
+        return self._choice(None, logprobs, delta=delta)
 
-    def finish(self, finish_reason: str) -> dict[str, Any]:
-        return self._choice(finish_reason, delta={}) if self.chat else self._choice(finish_reason, text="")
-
-    def whole(self, text: str, finish_reason: str) -> dict[str, Any]:
+    def finish(self, finish_reason: str, logprobs: list | None = None) -> dict[str, Any]:
         if self.chat:
-            return self._choice(finish_reason, message={"role": "assistant", "content": text, "refusal": None})
-        return self._choice(finish_reason, text=text)
+            return self._choice(finish_reason, logprobs, delta={})
+        return self._choice(finish_reason, logprobs, text="")
+
+    def whole(self, text: str, finish_reason: str, logprobs: list | None = None) -> dict[str, Any]:
+        if self.chat:
+            return self._choice(finish_reason, logprobs,
+                                message={"role": "assistant", "content": text, "refusal": None})
+        return self._choice(finish_reason, logprobs, text=text)
 
 
 class _Stream(StreamingResponse):
@@ -292,10 +299,10 @@ class Completions:
             out = gen.outcome
             self.record(out)
             if tools is None:
-                choice = fmt.whole(out.text, out.finish_reason)
+                choice = fmt.whole(out.text, out.finish_reason, gen.all_logprobs())
             else:
-                message = tools.message(out.text)
-                choice = fmt._choice(tools.finish_reason(out.finish_reason), message=message)
+                message = tools.message(out.text)  # parsed first: the finish reason depends on the calls
+                choice = fmt._choice(tools.finish_reason(out.finish_reason), gen.all_logprobs(), message=message)
             return JSONResponse({**self.base(fmt, rid), "object": fmt.object, "choices": [choice],
                                  "usage": out.usage(), **self.spec_metrics(out)})
         return _Stream(sse(self.stream_events(gen, pieces, first, fmt, rid, req.include_usage(), tools)),
@@ -309,10 +316,13 @@ class Completions:
         finished = False
 
         def chunks(piece: str) -> list[dict[str, Any]]:
-            """A piece of text as events: one, or with tools the parser's deltas (none while it holds back)."""
+            """A piece of text as events: one, or with tools the parser's deltas (none while it holds back: the
+            log probabilities shown meanwhile go with the next event)."""
             if tools is None:
-                return [{**head, "choices": [fmt.piece(piece)], **extra}] if piece else []
-            return [{**head, "choices": [fmt.delta(d)], **extra} for d in tools.deltas(piece)]
+                return [{**head, "choices": [fmt.piece(piece, gen.take_logprobs())], **extra}] if piece else []
+            deltas = tools.deltas(piece)
+            return [{**head, "choices": [fmt.delta(d, gen.take_logprobs() if i == 0 else None)], **extra}
+                    for i, d in enumerate(deltas)]
 
         try:
             opening = fmt.opening()
@@ -330,9 +340,9 @@ class Completions:
             reason = out.finish_reason
             if tools is not None:
                 for delta in tools.finish():
-                    yield {**head, "choices": [fmt.delta(delta)], **extra}
+                    yield {**head, "choices": [fmt.delta(delta, gen.take_logprobs())], **extra}
                 reason = tools.finish_reason(reason)
-            yield {**head, "choices": [fmt.finish(reason)], **extra, **self.spec_metrics(out)}
+            yield {**head, "choices": [fmt.finish(reason, gen.take_logprobs())], **extra, **self.spec_metrics(out)}
             if include_usage:
                 yield {**head, "choices": [], "usage": out.usage()}
         except (PipespecError, TimeoutError) as exc:  # after the 200: the error travels as an event

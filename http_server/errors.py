@@ -66,7 +66,19 @@ def from_pipespec(exc: PipespecError | TimeoutError) -> OpenAIError:
     status, kind = _STATUS_BY_CODE.get(exc.code, (500, "server_error"))
     headers = {"Retry-After": "1"} if status in (429, 503) else None
     message = busy_message(str(exc)) if exc.code == "busy" else str(exc)
-    return OpenAIError(status, message, type=kind, code=exc.code, headers=headers)
+    param = param_of(message) if exc.code == "bad_request" else None  # e.g. a logit_bias id outside the vocabulary
+    return OpenAIError(status, message, type=kind, param=param, code=exc.code, headers=headers)
+
+
+#: pipespec parameter → the HTTP field it comes from, for naming the field of a verifier's refusal
+_HTTP_NAME = {"presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
+              "logit_bias": "logit_bias", "repetition_penalty": "repetition_penalty", "min_new_tokens": "min_tokens"}
+
+
+def param_of(message: str) -> str | None:
+    """The HTTP field a verifier's ``bad_request`` message is about, where it opens with one of these parameters'
+    names (the checks in shared.sampling and shared.penalties name their field first)."""
+    return _HTTP_NAME.get(message.split(" ", 1)[0])
 
 
 #: What a ``busy`` refusal says over HTTP: which limit, never how much of it others hold (the verifier's own text

@@ -11,6 +11,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from http_server.logprobs import ShownLogprobs, requested
+from http_server.penalties import penalty_params
 from http_server.schemas import ChatRequest, CompletionRequest
 from http_server.stop import StopMatcher
 from runtime.client import AsyncClient, Chunk, GenerationResult
@@ -29,10 +31,11 @@ def generation_params(req: CompletionRequest | ChatRequest, default_max_tokens: 
         params["temperature"] = temperature
         params["top_p"] = req.top_p
         params["top_k"] = req.top_k if req.top_k and req.top_k > 0 else None
-    params["repetition_penalty"] = req.repetition_penalty
+    params.update(penalty_params(req))  # repetition / presence / frequency penalty, logit_bias, min_tokens
     spec = req.grammar_spec()
     if spec is not None:
         params["grammar"] = spec.to_wire()
+    params["logprobs"] = requested(isinstance(req, ChatRequest), req.logprobs, req.top_logprobs)
     return {k: v for k, v in params.items() if v is not None}
 
 
@@ -61,6 +64,7 @@ class Outcome:
     ttft_s: float | None = None
     started: float = field(default_factory=time.monotonic)
     stop_tokens: int | None = None  # tokens up to the one that completed a stop string (the ones shown for)
+    logprobs: ShownLogprobs | None = None  # the shown tokens' log probabilities, when the request asked
 
     def usage(self) -> dict[str, int]:
         m = self.result.metrics if self.result else {}
@@ -101,7 +105,24 @@ class Generation:
         self.inputs = prompt_inputs(req)
         self.params = generation_params(req, default_max_tokens)
         self.stops = StopMatcher(req.stop_strings())
-        self.outcome = Outcome()
+        self.outcome = Outcome(logprobs=ShownLogprobs() if "logprobs" in self.params else None)
+
+    def _show(self, everything: bool = False) -> None:
+        """More text is shown: release the log probabilities of the tokens that begin inside it (all of them once
+        the generation ended without a stop string)."""
+        lp = self.outcome.logprobs
+        if lp is not None:
+            lp.shown(None if everything else len(self.outcome.text))
+
+    def take_logprobs(self) -> list | None:
+        """The log probabilities shown since the last take (a streamed chunk's); None where not asked."""
+        lp = self.outcome.logprobs
+        return None if lp is None else lp.take()
+
+    def all_logprobs(self) -> list | None:
+        """Every shown token's log probabilities (a whole response's); None where not asked."""
+        lp = self.outcome.logprobs
+        return None if lp is None else lp.released
 
     async def pieces(self) -> AsyncIterator[str]:
         cancel = asyncio.Event()
@@ -117,12 +138,15 @@ class Generation:
                         out.ttft_s = time.monotonic() - out.started
                     received += item.text
                     tokens += len(item.token_ids)
+                    if out.logprobs is not None and item.logprobs is not None:
+                        out.logprobs.add(item.logprobs)
                     piece, hit = self.stops.push(item.text)
                     if hit and out.stop_tokens is None:
                         # a chunk is a verifier round's tokens: counted whole (the stop may end inside it)
                         out.stop_tokens = tokens
                         cancel.set()  # the next step of the stream sends the cancel and waits for the result
                     out.text += piece
+                    self._show()
                     yield piece
                 else:
                     out.result = item
@@ -137,6 +161,7 @@ class Generation:
             out.stop_tokens = len(result.token_ids)
         piece += "" if hit else self.stops.flush()
         out.text += piece
+        self._show(everything=not hit)
         out.finish_reason = "stop" if hit or result.finish_reason == "stop" else result.finish_reason
         if piece:
             yield piece

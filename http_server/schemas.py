@@ -8,13 +8,16 @@ Field policy (documented in docs/http.md):
   ``stream_options.include_usage``, and pipespec's own ``top_k`` and ``repetition_penalty``;
 - tool calling on chat (:mod:`http_server.tools`): ``tools``, ``tool_choice``, ``parallel_tool_calls``, assistant
   turns' ``tool_calls`` and ``tool`` turns (``tool_call_id``); the legacy ``functions`` / ``function_call`` are a 400;
+- penalties and bias (http_server/penalties.py): ``presence_penalty``, ``frequency_penalty``, ``logit_bias`` and
+  vLLM's ``min_tokens``;
+- log probabilities of the target (http_server.logprobs): chat ``logprobs`` + ``top_logprobs`` (0..20), completions
+  ``logprobs`` (0..20);
 - structured output, one constraint per request: ``response_format`` (``text``, ``json_object``, ``json_schema``
   with its ``strict``), vLLM's ``structured_outputs`` (``json``, ``regex``, ``grammar``, ``choice``) and its older
   ``guided_json``, ``guided_regex``, ``guided_grammar``, ``guided_choice``; not together with ``stop``;
-- accepted when they ask for nothing (their default): ``n: 1``, ``best_of: 1``, ``echo: false``, ``logprobs``
-  false / null, ``presence_penalty`` / ``frequency_penalty`` 0, ``logit_bias`` empty; accepted and ignored:
+- accepted when they ask for nothing (their default): ``n: 1``, ``best_of: 1``, ``echo: false``; accepted and ignored:
   ``user``, ``metadata``, ``store``, ``service_tier``;
-- anything else — a known OpenAI field pipespec lacks (``tools``, ``suffix``, …) or an unknown name (a typo) — is a
+- anything else — a known OpenAI field pipespec lacks (``suffix``, ``functions``, …) or an unknown name (a typo) — is a
   400 naming the field (``tools`` on ``/v1/completions`` too): a request is never served with part of it dropped.
 """
 
@@ -25,6 +28,9 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 from http_server.errors import bad_request
+from http_server.logprobs import requested as requested_logprobs
+from http_server.penalties import check_penalty_fields
+from shared.penalties import MAX_PENALTY
 from shared.sampling import (
     MAX_NEW_TOKENS,
     MAX_REPETITION_PENALTY,
@@ -86,10 +92,13 @@ class _Request(BaseModel):
     n: StrictInt | None = None
     best_of: StrictInt | None = None
     echo: StrictBool | None = None
-    logprobs: Any = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    logprobs: Any = None  # checked in check_supported (http_server.logprobs.requested)
+    top_logprobs: Any = None
+    # penalties and bias (http_server/penalties.py; logit_bias's keys and values checked in check_supported)
+    presence_penalty: Annotated[float, Field(ge=-MAX_PENALTY, le=MAX_PENALTY, allow_inf_nan=False)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-MAX_PENALTY, le=MAX_PENALTY, allow_inf_nan=False)] | None = None
     logit_bias: dict[str, Any] | None = None
+    min_tokens: Annotated[StrictInt, Field(ge=0, le=MAX_NEW_TOKENS)] | None = None  # vLLM's name: min_new_tokens
     # structured output (one constraint at most; see grammar_spec)
     response_format: dict[str, Any] | None = None
     structured_outputs: StructuredOutputs | None = None
@@ -185,8 +194,7 @@ class ChatRequest(_Request):
 
 #: field → the value that asks for nothing (a request may send it; any other value is a 400)
 _ONLY_DEFAULT: dict[str, tuple[Any, ...]] = {
-    "n": (None, 1), "best_of": (None, 1), "echo": (None, False), "logprobs": (None, False),
-    "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
+    "n": (None, 1), "best_of": (None, 1), "echo": (None, False),
 }
 
 
@@ -197,8 +205,8 @@ def check_supported(req: _Request) -> None:
         if not any(value is a or (value == a and type(value) is type(a)) for a in allowed):
             raise bad_request(f"{name}={value!r} is not supported by pipespec (only {allowed[-1]!r})", param=name,
                               code="unsupported_parameter")
-    if req.logit_bias:
-        raise bad_request("logit_bias is not supported by pipespec", param="logit_bias", code="unsupported_parameter")
+    check_penalty_fields(req)
+    requested_logprobs(isinstance(req, ChatRequest), req.logprobs, req.top_logprobs)  # a bad value: a 400
     spec = req.grammar_spec()  # a malformed or doubled constraint is a 400 before anything runs
     if spec is not None and req.stop_strings():
         # A stop string cuts the text wherever it appears, so the output would end short of what the constraint

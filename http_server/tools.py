@@ -18,12 +18,14 @@ from shared.chat_tools import ChatError, ToolPlan, check_messages
 from shared.chat_tools import plan_tools as plan
 from shared.sampling import GrammarSpec
 from shared.tool_calls import ParsedDelta
+from verifier_node.schema_check import check_schema  # the verifier's own check, before anything runs
 
 
 def plan_tools(req: Any, parser_name: str | None, other_constraint: GrammarSpec | None) -> ToolPlan | None:
     """The chat request's :class:`~shared.chat_tools.ToolPlan` (None: no tools); a bad field is a 400 naming it."""
     try:
-        planned = plan(req.tools, req.tool_choice, req.parallel_tool_calls, parser_name, other_constraint)
+        planned = plan(req.tools, req.tool_choice, req.parallel_tool_calls, parser_name, other_constraint,
+                       check_schema)
     except ChatError as exc:
         raise bad_request(str(exc), param=exc.param, code=exc.code) from None
     if planned is not None and planned.grammar is not None and req.stop_strings():

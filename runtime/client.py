@@ -29,6 +29,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from runtime.logprobs import TokenLogprob, from_wire
 from shared.chat_tools import ChatError, ToolPlan, plan_tools
 from shared.protocol import (
     DEFAULT_MAX_MESSAGE_BYTES,
@@ -48,6 +49,7 @@ from shared.protocol import Chunk as ChunkMessage
 from shared.sampling import GrammarSpec, ParamError, structured_output
 from shared.tool_calls import ParsedDelta, ToolCall, ToolCallParser
 from shared.transport import ClientKeys, is_local_endpoint, make_dealer
+from verifier_node.schema_check import check_schema
 
 #: How long a stream whose ``cancel`` event was set waits for the verifier's final result.
 CANCEL_WAIT_S = 10.0
@@ -72,6 +74,7 @@ class Chunk:
 
     token_ids: list[int]
     text: str
+    logprobs: list[TokenLogprob] | None = None  # one per token with ``logprobs=N`` (runtime.logprobs)
     #: with ``tools``: the text read by the tool-call parser (content and call deltas; possibly empty while it holds
     #: back a call). A last chunk without tokens carries what it held at the end, when it held anything.
     delta: ParsedDelta | None = None
@@ -83,13 +86,14 @@ class GenerationResult:
     token_ids: list[int]  # new tokens only
     metrics: dict[str, Any] = field(default_factory=dict)
     finish_reason: str = ""  # stop, length, cancelled; tool_calls when tools were given and the output called
+    logprobs: list[TokenLogprob] | None = None  # one per new token with ``logprobs=N`` (runtime.logprobs)
     tool_calls: list[ToolCall] = field(default_factory=list)  # with tools: the calls, in order
     content: str | None = None  # with tools: the text besides the calls (None: no tools, or not parsed)
 
 
 _PARAM_NAMES = (
     "max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "repetition_penalty", "min_new_tokens",
-    "eos_token_ids", "stop_token_ids", "seed",
+    "eos_token_ids", "stop_token_ids", "seed", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs",
 )
 #: Structured output (one at most): turned into the ``grammar`` parameter by shared.sampling.structured_output.
 _CONSTRAINT_NAMES = ("response_format", "json_schema", "regex", "grammar", "choice")
@@ -115,13 +119,17 @@ class _Merged:
         self.request_id = first.request_id
         self.token_ids = list(first.token_ids)
         self.texts = [first.text]
+        self.logprobs = None if first.logprobs is None else list(first.logprobs)  # a request has them in every chunk
 
     def add(self, chunk: ChunkMessage) -> None:
         self.token_ids.extend(chunk.token_ids)
         self.texts.append(chunk.text)
+        if self.logprobs is not None and chunk.logprobs is not None:
+            self.logprobs.extend(chunk.logprobs)
 
     def chunk(self) -> ChunkMessage:
-        return ChunkMessage(request_id=self.request_id, token_ids=self.token_ids, text="".join(self.texts))
+        return ChunkMessage(request_id=self.request_id, token_ids=self.token_ids, text="".join(self.texts),
+                            logprobs=self.logprobs)
 
 
 class _Inbox:
@@ -417,7 +425,11 @@ class AsyncClient:
         """Generate from exactly one of ``prompt``, ``token_ids`` or ``messages`` (chat, templated by the target).
 
         Parameters: ``max_new_tokens``, ``do_sample``, ``temperature``, ``top_k``, ``top_p``,
-        ``repetition_penalty``, ``min_new_tokens``, ``eos_token_ids``, ``stop_token_ids``, ``seed``.
+        ``repetition_penalty``, ``min_new_tokens``, ``eos_token_ids``, ``stop_token_ids``, ``seed``, and OpenAI's
+        ``presence_penalty`` / ``frequency_penalty`` (in [-2, 2], over the generated tokens) and ``logit_bias``
+        (token id, an int or its decimal text, → bias in [-100, 100]); ranges and processing order: docs/client.md;
+        ``logprobs`` (N in 0..20: each token's log probability under the target's processed scores and its N likeliest
+        alternatives, in ``Chunk.logprobs`` / ``GenerationResult.logprobs``; docs/client.md).
         Structured output, one at most (docs/client.md): ``response_format`` (OpenAI's: ``{"type": "json_object"}``
         or ``{"type": "json_schema", "json_schema": {"name", "schema"}}``), ``json_schema`` (a dict or JSON
         text), ``regex``, ``grammar`` (EBNF) or ``choice`` (a list of strings).
@@ -462,6 +474,11 @@ class AsyncClient:
         if unknown:
             raise TypeError(f"unknown generation parameter(s): {', '.join(unknown)}")
         params = self._with_grammar(params)
+        if isinstance(params.get("logit_bias"), dict):  # the wire's maps take text keys (JSON's form): 42 -> "42"
+            bias = {str(k) if type(k) is int else k: v for k, v in params["logit_bias"].items()}
+            if not all(isinstance(k, str) for k in bias):
+                raise PipespecError("logit_bias keys must be token ids (integers)", "bad_request")
+            params["logit_bias"] = bias
         if self._sock is None:
             raise RuntimeError("use the client inside 'async with AsyncClient(address) as client:'")
         if self.max_message_bytes is None:  # first request (or first since the verifier went): learn its cap
@@ -518,6 +535,7 @@ class AsyncClient:
     async def _replies(self, rid: int, queue: _Inbox, cancel: asyncio.Event | None):
         """Request ``rid``'s chunks, then its result; a cancel is sent once when ``cancel`` is set."""
         cancel_sent = False
+        gathered: list | None = None  # the chunks' log probabilities, for a done too long to carry them itself
         while True:
             if cancel is not None and cancel.is_set() and not cancel_sent:
                 await self._sock.send_multipart(encode(Cancel(request_id=rid)))
@@ -530,10 +548,18 @@ class AsyncClient:
                     f"no reply from the verifier at {self.address} for {wait_s} s (request {rid}){self._hint()}"
                 ) from None
             if isinstance(msg, ChunkMessage):
+                if msg.logprobs is not None:
+                    if gathered is None:
+                        gathered = []
+                    gathered.extend(msg.logprobs)
                 if not cancel_sent:  # chunks already on their way when the cancel left are dropped
-                    yield Chunk(msg.token_ids, msg.text)
+                    yield Chunk(msg.token_ids, msg.text, from_wire(msg.token_ids, msg.logprobs))
             elif isinstance(msg, Done):
-                yield GenerationResult(msg.text, msg.token_ids, msg.metrics, msg.finish_reason)
+                logprobs = msg.logprobs
+                if logprobs is None and gathered is not None and len(gathered) == len(msg.token_ids):
+                    logprobs = gathered  # the verifier left them out of a done past the header cap
+                yield GenerationResult(msg.text, msg.token_ids, msg.metrics, msg.finish_reason,
+                                       from_wire(msg.token_ids, logprobs))
                 return
             elif isinstance(msg, (Error, _LocalFailure)):
                 error = PipespecError(msg.message, msg.code)
@@ -567,7 +593,7 @@ async def _tool_reader(client: AsyncClient, tools: list[dict[str, Any]] | None, 
         given = params.get("grammar")
         other = GrammarSpec.from_wire(given) if isinstance(given, dict) else structured_output(
             **{k: params[k] for k in _CONSTRAINT_NAMES if k in params})
-        plan = plan_tools(tools, tool_choice, parallel, parser, other)
+        plan = plan_tools(tools, tool_choice, parallel, parser, other, check_schema)
     except (ChatError, ParamError) as exc:
         raise PipespecError(str(exc), "bad_request") from None
     if plan is not None and plan.grammar is not None:
@@ -596,4 +622,4 @@ class _ToolReader:
         last, end = self.parser.push(tail), self.parser.finish()
         _read_calls(item, self.parser, self.plan)
         held = _kept(ParsedDelta(last.content + end.content, last.calls + end.calls), self.plan)
-        return Chunk([], "", held) if held.content or held.calls else None
+        return Chunk([], "", delta=held) if held.content or held.calls else None

@@ -11,6 +11,7 @@ mapping (``arguments | tojson``, ``arguments.items()``), so :func:`template_mess
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -188,11 +189,13 @@ def _choice(choice: Any, names: list[str]) -> str | dict[str, Any]:
 
 
 def plan_tools(tools: list[dict[str, Any]] | None, tool_choice: Any, parallel_tool_calls: bool | None,
-               parser_name: str | None, other_constraint: GrammarSpec | None = None) -> ToolPlan | None:
+               parser_name: str | None, other_constraint: GrammarSpec | None = None,
+               check_schema: Callable[[Any], None] | None = None) -> ToolPlan | None:
     """A request's :class:`ToolPlan` (None: no tools); a :class:`ChatError` naming the field otherwise.
     ``parser_name``: the family to read calls in (an operator's override, else the target template's; None: the
     template has no tool format). ``other_constraint``: the request's response_format / structured output, which a
-    forced call cannot share."""
+    forced call cannot share. ``check_schema``: the verifier's check of a parameters schema, for a forced call's
+    grammar (``verifier_node.schema_check.check_schema``: keywords the engine would not enforce are refused)."""
     names: list[str] = []
     if tools is not None:
         if not isinstance(tools, list):
@@ -224,7 +227,7 @@ def plan_tools(tools: list[dict[str, Any]] | None, tool_choice: Any, parallel_to
     grammar = None
     if forced:
         try:
-            grammar = tool_call_grammar(parser_name, tools, choice, parallel)
+            grammar = tool_call_grammar(parser_name, tools, choice, parallel, check_schema)
         except (ValueError, NotImplementedError) as exc:
             raise ChatError(f"cannot force a tool call with these tools: {exc}", "tools") from None
     return ToolPlan(None if choice == "none" else parser_name, tools, choice, parallel, grammar)

@@ -71,6 +71,10 @@ MAX_TENANT_CHARS = 128
 MAX_PLAN_NAMES = 32
 #: Longest plan name in a draft's ``stats`` (``overlap k=5 rows=3``).
 MAX_PLAN_NAME_CHARS = 64
+#: Most alternatives one token's log probabilities list (``chunk.logprobs[i].top_ids``; = shared.sampling's bound).
+MAX_TOP_LOGPROBS = 20
+#: Longest byte form of one token a chunk's log probabilities carry (``piece``, ``top_pieces``).
+MAX_PIECE_BYTES = 1024
 #: ``tokenizer_id`` of a drafter that only copies token ids (prompt lookup): it fits any target tokenizer.
 ANY_TOKENIZER = "any"
 
@@ -153,6 +157,12 @@ def _check_str(path: str, v: Any) -> str:
     return v
 
 
+def _check_bytes(path: str, v: Any) -> bytes:
+    if type(v) is not bytes:  # msgpack's bin type (use_bin_type on both sides): never a str
+        raise _wrong(path, "bytes", v)
+    return v
+
+
 def _check_bool(path: str, v: Any) -> bool:
     if type(v) is not bool:
         raise _wrong(path, "true or false", v)
@@ -174,7 +184,7 @@ def _check_any(path: str, v: Any) -> Any:
 
 
 #: Annotations whose wire values need no conversion when they have exactly this Python type (decode's fast path).
-_EXACT: dict[Any, type] = {int: int, str: str, bool: bool, float: float, dict[str, Any]: dict,
+_EXACT: dict[Any, type] = {int: int, str: str, bool: bool, float: float, bytes: bytes, dict[str, Any]: dict,
                            int | None: int, str | None: str, float | None: float, dict[str, Any] | None: dict}
 
 _SCALARS: dict[Any, tuple[Check, str]] = {
@@ -182,6 +192,7 @@ _SCALARS: dict[Any, tuple[Check, str]] = {
     float: (_check_float, "a number"),
     str: (_check_str, "a string"),
     bool: (_check_bool, "true or false"),
+    bytes: (_check_bytes, "bytes"),
 }
 
 
@@ -714,6 +725,44 @@ class Generate(Message):
             raise ProtocolError(str(exc), "bad_request") from None
 
 
+@_struct
+class TokenLogprob:
+    """One committed token's log probability under the target's processed scores (the distribution the verifier
+    samples or argmaxes from; verifier_node.logprobs) and its most likely alternatives, best first (``-inf`` ones
+    left out). ``piece``: the token's raw bytes (a part of a UTF-8 character possibly); ``special``: a special token
+    (its text is its name, and it adds nothing to the request's text)."""
+
+    logprob: float
+    piece: bytes = b""
+    special: bool = False
+    top_ids: list[int] = field(default_factory=list)
+    top_logprobs: list[float] = field(default_factory=list)
+    top_pieces: list[bytes] = field(default_factory=list)
+
+    def check(self, where: str) -> None:
+        if not (math.isfinite(self.logprob) and self.logprob <= 0.0):
+            raise ProtocolError(f"{where}: logprob must be a finite number <= 0")
+        n = len(self.top_ids)
+        if n > MAX_TOP_LOGPROBS or len(self.top_logprobs) != n or len(self.top_pieces) != n:
+            raise ProtocolError(f"{where}: top_ids, top_logprobs and top_pieces must have the same length, at most "
+                                f"{MAX_TOP_LOGPROBS}")
+        if not all(math.isfinite(x) and x <= 0.0 for x in self.top_logprobs):
+            raise ProtocolError(f"{where}: top_logprobs must be finite numbers <= 0")
+        if any(len(p) > MAX_PIECE_BYTES for p in (self.piece, *self.top_pieces)):
+            raise ProtocolError(f"{where}: a token's piece is at most {MAX_PIECE_BYTES} bytes")
+
+
+def _check_logprobs(msg: Any) -> None:
+    """A chunk's or done's ``logprobs``: none, or one entry per token."""
+    if msg.logprobs is None:
+        return
+    if len(msg.logprobs) != len(msg.token_ids):
+        raise ProtocolError(f"{msg.TYPE}: logprobs must have one entry per token ({len(msg.token_ids)}), got "
+                            f"{len(msg.logprobs)}")
+    for i, entry in enumerate(msg.logprobs):
+        entry.check(f"{msg.TYPE}: logprobs[{i}]")
+
+
 @_message
 class Chunk(Message):
     TYPE = "chunk"
@@ -722,6 +771,10 @@ class Chunk(Message):
     request_id: int  # the request it answers
     token_ids: list[int]  # tokens committed in this round
     text: str  # the text they complete
+    logprobs: list[TokenLogprob] | None = None  # one per token, when the request asked (params.logprobs)
+
+    def validate(self) -> None:
+        _check_logprobs(self)
 
 
 @_message
@@ -734,6 +787,10 @@ class Done(Message):
     text: str
     metrics: dict[str, Any]  # the request's metrics (docs/metrics.md)
     finish_reason: str  # stop, length, cancelled or client_gone
+    logprobs: list[TokenLogprob] | None = None  # one per token, when the request asked (params.logprobs)
+
+    def validate(self) -> None:
+        _check_logprobs(self)
 
 
 @_message

@@ -21,13 +21,22 @@ from pathlib import Path
 from typing import Any
 
 from shared import protocol
-from shared.protocol import MESSAGE_TYPES, Capabilities, DrafterStats, DrafterTiming, PlanCheck, ThreadCounts
+from shared.protocol import (
+    MESSAGE_TYPES,
+    Capabilities,
+    DrafterStats,
+    DrafterTiming,
+    PlanCheck,
+    ThreadCounts,
+    TokenLogprob,
+)
 
 DOC_PATH = Path(__file__).resolve().parent.parent / "docs" / "protocol.md"
 
 #: The limits named in the reference, in this order (their descriptions are the ``#:`` comments above them).
 LIMITS = ("DEFAULT_MAX_MESSAGE_BYTES", "MAX_HEADER_BYTES", "MAX_DRAFT_TOKENS", "MAX_IDLE_ROUNDS", "MAX_DIM",
-          "MAX_HOST_CHARS", "MAX_PLAN_NAMES", "MAX_PLAN_NAME_CHARS", "ANY_TOKENIZER")
+          "MAX_HOST_CHARS", "MAX_PLAN_NAMES", "MAX_PLAN_NAME_CHARS", "MAX_TOP_LOGPROBS", "MAX_PIECE_BYTES",
+          "ANY_TOKENIZER")
 
 HEADER = """# Protocol
 
@@ -245,7 +254,7 @@ def generate() -> str:
         else:
             parts.append("No fields.\n")
     parts.append("## Nested structures\n")
-    for cls in (Capabilities, ThreadCounts, DrafterStats, DrafterTiming, PlanCheck):
+    for cls in (Capabilities, ThreadCounts, DrafterStats, DrafterTiming, PlanCheck, TokenLogprob):
         parts.append(f"### `{cls.__name__}`\n")
         parts.append(_doc(cls) + "\n")
         parts.append(_fields_table(cls) + "\n")

@@ -2,8 +2,10 @@
 
 The verifier and every drafter turn raw logits into the distribution they sample from with the same code, so the
 draft distribution q and the target distribution p are comparable and the acceptance rule stays exact. Order and
-semantics follow transformers' ``generate``: processors (repetition penalty, min new tokens) apply in greedy and
-sampling; warpers (temperature, top-k, top-p) only when sampling.
+semantics follow transformers' ``generate``: processors apply in greedy and sampling, in this order — its built-in
+ones (repetition penalty, min new tokens), then what would be a ``logits_processor=`` list (presence and frequency
+penalty, logit bias: :mod:`shared.penalties`; the grammar mask); warpers (temperature, top-k, top-p) only when
+sampling, last.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import torch
+
+from shared.penalties import apply_penalties, bias_tensors, canonical_bias, check_penalties, reads_context
 
 
 class ParamError(ValueError):
@@ -37,6 +41,10 @@ MAX_END_TOKENS = 1024  # eos_token_ids / stop_token_ids entries
 GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "grammar", "choice")
 MAX_GRAMMAR_CHARS = 64 * 1024
 MAX_CHOICES = 256
+#: ``GenerationParams.logprobs``: the most alternatives (top-N) a request may ask for per token (OpenAI's chat bound).
+MAX_TOP_LOGPROBS = 20
+#: Parameters only the verifier reads: left out of what drafters receive (``GenerationParams.for_drafter``).
+VERIFIER_ONLY_PARAMS = ("logprobs",)
 
 
 @dataclass(frozen=True)
@@ -169,6 +177,14 @@ class GenerationParams:
     stop_token_ids: list[int] = field(default_factory=list)
     seed: int | None = None
     grammar: dict[str, Any] | None = None  # structured output: GrammarSpec.to_wire(); the verifier compiles it
+    # OpenAI's penalties over the generated tokens and its logit_bias (token id as decimal text -> bias), see
+    # shared.penalties; 0 / empty: off
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] = field(default_factory=dict)
+    # None: no log probabilities; N: each committed token's log-probability under the target's processed scores and
+    # its N most likely alternatives (verifier_node.logprobs)
+    logprobs: int | None = None
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], vocab_size: int | None = None) -> GenerationParams:
@@ -220,8 +236,15 @@ class GenerationParams:
                 raise ParamError(f"{name} may hold at most {MAX_END_TOKENS} ids, got {len(ids)}")
             if vocab_size is not None and any(i >= vocab_size for i in ids):
                 raise ParamError(f"{name} has an id outside the vocabulary (size {vocab_size})")
+        problem = check_penalties(self.presence_penalty, self.frequency_penalty, self.logit_bias, vocab_size)
+        if problem:
+            raise ParamError(problem)
+        self.logit_bias = canonical_bias(self.logit_bias)  # text keys whether the caller gave ints or text
         if vocab_size is not None and self.min_new_tokens and len(set(self.eos_token_ids)) >= vocab_size:
             raise ParamError("min_new_tokens with every token an eos_token_id leaves no token to generate")
+        if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
+            raise ParamError(f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}] (alternatives per token) or "
+                             f"null (off), got {self.logprobs!r}")
         if self.grammar is not None:
             GrammarSpec.from_wire(self.grammar)
             if not self.eos_token_ids and not self.stop_token_ids:
@@ -232,11 +255,36 @@ class GenerationParams:
                 raise ParamError("min_new_tokens cannot be combined with a grammar (response_format, regex, ...)")
 
     @property
+    def needs_context(self) -> bool:
+        """Whether a processor reads the tokens before the predicted position (the callers build that tensor only
+        then: a copy of the whole sequence per row)."""
+        return self.repetition_penalty != 1.0 or reads_context(self.presence_penalty, self.frequency_penalty)
+
+    @property
+    def changes_logits(self) -> bool:
+        """Whether a processor other than min_new_tokens and the warpers changes a greedy row."""
+        return self.needs_context or bool(self.logit_bias)
+
+    def bias(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``logit_bias`` as (ids, biases) tensors, built once per request (None: no bias)."""
+        if not self.logit_bias:
+            return None
+        cached = self.__dict__.get("_bias")
+        if cached is None or cached[0] is not self.logit_bias:  # a new map (replace(), validate()): build again
+            cached = (self.logit_bias, bias_tensors(self.logit_bias))
+            self.__dict__["_bias"] = cached
+        return cached[1]
+
+    @property
     def grammar_spec(self) -> GrammarSpec | None:
         return GrammarSpec.from_wire(self.grammar) if self.grammar is not None else None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def for_drafter(self) -> dict[str, Any]:
+        """:meth:`to_dict` less what only the verifier reads (a drafter of an older version need not know it)."""
+        return {k: v for k, v in asdict(self).items() if k not in VERIFIER_ONLY_PARAMS}
 
     @property
     def end_token_ids(self) -> set[int]:
@@ -250,9 +298,11 @@ def process_logits(
     """Turn one row of raw logits into processed float32 scores (``-inf`` for excluded tokens).
 
     ``context`` holds every token before the predicted position (prompt and generated), as transformers'
-    ``input_ids`` would; ``num_generated`` is how many new tokens precede the predicted one. ``allowed`` (bool, one
-    per logit): a grammar's mask, applied after the processors and before the warpers — where transformers runs a
-    ``logits_processor=`` passed to ``generate`` (so top-k and top-p choose among allowed tokens).
+    ``input_ids`` would (where no repetition penalty reads it, the generated tokens alone or nothing do: presence
+    and frequency penalty read its last ``num_generated``); ``num_generated`` is how many new tokens precede the
+    predicted one. ``allowed`` (bool, one per logit): a grammar's mask, applied after the processors and before the
+    warpers — where transformers runs a ``logits_processor=`` passed to ``generate`` (so top-k and top-p choose
+    among allowed tokens).
     """
     scores = logits.float().clone()
     if params.repetition_penalty != 1.0 and context.numel():
@@ -262,6 +312,9 @@ def process_logits(
         scores.scatter_(0, ids, picked)
     if num_generated < params.min_new_tokens and params.eos_token_ids:
         scores[torch.tensor(params.eos_token_ids, device=scores.device)] = -math.inf
+    # where transformers runs a logits_processor= list: presence, frequency, bias (then the grammar mask)
+    scores = apply_penalties(scores, context, num_generated, params.presence_penalty, params.frequency_penalty,
+                             params.bias())
     if allowed is not None:
         scores = scores.masked_fill(~allowed.to(scores.device), -math.inf)
     if not params.do_sample:
@@ -288,7 +341,7 @@ def process_block(
     """Process ``logits[i]`` (rows predicting the token after ``prefix + block[:i]``) for every row i; ``allowed``:
     a grammar's mask row per logits row."""
     rows = []
-    needs_context = params.repetition_penalty != 1.0  # the only processor that reads the context
+    needs_context = params.needs_context  # repetition, presence and frequency penalty read the context
     for i in range(logits.shape[0]):
         context = torch.cat([prefix, block[:i]]) if i and needs_context else prefix
         rows.append(process_logits(logits[i], context, params, num_generated + i,

@@ -33,18 +33,26 @@ VOCAB = 12  # tiny_models.build_small_vocab_tokenizer's default
 TV_BOUND = 0.11
 
 
-def exact_joint(model_or_folder, prompt: list[int] = PROMPT, top_k: int = 0) -> torch.Tensor:
+def exact_joint(model_or_folder, prompt: list[int] = PROMPT, top_k: int = 0, presence: float = 0.0,
+                frequency: float = 0.0, bias: Mapping[int, float] | None = None) -> torch.Tensor:
     """P(x1, x2) of a model's first two sampled tokens after ``prompt`` (a loaded model or a saved folder); ``top_k``:
-    of its top-k probabilities renormalised at each step (a drafter's sparse q: ``drafter.q_top_k``)."""
+    of its top-k probabilities renormalised at each step (a drafter's sparse q: ``drafter.q_top_k``). OpenAI's
+    penalties, computed here on their own: ``bias`` (token id → bias) added to both steps' logits; at the second
+    step x1 is the one generated token, so its logit loses ``presence + frequency`` (one occurrence)."""
     model = model_or_folder
     if not isinstance(model, torch.nn.Module):
         model = AutoModelForCausalLM.from_pretrained(model_or_folder, dtype=torch.float32)
     model = model.float().eval()
     with torch.no_grad():
-        p1 = model(torch.tensor([prompt])).logits[0, -1].softmax(-1)
-        v = p1.numel()
+        logits1 = model(torch.tensor([prompt])).logits[0, -1]
+        v = logits1.numel()
         batch = torch.tensor([[*prompt, x] for x in range(v)])
-        p2 = model(batch).logits[:, -1].softmax(-1)
+        logits2 = model(batch).logits[:, -1]
+    for token, value in (bias or {}).items():
+        logits1[token] += value
+        logits2[:, token] += value
+    logits2 -= (presence + frequency) * torch.eye(v, dtype=logits2.dtype)  # row x1: token x1 occurred once
+    p1, p2 = logits1.softmax(-1), logits2.softmax(-1)
     if top_k:
         p1, p2 = _top_k(p1, top_k), _top_k(p2, top_k)
     return p1[:, None] * p2

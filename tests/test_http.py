@@ -152,11 +152,11 @@ def test_curl_reads_the_sse_stream(server):
     ("completions", {"n": 2}, "n"),
     ("completions", {"echo": True}, "echo"),
     ("completions", {"best_of": 3}, "best_of"),
-    ("completions", {"logprobs": 2}, "logprobs"),
+    ("completions", {"logprobs": 21}, "logprobs"),
     ("completions", {"max_tokens": 0}, "max_tokens"),
     ("completions", {"extra_body": {"frobnicate": 1}}, "frobnicate"),
     ("completions", {"prompt": ["one", "two"]}, "prompt"),
-    ("chat", {"logprobs": True}, "logprobs"),
+    ("chat", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ("chat", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
     ("chat", {"messages": [{"role": "tool", "content": "x"}]}, "messages"),  # a tool turn needs its tool_call_id
     ("chat", {"temperature": -1}, "temperature"),

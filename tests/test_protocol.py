@@ -52,6 +52,7 @@ from shared.protocol import (
     StartReport,
     State,
     ThreadCounts,
+    TokenLogprob,
     Welcome,
     decode,
     encode,
@@ -99,9 +100,11 @@ VALID: dict[str, Message] = {
                                               verify_1_s=0.29, drafter_threads=ThreadCounts(share=1, full=2))),
     "generate": Generate(request_id=7, params={"temperature": 0.7, "seed": None}, token_ids=[5, 6],
                          drafter_type="assistant", tenant="alice"),
-    "chunk": Chunk(request_id=7, token_ids=[1], text="é ✓"),
+    "chunk": Chunk(request_id=7, token_ids=[1], text="é ✓", logprobs=[
+        TokenLogprob(logprob=-0.5, piece=b"\xc3", special=True, top_ids=[1, 4], top_logprobs=[-0.5, -1.25],
+                     top_pieces=[b"\xc3", b"ab"])]),
     "done": Done(request_id=7, token_ids=[1, 2], text="ok", metrics={"rounds": 2, "acceptance_rate": 0.5},
-                 finish_reason="length"),
+                 finish_reason="length", logprobs=[TokenLogprob(logprob=-0.5), TokenLogprob(logprob=0)]),
     "cancel": Cancel(request_id=7),
     "ping": Ping(),
     "pong": Pong(drafter_connected=True, drafter_type="assistant", target="tiny", sessions=2,
@@ -504,6 +507,9 @@ WRONG_VALUES: dict[Any, list[Any]] = {
                    {"plan_rates": {"p": "x"}}, {"plan_rates": {"p": [1, "2", 3, 4]}}, {"plan_check": "corrected"},
                    {"plan_check": {"startup": "x"}}, {"ceiling_tokens_per_second": "fast"}, {"side_accepted": -1}],
     list[dict[str, Any]]: ["x", {}, [1], [["id", "d1"]], [None]],
+    list[TokenLogprob]: ["x", {}, [1], [None], [{}], [{"logprob": "low"}], [{"logprob": -1.0, "piece": "text"}],
+                         [{"logprob": -1.0, "special": 1}], [{"logprob": -1.0, "top_ids": [True]}],
+                         [{"logprob": -1.0, "top_pieces": ["a"]}]],
 }
 
 
@@ -578,6 +584,17 @@ RANGE_ERRORS = [
     ("welcome", {"vocab_size": 0}, "vocab_size"),
     ("welcome", {"threads": {"share": -1}}, "share"),
     ("hello", {"capabilities": {"needs_kv_layers": [0, -1]}}, "needs_kv_layers"),
+    ("chunk", {"logprobs": []}, "one entry per token"),
+    ("done", {"logprobs": [{"logprob": -1.0}]}, "one entry per token"),
+    ("chunk", {"logprobs": [{"logprob": float("-inf")}]}, "logprob must be a finite number"),
+    ("chunk", {"logprobs": [{"logprob": float("nan")}]}, "logprob must be a finite number"),
+    ("chunk", {"logprobs": [{"logprob": 0.25}]}, "logprob must be a finite number <= 0"),
+    ("chunk", {"logprobs": [{"logprob": -1.0, "top_ids": [2], "top_logprobs": [-1.0]}]}, "same length"),
+    ("chunk", {"logprobs": [{"logprob": -1.0, "top_ids": list(range(21)), "top_logprobs": [-1.0] * 21,
+                             "top_pieces": [b""] * 21}]}, "at most 20"),
+    ("chunk", {"logprobs": [{"logprob": -1.0, "top_ids": [2], "top_logprobs": [float("-inf")],
+                             "top_pieces": [b""]}]}, "top_logprobs must be finite"),
+    ("chunk", {"logprobs": [{"logprob": -1.0, "piece": b"x" * 1025}]}, "at most 1024 bytes"),
 ]
 
 

@@ -41,7 +41,7 @@ class DrafterOut:
         """Announce ``s`` to its drafter ``d`` with the state it needs; from now on ``s`` waits for its drafts."""
         tensors, size = _state_tensors(hidden, kv)
         pieces = [] if size <= self.state_budget() else split_state(tensors, len(s.tokens) - 1, self.state_budget())
-        self.send(d, encode(SessionStart(session=s.sid, token_ids=s.tokens, params=s.params.to_dict(),
+        self.send(d, encode(SessionStart(session=s.sid, token_ids=s.tokens, params=s.params.for_drafter(),
                                          prompt_len=s.prompt_len, decoding=decoding,
                                          tenant=s.tenant, tensors={} if pieces else tensors)))
         for end, part in pieces:  # a long prompt's state, in pieces that each fit the message cap

@@ -27,6 +27,7 @@ fallback per session, publishing through the server; the pong's forward counts),
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -83,6 +84,7 @@ from verifier_node.drafters import DrafterLink, DrafterPool
 from verifier_node.gather import Gather
 from verifier_node.intake import RequestIntake
 from verifier_node.liveness import ClientLiveness
+from verifier_node.logprobs import TokenPieces, done_frames, to_wire
 from verifier_node.masks import GrammarTooSlow
 from verifier_node.pending_draft import PendingDraft
 from verifier_node.pool_policy import HelloCheck, PoolPolicy
@@ -132,8 +134,7 @@ class VerifierServer:
         self.target = target
         self.backend = target.backend
         self.tokenizer = tokenizer = target.tokenizer
-        # its template's tool-call format, told to clients in pongs (the HTTP server reads calls with it)
-        self.tool_parser = parser_name_for_template(getattr(tokenizer, "chat_template", None))
+        self.pieces = TokenPieces(tokenizer)  # token bytes for requests that ask for log probabilities
         self.profile = target.profile
         self.dtype = target.dtype
         self.vocab_size = target.vocab_size
@@ -387,6 +388,12 @@ class VerifierServer:
         else:
             raise ProtocolError(f"a client may not send {msg.TYPE!r}", code="unexpected")
 
+    @functools.cached_property
+    def tool_parser(self) -> str | None:
+        """The tool-call format of the target's chat template, told to clients in pongs (the HTTP server reads
+        calls with it); None where it has none that pipespec knows."""
+        return parser_name_for_template(getattr(self.tokenizer, "chat_template", None))
+
     def _open_session(self, job: PrepJob) -> None:
         """An admitted request (:mod:`verifier_node.intake`) becomes a session, served by a drafter that fits."""
         prompt, params, rid = job.prompt, job.params, job.msg.request_id
@@ -445,8 +452,11 @@ class VerifierServer:
             s.metrics.bytes_out += sum(len(f) if isinstance(f, bytes) else f.nbytes for f in frames)
             self.drafter_out.send(s.drafter, frames)
         delta = s.text.push(r.tokens)
+        logprobs = to_wire(r.logprobs, self.pieces) if r.logprobs is not None else None
+        if logprobs is not None:
+            s.logprobs.extend(logprobs)  # the done message lists every token's
         self.client_sock.send_multipart([s.client, *encode(Chunk(request_id=s.request_id, token_ids=r.tokens,
-                                                                 text=delta))])
+                                                                 text=delta, logprobs=logprobs))])
         s.metrics.message_s += time.monotonic() - t0
 
     def finish(self, s: Session, reason: str) -> None:
@@ -455,8 +465,9 @@ class VerifierServer:
             d = s.drafter
             metrics = {**s.summary(verifier_dtype=self.dtype, drafter_dtype=d.dtype if d else None),
                        **s.wait.summary(), "drafter_ids": list(s.served_by), "drafter_type": d.type if d else None}
-            frames = encode(Done(request_id=s.request_id, token_ids=s.generated, text=text, metrics=metrics,
-                                 finish_reason=reason))
+            frames = done_frames(Done(request_id=s.request_id, token_ids=s.generated, text=text, metrics=metrics,
+                                      finish_reason=reason,
+                                      logprobs=s.logprobs if s.params.logprobs is not None else None))
         except Exception as exc:  # detokenization or the metrics: the request fails, the node does not
             log.exception("session %d failed to finish", s.sid)
             self._fail(s, "internal_error", f"the verifier failed to finish this request: {exc!r:.300}")

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from shared.protocol import DrafterStats
+from shared.protocol import DrafterStats, TokenLogprob
 from shared.sampling import GenerationParams, make_generator, process_block
 from shared.spec_rates import acceptance_rate, per_position, tokens_per_round
 from shared.target import SequenceHandle, TargetBackend
@@ -20,8 +20,9 @@ from verifier_node.acceptance import AcceptRule, accept_greedy, accept_sampling
 from verifier_node.detokenize import IncrementalText
 from verifier_node.draft_wait import DraftWait
 from verifier_node.grammar import GrammarPlan, SessionGrammar
+from verifier_node.logprobs import RawLogprob, committed_logprobs
 from verifier_node.pending_draft import PendingDraft
-from verifier_node.tree import DraftTree, accept_tree_greedy, keep_path, process_tree, tree_forward
+from verifier_node.tree import DraftTree, accept_tree_greedy, keep_path, kept_rows, process_tree, tree_forward
 
 _NO_TOKENS = torch.empty(0, dtype=torch.long)
 
@@ -43,6 +44,7 @@ class RoundResult:
     threads: int = 0  # torch threads it ran with
     batch_sessions: int = 1  # sessions in that forward
     batch_tokens: int = 0  # tokens it ran over, every row's
+    logprobs: list[RawLogprob] | None = None  # per committed token, when the request asked (params.logprobs)
 
 
 @dataclass
@@ -224,6 +226,7 @@ class Session:
         self.first_token_at: float | None = None
         self.finished: str | None = None  # finish reason once done
         self.text = IncrementalText(tokenizer)
+        self.logprobs: list[TokenLogprob] = []  # every committed token's, when the request asks (params.logprobs)
         self.metrics = SessionMetrics()
         self.announced = False  # the current drafter knows this session
         self.drafter = None  # the pool's DrafterLink serving this session (verifier_node.drafters); None: plain steps
@@ -357,8 +360,14 @@ class Session:
         if plan.tree is not None:
             return self._finish_tree(plan, logits, forward_s, batch_sessions, batch_tokens)
         base_len, remaining, draft, q = plan.base_len, plan.remaining, plan.draft, plan.q
-        # The whole sequence as a tensor only where a repetition penalty reads it (an O(length) copy per round)
-        prefix = torch.tensor(self.tokens, dtype=torch.long) if self.params.repetition_penalty != 1.0 else _NO_TOKENS
+        # The whole sequence as a tensor only where a repetition penalty reads it (an O(length) copy per round); the
+        # generated tokens alone where only presence / frequency penalties do (they skip the prompt)
+        if self.params.repetition_penalty != 1.0:
+            prefix = torch.tensor(self.tokens, dtype=torch.long)
+        elif self.params.needs_context:
+            prefix = torch.tensor(self.tokens[self.prompt_len:], dtype=torch.long)
+        else:
+            prefix = _NO_TOKENS
         masks = plan.grammar.masks if plan.grammar is not None else None
         scores = process_block(
             logits, prefix, torch.tensor(draft, dtype=torch.long), self.params, base_len - self.prompt_len, masks
@@ -383,8 +392,10 @@ class Session:
         self._round_done(plan, batch_sessions)
         if hidden is not None:
             hidden = hidden[: len(out)]
+        # row i chose or confirmed out[i]: the accepted drafts, then the correction or the bonus
         return RoundResult(base_len, out, ours, drafted, hidden, kv, forward_s,
-                           batch_sessions=batch_sessions, batch_tokens=batch_tokens or len(draft) + 1)
+                           batch_sessions=batch_sessions, batch_tokens=batch_tokens or len(draft) + 1,
+                           logprobs=self._logprobs(scores, list(range(len(out))), out))
 
     def _finish_tree(self, plan: RoundPlan, logits: torch.Tensor, forward_s: float, batch_sessions: int,
                      batch_tokens: int) -> RoundResult:
@@ -406,8 +417,16 @@ class Session:
         if any(tree.children(tree.parents[i])[0] != i for i in outcome.nodes):
             self.metrics.side_accepted += 1
         self._round_done(plan, batch_sessions)
+        # the pending token's row chose the first token, each accepted node's row the token after it
         return RoundResult(base_len, out, accepted, len(tree), None, None, forward_s,
-                           batch_sessions=batch_sessions, batch_tokens=batch_tokens or len(tree) + 1)
+                           batch_sessions=batch_sessions, batch_tokens=batch_tokens or len(tree) + 1,
+                           logprobs=self._logprobs(scores, kept_rows(outcome.nodes), out))
+
+    def _logprobs(self, scores: torch.Tensor, rows: list[int], out: list[int]) -> list[RawLogprob] | None:
+        """The committed tokens' log probabilities (verifier_node.logprobs), only when the request asked."""
+        if self.params.logprobs is None:
+            return None
+        return committed_logprobs(scores, rows, out, self.params.logprobs)
 
     def _check_finite(self, scores: torch.Tensor, base_len: int) -> None:
         # One reduction per row: the max is NaN if any score is, +inf for an overflow, -inf when nothing is left.
