@@ -132,6 +132,14 @@ def test_auto_parses_a_call_the_model_writes(server):
     assert r.choices[0].message.content is None
     content, streamed, _, reason = _assembled(client.chat.completions.create(**kw, stream=True))
     assert streamed == [(name, arguments)] and reason == "tool_calls" and not content.strip()
+    # with log probabilities: one per token, whole or streamed (where the parser holds text back they go with the
+    # next event it lets out)
+    r = client.chat.completions.create(**kw, logprobs=True)
+    tokens = r.usage.completion_tokens
+    assert _calls(r.choices[0].message.tool_calls) == [(name, arguments)]
+    assert len(r.choices[0].logprobs.content) == tokens
+    chunks = list(client.chat.completions.create(**kw, logprobs=True, stream=True))
+    assert sum(len(c.choices[0].logprobs.content) for c in chunks if c.choices and c.choices[0].logprobs) == tokens
     # tool_choice none: the same output, not parsed
     r = client.chat.completions.create(**{**kw, "tool_choice": "none"})
     assert r.choices[0].message.tool_calls is None and r.choices[0].message.content.startswith("<tool_call>")
