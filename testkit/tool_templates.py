@@ -253,9 +253,20 @@ TOOL_CORPUS = [
 TEMPLATE_CORPUS = list(TEMPLATES.values()) * 5
 
 
+#: each family's control tokens, special as in the real tokenizers (Qwen's <tool_call> is an ordinary added token)
+SPECIAL_TOKENS = {
+    "hermes": ["<|im_start|>", "<|im_end|>"],
+    "llama3_json": ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|python_tag|>"],
+    "mistral": ["[INST]", "[/INST]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]",
+                "[TOOL_CALLS]"],
+}
+
+
 def build_tool_tokenizer(folder: Path, family: str) -> PreTrainedTokenizerFast:
-    """A byte-level BPE over the usual corpus and tool-call text, with ``family``'s chat template, saved."""
+    """A byte-level BPE over the usual corpus and tool-call text, with ``family``'s chat template and control
+    tokens, saved."""
     fast = build_bpe(folder, 512, CORPUS + TOOL_CORPUS + TEMPLATE_CORPUS, ["<eos>", "<pad>"])
+    fast.add_special_tokens({"additional_special_tokens": SPECIAL_TOKENS[family]})
     fast.chat_template = TEMPLATES[family]
     fast.save_pretrained(folder)
     return fast

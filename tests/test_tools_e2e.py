@@ -105,7 +105,9 @@ def _assembled(chunks) -> tuple[str, list[tuple[str, dict]], list[str], str | No
                          ids=["required", "named"])
 def test_forced_calls_follow_the_schema_and_stream_identically(server, choice):
     client = _client(server)
-    kw = dict(model=server.model, messages=ASK, tools=TOOLS, tool_choice=choice, temperature=0, max_tokens=160)
+    # one call: a random model allowed several may repeat them until max_tokens
+    kw = dict(model=server.model, messages=ASK, tools=TOOLS, tool_choice=choice, parallel_tool_calls=False,
+              temperature=0, max_tokens=160)
     r = client.chat.completions.create(**kw)
     message, calls = r.choices[0].message, _calls(r.choices[0].message.tool_calls)
     assert calls and r.choices[0].finish_reason == "tool_calls", (message, r.choices[0].finish_reason)
@@ -206,7 +208,8 @@ def test_an_agent_library_runs_its_tool_loop_to_the_end(server):
     model = OpenAIChatCompletionsModel(model=server.model, openai_client=openai.AsyncOpenAI(
         base_url=server.base_url, api_key="unused", max_retries=0, timeout=60))
     agent = Agent(name="calculator", instructions="You add numbers with the add tool.", model=model, tools=[add],
-                  model_settings=ModelSettings(tool_choice="required", temperature=0, max_tokens=80))
+                  model_settings=ModelSettings(tool_choice="required", parallel_tool_calls=False, temperature=0,
+                                               max_tokens=80))
     result = asyncio.run(Runner.run(agent, "What is 2 + 3?", max_turns=4))
     kinds = [type(item) for item in result.new_items]
     assert seen and all(type(a) is int and type(b) is int for a, b in seen)
@@ -224,7 +227,8 @@ def test_the_client_streams_the_same_calls_in_one_token_rounds(tool_models):
             assert await client.target_tool_parser() == "hermes"
             out = {}
             for choice in ("required", {"type": "function", "function": {"name": "add"}}):
-                kw = dict(messages=ASK, tools=TOOLS, tool_choice=choice, max_new_tokens=160)
+                kw = dict(messages=ASK, tools=TOOLS, tool_choice=choice, parallel_tool_calls=False,
+                          max_new_tokens=160)
                 whole = await client.generate(**kw)
                 deltas, result, sizes = [], None, []
                 async for item in client.stream(**kw, include_result=True):

@@ -233,3 +233,26 @@ def test_only_calls_give_null_content():
     plan = plan_tools([ADD], "required", None, "hermes")
     message = ToolOutput(plan).message(CALL_TEXT.removeprefix("Let me add."))
     assert message["content"] is None and len(message["tool_calls"]) == 2
+
+
+# ------------------------------------------------------------------------------------------ call markers in the text
+def test_a_tool_request_keeps_its_familys_call_marker_in_the_text(tokenizers):
+    from shared.tool_calls import PARSERS, parse_whole
+    from verifier_node.detokenize import IncrementalText, decode, tool_marker_ids
+
+    assert tool_marker_ids(tokenizers["hermes"]) == frozenset()  # <tool_call> is ordinary text already
+    assert tool_marker_ids(tokenizers["llama3_json"]) == {tokenizers["llama3_json"].convert_tokens_to_ids(
+        "<|python_tag|>")}
+    tok = tokenizers["mistral"]
+    keep = tool_marker_ids(tok)
+    assert keep == {tok.convert_tokens_to_ids("[TOOL_CALLS]")}
+    ids = tok('[TOOL_CALLS] [{"name": "add", "arguments": {"a": 7, "b": 8}}]', add_special_tokens=False)["input_ids"]
+    ids += [tok.convert_tokens_to_ids("[INST]"), tok.eos_token_id]  # other special tokens stay out of the text
+    kept = IncrementalText(tok, keep)
+    text = "".join(kept.push([i]) for i in ids)  # one token a round
+    assert text == decode(tok, ids, keep) == '[TOOL_CALLS] [{"name": "add", "arguments": {"a": 7, "b": 8}}]'
+    content, calls = parse_whole(PARSERS["mistral"](), text)
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("add", {"a": 7, "b": 8})] and not content.strip()
+    # the control: without keeping it the marker is gone, and so is the call
+    dropped = "".join(IncrementalText(tok).push([i]) for i in ids)
+    assert "[TOOL_CALLS]" not in dropped and parse_whole(PARSERS["mistral"](), dropped)[1] == []

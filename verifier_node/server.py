@@ -77,6 +77,8 @@ from shared.transport import (
 )
 from verifier_node.acceptance import AcceptRule
 from verifier_node.admission import MemoryAdmission
+from verifier_node.detokenize import IncrementalText, tool_marker_ids
+from verifier_node.detokenize import decode as detokenize
 from verifier_node.draft_check import dense_q, tree_parents
 from verifier_node.draft_wait import DraftWait
 from verifier_node.drafter_out import DrafterOut
@@ -394,6 +396,11 @@ class VerifierServer:
         calls with it); None where it has none that pipespec knows."""
         return parser_name_for_template(getattr(self.tokenizer, "chat_template", None))
 
+    @functools.cached_property
+    def tool_markers(self) -> frozenset[int]:
+        """The special tokens that open a tool call in the target's family (kept in tool requests' text)."""
+        return tool_marker_ids(self.tokenizer)
+
     def _open_session(self, job: PrepJob) -> None:
         """An admitted request (:mod:`verifier_node.intake`) becomes a session, served by a drafter that fits."""
         prompt, params, rid = job.prompt, job.params, job.msg.request_id
@@ -406,6 +413,8 @@ class VerifierServer:
         s = Session(sid, self.backend, self.tokenizer, prompt, params, job.peer, rid, self.ensemble_weight, job.wanted,
                     wait, accept=self.accept_rule, grammar=job.grammar)
         s.tenant = job.scope
+        if job.msg.tools is not None and self.tool_markers:  # the call markers stay in a tool request's text
+            s.text = IncrementalText(self.tokenizer, self.tool_markers)
         self.scheduler.add(s)
         self.by_request[(job.peer, rid)] = sid
         self.policy.reassign(s)
@@ -461,7 +470,7 @@ class VerifierServer:
 
     def finish(self, s: Session, reason: str) -> None:
         try:
-            text = self.tokenizer.decode(s.generated, skip_special_tokens=True)
+            text = detokenize(self.tokenizer, s.generated, s.text.keep)
             d = s.drafter
             metrics = {**s.summary(verifier_dtype=self.dtype, drafter_dtype=d.dtype if d else None),
                        **s.wait.summary(), "drafter_ids": list(s.served_by), "drafter_type": d.type if d else None}
