@@ -1,10 +1,10 @@
 """Tool calling end to end: one launcher serving a tiny Qwen2-architecture target whose tokenizer carries
 Qwen2.5's tool template (hermes calls), its drafter the target itself drafting 15 tokens a round (every draft
 accepted on free text: rounds commit up to 16 tokens), driven by the ``openai`` package and by a real agent library
-(the OpenAI Agents SDK) over HTTP; plus an in-process cluster with a one-token drafter (rounds of one or two tokens)
-driven by :class:`AsyncClient`. A random tiny model calls only under a grammar (``required`` / a named tool), or
-where a regex makes its ``auto`` output a call; its free text is checked against transformers' greedy
-``generate``."""
+(the OpenAI Agents SDK) over HTTP; plus in-process clusters with a one-token drafter (rounds of a few tokens) driven
+by :class:`AsyncClient`, one per family (hermes, mistral, llama3_json). A random tiny model calls only under a
+grammar (``required`` / a named tool), or where a regex makes its ``auto`` output a call; its free text is checked
+against transformers' greedy ``generate``."""
 
 from __future__ import annotations
 
@@ -219,12 +219,20 @@ def test_an_agent_library_runs_its_tool_loop_to_the_end(server):
 
 
 # ------------------------------------------------------------------------------------------ the client, small rounds
-def test_the_client_streams_the_same_calls_in_one_token_rounds(tool_models):
-    config = tiny_config(*tool_models, num_draft_tokens=1)
+@pytest.mark.parametrize("family", ["hermes", "mistral", "llama3_json"])
+def test_the_client_streams_the_same_calls_in_one_token_rounds(tool_models, tmp_path, family):
+    """Each family end to end through the client: its template, its grammar, its parser (the family from the
+    verifier's pong)."""
+    if family == "hermes":
+        models = tool_models
+    else:
+        models = (build_tool_model(tmp_path, family), build_tool_model(tmp_path, family, seed=2, layers=1,
+                                                                       name="drafter"))
+    config = tiny_config(*models, num_draft_tokens=1)
 
     async def main():
         async with start_cluster(config) as client:
-            assert await client.target_tool_parser() == "hermes"
+            assert await client.target_tool_parser() == family
             out = {}
             for choice in ("required", {"type": "function", "function": {"name": "add"}}):
                 kw = dict(messages=ASK, tools=TOOLS, tool_choice=choice, parallel_tool_calls=False,
