@@ -11,6 +11,7 @@ mapping (``arguments | tojson``, ``arguments.items()``), so :func:`template_mess
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +29,9 @@ MAX_NAME_CHARS = 256
 #: Nesting of a tool's parameters schema (a JSON schema is a tree; deeper ones are refused before a template or a
 #: grammar compiler recurses into them).
 MAX_SCHEMA_DEPTH = 32
+
+#: OpenAI's rule for a function name.
+FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 _TURN_KEYS = {"role", "content", "name", "tool_calls", "tool_call_id"}
 
@@ -126,7 +130,9 @@ def check_tools(tools: list[Any]) -> None:
         fn = tool.get("function")
         if not isinstance(fn, dict) or set(fn) - {"name", "description", "parameters", "strict"}:
             raise ChatError(f"{where}.function must be {{name, description, parameters, strict}}")
-        _name(f"{where}.function.name", fn.get("name"))
+        if not isinstance(fn.get("name"), str) or not FUNCTION_NAME.fullmatch(fn["name"]):
+            raise ChatError(f"{where}.function.name must be 1 to 64 letters, digits, _ or - (OpenAI's rule), got "
+                            f"{fn.get('name')!r:.80}")
         if fn["name"] in seen:
             raise ChatError(f"{where}.function.name {fn['name']!r} is given twice")
         seen.add(fn["name"])

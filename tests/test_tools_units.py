@@ -90,11 +90,12 @@ def test_good_turns_and_tools_pass_and_round_trip():
 @pytest.mark.parametrize("tools, words", [
     ([], "1 to"), ([ADD] * (MAX_TOOLS + 1), "1 to"), ([ADD, ADD], "given twice"),
     ([{"type": "function", "function": {"name": ""}}], "tools[0].function.name"),
+    ([{"type": "function", "function": {"name": "add numbers"}}], "letters, digits"),
     ([{"type": "retrieval"}], "tools[0] must be"),
     ([{"type": "function", "function": {"name": "f", "parameters": "x"}}], "parameters must be a JSON schema"),
     ([{"type": "function", "function": {"name": "f", "parameters": json.loads("[" * 40 + "]" * 40)}}],
      "parameters must be"),
-], ids=["none", "too many", "twice", "no name", "not a function", "parameters text", "deep"])
+], ids=["none", "too many", "twice", "no name", "name with a space", "not a function", "parameters text", "deep"])
 def test_bad_tools_are_refused(tools, words):
     with pytest.raises(ChatError, match=words.replace("[", r"\[").replace("]", r"\]")):
         check_tools(tools)
