@@ -8,12 +8,12 @@ import asyncio
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from http_server.choices import run_choices
@@ -21,70 +21,24 @@ from http_server.errors import OpenAIError, error_body, from_pipespec
 from http_server.gate import KeyRing, RequestGate, bearer_token
 from http_server.generation import Generation
 from http_server.guard import ClientStalled, HostCheck
-from http_server.logprobs import body as logprobs_body
 from http_server.metrics import CONTENT_TYPE, HttpMetrics
+from http_server.responses import (
+    ChoiceFormat,
+    ChoiceOutput,
+    ClientGone,
+    Stream,
+    anext_or_none,
+    drain,
+    until_disconnect,
+)
 from http_server.schemas import ChatRequest, CompletionRequest, check_supported
 from http_server.sse import sse
+from http_server.tools import ToolPlan, check_chat_messages, plan_tools
 from runtime.client import AsyncClient, PipespecError, live_drafters
 from runtime.config_schema import HttpConfig
 from runtime.keys import DEFAULT_TENANT
 
 log = logging.getLogger("pipespec.http")
-T = TypeVar("T")
-
-#: How often a non-streamed request checks whether its caller is still there.
-DISCONNECT_POLL_S = 0.25
-
-
-class ClientGone(Exception):
-    """The HTTP caller went away; its request was cancelled on the verifier."""
-
-
-class _Format:
-    """How completions (``text``) and chat (``message`` / ``delta``) spell their choices; the rest is shared."""
-
-    def __init__(self, chat: bool):
-        self.chat = chat
-        self.object = "chat.completion" if chat else "text_completion"
-        self.chunk_object = "chat.completion.chunk" if chat else "text_completion"
-        self.id_prefix = "chatcmpl-" if chat else "cmpl-"
-
-    def _choice(self, finish_reason: str | None, logprobs: list | None = None, **body: Any) -> dict[str, Any]:
-        # logprobs: the shown tokens' (entry, text offset) pairs (http_server.logprobs); None where not asked
-        return {"index": 0, **body, "logprobs": logprobs_body(self.chat, logprobs), "finish_reason": finish_reason}
-
-    def piece(self, text: str, logprobs: list | None = None) -> dict[str, Any]:
-        if self.chat:
-            return self._choice(None, logprobs, delta={"content": text})
-        return self._choice(None, logprobs, text=text)
-
-    def opening(self) -> dict[str, Any] | None:
-        return self._choice(None, delta={"role": "assistant", "content": ""}) if self.chat else None
-
-    def finish(self, finish_reason: str, logprobs: list | None = None) -> dict[str, Any]:
-        if self.chat:
-            return self._choice(finish_reason, logprobs, delta={})
-        return self._choice(finish_reason, logprobs, text="")
-
-    def whole(self, text: str, finish_reason: str, logprobs: list | None = None) -> dict[str, Any]:
-        if self.chat:
-            return self._choice(finish_reason, logprobs,
-                                message={"role": "assistant", "content": text, "refusal": None})
-        return self._choice(finish_reason, logprobs, text=text)
-
-
-class _Stream(StreamingResponse):
-    """A streamed response that closes its body iterator when it ends early (its request is then cancelled on the
-    verifier at once, not when the iterator is collected), and takes a stalled client's
-    :class:`~http_server.guard.ClientStalled` as the end of the stream."""
-
-    async def stream_response(self, send: Any) -> None:
-        try:
-            await super().stream_response(send)
-        except ClientStalled:
-            pass
-        finally:
-            await self.body_iterator.aclose()
 
 
 def create_app(client: AsyncClient, model_name: str, *, api_key: str | None = None,
@@ -94,7 +48,8 @@ def create_app(client: AsyncClient, model_name: str, *, api_key: str | None = No
                scrape_timeout_s: float = HttpConfig.scrape_timeout_s,
                allowed_hosts: frozenset[str] | None = None,
                request_metrics: bool = HttpConfig.request_metrics, admin_key: str | None = None,
-               body_timeout_s: float = HttpConfig.body_timeout_s) -> FastAPI:
+               body_timeout_s: float = HttpConfig.body_timeout_s,
+               tool_call_parser: str = HttpConfig.tool_call_parser) -> FastAPI:
     """The app. ``model_name``: the id ``/v1/models`` lists and requests may name; ``api_key``: when set, ``/v1/*``
     needs ``Authorization: Bearer <api_key>``, checked before the body is read, and the caller is tenant
     ``default``; ``api_keys``: more keys, key → tenant (``http.api_keys_file``). A request's tenant goes to the
@@ -102,7 +57,8 @@ def create_app(client: AsyncClient, model_name: str, *, api_key: str | None = No
     (null: :meth:`~http_server.gate.KeyRing.is_admin` says who). ``body_timeout_s``: the whole body's deadline.
     ``allowed_hosts``: when given, a request whose Host header is neither a loopback name nor one of these is
     refused (:class:`~http_server.guard.HostCheck`). ``request_metrics``: each response carries its request's
-    speculative metrics (off: a client could read from them how well another tenant's text predicts its own)."""
+    speculative metrics (off: a client could read from them how well another tenant's text predicts its own).
+    ``tool_call_parser``: the tool-call format to read (``auto``: the one of the target's chat template)."""
     app = FastAPI(title="pipespec", docs_url=None, redoc_url=None, openapi_url=None)
     tenants = list((api_keys or {}).items())
     if api_key:
@@ -118,7 +74,7 @@ def create_app(client: AsyncClient, model_name: str, *, api_key: str | None = No
     authorize = Authorize(keys)
     _add_error_handlers(app)
     _add_generation_routes(app, authorize, Completions(client, model_name, metrics, default_max_tokens,
-                                                       request_metrics))
+                                                       request_metrics, tool_call_parser))
     _add_service_routes(app, authorize, client, model_name, metrics, scrape_timeout_s)
     return app
 
@@ -185,12 +141,12 @@ def _add_generation_routes(app: FastAPI, authorize: Authorize, runner: Completio
     @app.post("/v1/completions")
     async def completions(request: Request, req: CompletionRequest,
                           tenant: str | None = Depends(authorize)) -> Response:
-        return await runner.run(request, req, _Format(chat=False), tenant)
+        return await runner.run(request, req, ChoiceFormat(chat=False), tenant)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request, req: ChatRequest,
                                tenant: str | None = Depends(authorize)) -> Response:
-        return await runner.run(request, req, _Format(chat=True), tenant)
+        return await runner.run(request, req, ChoiceFormat(chat=True), tenant)
 
 
 def _add_service_routes(app: FastAPI, authorize: Authorize, client: AsyncClient, model_name: str,
@@ -226,8 +182,9 @@ class Completions:
     """Runs one completion or chat request on the verifier: answered whole, or streamed as server-sent events."""
 
     def __init__(self, client: AsyncClient, model_name: str, metrics: HttpMetrics, default_max_tokens: int,
-                 request_metrics: bool):
+                 request_metrics: bool, tool_call_parser: str = HttpConfig.tool_call_parser):
         self.client = client
+        self.tool_call_parser = tool_call_parser
         self.model_name = model_name
         self.metrics = metrics
         self.default_max_tokens = default_max_tokens
@@ -239,7 +196,7 @@ class Completions:
             raise OpenAIError(404, f"The model {req.model!r} does not exist: this server serves "
                               f"{self.model_name!r} (see GET /v1/models)", param="model", code="model_not_found")
 
-    def base(self, fmt: _Format, rid: str) -> dict[str, Any]:
+    def base(self, fmt: ChoiceFormat, rid: str) -> dict[str, Any]:
         return {"id": rid, "object": fmt.chunk_object, "created": int(time.time()), "model": self.model_name}
 
     def spec_metrics(self, out: Any) -> dict[str, Any]:
@@ -251,12 +208,27 @@ class Completions:
         self.metrics.record(out.finish_reason, out.result.metrics if out.result else None, out.ttft_s,
                             time.monotonic() - out.started)
 
-    async def run(self, request: Request, req: CompletionRequest | ChatRequest, fmt: _Format,
+    async def tool_plan(self, req: CompletionRequest | ChatRequest) -> ToolPlan | None:
+        """A chat request's tool use (None: none); its tool turns and tools checked (a 400 naming the field)."""
+        if not isinstance(req, ChatRequest):
+            return None
+        check_chat_messages([m.as_template_input() for m in req.messages])
+        parser = self.tool_call_parser
+        if req.tools and parser == "auto":
+            try:  # the target's family, from the verifier's pong (asked once per verifier)
+                parser = await self.client.target_tool_parser()
+            except (PipespecError, TimeoutError) as exc:
+                raise from_pipespec(exc) from None
+        return plan_tools(req, parser, req.grammar_spec())
+
+    async def run(self, request: Request, req: CompletionRequest | ChatRequest, fmt: ChoiceFormat,
                   tenant: str | None) -> Response:
         self.check(req)
-        if (req.n or 1) > 1:  # several answers: http_server/choices.py
-            return await run_choices(self, request, req, fmt, tenant)
+        plan = await self.tool_plan(req)
+        if (req.n or 1) > 1 or (req.best_of or 1) > 1:  # several answers: http_server/choices.py
+            return await run_choices(self, request, req, fmt, tenant, plan)
         gen = Generation(self.client, req, self.default_max_tokens, tenant)
+        output = ChoiceOutput(gen, fmt, plan)
         pieces = gen.pieces()
         rid = fmt.id_prefix + secrets.token_hex(12)
         try:
@@ -276,33 +248,34 @@ class Completions:
         if not req.stream:
             out = gen.outcome
             self.record(out)
-            return JSONResponse({**self.base(fmt, rid), "object": fmt.object,
-                                 "choices": [fmt.whole(out.text, out.finish_reason, gen.all_logprobs())],
-                                 "usage": out.usage(),
-                                 **self.spec_metrics(out)})
-        return _Stream(sse(self.stream_events(gen, pieces, first, fmt, rid, req.include_usage())),
-                       media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return JSONResponse({**self.base(fmt, rid), "object": fmt.object, "choices": [output.whole()],
+                                 "usage": out.usage(), **self.spec_metrics(out)})
+        return Stream(sse(self.stream_events(output, pieces, first, rid, req.include_usage())),
+                      media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-    async def stream_events(self, gen: Generation, pieces: AsyncIterator[str], first: str | None, fmt: _Format,
-                            rid: str, include_usage: bool) -> AsyncIterator[dict[str, Any]]:
-        head = self.base(fmt, rid)
+    async def stream_events(self, output: ChoiceOutput, pieces: AsyncIterator[str], first: str | None, rid: str,
+                            include_usage: bool) -> AsyncIterator[dict[str, Any]]:
+        gen = output.gen
+        head = self.base(output.fmt, rid)
         extra = {"usage": None} if include_usage else {}
         finished = False
         try:
-            opening = fmt.opening()
+            opening = output.opening()
             if opening is not None:
                 yield {**head, "choices": [opening], **extra}
-            if first:
-                yield {**head, "choices": [fmt.piece(first, gen.take_logprobs())], **extra}
+            for choice in output.pieces(first or ""):
+                yield {**head, "choices": [choice], **extra}
             if first is not None:
                 async for piece in pieces:
-                    if piece:
-                        yield {**head, "choices": [fmt.piece(piece, gen.take_logprobs())], **extra}
+                    for choice in output.pieces(piece):
+                        yield {**head, "choices": [choice], **extra}
             out = gen.outcome
             finished = True
             self.record(out)
-            yield {**head, "choices": [fmt.finish(out.finish_reason, gen.take_logprobs())], **extra,
-                   **self.spec_metrics(out)}
+            *held, last = output.closing()
+            for choice in held:
+                yield {**head, "choices": [choice], **extra}
+            yield {**head, "choices": [last], **extra, **self.spec_metrics(out)}
             if include_usage:
                 yield {**head, "choices": [], "usage": out.usage()}
         except (PipespecError, TimeoutError) as exc:  # after the 200: the error travels as an event
@@ -314,32 +287,3 @@ class Completions:
                 await pieces.aclose()  # the caller left (or an error): cancel the request on the verifier
                 if gen.outcome.result is None:
                     self.metrics.record_error("client_gone")
-
-
-async def until_disconnect(request: Request, awaitable: Awaitable[T]) -> T:
-    """Await ``awaitable``, cancelling it (and so its request on the verifier) if the caller disconnects."""
-    task = asyncio.ensure_future(awaitable)
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                raise ClientGone
-    finally:
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-
-
-async def anext_or_none(pieces: AsyncIterator[str]) -> str | None:
-    """The first piece (None: the run ended without one)."""
-    try:
-        return await pieces.__anext__()
-    except StopAsyncIteration:
-        return None
-
-
-async def drain(pieces: AsyncIterator[str]) -> None:
-    async for _ in pieces:
-        pass

@@ -18,20 +18,32 @@ import asyncio
 import contextlib
 import secrets
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from http_server.errors import from_pipespec
 from http_server.generation import Generation, Outcome
+from http_server.metrics import HttpMetrics
+from http_server.responses import ChoiceFormat, ChoiceOutput, ClientGone, Stream, until_disconnect
 from http_server.schemas import ChatRequest, CompletionRequest
 from http_server.sse import sse
-from runtime.client import PipespecError
+from http_server.tools import ToolPlan
+from runtime.client import AsyncClient, PipespecError
 from shared.choices import choice_seed
 
-if TYPE_CHECKING:
-    from http_server.app import Completions, _Format
+
+class Completions(Protocol):
+    """What the choices need of the app's runner (``http_server.app.Completions``, which imports this module)."""
+
+    client: AsyncClient
+    default_max_tokens: int
+    metrics: HttpMetrics
+
+    def record(self, out: Outcome) -> None: ...
+    def base(self, fmt: ChoiceFormat, rid: str) -> dict[str, Any]: ...
+    def spec_metrics(self, out: Outcome) -> dict[str, Any]: ...
 
 #: Put in the queue by a choice that ended (after its last piece).
 _END = object()
@@ -40,14 +52,22 @@ _END = object()
 class Choices:
     """The ``n`` runs of one request: each pumps its pieces into one queue as ``(index, piece | _END | error)``."""
 
-    def __init__(self, runner: Completions, req: CompletionRequest | ChatRequest, tenant: str | None):
+    def __init__(self, runner: Completions, req: CompletionRequest | ChatRequest, tenant: str | None,
+                 fmt: ChoiceFormat, plan: ToolPlan | None):
         self.gens: list[Generation] = []
-        for i in range(req.n or 1):
+        self.outputs: list[ChoiceOutput] = []
+        candidates = max(req.n or 1, req.best_of or 1)
+        for i in range(candidates):
             gen = Generation(runner.client, req, runner.default_max_tokens, tenant)
             seed = choice_seed(req.seed, i)
             if seed is not None:  # unseeded: the verifier draws each choice's seed on its own
                 gen.params["seed"] = seed
+            if candidates > (req.n or 1):
+                # best_of ranks by the target's log probabilities: asked for even where the caller did not (then
+                # nothing shows them: the generation's shown log probabilities stay off)
+                gen.params.setdefault("logprobs", 0)
             self.gens.append(gen)
+            self.outputs.append(ChoiceOutput(gen, fmt, plan, i))
         # unbounded, but at most the choices' own text: a stalled reader is cut by http.send_timeout_s
         self.queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
         self.tasks = [asyncio.ensure_future(self._pump(i, gen)) for i, gen in enumerate(self.gens)]
@@ -79,11 +99,22 @@ class Choices:
         return [gen.outcome for gen in self.gens]
 
 
-def ranked(outcomes: list[Outcome]) -> list[Outcome]:
-    """The choices to answer with, in ``index`` order: all of them while ``best_of`` must equal ``n``. Where
-    ``best_of > n`` is served, this is where its candidates get ranked (by the target's cumulative log probability)
-    and cut to ``n``."""
-    return outcomes
+def mean_logprob(out: Outcome) -> float:
+    """A candidate's score for ``best_of``: the mean log probability per token of its output under the target's
+    processed scores (OpenAI: "the highest log probability per token"); an empty output scores 0."""
+    entries = (out.result.logprobs if out.result is not None else None) or []
+    return sum(e.logprob for e in entries) / len(entries) if entries else 0.0
+
+
+def ranked(outputs: list[ChoiceOutput], n: int) -> list[ChoiceOutput]:
+    """The ``n`` choices to answer with: all of them where ``best_of`` is ``n``; else the ``n`` candidates of highest
+    :func:`mean_logprob` (ties: the earlier candidate), best first, renumbered 0..n-1."""
+    if len(outputs) == n:
+        return outputs
+    best = sorted(outputs, key=lambda o: -mean_logprob(o.gen.outcome))[:n]
+    for i, output in enumerate(best):
+        output.index = i
+    return best
 
 
 def usage(outcomes: list[Outcome]) -> dict[str, int]:
@@ -93,13 +124,11 @@ def usage(outcomes: list[Outcome]) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-async def run_choices(runner: Completions, request: Request, req: CompletionRequest | ChatRequest, fmt: _Format,
-                      tenant: str | None) -> Response:
-    """A request with ``n`` > 1: whole, or streamed (the stream starts once every choice took its first step, so a
-    refused request gets its real status)."""
-    from http_server.app import ClientGone, _Stream, until_disconnect  # the app imports this module
-
-    choices = Choices(runner, req, tenant)
+async def run_choices(runner: Completions, request: Request, req: CompletionRequest | ChatRequest,
+                      fmt: ChoiceFormat, tenant: str | None, plan: ToolPlan | None = None) -> Response:
+    """A request with ``n`` > 1 (or ``best_of`` > 1): whole, or streamed (the stream starts once every choice took its
+    first step, so a refused request gets its real status)."""
+    choices = Choices(runner, req, tenant, fmt, plan)
     n = len(choices.gens)
     ended: set[int] = set()
     early: list[tuple[int, Any]] = []  # what came before the stream started
@@ -122,18 +151,19 @@ async def run_choices(runner: Completions, request: Request, req: CompletionRequ
         raise
     rid = fmt.id_prefix + secrets.token_hex(12)
     if not req.stream:
-        outs = ranked(choices.outcomes)
-        body = []
-        for i, out in enumerate(outs):
+        for out in choices.outcomes:
             runner.record(out)
-            body.append({**fmt.whole(out.text, out.finish_reason), "index": i, **runner.spec_metrics(out)})
-        return JSONResponse({**runner.base(fmt, rid), "object": fmt.object, "choices": body, "usage": usage(outs)})
+        body = [{**output.whole(), **runner.spec_metrics(output.gen.outcome)}
+                for output in ranked(choices.outputs, req.n or 1)]
+        # usage counts every candidate generated (best_of's too), as OpenAI bills them
+        return JSONResponse({**runner.base(fmt, rid), "object": fmt.object, "choices": body,
+                             "usage": usage(choices.outcomes)})
     events = stream_events(runner, choices, early, fmt, rid, req.include_usage())
-    return _Stream(sse(events), media_type="text/event-stream",
-                   headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return Stream(sse(events), media_type="text/event-stream",
+                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-async def stream_events(runner: Completions, choices: Choices, early: list[tuple[int, Any]], fmt: _Format,
+async def stream_events(runner: Completions, choices: Choices, early: list[tuple[int, Any]], fmt: ChoiceFormat,
                         rid: str, include_usage: bool) -> AsyncIterator[dict[str, Any]]:
     """The chunks of every choice as they come, each with its ``index``; each choice's own finish chunk (with its
     metrics where ``http.request_metrics`` is on); then, with ``include_usage``, one usage chunk for all."""
@@ -142,28 +172,30 @@ async def stream_events(runner: Completions, choices: Choices, early: list[tuple
     n = len(choices.gens)
     finished = failed = False
 
-    def chunk(index: int, item: Any) -> dict[str, Any] | None:
-        if item is _END:
-            out = choices.gens[index].outcome
-            runner.record(out)
-            return {**head, "choices": [{**fmt.finish(out.finish_reason), "index": index}], **extra,
-                    **runner.spec_metrics(out)}
-        return {**head, "choices": [{**fmt.piece(item), "index": index}], **extra} if item else None
+    def chunks(index: int, item: Any) -> list[dict[str, Any]]:
+        output = choices.outputs[index]
+        if item is not _END:
+            return [{**head, "choices": [choice], **extra} for choice in output.pieces(item)]
+        out = output.gen.outcome
+        runner.record(out)
+        *held, last = output.closing()
+        return [*({**head, "choices": [choice], **extra} for choice in held),
+                {**head, "choices": [last], **extra, **runner.spec_metrics(out)}]
 
     try:
-        opening = fmt.opening()
-        if opening is not None:
-            for i in range(n):
-                yield {**head, "choices": [{**opening, "index": i}], **extra}
+        for output in choices.outputs:
+            opening = output.opening()
+            if opening is not None:
+                yield {**head, "choices": [opening], **extra}
         done = 0
         for index, item in early:
             done += item is _END
-            if (event := chunk(index, item)) is not None:
+            for event in chunks(index, item):
                 yield event
         while done < n:
             index, item = await choices.next()
             done += item is _END
-            if (event := chunk(index, item)) is not None:
+            for event in chunks(index, item):
                 yield event
         finished = True
         if include_usage:

@@ -44,7 +44,10 @@ def generation_params(req: CompletionRequest | ChatRequest, default_max_tokens: 
 def prompt_inputs(req: CompletionRequest | ChatRequest) -> dict[str, Any]:
     """``prompt=`` / ``token_ids=`` / ``messages=`` for :meth:`AsyncClient.stream` (the verifier templates chat)."""
     if isinstance(req, ChatRequest):
-        return {"messages": [m.as_template_input() for m in req.messages]}
+        # tools go to the template; the HTTP server reads the calls itself (http_server.tools), after the stop
+        # strings, so the client is told not to (tool_choice none) and gets any forcing grammar as `grammar`
+        tools = {"tools": req.tools, "tool_choice": "none"} if req.tools else {}
+        return {"messages": [m.as_template_input() for m in req.messages], **tools}
     prompt = req.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a list of one prompt (check_supported refused longer lists)

@@ -6,6 +6,8 @@ Field policy (documented in docs/http.md):
 - implemented: ``model``, ``prompt`` / ``messages`` (a message's ``name`` goes to the chat template),
   ``max_tokens`` / ``max_completion_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop``, ``stream``,
   ``stream_options.include_usage``, and pipespec's own ``top_k`` and ``repetition_penalty``;
+- tool calling on chat (:mod:`http_server.tools`): ``tools``, ``tool_choice``, ``parallel_tool_calls``, assistant
+  turns' ``tool_calls`` and ``tool`` turns (``tool_call_id``); the legacy ``functions`` / ``function_call`` are a 400;
 - penalties and bias (http_server/penalties.py): ``presence_penalty``, ``frequency_penalty``, ``logit_bias`` and
   vLLM's ``min_tokens``;
 - log probabilities of the target (http_server.logprobs): chat ``logprobs`` + ``top_logprobs`` (0..20), completions
@@ -13,12 +15,12 @@ Field policy (documented in docs/http.md):
 - structured output, one constraint per request: ``response_format`` (``text``, ``json_object``, ``json_schema``
   with its ``strict``), vLLM's ``structured_outputs`` (``json``, ``regex``, ``grammar``, ``choice``) and its older
   ``guided_json``, ``guided_regex``, ``guided_grammar``, ``guided_choice``; not together with ``stop``;
-- several answers: ``n`` (1 .. ``shared.choices.MAX_N``) and, on completions, ``best_of`` equal to ``n``; pipespec's
-  own ``speculative`` (``num_draft_tokens``, ``draft_type``): this request's speculation;
+- several answers: ``n`` (1 .. ``shared.choices.MAX_N``) and, on completions, ``best_of`` (n .. MAX_N, ranked);
+  pipespec's own ``speculative`` (``num_draft_tokens``, ``draft_type``): this request's speculation;
 - accepted when they ask for nothing (their default): ``echo: false``; accepted and ignored:
   ``user``, ``metadata``, ``store``, ``service_tier``;
-- anything else — a known OpenAI field pipespec lacks (``tools``, ``suffix``, …) or an unknown name (a typo) — is a
-  400 naming the field: a request is never served with part of it dropped.
+- anything else — a known OpenAI field pipespec lacks (``suffix``, ``functions``, …) or an unknown name (a typo) — is a
+  400 naming the field (``tools`` on ``/v1/completions`` too): a request is never served with part of it dropped.
 """
 
 from __future__ import annotations
@@ -101,7 +103,7 @@ class _Request(BaseModel):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     n: Annotated[StrictInt, Field(ge=1, le=MAX_N)] | None = None  # several answers (http_server/choices.py)
-    best_of: Annotated[StrictInt, Field(ge=1, le=MAX_N)] | None = None  # completions: == n (checked in check_supported)
+    best_of: Annotated[StrictInt, Field(ge=1, le=MAX_N)] | None = None  # completions, >= n (check_best_of)
     speculative: Speculative | None = None
     # OpenAI fields accepted only at the value that asks for nothing (checked in check_supported)
     echo: StrictBool | None = None
@@ -172,29 +174,59 @@ class TextPart(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = Field(default=None, max_length=256)
+    # tool use (shapes checked by shared.chat_tools, as the verifier checks them)
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
 
-    def as_template_input(self) -> dict[str, str]:
+    def as_template_input(self) -> dict[str, Any]:
         """``{role, content}`` and ``name`` when given, for the target's chat template (text parts joined;
-        ``developer`` is a system turn, which every template knows; a template that uses no ``name`` ignores it)."""
+        ``developer`` is a system turn, which every template knows; a template that uses no ``name`` ignores it);
+        an assistant turn's ``tool_calls`` (its content stays null when it is) and a tool turn's ``tool_call_id``."""
         parts = self.content if isinstance(self.content, list) else [TextPart(type="text", text=self.content or "")]
         text = "".join(part.text for part in parts)
-        turn = {"role": "system" if self.role == "developer" else self.role, "content": text}
+        turn: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": text}
         if self.name is not None:
             turn["name"] = self.name
+        if self.tool_calls is not None:
+            turn["tool_calls"] = self.tool_calls
+            if self.content is None:
+                turn["content"] = None
+        if self.tool_call_id is not None:
+            turn["tool_call_id"] = self.tool_call_id
         return turn
 
 
 class ChatRequest(_Request):
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
+    # tool calling (checked and planned in http_server.tools)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: StrictBool | None = None
 
 
 #: field → the value that asks for nothing (a request may send it; any other value is a 400)
 _ONLY_DEFAULT: dict[str, tuple[Any, ...]] = {
     "echo": (None, False),
 }
+
+
+def check_best_of(req: _Request) -> None:
+    """``best_of`` (completions): at least ``n`` candidates, the ``n`` of highest log probability per token returned
+    (http_server/choices.py); not streamed, as OpenAI has it (candidates are ranked once all are done)."""
+    if req.best_of is None or req.best_of == 1:
+        return
+    if not isinstance(req, CompletionRequest):
+        raise bad_request(f"best_of={req.best_of} is not supported on chat completions (a completions field)",
+                          param="best_of", code="unsupported_parameter")
+    if req.best_of < (req.n or 1):
+        raise bad_request(f"best_of ({req.best_of}) must be at least n ({req.n or 1})", param="best_of",
+                          code="invalid_value")
+    if req.stream and req.best_of > (req.n or 1):
+        raise bad_request("best_of greater than n cannot be streamed (its candidates are ranked once all are done)",
+                          param="best_of", code="invalid_value")
 
 
 def check_supported(req: _Request) -> None:
@@ -206,13 +238,7 @@ def check_supported(req: _Request) -> None:
                               code="unsupported_parameter")
     check_penalty_fields(req)
     requested_logprobs(isinstance(req, ChatRequest), req.logprobs, req.top_logprobs)  # a bad value: a 400
-    completion = isinstance(req, CompletionRequest)
-    if req.best_of is not None and req.best_of != ((req.n or 1) if completion else 1):
-        # Candidates beyond n would be ranked by the target's cumulative log probability: not wired yet, and
-        # answering best_of > n with n unranked samples would pass off a different thing as what was asked.
-        allowed = f"best_of equal to n ({req.n or 1})" if completion else "best_of 1 (a completions field)"
-        raise bad_request(f"best_of={req.best_of} is not supported: only {allowed} (no ranking of extra candidates "
-                          "yet)", param="best_of", code="unsupported_parameter")
+    check_best_of(req)
     spec = req.grammar_spec()  # a malformed or doubled constraint is a 400 before anything runs
     if spec is not None and req.stop_strings():
         # A stop string cuts the text wherever it appears, so the output would end short of what the constraint

@@ -59,7 +59,7 @@ class HttpServer:
                               default_max_tokens=http.default_max_tokens, max_body_bytes=http.max_body_bytes,
                               scrape_timeout_s=http.scrape_timeout_s, allowed_hosts=hosts,
                               request_metrics=http.request_metrics, admin_key=http.admin_key,
-                              body_timeout_s=http.body_timeout_s)
+                              body_timeout_s=http.body_timeout_s, tool_call_parser=http.tool_call_parser)
         limit = max(64, CONNECTIONS_PER_SESSION * max_sessions + 16)
         #: Connections one client address may hold: by default half of uvicorn's limit, so no one address takes it
         self.per_client = http.max_connections_per_client or max(1, limit // 2)

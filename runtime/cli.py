@@ -24,6 +24,7 @@ from typing import Any
 from drafter_node.types import DRAFTER_TYPES, drafter_spec, drafter_specs
 from runtime import launch, launch_args
 from runtime.config import DEFAULT_CONFIG, ConfigError, load_config, parse_overrides
+from shared.config_sections import TOOL_CALL_PARSERS
 
 PROG = "pipespec"
 
@@ -80,6 +81,9 @@ MODEL_FLAGS: dict[str, ModelFlag] = {
                         serve_only=True),
     "--host": ModelFlag({"http.host": VALUE}, "HTTP address (default 127.0.0.1; any other needs http.api_key and "
                         "http.allow_remote: true)", "H", serve_only=True),
+    "--tool-call-parser": ModelFlag({"http.tool_call_parser": VALUE}, "how tool calls are read from the output "
+                                    "(default auto: from the target's chat template)", "P", serve_only=True,
+                                    choices=TOOL_CALL_PARSERS),
     # transformers' generate() names, where pipespec has the same thing
     "--assistant-model": ModelFlag({"drafter.model": VALUE, "drafter.type": "assistant"},
                                    "= --draft-model D --draft-type assistant", "D", transformers="assistant_model"),

@@ -30,6 +30,7 @@ import zmq
 import zmq.asyncio
 
 from runtime.logprobs import TokenLogprob, from_wire
+from shared.chat_tools import ChatError, ToolPlan, plan_tools
 from shared.choices import MAX_N, choice_seed
 from shared.protocol import (
     DEFAULT_MAX_MESSAGE_BYTES,
@@ -46,8 +47,10 @@ from shared.protocol import (
     encode,
 )
 from shared.protocol import Chunk as ChunkMessage
-from shared.sampling import ParamError, structured_output
+from shared.sampling import GrammarSpec, ParamError, structured_output
+from shared.tool_calls import ParsedDelta, ToolCall, ToolCallParser
 from shared.transport import ClientKeys, is_local_endpoint, make_dealer
+from verifier_node.schema_check import check_schema
 
 #: How long a stream whose ``cancel`` event was set waits for the verifier's final result.
 CANCEL_WAIT_S = 10.0
@@ -73,15 +76,20 @@ class Chunk:
     token_ids: list[int]
     text: str
     logprobs: list[TokenLogprob] | None = None  # one per token with ``logprobs=N`` (runtime.logprobs)
+    #: with ``tools``: the text read by the tool-call parser (content and call deltas; possibly empty while it holds
+    #: back a call). A last chunk without tokens carries what it held at the end, when it held anything.
+    delta: ParsedDelta | None = None
 
 
 @dataclass
 class GenerationResult:
-    text: str
+    text: str  # the whole output, tool calls included
     token_ids: list[int]  # new tokens only
     metrics: dict[str, Any] = field(default_factory=dict)
-    finish_reason: str = ""
+    finish_reason: str = ""  # stop, length, cancelled; tool_calls when tools were given and the output called
     logprobs: list[TokenLogprob] | None = None  # one per new token with ``logprobs=N`` (runtime.logprobs)
+    tool_calls: list[ToolCall] = field(default_factory=list)  # with tools: the calls, in order
+    content: str | None = None  # with tools: the text besides the calls (None: no tools, or not parsed)
 
 
 _PARAM_NAMES = (
@@ -91,6 +99,29 @@ _PARAM_NAMES = (
 )
 #: Structured output (one at most): turned into the ``grammar`` parameter by shared.sampling.structured_output.
 _CONSTRAINT_NAMES = ("response_format", "json_schema", "regex", "grammar", "choice")
+
+
+def wire_params(params: dict[str, Any]) -> dict[str, Any]:
+    """A request's keyword parameters in their wire form: an unknown name is a ``TypeError``; the structured-output
+    arguments become the ``grammar`` parameter and ``logit_bias``'s integer keys text (the wire's maps take text keys,
+    JSON's form: 42 -> "42"); a bad one is ``bad_request``, not sent."""
+    unknown = sorted(set(params) - set(_PARAM_NAMES) - set(_CONSTRAINT_NAMES))
+    if unknown:
+        raise TypeError(f"unknown generation parameter(s): {', '.join(unknown)}")
+    if not isinstance(params.get("grammar"), dict):  # a dict: already the wire form (the HTTP server's)
+        constraints = {k: params.pop(k) for k in _CONSTRAINT_NAMES if k in params}
+        try:
+            spec = structured_output(**constraints)
+        except ParamError as exc:
+            raise PipespecError(str(exc), "bad_request") from None
+        if spec is not None:
+            params["grammar"] = spec.to_wire()
+    if isinstance(params.get("logit_bias"), dict):
+        bias = {str(k) if type(k) is int else k: v for k, v in params["logit_bias"].items()}
+        if not all(isinstance(k, str) for k in bias):
+            raise PipespecError("logit_bias keys must be token ids (integers)", "bad_request")
+        params["logit_bias"] = bias
+    return params
 
 
 class _LocalFailure:
@@ -190,6 +221,7 @@ class AsyncClient:
         self._auth_refused = False  # the verifier's CURVE authenticator refused our key
         #: The verifier's cap on one message, from its pong (None: not asked yet, or the verifier changed).
         self.max_message_bytes: int | None = None
+        self._tool_parser: str | None = None  # the target's tool-call format, from the same pong
         self._ctx: zmq.asyncio.Context | None = None
         self._shared_ctx = context
         self._sock = None
@@ -267,6 +299,7 @@ class AsyncClient:
                 continue
             if isinstance(msg, Pong):
                 self.max_message_bytes = msg.max_message_bytes or DEFAULT_MAX_MESSAGE_BYTES
+                self._tool_parser = msg.tool_parser
                 waiters, self._pong_waiters = self._pong_waiters, []
                 for w in waiters:
                     if not w.done():
@@ -363,16 +396,27 @@ class AsyncClient:
                     waiters.remove(waiter)
         return msg.to_dict()
 
+    async def target_tool_parser(self) -> str | None:
+        """The tool-call format of the target's chat template (a key of ``shared.tool_calls.PARSERS``; None: the
+        template has none pipespec knows), as the verifier's pong tells it."""
+        if self.max_message_bytes is None:
+            await self._learn_limits()
+        return self._tool_parser
+
     async def stream(
         self,
         prompt: str | None = None,
         *,
         token_ids: list[int] | None = None,
-        messages: list[dict[str, str]] | None = None,
+        messages: list[dict[str, Any]] | None = None,
         include_result: bool = False,
         drafter_type: str | None = None,
         cancel: asyncio.Event | None = None,
         tenant: str | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        tool_choice: str | dict[str, Any] | None = None,
+        parallel_tool_calls: bool | None = None,
+        tool_parser: str | None = None,
         **params: Any,
     ) -> AsyncIterator[Chunk | GenerationResult]:
         """Yield committed tokens as the verifier commits them. Same arguments as :meth:`generate`;
@@ -381,7 +425,11 @@ class AsyncClient:
         ``cancel``: set it (between two items) to end the request early *and still get its result*: the client
         sends a cancel, drops the chunks that follow, and the result comes with ``finish_reason == "cancelled"`` and
         the metrics of what ran (within :data:`CANCEL_WAIT_S`; a stream closed early instead gets no result)."""
-        async for item in self._run(prompt, token_ids, messages, params, drafter_type, cancel, tenant):
+        reader = await _tool_reader(self, tools, tool_choice, parallel_tool_calls, tool_parser, params)
+        async for item in self._run(prompt, token_ids, messages, params, drafter_type, cancel, tenant, tools):
+            held = reader.read(item) if reader is not None else None
+            if held is not None:
+                yield held
             if include_result or isinstance(item, Chunk):
                 yield item
 
@@ -390,9 +438,13 @@ class AsyncClient:
         prompt: str | None = None,
         *,
         token_ids: list[int] | None = None,
-        messages: list[dict[str, str]] | None = None,
+        messages: list[dict[str, Any]] | None = None,
         drafter_type: str | None = None,
         tenant: str | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        tool_choice: str | dict[str, Any] | None = None,
+        parallel_tool_calls: bool | None = None,
+        tool_parser: str | None = None,
         **params: Any,
     ) -> GenerationResult:
         """Generate from exactly one of ``prompt``, ``token_ids`` or ``messages`` (chat, templated by the target).
@@ -411,12 +463,20 @@ class AsyncClient:
         serve the request (see docs/deployment.md, "Drafter pool").
         ``tenant``: the user the request is for, set by a gateway such as the HTTP server (docs/security.md; a client
         that is not trusted to set it gets ``unauthorized``).
+        Tool calling (with ``messages``; docs/client.md): ``tools`` (OpenAI's list, given to the chat template),
+        ``tool_choice`` (``auto``, the default; ``none``: not parsed; ``required`` or
+        ``{"type": "function", "function": {"name": ...}}``: a grammar makes the model call),
+        ``parallel_tool_calls`` (false: the first call only), ``tool_parser`` (the format, default the target
+        template's); the result's ``tool_calls`` and ``content`` (the text besides the calls).
         """
+        reader = await _tool_reader(self, tools, tool_choice, parallel_tool_calls, tool_parser, params)
         result = None
-        async for item in self._run(prompt, token_ids, messages, params, drafter_type, tenant=tenant):
+        async for item in self._run(prompt, token_ids, messages, params, drafter_type, tenant=tenant, tools=tools):
             if isinstance(item, GenerationResult):
                 result = item
         assert result is not None
+        if reader is not None:
+            reader.read(result)
         return result
 
     async def generate_n(self, prompt: str | None = None, *, n: int, seed: int | None = None,
@@ -439,32 +499,11 @@ class AsyncClient:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    @staticmethod
-    def _with_grammar(params: dict[str, Any]) -> dict[str, Any]:
-        """The structured-output arguments as the ``grammar`` parameter (a bad one: ``bad_request``, not sent)."""
-        if isinstance(params.get("grammar"), dict):  # already the wire form (GrammarSpec.to_wire: the HTTP server's)
-            return params
-        constraints = {k: params.pop(k) for k in _CONSTRAINT_NAMES if k in params}
-        try:
-            spec = structured_output(**constraints)
-        except ParamError as exc:
-            raise PipespecError(str(exc), "bad_request") from None
-        if spec is not None:
-            params["grammar"] = spec.to_wire()
-        return params
-
     async def _run(self, prompt, token_ids, messages, params: dict[str, Any], drafter_type: str | None = None,
-                   cancel: asyncio.Event | None = None, tenant: str | None = None):
+                   cancel: asyncio.Event | None = None, tenant: str | None = None,
+                   tools: list[dict[str, Any]] | None = None):
         """One request: its chunks, then its :class:`GenerationResult` (an error reply raises)."""
-        unknown = sorted(set(params) - set(_PARAM_NAMES) - set(_CONSTRAINT_NAMES))
-        if unknown:
-            raise TypeError(f"unknown generation parameter(s): {', '.join(unknown)}")
-        params = self._with_grammar(params)
-        if isinstance(params.get("logit_bias"), dict):  # the wire's maps take text keys (JSON's form): 42 -> "42"
-            bias = {str(k) if type(k) is int else k: v for k, v in params["logit_bias"].items()}
-            if not all(isinstance(k, str) for k in bias):
-                raise PipespecError("logit_bias keys must be token ids (integers)", "bad_request")
-            params["logit_bias"] = bias
+        params = wire_params(params)
         if self._sock is None:
             raise RuntimeError("use the client inside 'async with AsyncClient(address) as client:'")
         if self.max_message_bytes is None:  # first request (or first since the verifier went): learn its cap
@@ -472,7 +511,7 @@ class AsyncClient:
         rid = next(self._ids)
         frames = self._request_frames(Generate(
             request_id=rid, params={k: v for k, v in params.items() if v is not None}, token_ids=token_ids,
-            prompt=prompt, messages=messages, drafter_type=drafter_type, tenant=tenant,
+            prompt=prompt, messages=messages, drafter_type=drafter_type, tenant=tenant, tools=tools,
         ))
         queue = _Inbox()  # bounded: the reader task never waits for a slow consumer
         self._track(rid, queue)
@@ -551,3 +590,61 @@ class AsyncClient:
                 error = PipespecError(msg.message, msg.code)
                 error.verifier_ended = isinstance(msg, Error)  # type: ignore[attr-defined]  # no cancel needed
                 raise error
+
+
+def _kept(delta: ParsedDelta, plan: ToolPlan) -> ParsedDelta:
+    """``delta`` without the calls past the first where ``parallel_tool_calls`` is false."""
+    return delta if plan.parallel else ParsedDelta(delta.content, [d for d in delta.calls if d.index == 0])
+
+
+def _read_calls(result: GenerationResult, parser: ToolCallParser, plan: ToolPlan) -> None:
+    """The parsed calls and content onto the result (``finish_reason`` tool_calls when it called and ended so)."""
+    result.tool_calls = list(parser.calls if plan.parallel else parser.calls[:1])
+    result.content = parser.content
+    if result.tool_calls and result.finish_reason == "stop":
+        result.finish_reason = "tool_calls"
+
+
+async def _tool_reader(client: AsyncClient, tools: list[dict[str, Any]] | None, tool_choice: Any,
+                       parallel: bool | None, tool_parser: str | None, params: dict[str, Any]) -> _ToolReader | None:
+    """A request's tool use: a forced call's grammar put into ``params``, and the reader of its calls (None: no
+    tools, or ``tool_choice`` none); a bad field is ``bad_request``, raised before anything is sent."""
+    if tools is None and tool_choice is None:
+        return None
+    try:
+        parser = tool_parser
+        if parser is None and tools and tool_choice != "none":
+            parser = await client.target_tool_parser()
+        given = params.get("grammar")
+        other = GrammarSpec.from_wire(given) if isinstance(given, dict) else structured_output(
+            **{k: params[k] for k in _CONSTRAINT_NAMES if k in params})
+        plan = plan_tools(tools, tool_choice, parallel, parser, other, check_schema)
+    except (ChatError, ParamError) as exc:
+        raise PipespecError(str(exc), "bad_request") from None
+    if plan is not None and plan.grammar is not None:
+        params["grammar"] = plan.grammar.to_wire()
+    return _ToolReader(plan) if plan is not None and plan.parser is not None else None
+
+
+class _ToolReader:
+    """One request's output read for tool calls: each chunk gets the parser's delta, the result its calls."""
+
+    def __init__(self, plan: ToolPlan):
+        self.plan = plan
+        parser = plan.new_parser()
+        assert parser is not None
+        self.parser: ToolCallParser = parser
+        self.received = ""
+
+    def read(self, item: Chunk | GenerationResult) -> Chunk | None:
+        """Read ``item``; at the result: a last chunk with what the parser held back, if anything."""
+        if isinstance(item, Chunk):
+            self.received += item.text
+            item.delta = _kept(self.parser.push(item.text), self.plan)
+            return None
+        # the stream holds back a trailing half character: the result's text has all of it
+        tail = item.text[len(self.received):] if item.text.startswith(self.received) else ""
+        last, end = self.parser.push(tail), self.parser.finish()
+        _read_calls(item, self.parser, self.plan)
+        held = _kept(ParsedDelta(last.content + end.content, last.calls + end.calls), self.plan)
+        return Chunk([], "", delta=held) if held.content or held.calls else None

@@ -272,6 +272,10 @@ class SecurityConfig:
         kind="str")
 
 
+#: ``http.tool_call_parser``: auto, or a family of shared.tool_calls.PARSERS.
+TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral")
+
+
 @dataclass(frozen=True)
 class HttpConfig:
     """``http``: the OpenAI-compatible HTTP server, off while host is null (``--http HOST:PORT`` sets both)."""
@@ -333,6 +337,10 @@ class HttpConfig:
         open_low=True,
         unit="seconds",
     )
+    tool_call_parser: str = setting(
+        "auto", "How tool calls are read from the output (docs/http.md, Tool calling): auto: the family of the "
+        "target's chat template (none found: requests with tools are refused); or hermes, llama3_json, mistral.",
+        kind="str", choices=TOOL_CALL_PARSERS)
     max_connections_per_client: Any = setting(
         None,
         "Open connections one client address may hold (null: half the server's connection limit); more get a 503 "

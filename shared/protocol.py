@@ -41,6 +41,8 @@ from typing import Any, ClassVar
 import msgpack
 import torch
 
+from shared.chat_tools import ChatError, check_messages, check_tools
+from shared.sampling import MAX_DRAFT_TOKENS
 from shared.tree_shape import validate_tree_shape
 
 SCHEMA_VERSION = 2
@@ -51,9 +53,6 @@ SCHEMA_VERSION = 2
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 #: Cap on the header frame alone; headers are small, a huge one is an attack or a bug.
 MAX_HEADER_BYTES = 1024 * 1024
-#: Longest draft block (``draft.tokens``) a verifier accepts; ``drafter.num_draft_tokens`` and
-#: ``drafter.max_draft_tokens`` are capped by it.
-MAX_DRAFT_TOKENS = 64
 #: Longest run of rounds one draft may ask the verifier to take alone (``draft.idle_rounds``).
 MAX_IDLE_ROUNDS = 1024
 #: Largest size of one tensor dimension (keeps shape arithmetic far from overflow).
@@ -698,20 +697,30 @@ class Generate(Message):
     params: dict[str, Any]  # shared.sampling.GenerationParams fields; the verifier checks them
     token_ids: list[int] | None = None
     prompt: str | None = None
-    messages: list[dict[str, str]] | None = None  # chat turns {role, content}, templated by the target
+    # chat turns {role, content}, templated by the target; for tool use an assistant turn's tool_calls and a tool
+    # turn's tool_call_id (shared.chat_tools)
+    messages: list[dict[str, Any]] | None = None
     drafter_type: str | None = None  # only a drafter of this type may serve the request (None: any)
     # The user the request is for (None: the sender's own tenant). Only a trusted gateway may set it: any client on
     # a client link without CURVE, under CURVE a client whose key is a gateway (docs/security.md); others get an
     # unauthorized error.
     tenant: str | None = None
+    tools: list[dict[str, Any]] | None = None  # OpenAI's tools, given to the chat template (with messages only)
 
     def validate(self) -> None:
         _check_tenant(self.TYPE, self.tenant)
         given = [v for v in (self.token_ids, self.prompt, self.messages) if v is not None]
         if len(given) != 1:
             raise ProtocolError("give exactly one of token_ids, prompt or messages", "bad_request")
-        if self.messages is not None and not all("role" in m and "content" in m for m in self.messages):
-            raise ProtocolError("messages must be a list of {role, content} strings", "bad_request")
+        if self.tools is not None and self.messages is None:
+            raise ProtocolError("tools go with messages (the chat template places them)", "bad_request")
+        try:
+            if self.messages is not None:
+                check_messages(self.messages)
+            if self.tools is not None:
+                check_tools(self.tools)
+        except ChatError as exc:
+            raise ProtocolError(str(exc), "bad_request") from None
 
 
 @_struct
@@ -815,6 +824,8 @@ class Pong(Message):
     prefill_forwards: int = 0  # target forwards that cached prompts (a batched one over several counts once)
     mean_prefill_sessions: float = 0.0  # prompts per such forward, on average
     reports: list[StartReport] = field(default_factory=list)  # each live drafter's latest start-up report
+    # the tool-call format of the target's chat template (shared.tool_calls.PARSERS; None: its template has none)
+    tool_parser: str | None = None
 
     def validate(self) -> None:
         if len(self.reports) > MAX_REPORTS:

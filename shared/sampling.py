@@ -18,7 +18,6 @@ from typing import Any
 import torch
 
 from shared.penalties import apply_penalties, bias_tensors, canonical_bias, check_penalties, reads_context
-from shared.protocol import MAX_DRAFT_TOKENS
 
 
 class ParamError(ValueError):
@@ -34,6 +33,9 @@ MAX_TEMPERATURE = 100.0
 MIN_REPETITION_PENALTY = 1e-2
 MAX_REPETITION_PENALTY = 100.0
 MAX_NEW_TOKENS = 1_000_000
+#: Longest draft block (the protocol's ``draft.tokens``) a verifier accepts; ``drafter.num_draft_tokens``,
+#: ``drafter.max_draft_tokens`` and a request's ``num_draft_tokens`` are capped by it (shared.protocol re-exports it).
+MAX_DRAFT_TOKENS = 64
 MAX_TOP_K = 2**31 - 1
 MAX_TOKEN_ID = 2**31 - 1  # token ids fit an int32 whatever the vocabulary
 MAX_END_TOKENS = 1024  # eos_token_ids / stop_token_ids entries

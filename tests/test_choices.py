@@ -69,8 +69,9 @@ def test_request_checks_of_n_best_of_and_speculative():
     assert _check("chat", n=2, speculative={"num_draft_tokens": 0, "draft_type": "lm"}) is None
     for bad in (0, MAX_N + 1, "2", 2.0, True):
         assert _check("completions", n=bad) == "n", bad
-    assert _check("completions", n=2, best_of=3) == "best_of"  # ranking beyond n: not yet
-    assert _check("completions", best_of=2) == "best_of"
+    assert _check("completions", n=2, best_of=3) is None  # ranked by log probability per token
+    assert _check("completions", n=3, best_of=2) == "best_of"  # fewer candidates than answers
+    assert _check("completions", n=2, best_of=3, stream=True) == "best_of"  # ranked once all are done
     assert _check("chat", n=2, best_of=2) == "best_of"  # a completions field
     assert _check("completions", speculative={"num_draft_tokens": -1}) == "speculative.num_draft_tokens"
     assert _check("completions", speculative={"num_draft_tokens": 65}) == "speculative.num_draft_tokens"
@@ -248,6 +249,25 @@ def test_n3_seeded_sampling_is_reproducible_and_follows_the_seed_rule(server):
 
 
 @pytest.mark.cluster
+def test_best_of_returns_the_candidates_of_highest_log_probability_per_token(server):
+    """best_of = 4, n = 2, seeded: the candidates are the seed rule's four samples; the answer is the two whose mean
+    log probability per token (under the target, from the Python client's own logprobs) is highest, best first."""
+    client = _openai(server)
+    kw = dict(model=server.model, prompt="import os\n", max_tokens=10, temperature=1.0, seed=11)
+    r = client.completions.create(n=2, best_of=4, **kw)
+    candidates = _client_run(server, lambda c: asyncio.gather(*(
+        c.generate("import os\n", max_new_tokens=10, do_sample=True, temperature=1.0, seed=choice_seed(11, i),
+                   logprobs=0) for i in range(4))))
+    scores = [sum(e.logprob for e in c.logprobs) / len(c.logprobs) for c in candidates]
+    best = sorted(range(4), key=lambda i: -scores[i])[:2]
+    assert len({c.text for c in candidates}) > 2  # different candidates: the ranking has something to choose
+    assert [c.index for c in r.choices] == [0, 1]
+    assert [c.text for c in r.choices] == [candidates[i].text for i in best]
+    assert r.choices[0].logprobs is None  # ranked by log probabilities the caller did not ask to see
+    assert r.usage.completion_tokens == sum(len(c.token_ids) for c in candidates)  # every candidate counted
+
+
+@pytest.mark.cluster
 def test_streaming_n2_each_index_matches_the_whole_answer(server):
     client = _openai(server)
     messages = [{"role": "user", "content": "count to five"}]
@@ -280,7 +300,7 @@ def test_streaming_n2_each_index_matches_the_whole_answer(server):
 @pytest.mark.cluster
 @pytest.mark.parametrize("fields,param", [
     ({"n": 0}, "n"), ({"n": MAX_N + 1}, "n"), ({"n": "2"}, "n"),
-    ({"n": 2, "best_of": 3}, "best_of"),
+    ({"n": 3, "best_of": 2}, "best_of"),
     ({"speculative": {"num_draft_tokens": -1}}, "speculative.num_draft_tokens"),
     ({"speculative": {"num_draft_tokens": 65}}, "speculative.num_draft_tokens"),
     ({"speculative": {"draft": 2}}, "speculative.draft"),

@@ -151,14 +151,14 @@ def test_curl_reads_the_sse_stream(server):
 @pytest.mark.parametrize("kind,kwargs,param", [
     ("completions", {"n": 17}, "n"),
     ("completions", {"echo": True}, "echo"),
-    ("completions", {"best_of": 3}, "best_of"),
+    ("completions", {"n": 3, "best_of": 2}, "best_of"),
     ("completions", {"logprobs": 21}, "logprobs"),
     ("completions", {"max_tokens": 0}, "max_tokens"),
     ("completions", {"extra_body": {"frobnicate": 1}}, "frobnicate"),
     ("completions", {"prompt": ["one", "two"]}, "prompt"),
     ("chat", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ("chat", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
-    ("chat", {"messages": [{"role": "tool", "content": "x", "tool_call_id": "1"}]}, "messages.0"),
+    ("chat", {"messages": [{"role": "tool", "content": "x"}]}, "messages"),  # a tool turn needs its tool_call_id
     ("chat", {"temperature": -1}, "temperature"),
 ])
 def test_unsupported_or_invalid_fields_are_openai_400s(server, kind, kwargs, param):

@@ -63,8 +63,9 @@ def test_schemas_refuse_what_pipespec_would_ignore():
     ok = CompletionRequest(prompt="x", n=1, echo=False, logprobs=None, user="me", presence_penalty=0)
     check_supported(ok)
     check_supported(CompletionRequest(prompt="x", logit_bias={"1": 2}, frequency_penalty=0.5))  # implemented
-    for extra in ({"best_of": 2}, {"suffix": "x"}, {"logit_bias": {"1": 200}}, {"response_format": {"type": "xml"}},
-                  {"logit_bias": {"a": 1}}, {"tools": []}, {"prompt": ["a", "b"]}):
+    for extra in ({"best_of": 2, "n": 3}, {"suffix": "x"}, {"logit_bias": {"1": 200}},
+                  {"response_format": {"type": "xml"}}, {"logit_bias": {"a": 1}}, {"tools": []},
+                  {"prompt": ["a", "b"]}):
         with pytest.raises(OpenAIError) as info:
             check_supported(CompletionRequest(**{"prompt": "x", **extra}))
         assert info.value.status == 400 and info.value.param == next(iter(extra))

@@ -111,18 +111,25 @@ VALID: dict[str, Message] = {
                  drafters=[{"id": "d1", "type": "assistant", "host": "box", "sessions": 2, "alive": True}],
                  max_message_bytes=4096, heartbeat_timeout_s=5.0, batching=True, forwards=9, mean_batch_sessions=2.5,
                  mean_batch_tokens=7.5, prefill_forwards=3, mean_prefill_sessions=1.5,
-                 reports=[StartReport(decision="cannot_pay", draft_s=0.095, drafter="d1")]),
+                 reports=[StartReport(decision="cannot_pay", draft_s=0.095, drafter="d1")], tool_parser="hermes"),
     "error": Error(message="boom", code="bad_message", request_id=7, session=4),
 }
 VARIANTS: list[Message] = [
     Generate(request_id=8, params={}, prompt="héllo"),
     Generate(request_id=9, params={}, messages=[{"role": "user", "content": "hi"}]),
+    Generate(request_id=10, params={}, messages=[  # tool use: a call, its result
+        {"role": "user", "content": "2+3?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "name": "add", "content": "5"}],
+        tools=[{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]),
     Draft(session=1, base_len=2, tokens=[], idle_rounds=MAX_IDLE_ROUNDS),
     Draft(session=1, base_len=2, tokens=[4, 9, 5, 6], parents=[-1, -1, 0, 2]),  # a token tree
     Welcome(target="t", vocab_size=1, want_q=False),
 ]
 #: Optional fields VALID leaves at their default on purpose (covered by VARIANTS).
-AT_DEFAULT = {("generate", "prompt"), ("generate", "messages"), ("draft", "idle_rounds"), ("draft", "parents")}
+AT_DEFAULT = {("generate", "prompt"), ("generate", "messages"), ("generate", "tools"), ("draft", "idle_rounds"),
+              ("draft", "parents")}
 TENSOR_TYPES = {t for t, cls in MESSAGE_TYPES.items() if "tensors" in {f.name for f in dataclasses.fields(cls)}}
 
 
@@ -348,7 +355,8 @@ def test_to_dict_gives_plain_values():
                                                         "batching": False, "forwards": 0,
                                                         "mean_batch_sessions": 0.0,
                                                         "mean_batch_tokens": 0.0, "prefill_forwards": 0,
-                                                        "mean_prefill_sessions": 0.0, "reports": []}
+                                                        "mean_prefill_sessions": 0.0, "reports": [],
+                                                        "tool_parser": None}
     assert VALID["pong"].to_dict()["reports"][0]["draft_s"] == 0.095  # nested structures as plain maps
 
 

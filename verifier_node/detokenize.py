@@ -12,15 +12,45 @@ from __future__ import annotations
 MAX_HELD = 4
 
 
+#: Special tokens that open a tool call in some families (Llama 3.1's ``<|python_tag|>``, Mistral's
+#: ``[TOOL_CALLS]``): a request with tools keeps them in its text, where the parser looks for them.
+TOOL_MARKERS = ("<|python_tag|>", "[TOOL_CALLS]")
+
+
+def tool_marker_ids(tokenizer) -> frozenset[int]:
+    """The ids of :data:`TOOL_MARKERS` that are special tokens of ``tokenizer`` (the text drops them otherwise)."""
+    special = {i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items() if getattr(t, "special", False)}
+    special.update(getattr(tokenizer, "all_special_ids", []) or [])
+    ids = {tokenizer.convert_tokens_to_ids(m) for m in TOOL_MARKERS}
+    return frozenset(i for i in ids if isinstance(i, int) and i in special)
+
+
+def decode(tokenizer, ids: list[int], keep: frozenset[int] = frozenset()) -> str:
+    """``ids`` as text without special tokens, except those in ``keep``."""
+    if not keep or not keep.intersection(ids):
+        return tokenizer.decode(ids, skip_special_tokens=True)
+    # decoded in runs between the kept tokens, so every other special token is skipped as before
+    out, run = [], []
+    for i in ids:
+        if i in keep:
+            out += [tokenizer.decode(run, skip_special_tokens=True), tokenizer.decode([i])]
+            run = []
+        else:
+            run.append(i)
+    return "".join(out) + tokenizer.decode(run, skip_special_tokens=True)
+
+
 class IncrementalText:
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer, keep: frozenset[int] = frozenset()) -> None:
+        """``keep``: special token ids kept in the text (:func:`tool_marker_ids`, for a request with tools)."""
         self.tokenizer = tokenizer
+        self.keep = keep
         self.ids: list[int] = []
         self.prefix_offset = 0  # start of the window decoded for context (tokenisers merge across boundaries)
         self.read_offset = 0  # tokens before this have been emitted as text
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return decode(self.tokenizer, ids, self.keep)
 
     def _emit(self, text: str, prefix: str, upto: int) -> str:
         self.prefix_offset, self.read_offset = self.read_offset, upto

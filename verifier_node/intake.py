@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
+from shared.chat_tools import template_messages
 from shared.config import DRAFTER_TYPE_NAMES
 from shared.protocol import Generate, ProtocolError, error_frames
 from shared.sampling import GenerationParams, ParamError
@@ -357,7 +358,9 @@ def _encode(tokenizer: Any, msg: Generate) -> list[int]:
     if not getattr(tokenizer, "chat_template", None):
         raise ParamError("the target's tokenizer has no chat template; send prompt or token_ids")
     try:
-        return tokenizer.apply_chat_template(msg.messages, add_generation_prompt=True, tokenize=True,
-                                             return_dict=True)["input_ids"]
+        # tools: only when given (a template that takes none may still test `tools is defined`)
+        extra = {"tools": msg.tools} if msg.tools is not None else {}
+        return tokenizer.apply_chat_template(template_messages(msg.messages), add_generation_prompt=True,
+                                             tokenize=True, return_dict=True, **extra)["input_ids"]
     except Exception as exc:  # the template's own raise_exception, or one that fails on these messages
         raise ParamError(f"the target's chat template failed on these messages: {exc!r:.300}") from None

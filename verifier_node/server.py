@@ -27,6 +27,7 @@ fallback per session, publishing through the server; the pong's forward counts),
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -69,12 +70,15 @@ from shared.protocol import (
 )
 from shared.signals import stop_on_signals
 from shared.target import Target, TargetOptions, load_target
+from shared.tool_calls import parser_name_for_template
 from shared.transport import (
     VerifierLinks,
     peer_user_id,
 )
 from verifier_node.acceptance import AcceptRule
 from verifier_node.admission import MemoryAdmission
+from verifier_node.detokenize import IncrementalText, tool_marker_ids
+from verifier_node.detokenize import decode as detokenize
 from verifier_node.draft_check import dense_q, tree_parents
 from verifier_node.draft_wait import DraftWait
 from verifier_node.drafter_out import DrafterOut
@@ -382,10 +386,21 @@ class VerifierServer:
                 drafter_connected=bool(live), drafter_type=live[0].type if live else None,
                 drafters=self.pool.describe(), target=self.model_name, sessions=len(self.sessions),
                 max_message_bytes=self.max_bytes, heartbeat_timeout_s=self.client_timeout, batching=self.batching,
-                reports=[d.report for d in live if d.report is not None][:MAX_REPORTS],
+                reports=[d.report for d in live if d.report is not None][:MAX_REPORTS], tool_parser=self.tool_parser,
                 **self.rounds.counts.pong_stats()))])
         else:
             raise ProtocolError(f"a client may not send {msg.TYPE!r}", code="unexpected")
+
+    @functools.cached_property
+    def tool_parser(self) -> str | None:
+        """The tool-call format of the target's chat template, told to clients in pongs (the HTTP server reads
+        calls with it); None where it has none that pipespec knows."""
+        return parser_name_for_template(getattr(self.tokenizer, "chat_template", None))
+
+    @functools.cached_property
+    def tool_markers(self) -> frozenset[int]:
+        """The special tokens that open a tool call in the target's family (kept in tool requests' text)."""
+        return tool_marker_ids(self.tokenizer)
 
     def _open_session(self, job: PrepJob) -> None:
         """An admitted request (:mod:`verifier_node.intake`) becomes a session, served by a drafter that fits."""
@@ -399,6 +414,8 @@ class VerifierServer:
         s = Session(sid, self.backend, self.tokenizer, prompt, params, job.peer, rid, self.ensemble_weight, job.wanted,
                     wait, accept=self.accept_rule, grammar=job.grammar)
         s.tenant = job.scope
+        if job.msg.tools is not None and self.tool_markers:  # the call markers stay in a tool request's text
+            s.text = IncrementalText(self.tokenizer, self.tool_markers)
         self.scheduler.add(s)
         self.by_request[(job.peer, rid)] = sid
         self.policy.reassign(s)
@@ -454,7 +471,7 @@ class VerifierServer:
 
     def finish(self, s: Session, reason: str) -> None:
         try:
-            text = self.tokenizer.decode(s.generated, skip_special_tokens=True)
+            text = detokenize(self.tokenizer, s.generated, s.text.keep)
             d = s.drafter
             metrics = {**s.summary(verifier_dtype=self.dtype, drafter_dtype=d.dtype if d else None),
                        **s.wait.summary(), "drafter_ids": list(s.served_by), "drafter_type": d.type if d else None}
