@@ -18,7 +18,7 @@ Field policy (documented in docs/http.md):
 - several answers: ``n`` (1 .. ``shared.choices.MAX_N``) and, on completions, ``best_of`` (n .. MAX_N, ranked);
   pipespec's own ``speculative`` (``num_draft_tokens``, ``draft_type``): this request's speculation;
 - accepted when they ask for nothing (their default): ``echo: false``; accepted and ignored:
-  ``user``, ``metadata``, ``store``, ``service_tier``;
+  ``user``, ``metadata``, ``store``, ``service_tier``, ``safety_identifier``, ``prompt_cache_key``;
 - anything else — a known OpenAI field pipespec lacks (``suffix``, ``functions``, …) or an unknown name (a typo) — is a
   400 naming the field (``tools`` on ``/v1/completions`` too): a request is never served with part of it dropped.
 """
@@ -53,8 +53,10 @@ Tokens = Annotated[StrictInt, Field(ge=1, le=MAX_NEW_TOKENS)]
 StopText = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 TokenId = Annotated[StrictInt, Field(ge=0, lt=2**31)]
 
-#: Fields accepted and ignored (bookkeeping of the caller's own).
-IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier"})
+#: Fields accepted and ignored: bookkeeping of the caller's own (``user``, ``metadata``, ``safety_identifier``), and
+#: hints for OpenAI's own services that have nothing to act on here (``store``, ``service_tier``, ``prompt_cache_key``:
+#: pipespec keeps no responses, has one tier and no cross-request prompt cache to route to); docs/http.md's table.
+IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key"})
 
 
 class StreamOptions(BaseModel):

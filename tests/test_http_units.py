@@ -4,6 +4,7 @@ field policy, the ``http`` config section's rules (loopback unless api_key and a
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 from hypothesis import given
@@ -18,6 +19,8 @@ from runtime.config import ConfigError, load_config
 from runtime.launch import main, parse_http_address
 
 pytestmark = pytest.mark.unit
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def _run(stops: list[str], pieces: list[str]) -> tuple[list[str], bool]:
@@ -127,3 +130,95 @@ def test_http_flag_parses_and_bad_combinations_are_clear_errors(capsys):
     assert main(["--config", "cpu.yaml", "--http", "127.0.0.1:x"]) == 2
     assert main(["--config", "cpu.yaml", "--http", "127.0.0.1:8000", "--prompt", "hi"]) == 2
     assert "--http" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------ the field table
+#: A value of each field in docs/http.md's "OpenAI request fields" table: for implemented and ignored fields one the
+#: server takes, for refused ones one it must refuse.
+_FIELD_SAMPLES = {
+    "model": None, "messages": None, "prompt": None, "max_tokens": 8, "max_completion_tokens": 8,
+    "temperature": 0.5, "top_p": 0.9, "seed": 3, "stop": ["\n"], "stream": True,
+    "stream_options": {"include_usage": True}, "presence_penalty": 0.5, "frequency_penalty": 0.5,
+    "logit_bias": {"5": 1.0}, "n": 2, "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
+    "tool_choice": "auto", "parallel_tool_calls": False, "response_format": {"type": "json_object"},
+    "functions": [{"name": "f"}], "function_call": "auto", "echo": True, "suffix": "x", "audio": {"voice": "x"},
+    "modalities": ["text", "audio"], "prediction": {"type": "content", "content": "x"}, "reasoning_effort": "low",
+    "verbosity": "low", "web_search_options": {}, "user": "u", "safety_identifier": "s", "metadata": {"k": "v"},
+    "store": False, "service_tier": "auto", "prompt_cache_key": "k", "repetition_penalty": 1.1, "min_tokens": 2,
+    "top_k": 5, "structured_outputs": {"regex": "[a-z]+"}, "guided_json": {"type": "object"},
+    "guided_regex": "[a-z]+", "guided_grammar": 'root ::= "a"', "guided_choice": ["a", "b"],
+    "speculative": {"num_draft_tokens": 2},
+}
+#: Fields that take their value together with another (a sample alone would be refused for that reason).
+_FIELD_COMPANIONS = {"top_logprobs": {"logprobs": True}, "best_of": {"n": 2}}
+
+
+def _table_rows() -> list[tuple[str, str, str]]:
+    """(field, endpoint, status) per field named in docs/http.md's "OpenAI request fields" table."""
+    text = (REPO_ROOT / "docs" / "http.md").read_text()
+    section = text.split("## OpenAI request fields", 1)[1].split("\n## ", 1)[0]
+    rows = []
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) != 4 or not cells[0].startswith("`"):
+            continue
+        for name in cells[0].replace("`", "").split(","):
+            rows.append((name.strip(), cells[1], cells[2]))
+    return rows
+
+
+def _refusal(endpoint: str, fields: dict) -> str | None:
+    """The ``param`` of the 400 a request with these fields gets from the schema and the checks (None: taken)."""
+    base = {"messages": [{"role": "user", "content": "hi"}]} if endpoint == "chat" else {"prompt": "hi"}
+    try:
+        req = (ChatRequest if endpoint == "chat" else CompletionRequest)(**{**base, **fields})
+        check_supported(req)
+    except OpenAIError as exc:
+        return exc.param
+    except ValueError as exc:  # pydantic's ValidationError: the app answers it with a 400 naming its loc
+        return ".".join(str(p) for p in exc.errors()[0]["loc"])
+    return None
+
+
+def test_the_field_table_names_every_openai_field_with_what_the_server_does():
+    rows = _table_rows()
+    named = {name for name, _, _ in rows}
+    openai_chat = {"messages", "model", "audio", "frequency_penalty", "function_call", "functions", "logit_bias",
+                   "logprobs", "max_completion_tokens", "max_tokens", "metadata", "modalities", "n",
+                   "parallel_tool_calls", "prediction", "presence_penalty", "prompt_cache_key", "reasoning_effort",
+                   "response_format", "safety_identifier", "seed", "service_tier", "stop", "store", "stream",
+                   "stream_options", "temperature", "tool_choice", "tools", "top_logprobs", "top_p", "user",
+                   "verbosity", "web_search_options"}
+    openai_completions = {"model", "prompt", "best_of", "echo", "frequency_penalty", "logit_bias", "logprobs",
+                          "max_tokens", "n", "presence_penalty", "seed", "stop", "stream", "stream_options", "suffix",
+                          "temperature", "top_p", "user"}
+    assert openai_chat | openai_completions <= named, sorted((openai_chat | openai_completions) - named)
+    checked = 0
+    for name, endpoint, status in rows:
+        endpoints = {"both": ["chat", "completions"], "chat, completions": ["chat", "completions"]}.get(
+            endpoint, [endpoint])
+        if name in ("model", "messages", "prompt"):
+            continue  # every request has them (model: the app's own 404 check, tests/test_http.py)
+        for ep in endpoints:
+            if name == "logprobs":
+                sample = True if ep == "chat" else 2
+            elif name == "top_logprobs":
+                sample = 2
+            elif name == "best_of":
+                sample = 3
+            else:
+                sample = _FIELD_SAMPLES[name]
+            fields = {name: sample, **_FIELD_COMPANIONS.get(name, {})}
+            if name == "stream_options":
+                fields["stream"] = True
+            got = _refusal(ep, fields)
+            if status.startswith("refused"):
+                assert got is not None and got.split(".")[0] == name, (name, ep, got)
+            else:
+                assert got is None, (name, ep, status, got)
+            checked += 1
+    assert checked > 40
+    # what the table says of the odd ones: include_obfuscation and echo true refused, chat best_of refused
+    assert _refusal("completions", {"stream": True, "stream_options": {"include_obfuscation": True}})
+    assert _refusal("completions", {"echo": False}) is None
+    assert _refusal("completions", {"best_of": 3, "n": 2, "stream": True}) == "best_of"
