@@ -506,6 +506,7 @@ def test_the_compile_child_is_confined_shares_no_cache_and_is_replaced_warm(wide
         assert not child.alive and pool._local.child is not child
         warm = _timed(lambda: pool.compile(GrammarSpec("regex", "[a-f]+")))
         assert warm < cold / 3, f"a compile after a kill took {warm:.2f} s, the cold start {cold:.2f} s"
+        assert pool.spare_ready(120)  # the spare's replacement starts on the starter thread: wait for it
         assert pool.starts == 3  # the first child, its spare, and the spare's replacement
     finally:
         pool.close()

@@ -185,7 +185,7 @@ class PolicyBench:
 
     def session(self, sid: int, drafter_type: str | None = None, do_sample: bool = True, **state):
         base = {"sid": sid, "drafter": None, "drafter_type": drafter_type,
-                "params": SimpleNamespace(do_sample=do_sample),
+                "params": SimpleNamespace(do_sample=do_sample, num_draft_tokens=None),
                 "tried": set(), "served_by": [], "wait": DraftWait(3.0), "prefilled": True, "announced": False,
                 "draft": None, "solo_left": 0, "lm": SimpleNamespace(held_rows=lambda layers: {"kv.0": layers})}
         s = SimpleNamespace(**{**base, **state})
@@ -335,10 +335,10 @@ def test_q_is_rebuilt_from_its_sparse_encoding_and_checked():
 
 
 def test_a_tree_is_taken_for_greedy_requests_only_and_a_chain_spelled_as_a_tree_is_a_chain():
-    greedy = SimpleNamespace(params=SimpleNamespace(do_sample=False), lm=None)
+    greedy = SimpleNamespace(params=SimpleNamespace(do_sample=False, num_draft_tokens=None), lm=None)
     link = SimpleNamespace(needs_hidden=False, kv_layers=[])
     assert tree_parents(_draft(parents=[-1, 0, 1]), greedy, link, ensemble=False) is None
-    sampled = SimpleNamespace(params=SimpleNamespace(do_sample=True), lm=None)
+    sampled = SimpleNamespace(params=SimpleNamespace(do_sample=True, num_draft_tokens=None), lm=None)
     for s, ensemble, d in ((sampled, False, link), (greedy, True, link),
                            (greedy, False, SimpleNamespace(needs_hidden=True, kv_layers=[]))):
         with pytest.raises(ProtocolError) as refused:
