@@ -123,7 +123,8 @@ def test_forced_calls_follow_the_schema_and_stream_identically(server, choice):
 
 
 def test_n2_choices_each_carry_their_calls_and_logprobs(server):
-    """Tools, log probabilities and n together: each choice is read for calls on its own, whole and streamed."""
+    """Tools, log probabilities and n together, sync and async: each choice is read for calls on its own, whole
+    and streamed."""
     client = _client(server)
     kw = dict(model=server.model, messages=ASK, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
               temperature=0, max_tokens=160, logprobs=True, top_logprobs=1)
@@ -134,13 +135,21 @@ def test_n2_choices_each_carry_their_calls_and_logprobs(server):
         assert _calls(choice.message.tool_calls) == _calls(one.choices[0].message.tool_calls)
         assert choice.finish_reason == "tool_calls"
         assert [e.token for e in choice.logprobs.content] == [e.token for e in one.choices[0].logprobs.content]
-    by_index: dict[int, list] = {0: [], 1: []}
-    for chunk in client.chat.completions.create(**kw, n=2, stream=True):
-        for c in chunk.choices:
-            by_index[c.index].append(types.SimpleNamespace(choices=[c]))
+    async def streamed() -> dict[int, list]:  # the openai package's async client, streamed
+        by_index: dict[int, list] = {0: [], 1: []}
+        async with openai.AsyncOpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=60) as oai:
+            async for chunk in await oai.chat.completions.create(**kw, n=2, stream=True):
+                for c in chunk.choices:
+                    by_index[c.index].append(types.SimpleNamespace(choices=[c]))
+        return by_index
+
+    by_index = asyncio.run(streamed())
     for index in (0, 1):
-        _, streamed, _, reason = _assembled(by_index[index])
-        assert streamed == _calls(one.choices[0].message.tool_calls) and reason == "tool_calls"
+        _, calls, _, reason = _assembled(by_index[index])
+        assert calls == _calls(one.choices[0].message.tool_calls) and reason == "tool_calls"
+        tokens = [e.token for chunk in by_index[index] if chunk.choices[0].logprobs is not None
+                  for e in chunk.choices[0].logprobs.content or []]
+        assert tokens == [e.token for e in one.choices[0].logprobs.content]
 
 
 def test_auto_parses_a_call_the_model_writes(server):
