@@ -25,10 +25,10 @@ from http_server.metrics import CONTENT_TYPE, HttpMetrics
 from http_server.responses import (
     ChoiceFormat,
     ChoiceOutput,
-    ClientGone,
     Stream,
     anext_or_none,
     drain,
+    failing_as_http,
     until_disconnect,
 )
 from http_server.schemas import ChatRequest, CompletionRequest, check_supported
@@ -231,20 +231,11 @@ class Completions:
         output = ChoiceOutput(gen, fmt, plan)
         pieces = gen.pieces()
         rid = fmt.id_prefix + secrets.token_hex(12)
-        try:
+        async with failing_as_http(self.metrics, pieces.aclose):
             # the first step runs here, not in the stream: a refused request gets its real status, not a 200
             first = await until_disconnect(request, anext_or_none(pieces))
             if not req.stream and first is not None:
                 await until_disconnect(request, drain(pieces))
-        except (PipespecError, TimeoutError) as exc:
-            await pieces.aclose()
-            error = from_pipespec(exc)
-            self.metrics.record_error(error.code)
-            raise error from None
-        except (ClientGone, asyncio.CancelledError):
-            await pieces.aclose()
-            self.metrics.record_error("client_gone")
-            raise
         if not req.stream:
             out = gen.outcome
             self.record(out)

@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse, Response
 from http_server.errors import from_pipespec
 from http_server.generation import Generation, Outcome
 from http_server.metrics import HttpMetrics
-from http_server.responses import ChoiceFormat, ChoiceOutput, ClientGone, Stream, until_disconnect
+from http_server.responses import ChoiceFormat, ChoiceOutput, Stream, failing_as_http, until_disconnect
 from http_server.schemas import ChatRequest, CompletionRequest
 from http_server.sse import sse
 from http_server.tools import ToolPlan
@@ -132,7 +132,7 @@ async def run_choices(runner: Completions, request: Request, req: CompletionRequ
     n = len(choices.gens)
     ended: set[int] = set()
     early: list[tuple[int, Any]] = []  # what came before the stream started
-    try:
+    async with failing_as_http(runner.metrics, choices.close):
         started: set[int] = set()
         while len(ended if not req.stream else started) < n:
             index, item = await until_disconnect(request, choices.next())
@@ -140,15 +140,6 @@ async def run_choices(runner: Completions, request: Request, req: CompletionRequ
             if item is _END:
                 ended.add(index)
             early.append((index, item))
-    except (PipespecError, TimeoutError) as exc:
-        await choices.close()
-        error = from_pipespec(exc)
-        runner.metrics.record_error(error.code)
-        raise error from None
-    except (ClientGone, asyncio.CancelledError):
-        await choices.close()
-        runner.metrics.record_error("client_gone")
-        raise
     rid = fmt.id_prefix + secrets.token_hex(12)
     if not req.stream:
         for out in choices.outcomes:

@@ -6,16 +6,20 @@ the streamed response (:class:`Stream`) and the waits that give up when the call
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
+from http_server.errors import from_pipespec
 from http_server.generation import Generation
 from http_server.guard import ClientStalled
 from http_server.logprobs import body as logprobs_body
+from http_server.metrics import HttpMetrics
 from http_server.tools import ToolOutput, ToolPlan
+from runtime.client import PipespecError
 
 T = TypeVar("T")
 
@@ -156,3 +160,20 @@ async def anext_or_none(pieces: AsyncIterator[str]) -> str | None:
 async def drain(pieces: AsyncIterator[str]) -> None:
     async for _ in pieces:
         pass
+
+
+@contextlib.asynccontextmanager
+async def failing_as_http(metrics: HttpMetrics, close: Callable[[], Awaitable[None]]) -> AsyncIterator[None]:
+    r"""Around a run's first steps: a verifier error or timeout ``close``\ s the run (cancelling it on the verifier),
+    is counted and leaves as its OpenAI error; a caller that went away closes it, is counted and goes on up."""
+    try:
+        yield
+    except (PipespecError, TimeoutError) as exc:
+        await close()
+        error = from_pipespec(exc)
+        metrics.record_error(error.code)
+        raise error from None
+    except (ClientGone, asyncio.CancelledError):
+        await close()
+        metrics.record_error("client_gone")
+        raise

@@ -10,6 +10,7 @@ import sys
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -152,6 +153,43 @@ def tiny_config(target: Path, drafter: Path | None, **drafter_keys) -> dict:
         "launch": {"ready_timeout_s": 120},
     }
     return config
+
+
+@contextlib.contextmanager
+def http_launcher(config: dict, folder: Path, **extra):
+    """A launcher subprocess serving ``config`` over HTTP, started the way a user starts it (``python -m
+    runtime.launch --config X --http 127.0.0.1:PORT``): a namespace with ``port``, ``base_url``, ``address`` (the
+    client link), ``model`` (the target's path as text) and ``extra``; stopped on exit."""
+    import yaml
+
+    from benchmarks.http_overhead import free_port, start_launcher
+    from runtime.launch import stop_process
+
+    path = folder / "http.yaml"
+    path.write_text(yaml.safe_dump(config))
+    port = free_port()
+    proc, address, _ = start_launcher(path, port, timeout_s=150)
+    try:
+        yield SimpleNamespace(port=port, base_url=f"http://127.0.0.1:{port}/v1", address=address,
+                              model=config["verifier"]["model"], **extra)
+    finally:
+        stop_process(proc)
+
+
+def http_refusal(endpoint: str, **fields) -> str | None:
+    """The ``param`` of the 400 an HTTP request body with ``fields`` gets from the schema and the server's checks
+    (None: taken). ``endpoint``: ``chat`` (one user turn) or ``completions`` (a text prompt)."""
+    from http_server.errors import OpenAIError
+    from http_server.schemas import ChatRequest, CompletionRequest, check_supported
+
+    base = {"messages": [{"role": "user", "content": "hi"}]} if endpoint == "chat" else {"prompt": "hi"}
+    try:
+        check_supported((ChatRequest if endpoint == "chat" else CompletionRequest)(**{**base, **fields}))
+    except OpenAIError as exc:
+        return exc.param
+    except ValueError as exc:  # pydantic's ValidationError: the app answers it with a 400 naming its loc
+        return ".".join(str(p) for p in exc.errors()[0]["loc"])
+    return None
 
 
 @pytest.fixture(scope="session")

@@ -17,17 +17,12 @@ import types
 import openai
 import pytest
 import torch
-import yaml
-from conftest import start_cluster, tiny_config, wait_for_drafter
+from conftest import http_launcher, http_refusal, start_cluster, tiny_config, wait_for_drafter
 from sampling_check import PROMPT, TV_BOUND, N, exact_joint, tv
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from benchmarks.http_overhead import free_port, start_launcher
 from drafter_node.node_handlers import MessageHandler
-from http_server.errors import OpenAIError
-from http_server.schemas import ChatRequest, CompletionRequest, check_supported
 from runtime.client import AsyncClient, PipespecError
-from runtime.launch import stop_process
 from shared.backend import DynamicBackend
 from shared.choices import MAX_N, choice_seed
 from shared.sampling import GenerationParams, ParamError
@@ -49,18 +44,8 @@ def test_choice_seed_rule():
 
 
 def _check(kind: str, **fields) -> str | None:
-    """The ``param`` of the 400 a request body gets from the schema and check_supported (None: accepted)."""
-    try:
-        if kind == "chat":
-            req = ChatRequest(messages=[{"role": "user", "content": "hi"}], **fields)
-        else:
-            req = CompletionRequest(prompt="hi", **fields)
-        check_supported(req)
-    except OpenAIError as exc:
-        return exc.param
-    except ValueError as exc:  # pydantic's ValidationError: the app answers it with a 400 naming its loc
-        return ".".join(str(p) for p in exc.errors()[0]["loc"])
-    return None
+    """The ``param`` of the 400 a request body gets (None: accepted)."""
+    return http_refusal(kind, **fields)
 
 
 @pytest.mark.unit
@@ -128,15 +113,8 @@ def server(tiny, tmp_path_factory):
     config = tiny_config(target, tiny("llama", "random"), num_draft_tokens=3)
     config["verifier"].update(max_sessions=MAX_SESSIONS, admission_wait_s=0)
     config["http"] = {"request_metrics": True}  # the tests read per-request speculative metrics
-    path = tmp_path_factory.mktemp("choices") / "choices.yaml"
-    path.write_text(yaml.safe_dump(config))
-    port = free_port()
-    proc, address, _ = start_launcher(path, port, timeout_s=150)
-    try:
-        yield types.SimpleNamespace(port=port, base_url=f"http://127.0.0.1:{port}/v1", address=address,
-                                    model=str(target), target=target)
-    finally:
-        stop_process(proc)
+    with http_launcher(config, tmp_path_factory.mktemp("choices"), target=target) as served:
+        yield served
 
 
 def _openai(server) -> openai.OpenAI:

@@ -14,22 +14,19 @@ import shutil
 import statistics
 import subprocess
 import time
-import types
 
 import jsonschema
 import openai
 import pytest
 import torch
 import xgrammar as xgr
-import yaml
-from conftest import tiny_config
+from conftest import http_launcher, tiny_config
 from node_entry import node_entry
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from xgrammar.contrib.hf import LogitsProcessor
 
-from benchmarks.http_overhead import free_port, start_launcher
 from runtime.client import AsyncClient, PipespecError
-from runtime.launch import cluster, stop_process
+from runtime.launch import cluster
 from testkit.tiny_hybrid import perturbed_copy
 
 pytestmark = pytest.mark.cluster
@@ -56,15 +53,8 @@ def server(tiny, model_dir, tmp_path_factory):
     if not near.exists():
         perturbed_copy(target, near, noise=0.6, seed=5)
     config = tiny_config(target, near, num_draft_tokens=4)
-    path = tmp_path_factory.mktemp("grammar") / "grammar.yaml"
-    path.write_text(yaml.safe_dump(config))
-    port = free_port()
-    proc, address, _ = start_launcher(path, port, timeout_s=150)
-    try:
-        yield types.SimpleNamespace(port=port, base_url=f"http://127.0.0.1:{port}/v1", address=address,
-                                    model=str(target), target=target)
-    finally:
-        stop_process(proc)
+    with http_launcher(config, tmp_path_factory.mktemp("grammar"), target=target) as served:
+        yield served
 
 
 def _run(server, calls: list[dict]) -> list:

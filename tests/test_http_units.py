@@ -7,6 +7,7 @@ import random
 from pathlib import Path
 
 import pytest
+from conftest import http_refusal
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -168,16 +169,7 @@ def _table_rows() -> list[tuple[str, str, str]]:
 
 
 def _refusal(endpoint: str, fields: dict) -> str | None:
-    """The ``param`` of the 400 a request with these fields gets from the schema and the checks (None: taken)."""
-    base = {"messages": [{"role": "user", "content": "hi"}]} if endpoint == "chat" else {"prompt": "hi"}
-    try:
-        req = (ChatRequest if endpoint == "chat" else CompletionRequest)(**{**base, **fields})
-        check_supported(req)
-    except OpenAIError as exc:
-        return exc.param
-    except ValueError as exc:  # pydantic's ValidationError: the app answers it with a 400 naming its loc
-        return ".".join(str(p) for p in exc.errors()[0]["loc"])
-    return None
+    return http_refusal(endpoint, **fields)
 
 
 def test_the_field_table_names_every_openai_field_with_what_the_server_does():

@@ -13,13 +13,11 @@ LM head, so drafts are both accepted and rejected, and the HTTP server) serves t
 from __future__ import annotations
 
 import asyncio
-import types
 
 import openai
 import pytest
 import torch
-import yaml
-from conftest import tiny_config
+from conftest import http_launcher, tiny_config
 from transformers import AutoModelForCausalLM
 from transformers.generation.logits_process import (
     LogitsProcessorList,
@@ -29,9 +27,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from benchmarks.http_overhead import free_port, start_launcher
 from runtime.client import AsyncClient, Chunk
-from runtime.launch import stop_process
 from testkit.tiny_hybrid import perturbed_copy
 
 pytestmark = pytest.mark.cluster
@@ -47,15 +43,8 @@ def server(tiny, tmp_path_factory):
     near = perturbed_copy(target, root / "near", noise=0.6, seed=5)
     config = tiny_config(target, near, num_draft_tokens=3)
     config["http"] = {"request_metrics": True}
-    path = root / "http.yaml"
-    path.write_text(yaml.safe_dump(config))
-    port = free_port()
-    proc, address, _ = start_launcher(path, port, timeout_s=150)
-    try:
-        yield types.SimpleNamespace(base_url=f"http://127.0.0.1:{port}/v1", address=address, model=str(target),
-                                    target=target)
-    finally:
-        stop_process(proc)
+    with http_launcher(config, root, target=target) as served:
+        yield served
 
 
 def _generate(server, calls: list[dict], stream: bool = False) -> list:

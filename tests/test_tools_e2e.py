@@ -16,13 +16,10 @@ from typing import Annotated
 import jsonschema
 import openai
 import pytest
-import yaml
-from conftest import start_cluster, tiny_config
+from conftest import http_launcher, start_cluster, tiny_config
 from pydantic import Field
 
-from benchmarks.http_overhead import free_port, start_launcher
 from runtime.client import AsyncClient, Chunk, GenerationResult, PipespecError
-from runtime.launch import stop_process
 from shared.models import load_tokenizer
 from testkit.tiny_models import reference_greedy
 from testkit.tool_templates import build_tool_model
@@ -64,15 +61,8 @@ def hermes_target(tool_models):
 @pytest.fixture(scope="module")
 def server(hermes_target, tmp_path_factory):
     config = tiny_config(hermes_target, hermes_target, num_draft_tokens=15)
-    path = tmp_path_factory.mktemp("tools-http") / "tools.yaml"
-    path.write_text(yaml.safe_dump(config))
-    port = free_port()
-    proc, address, _ = start_launcher(path, port, timeout_s=150)
-    try:
-        yield types.SimpleNamespace(base_url=f"http://127.0.0.1:{port}/v1", address=address,
-                                    model=str(hermes_target))
-    finally:
-        stop_process(proc)
+    with http_launcher(config, tmp_path_factory.mktemp("tools-http")) as served:
+        yield served
 
 
 def _client(server) -> openai.OpenAI:
