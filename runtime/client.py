@@ -295,7 +295,12 @@ class AsyncClient:
             frames = await self._sock.recv_multipart(copy=False)
             try:
                 msg = decode(frames, DEFAULT_MAX_MESSAGE_BYTES)
-            except ProtocolError:
+            except ProtocolError as exc:
+                # a reply this client cannot read (over the header cap, malformed) ends its request with the
+                # reason instead of leaving it to wait for its timeout; one naming no request is dropped
+                queue = self._queues.get(exc.request_id) if exc.request_id is not None else None
+                if queue is not None:
+                    queue.put_nowait(_LocalFailure(f"the verifier's reply could not be read: {exc}", exc.code))
                 continue
             if isinstance(msg, Pong):
                 self.max_message_bytes = msg.max_message_bytes or DEFAULT_MAX_MESSAGE_BYTES
