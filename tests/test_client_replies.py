@@ -18,7 +18,7 @@ pytestmark = pytest.mark.unit
 
 
 async def _fake_verifier(sock: zmq.asyncio.Socket) -> None:
-    """Answers pings; a generate for prompt "huge" gets a ``done`` whose header is over the cap, any other a plain one."""
+    """Answers pings; a generate for "huge" gets a ``done`` whose header is over the cap, any other a plain one."""
     while True:
         peer, *body = await sock.recv_multipart()
         msg = decode(body)
