@@ -39,7 +39,7 @@ async def test_an_unreadable_reply_fails_its_request_at_once(tmp_path):
     try:
         async with AsyncClient(address, timeout_s=60) as client:
             start = time.monotonic()
-            with pytest.raises(PipespecError, match="could not be read.*exceeds the limit") as info:
+            with pytest.raises(PipespecError, match=r"could not be read.*exceeds the limit") as info:
                 await client.generate("huge", max_new_tokens=1)
             assert info.value.code == "too_large"
             assert time.monotonic() - start < 10  # not the 60 s timeout
