@@ -124,6 +124,23 @@ def wire_params(params: dict[str, Any]) -> dict[str, Any]:
     return params
 
 
+def request_frames(msg: Generate, max_message_bytes: int | None) -> list:
+    """``msg`` encoded, or ``bad_request`` / ``too_large`` said here, before sending (the verifier could not tell
+    which request an over-size message belonged to); ``max_message_bytes``: the verifier's cap (None: the default)."""
+    try:
+        frames = encode(msg)
+    except UnicodeEncodeError as exc:  # a lone surrogate (JSON "\ud800"): no UTF-8 for it, so no message
+        raise PipespecError(f"the request's text is not valid Unicode: {exc.object[exc.start]!r} at character "
+                            f"{exc.start} of a string (a lone surrogate); send UTF-8 text", "bad_request") from None
+    size = sum(len(f) if isinstance(f, bytes) else f.nbytes for f in frames)
+    limit = max_message_bytes or DEFAULT_MAX_MESSAGE_BYTES
+    if size > limit or len(frames[0]) > MAX_HEADER_BYTES:
+        raise PipespecError(
+            f"request {msg.request_id} of {size} bytes exceeds the verifier's limit ({limit} bytes per message, "
+            f"{MAX_HEADER_BYTES} per header): send a shorter prompt", "too_large")
+    return frames
+
+
 class _LocalFailure:
     """Put in a request's queue by the client itself (verifier gone, client closed): the waiter raises it."""
 
@@ -514,10 +531,10 @@ class AsyncClient:
         if self.max_message_bytes is None:  # first request (or first since the verifier went): learn its cap
             await self._learn_limits()
         rid = next(self._ids)
-        frames = self._request_frames(Generate(
+        frames = request_frames(Generate(
             request_id=rid, params={k: v for k, v in params.items() if v is not None}, token_ids=token_ids,
             prompt=prompt, messages=messages, drafter_type=drafter_type, tenant=tenant, tools=tools,
-        ))
+        ), self.max_message_bytes)
         queue = _Inbox()  # bounded: the reader task never waits for a slow consumer
         self._track(rid, queue)
         finished = False
@@ -545,22 +562,6 @@ class AsyncClient:
         except TimeoutError:
             raise PipespecError(f"no pong from the verifier at {self.address} within {self.timeout_s} s",
                                 "verifier_gone") from None
-
-    def _request_frames(self, msg: Generate) -> list:
-        """``msg`` encoded, or ``bad_request`` / ``too_large`` said here (the verifier could not tell which request
-        an over-size message belonged to)."""
-        try:
-            frames = encode(msg)
-        except UnicodeEncodeError as exc:  # a lone surrogate (JSON "\ud800"): no UTF-8 for it, so no message
-            raise PipespecError(f"the request's text is not valid Unicode: {exc.object[exc.start]!r} at character "
-                                f"{exc.start} of a string (a lone surrogate); send UTF-8 text", "bad_request") from None
-        size = sum(len(f) if isinstance(f, bytes) else f.nbytes for f in frames)
-        limit = self.max_message_bytes or DEFAULT_MAX_MESSAGE_BYTES
-        if size > limit or len(frames[0]) > MAX_HEADER_BYTES:
-            raise PipespecError(
-                f"request {msg.request_id} of {size} bytes exceeds the verifier's limit ({limit} bytes per message, "
-                f"{MAX_HEADER_BYTES} per header): send a shorter prompt", "too_large")
-        return frames
 
     async def _replies(self, rid: int, queue: _Inbox, cancel: asyncio.Event | None):
         """Request ``rid``'s chunks, then its result; a cancel is sent once when ``cancel`` is set."""
