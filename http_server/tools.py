@@ -66,15 +66,11 @@ class ToolOutput:
         assert parser is not None
         self.parser = parser
 
-    def _kept(self, delta: ParsedDelta) -> list[dict[str, Any]]:
-        calls = [d for d in delta.calls if self.plan.parallel or d.index == 0]
-        return [call_delta(d.index, d.id, d.name, d.arguments) for d in calls]
-
     def _deltas(self, parsed: ParsedDelta) -> list[dict[str, Any]]:
         out = []
         if parsed.content:
             out.append({"content": parsed.content})
-        calls = self._kept(parsed)
+        calls = [call_delta(d.index, d.id, d.name, d.arguments) for d in self.plan.kept(parsed).calls]
         if calls:
             out.append({"tool_calls": calls})
         return out
@@ -88,13 +84,12 @@ class ToolOutput:
         return self._deltas(self.parser.finish())
 
     def calls(self) -> list[dict[str, Any]]:
-        calls = self.parser.calls if self.plan.parallel else self.parser.calls[:1]
         return [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-                for c in calls]
+                for c in self.plan.kept_calls(self.parser.calls)]
 
     def finish_reason(self, reason: str) -> str:
         """``tool_calls`` when the output held calls (and ended on its own); otherwise the run's reason."""
-        return "tool_calls" if self.parser.calls and reason == "stop" else reason
+        return self.plan.finish_reason(reason, self.parser.calls)
 
     def message(self, text: str) -> dict[str, Any]:
         """The non-streamed ``message``: content the text besides the calls (null when there is none and there

@@ -598,19 +598,6 @@ class AsyncClient:
                 raise error
 
 
-def _kept(delta: ParsedDelta, plan: ToolPlan) -> ParsedDelta:
-    """``delta`` without the calls past the first where ``parallel_tool_calls`` is false."""
-    return delta if plan.parallel else ParsedDelta(delta.content, [d for d in delta.calls if d.index == 0])
-
-
-def _read_calls(result: GenerationResult, parser: ToolCallParser, plan: ToolPlan) -> None:
-    """The parsed calls and content onto the result (``finish_reason`` tool_calls when it called and ended so)."""
-    result.tool_calls = list(parser.calls if plan.parallel else parser.calls[:1])
-    result.content = parser.content
-    if result.tool_calls and result.finish_reason == "stop":
-        result.finish_reason = "tool_calls"
-
-
 async def _tool_reader(client: AsyncClient, tools: list[dict[str, Any]] | None, tool_choice: Any,
                        parallel: bool | None, tool_parser: str | None, params: dict[str, Any]) -> _ToolReader | None:
     """A request's tool use: a forced call's grammar put into ``params``, and the reader of its calls (None: no
@@ -646,11 +633,14 @@ class _ToolReader:
         """Read ``item``; at the result: a last chunk with what the parser held back, if anything."""
         if isinstance(item, Chunk):
             self.received += item.text
-            item.delta = _kept(self.parser.push(item.text), self.plan)
+            item.delta = self.plan.kept(self.parser.push(item.text))
             return None
         # the stream holds back a trailing half character: the result's text has all of it
         tail = item.text[len(self.received):] if item.text.startswith(self.received) else ""
         last, end = self.parser.push(tail), self.parser.finish()
-        _read_calls(item, self.parser, self.plan)
-        held = _kept(ParsedDelta(last.content + end.content, last.calls + end.calls), self.plan)
+        # the parsed calls and content onto the result (finish_reason tool_calls when it called and ended so)
+        item.tool_calls = self.plan.kept_calls(self.parser.calls)
+        item.content = self.parser.content
+        item.finish_reason = self.plan.finish_reason(item.finish_reason, item.tool_calls)
+        held = self.plan.kept(ParsedDelta(last.content + end.content, last.calls + end.calls))
         return Chunk([], "", delta=held) if held.content or held.calls else None

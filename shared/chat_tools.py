@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shared.sampling import GrammarSpec
-from shared.tool_calls import PARSERS, ToolCallParser, tool_call_grammar
+from shared.tool_calls import PARSERS, ParsedDelta, ToolCall, ToolCallParser, tool_call_grammar
 
 #: Turns in one request (as the HTTP server's own bound).
 MAX_CHAT_MESSAGES = 4096
@@ -172,6 +172,20 @@ class ToolPlan:
 
     def new_parser(self) -> ToolCallParser | None:
         return PARSERS[self.parser]() if self.parser else None
+
+    # What the request is answered with, from what its parser read (the Python client and the HTTP server alike)
+    def kept(self, delta: ParsedDelta) -> ParsedDelta:
+        """``delta`` without the calls past the first where ``parallel_tool_calls`` is false."""
+        return delta if self.parallel else ParsedDelta(delta.content, [d for d in delta.calls if d.index == 0])
+
+    def kept_calls(self, calls: list[ToolCall]) -> list[ToolCall]:
+        """The complete calls answered: all, or the first where ``parallel_tool_calls`` is false."""
+        return list(calls if self.parallel else calls[:1])
+
+    @staticmethod
+    def finish_reason(reason: str, calls: list[ToolCall]) -> str:
+        """``tool_calls`` when the output held calls and ended on its own (``stop``); otherwise the run's reason."""
+        return "tool_calls" if calls and reason == "stop" else reason
 
 
 def _choice(choice: Any, names: list[str]) -> str | dict[str, Any]:
