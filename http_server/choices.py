@@ -54,7 +54,6 @@ class Choices:
 
     def __init__(self, runner: Completions, req: CompletionRequest | ChatRequest, tenant: str | None,
                  fmt: ChoiceFormat, plan: ToolPlan | None):
-        self.gens: list[Generation] = []
         self.outputs: list[ChoiceOutput] = []
         candidates = max(req.n or 1, req.best_of or 1)
         for i in range(candidates):
@@ -66,11 +65,10 @@ class Choices:
                 # best_of ranks by the target's log probabilities: asked for even where the caller did not (then
                 # nothing shows them: the generation's shown log probabilities stay off)
                 gen.params.setdefault("logprobs", 0)
-            self.gens.append(gen)
             self.outputs.append(ChoiceOutput(gen, fmt, plan, i))
         # unbounded, but at most the choices' own text: a stalled reader is cut by http.send_timeout_s
         self.queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
-        self.tasks = [asyncio.ensure_future(self._pump(i, gen)) for i, gen in enumerate(self.gens)]
+        self.tasks = [asyncio.ensure_future(self._pump(i, gen)) for i, gen in enumerate(self.generations)]
 
     async def _pump(self, index: int, gen: Generation) -> None:
         try:
@@ -95,8 +93,12 @@ class Choices:
         await asyncio.gather(*self.tasks, return_exceptions=True)
 
     @property
+    def generations(self) -> list[Generation]:
+        return [output.gen for output in self.outputs]
+
+    @property
     def outcomes(self) -> list[Outcome]:
-        return [gen.outcome for gen in self.gens]
+        return [output.gen.outcome for output in self.outputs]
 
 
 def mean_logprob(out: Outcome) -> float:
@@ -129,7 +131,7 @@ async def run_choices(runner: Completions, request: Request, req: CompletionRequ
     """A request with ``n`` > 1 (or ``best_of`` > 1): whole, or streamed (the stream starts once every choice took its
     first step, so a refused request gets its real status)."""
     choices = Choices(runner, req, tenant, fmt, plan)
-    n = len(choices.gens)
+    n = len(choices.outputs)
     ended: set[int] = set()
     early: list[tuple[int, Any]] = []  # what came before the stream started
     async with failing_as_http(runner.metrics, choices.close):
@@ -160,7 +162,7 @@ async def stream_events(runner: Completions, choices: Choices, early: list[tuple
     metrics where ``http.request_metrics`` is on); then, with ``include_usage``, one usage chunk for all."""
     head = runner.base(fmt, rid)
     extra = {"usage": None} if include_usage else {}
-    n = len(choices.gens)
+    n = len(choices.outputs)
     finished = failed = False
 
     def chunks(index: int, item: Any) -> list[dict[str, Any]]:
