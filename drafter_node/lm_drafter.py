@@ -33,7 +33,6 @@ from shared.node_keys import kv_slots
 from shared.sampling import GenerationParams, make_generator, process_logits
 from shared.target import Row, RowOutput, SequenceHandle, TargetBackend
 
-_NO_CONTEXT = torch.empty(0, dtype=torch.long)
 _GREEDY = GenerationParams(do_sample=False)
 
 log = logging.getLogger("pipespec.drafter")
@@ -113,15 +112,7 @@ def pick_token(logits: torch.Tensor, ids: list[int], params: GenerationParams, p
     """The draft token after ``ids`` (the whole sequence) from a drafter's raw logits at that position: the shared
     logits processing (on the target's ``vocab_size`` columns: a drafter head may be padded wider), then
     :func:`choose`."""
-    # Only the repetition, presence and frequency penalties read the context: without them, skip a tensor of the
-    # whole sequence per token; the last two read only the generated tokens.
-    if params.repetition_penalty != 1.0:
-        context = torch.tensor(ids)
-    elif params.needs_context:
-        context = torch.tensor(ids[prompt_len:])
-    else:
-        context = _NO_CONTEXT
-    scores = process_logits(logits[:vocab_size], context, params, len(ids) - prompt_len)
+    scores = process_logits(logits[:vocab_size], params.context(ids, prompt_len), params, len(ids) - prompt_len)
     return choose(scores, params, len(ids), q_top_m, greedy_q)
 
 

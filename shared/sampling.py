@@ -48,6 +48,7 @@ MAX_CHOICES = 256
 MAX_TOP_LOGPROBS = 20
 #: Parameters only the verifier reads: left out of what drafters receive (``GenerationParams.for_drafter``).
 VERIFIER_ONLY_PARAMS = ("logprobs",)
+_NO_CONTEXT = torch.empty(0, dtype=torch.long)  # GenerationParams.context where no processor reads one
 
 
 @dataclass(frozen=True)
@@ -269,6 +270,16 @@ class GenerationParams:
         """Whether a processor reads the tokens before the predicted position (the callers build that tensor only
         then: a copy of the whole sequence per row)."""
         return self.repetition_penalty != 1.0 or reads_context(self.presence_penalty, self.frequency_penalty)
+
+    def context(self, tokens: list[int], prompt_len: int) -> torch.Tensor:
+        """What the processors read of ``tokens`` (the whole sequence, its first ``prompt_len`` the prompt), as the
+        ``context`` of :func:`process_logits`: all of it for a repetition penalty, the generated tokens alone for
+        presence / frequency penalties, nothing otherwise (an O(length) copy per call is made only when read)."""
+        if self.repetition_penalty != 1.0:
+            return torch.tensor(tokens, dtype=torch.long)
+        if self.needs_context:
+            return torch.tensor(tokens[prompt_len:], dtype=torch.long)
+        return _NO_CONTEXT
 
     @property
     def changes_logits(self) -> bool:

@@ -24,8 +24,6 @@ from verifier_node.logprobs import RawLogprob, committed_logprobs
 from verifier_node.pending_draft import PendingDraft
 from verifier_node.tree import DraftTree, accept_tree_greedy, keep_path, kept_rows, process_tree, tree_forward
 
-_NO_TOKENS = torch.empty(0, dtype=torch.long)
-
 
 class NumericalError(RuntimeError):
     """A round's processed scores are not usable (NaN, +inf, or no finite score in a row): the session ends with an
@@ -374,14 +372,7 @@ class Session:
         if plan.tree is not None:
             return self._finish_tree(plan, logits, forward_s, batch_sessions, batch_tokens)
         base_len, remaining, draft, q = plan.base_len, plan.remaining, plan.draft, plan.q
-        # The whole sequence as a tensor only where a repetition penalty reads it (an O(length) copy per round); the
-        # generated tokens alone where only presence / frequency penalties do (they skip the prompt)
-        if self.params.repetition_penalty != 1.0:
-            prefix = torch.tensor(self.tokens, dtype=torch.long)
-        elif self.params.needs_context:
-            prefix = torch.tensor(self.tokens[self.prompt_len:], dtype=torch.long)
-        else:
-            prefix = _NO_TOKENS
+        prefix = self.params.context(self.tokens, self.prompt_len)  # what the processors read of the sequence
         masks = plan.grammar.masks if plan.grammar is not None else None
         scores = process_block(
             logits, prefix, torch.tensor(draft, dtype=torch.long), self.params, base_len - self.prompt_len, masks
